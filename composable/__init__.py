@@ -1,0 +1,18 @@
+"""shardwise.composable: ``fully_shard`` (FSDP / HSDP) on DTensor.
+
+The names follow torch's FSDP2 so that switching is one import::
+
+    from shardwise.composable import fully_shard, FSDPModule, MixedPrecisionPolicy
+"""
+
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+]

@@ -1,0 +1,281 @@
+"""``fully_shard``: the public entry point, its input checks, and the ``FSDPModule`` mixin."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from ._param_group import ParamGroup
+from ._policies import MixedPrecisionPolicy, OffloadPolicy
+from ._state import FSDPState, get_state
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+
+_OWNER_ATTR = "_shardwise_sharded_as"  # set on an original parameter once a unit took it
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, state: FSDPState | None) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None and self._state.group is not None:
+            self._state.group.wait_unshard()
+        self._state = None
+
+
+class FSDPModule:
+    """Mixin added to the class of every module passed to ``fully_shard``.
+
+    ``isinstance(m, FSDPModule)`` tells whether ``m`` is the module of a unit. The methods act on
+    that unit (and with ``recurse=True`` on every unit below it).
+    """
+
+    def _fsdp_state(self) -> FSDPState:
+        return get_state(self)
+
+    def _units(self, recurse: bool):
+        if not recurse:
+            return [self._fsdp_state()]
+        seen, out = set(), []
+        for m in self.modules():
+            s = get_state(m)
+            if s is not None and id(s) not in seen:
+                seen.add(id(s))
+                out.append(s)
+        return out
+
+    def unshard(self, async_op: bool = False):
+        """All-gather this unit's parameters now. With ``async_op=True`` return a handle whose
+        ``wait()`` finishes it; otherwise return None once done."""
+        state = self._fsdp_state()
+        if state.group is not None:
+            state.group.unshard(async_op=True)
+        handle = UnshardHandle(state)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    def reshard(self) -> None:
+        """Free this unit's unsharded parameters and register the sharded ones."""
+        state = self._fsdp_state()
+        if state.group is not None:
+            state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With False, backward keeps accumulating unsharded gradients and issues no
+        reduce-scatter (gradient accumulation); set True again before the last micro-batch."""
+        for s in self._units(recurse):
+            s.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for s in self._units(recurse):
+            s.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        for s in self._units(recurse):
+            s.reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, s.mesh)
+            s.user_reshard_after_forward = s.reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Before this unit's forward, also issue the all-gathers of these units."""
+        self._fsdp_state().forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Before this unit's backward, also issue the all-gathers of these units."""
+        self._fsdp_state().backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+
+def _state_of(module: nn.Module, where: str) -> FSDPState:
+    s = get_state(module)
+    if s is None:
+        raise ValueError(f"{where}: {type(module).__name__} is not a fully_shard unit; call fully_shard on it first")
+    return s
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs torch.distributed: launch with torchrun and call "
+            "torch.distributed.init_process_group (or shardwise.mesh.init_distributed), "
+            "or pass mesh= explicitly"
+        )
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return DeviceMesh.from_group(dist.group.WORLD, device_type)
+
+
+def _check_mesh(mesh: DeviceMesh) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim in (1, 2):
+        return
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"fully_shard: got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} without axis names. fully_shard "
+            "takes the data-parallel mesh (1-D shard, or 2-D replicate x shard). Name the axes (build it with "
+            "shardwise.mesh.init_mesh) and pass shardwise.mesh.data_parallel_mesh(mesh)."
+        )
+    raise ValueError(
+        f"fully_shard: got a {mesh.ndim}-D mesh with axes {names}; it takes the data-parallel mesh (1-D shard, "
+        "or 2-D replicate x shard), e.g. mesh['dp_replicate', 'dp_shard'] or "
+        "shardwise.mesh.data_parallel_mesh(mesh)."
+    )
+
+
+def _check_reshard_after_forward(value, mesh: DeviceMesh):
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        world = mesh.size(mesh.ndim - 1)
+        if value < 1 or world % value != 0:
+            raise ValueError(
+                f"reshard_after_forward={value}: an int must divide the shard axis size {world} "
+                f"(1 <= k <= {world}, {world} % k == 0)"
+            )
+        return True if value == world else (False if value == 1 else value)
+    raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {type(value).__name__}")
+
+
+def _collect_params(modules: list[nn.Module], ignored: set[int]):
+    """``[(fqn, param, uses)]`` of the parameters this unit takes: those under ``modules`` that
+    are not under an existing unit, not ignored, each once however many names it has."""
+    by_id: dict[int, tuple[str, nn.Parameter, list]] = {}
+    order: list[int] = []
+
+    def visit(mod: nn.Module, prefix: str, top: bool) -> None:
+        if not top and get_state(mod) is not None:
+            return  # a nested unit owns this subtree
+        for name, p in mod._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            fqn = prefix + name
+            owner = getattr(p, _OWNER_ATTR, None)
+            if owner is not None or isinstance(p, DTensor):
+                where = owner if owner is not None else "another unit (it is already a DTensor)"
+                raise ValueError(
+                    f"fully_shard: parameter '{fqn}' is shared with {where}, which is already sharded. A parameter "
+                    "shared between two units (e.g. an embedding tied to the output head) would be all-gathered and "
+                    "reduced twice and go stale. Put every module that uses it in one unit: call fully_shard on "
+                    "their common ancestor (often the root) instead of on the submodule, or pass both modules "
+                    "in one list: fully_shard([embedding, head])."
+                )
+            if id(p) not in by_id:
+                by_id[id(p)] = (fqn, p, [])
+                order.append(id(p))
+            by_id[id(p)][2].append((mod, name))
+        for cname, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{cname}.", False)
+
+    for i, m in enumerate(modules):
+        visit(m, "" if len(modules) == 1 else f"[{i}].", True)
+    return [by_id[i] for i in order]
+
+
+def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
+    for fqn, p, _ in entries:
+        if not p.is_floating_point():
+            raise ValueError(
+                f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters are "
+                "sharded. Register it as a buffer (module.register_buffer) or pass it in ignored_params."
+            )
+        if p.dim() == 0:
+            raise ValueError(
+                f"fully_shard({label}): parameter '{fqn}' is 0-d and has no dim 0 to shard. Store it with shape (1,) "
+                "or pass it in ignored_params."
+            )
+        if p.device.type not in (mesh.device_type, "meta"):
+            raise ValueError(
+                f"fully_shard({label}): parameter '{fqn}' is on device '{p.device.type}' but the mesh is "
+                f"'{mesh.device_type}'. Move the module first (module.to('{mesh.device_type}')) or build the mesh "
+                f"for '{p.device.type}'."
+            )
+    dtypes = {p.dtype for _, p, _ in entries}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"'{f}': {p.dtype}" for f, p, _ in entries)
+        raise NotImplementedError(
+            f"fully_shard({label}): parameters of different dtypes in one unit ({listing}); shard the submodules "
+            "holding each dtype as separate units, or cast the module to one dtype."
+        )
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Iterable[nn.Parameter] | None = None,
+):
+    """Shard the parameters of ``module`` (or of a list of modules, as one unit) over ``mesh``.
+
+    Every parameter under ``module`` that is not already owned by a unit below it becomes an
+    ``nn.Parameter`` wrapping a DTensor: ``(Shard(0),)`` on a 1-D mesh (FSDP / ZeRO-3) or
+    ``(Replicate(), Shard(0))`` on a 2-D replicate x shard mesh (HSDP), split along dim 0 with
+    ``torch.chunk`` semantics. The call makes one *unit*: one all-gather before its forward (and
+    again before its backward when resharded), one reduce-scatter of its gradients per backward
+    (+ one all-reduce over the replicate axis for HSDP). Apply it per block, bottom-up, then on
+    the root; build the optimizer afterwards.
+
+    Args:
+        mesh: 1-D or 2-D ``DeviceMesh``; default: a 1-D mesh over the default process group.
+        reshard_after_forward: True frees the unsharded parameters after forward (ZeRO-3);
+            False keeps them until after backward (ZeRO-2); an int ``k`` keeps ``1/k`` of them and
+            all-gathers over ``k`` consecutive ranks in backward. None: True, except False for the
+            root (the first unit to run forward).
+        mp_policy, offload_policy: see ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``.
+        ignored_params: parameters left as they are (not sharded, not reduced).
+
+    Returns the module, whose class now also derives from ``FSDPModule``.
+    """
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError("fully_shard takes an nn.Module or a non-empty list of nn.Modules")
+    label = type(modules[0]).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
+    for m in modules:
+        if get_state(m) is not None:
+            raise ValueError(
+                f"fully_shard({type(m).__name__}): this module is already sharded (fully_shard was called on it "
+                "before). Call fully_shard once per module; to change reshard_after_forward use "
+                "module.set_reshard_after_forward(...)."
+            )
+    mesh = _default_mesh() if mesh is None else mesh
+    _check_mesh(mesh)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
+    if not mp_policy.is_noop or mp_policy.cast_forward_inputs is not True:
+        raise NotImplementedError("fully_shard: MixedPrecisionPolicy other than the default is not implemented yet")
+    if type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError("fully_shard: CPUOffloadPolicy is not implemented yet")
+    ignored = {id(p) for p in (ignored_params or ())}
+    entries = _collect_params(modules, ignored)
+    _check_params(entries, mesh, label)
+    group = ParamGroup(entries, mesh) if entries else None
+    state = FSDPState(modules, group, mesh, reshard_after_forward)
+    if group is not None:
+        for (fqn, p, _), sp in zip(entries, group.params):
+            setattr(p, _OWNER_ATTR, f"'{fqn}' of the unit fully_shard({label})")
+            sp.register(unsharded=False)
+    for m in modules:
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``, deriving from ``FSDPModule`` and ``cls``; one per class, kept on ``cls``."""
+    if issubclass(cls, FSDPModule):
+        return cls
+    made = cls.__dict__.get("_shardwise_fsdp_class")
+    if made is None:
+        made = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        setattr(cls, "_shardwise_fsdp_class", made)
+    return made

@@ -1,0 +1,48 @@
+"""Configuration objects of ``fully_shard`` (frozen dataclasses, FSDP2's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes used around the sharded fp32 master parameters.
+
+    * ``param_dtype``: dtype of the all-gathered (unsharded) parameters used in compute.
+    * ``reduce_dtype``: dtype of the gradient reduce-scatter / all-reduce.
+    * ``output_dtype``: dtype the unit's floating-point outputs are cast to.
+    * ``cast_forward_inputs``: cast floating-point forward inputs to ``param_dtype``.
+    * ``buffer_dtype``: dtype of the unit's floating-point buffers (FSDP2 has none).
+
+    ``None`` means "keep the original dtype". The default policy changes nothing.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+    buffer_dtype: torch.dtype | None = None
+
+    @property
+    def is_noop(self) -> bool:
+        return (self.param_dtype, self.reduce_dtype, self.output_dtype, self.buffer_dtype) == (None,) * 4
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: sharded parameters, gradients and optimizer state stay on the device."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters and gradients on CPU; the optimizer steps on CPU.
+
+    ``pin_memory=None`` pins host memory only when an accelerator exists.
+    """
+
+    pin_memory: bool | None = None

@@ -1,0 +1,118 @@
+"""One parameter under ``fully_shard``: its sharded DTensor form and its unsharded form.
+
+A ``ShardedParam`` owns two ``nn.Parameter`` objects for one original parameter:
+
+* ``sharded`` — an ``nn.Parameter`` wrapping a ``DTensor`` with placements ``(Shard(0),)`` on
+  a 1-D mesh or ``(Replicate(), Shard(0))`` on a 2-D mesh. Its local tensor is a view into
+  the unit's flat sharded buffer (``ParamGroup.sharded_flat``), so the all-gather reads the
+  optimizer's updates with no copy. This is what ``module.parameters()``, ``state_dict()``
+  and the optimizer see between steps. Its ``.grad`` is a DTensor of the same layout.
+* ``unsharded`` — a plain ``nn.Parameter`` of the full shape that owns its storage. It is
+  registered on the module only while the unit is unsharded (during forward/backward) and
+  its storage is freed by resizing it to zero bytes when resharded.
+
+[Note: freeing by storage resize]
+Autograd saves the unsharded parameter for backward (``F.linear`` saves its weight). We must
+free the memory after forward without invalidating that saved tensor, so we never replace the
+tensor object: ``untyped_storage().resize_(0)`` drops the bytes and the all-gather before
+backward resizes the same storage back and fills it. Writes go through ``.data`` (a view with
+its own version counter), so autograd's in-place checks do not fire on the refill.
+
+Parameters that appear under several names inside one unit (shared within the unit) are one
+``ShardedParam`` with several ``uses``; all of them are swapped together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ._layout import DimZeroLayout, scatter_rows
+
+__all__ = ["ShardedParam"]
+
+
+class ShardedParam:
+    """One original parameter: ``fqn`` (its first name under the unit's module), ``uses``
+    (every ``(module, attribute)`` that holds it) and its dim-0 ``layout`` over the shard axis.
+
+    ``padded`` is this rank's ``[layout.padded_numel]`` segment of the flat sharded buffer.
+    """
+
+    def __init__(
+        self,
+        fqn: str,
+        param: nn.Parameter,
+        uses: list[tuple[nn.Module, str]],
+        layout: DimZeroLayout,
+        padded: torch.Tensor,
+        mesh,
+        shard_rank: int,
+    ) -> None:
+        self.fqn = fqn
+        self.uses = uses
+        self.layout = layout
+        self.padded = padded
+        self.mesh = mesh
+        self.shard_rank = shard_rank
+        self.requires_grad = param.requires_grad
+        self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        self.global_stride = torch.empty(layout.shape, device="meta").stride()
+        rows = layout.shard_rows(shard_rank)
+        if param.device.type != "meta":
+            with torch.no_grad():
+                scatter_rows(layout, param.detach(), padded.view(1, -1), shard_rank, shard_rank + 1)
+        local = padded[: rows * layout.row_numel].view(layout.shard_shape(shard_rank))
+        self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
+        self.unsharded = nn.Parameter(
+            torch.empty(layout.shape, dtype=param.dtype, device=padded.device),
+            requires_grad=param.requires_grad,
+        )
+        self.free_unsharded()
+
+    # -- layouts ---------------------------------------------------------------------------
+    def _as_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            self.placements,
+            run_check=False,
+            shape=torch.Size(self.layout.shape),
+            stride=self.global_stride,
+        )
+
+    def local_shard(self) -> torch.Tensor:
+        """This rank's unpadded shard (a view of the flat sharded buffer)."""
+        return self.sharded.to_local()
+
+    # -- unsharded storage (see [Note: freeing by storage resize]) ------------------------------
+    @property
+    def unsharded_allocated(self) -> bool:
+        return self.unsharded.untyped_storage().size() > 0
+
+    def alloc_unsharded(self) -> torch.Tensor:
+        """Give the unsharded parameter its bytes back; returns a writable alias."""
+        t = self.unsharded.data
+        nbytes = t.numel() * t.element_size()
+        if t.untyped_storage().size() != nbytes:
+            t.untyped_storage().resize_(nbytes)
+        return t
+
+    def free_unsharded(self) -> None:
+        self.unsharded.data.untyped_storage().resize_(0)
+
+    # -- which tensor the module sees ------------------------------------------------------------
+    def register(self, unsharded: bool) -> None:
+        p = self.unsharded if unsharded else self.sharded
+        for module, name in self.uses:
+            module._parameters[name] = p
+
+    # -- gradients -------------------------------------------------------------------------
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Set (or add to) ``sharded.grad`` from this rank's reduced shard ``local_grad``."""
+        if self.sharded.grad is None:
+            self.sharded.grad = self._as_dtensor(local_grad)
+        else:
+            with torch.no_grad():
+                self.sharded.grad.to_local().add_(local_grad)

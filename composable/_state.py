@@ -1,0 +1,194 @@
+"""Per-unit state and the hooks that drive one training step.
+
+[Note: the life of one training step]
+For every unit (one ``fully_shard`` call) the hooks do, in order:
+
+1. forward pre-hook: the first unit to run forward becomes the *root* and lazily collects
+   every unit under it (``_lazy_init``). The unit all-gathers its parameters (``unshard``)
+   and swaps the unsharded tensors onto its modules. If grad is enabled, the module's tensor
+   inputs are passed through ``_PostBackward`` so that, in backward, a hook runs once the
+   gradients w.r.t. those inputs — i.e. the whole backward of the unit — are done.
+2. forward post-hook: the unit reshards (frees the unsharded parameters) unless
+   ``reshard_after_forward`` is False (the root's default), or keeps ``1/k`` of them for an
+   int ``k``. Under ``torch.no_grad()`` every unit reshards, the root included: no backward is
+   coming. A hook is registered on each output tensor that needs grad (pre-backward).
+3. pre-backward (first gradient reaching an output): unshard again. The first one also queues
+   the root's final callback on the autograd engine.
+4. post-backward (``_PostBackward.backward``): once every forward call of the unit has seen
+   its backward, reduce-scatter the gradients into the sharded ``.grad`` DTensors and reshard.
+   A module run twice in one forward (reuse) therefore reduces once, after both backwards.
+5. final callback (end of ``loss.backward()``): units whose post-backward could not fire
+   (inputs that need no grad, like token ids into the root) reduce now; every unit is
+   resharded and per-step counters are reset.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["FSDPState", "get_state"]
+
+_STATE_ATTR = "_shardwise_fsdp_state"
+
+
+def get_state(module) -> "FSDPState | None":
+    return module.__dict__.get(_STATE_ATTR)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity in forward; in backward, tells the unit that one of its forward calls is done."""
+
+    @staticmethod
+    def forward(ctx, state, *tensors):
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state._post_backward_fired()
+        return (None, *grads)
+
+
+class FSDPState:
+    """Hooks and per-step bookkeeping of one unit over ``modules`` (one module, or the list
+    given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters."""
+
+    def __init__(self, modules, group, mesh, reshard_after_forward) -> None:
+        self.modules = modules
+        self.group = group
+        self.mesh = mesh
+        self.user_reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
+        self.is_root: bool | None = None
+        self.root: FSDPState | None = None
+        self.all_states: list[FSDPState] = []
+        self._post_forward_target = None  # (group, k) for an int reshard_after_forward
+        self._forward_seen: set[int] = set()
+        self._pending_post_backward = 0
+        self._callback_queued = False
+        self._handles = []
+        for m in modules:
+            m.__dict__[_STATE_ATTR] = self
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post_forward))
+
+    # -- lazy init ------------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        self.is_root, self.root = True, self
+        seen, states = set(), []
+        for m in self.modules:
+            for sub in m.modules():
+                s = get_state(sub)
+                if s is not None and id(s) not in seen:
+                    seen.add(id(s))
+                    states.append(s)
+        for s in states:
+            if s is not self:
+                s.is_root, s.root, s.all_states = False, self, []
+        self.all_states = states
+        if self.user_reshard_after_forward is None:
+            self.reshard_after_forward = False
+        subgroups: dict[tuple[int, ...], object] = {}
+        for s in states:
+            s._setup_post_forward_group(subgroups)
+
+    def _setup_post_forward_group(self, cache) -> None:
+        k = self.reshard_after_forward
+        if self.group is None or isinstance(k, bool):
+            return
+        g = self.group
+        shard_ranks = dist.get_process_group_ranks(g.shard_group)
+        start = (g.rank // k) * k
+        ranks = tuple(shard_ranks[start : start + k])
+        if ranks not in cache:
+            cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        self._post_forward_target = (cache[ranks], k)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        if self.root is None or self.is_root is None:
+            self._lazy_init()
+        self._forward_seen.add(id(module))
+        if self.group is not None:
+            self.group.unshard()
+        for s in self.forward_prefetch:
+            if s.group is not None:
+                s.group.unshard(async_op=True)
+        if torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module, args, output):
+        if self.group is not None and len(self._forward_seen) == len(self.modules):
+            if not torch.is_grad_enabled() or self.reshard_after_forward is True:
+                self.group.reshard()
+            elif self._post_forward_target is not None:
+                self.group.reshard(to=self._post_forward_target)
+        if len(self._forward_seen) == len(self.modules):
+            self._forward_seen.clear()
+        if torch.is_grad_enabled():
+            flat, _ = tree_flatten(output)
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    def _register_post_backward(self, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        self._pending_post_backward += 1
+        return tree_unflatten(flat, spec)
+
+    # -- backward ---------------------------------------------------------------------------------
+    def _pre_backward(self, grad):
+        root = self.root if self.root is not None else self
+        if not root._callback_queued:
+            root._callback_queued = True
+            Variable._execution_engine.queue_callback(root._final_callback)
+        if self.group is not None:
+            self.group.unshard()
+        for s in self.backward_prefetch:
+            if s.group is not None:
+                s.group.unshard(async_op=True)
+        return None
+
+    def _post_backward_fired(self) -> None:
+        self._pending_post_backward -= 1
+        if self._pending_post_backward <= 0:
+            self._pending_post_backward = 0
+            self._post_backward()
+
+    def _post_backward(self) -> None:
+        if self.group is None:
+            return
+        if self.requires_gradient_sync:
+            self.group.reduce_grads()
+        if self.reshard_after_backward:
+            self.group.reshard()
+
+    def _final_callback(self) -> None:
+        for s in reversed(self.all_states):
+            if s.group is not None and s.requires_gradient_sync and s.group.has_unsharded_grads():
+                s.group.reduce_grads()
+        for s in self.all_states:
+            s._pending_post_backward = 0
+            s._forward_seen.clear()
+            if s.group is not None:
+                if s.reshard_after_backward:
+                    s.group.reshard()
+                s.group.drop_post_forward()
+        self._callback_queued = False
