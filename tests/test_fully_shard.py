@@ -1,0 +1,255 @@
+"""fully_shard against a single-process reference on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from shardwise.composable import FSDPModule, fully_shard
+from tests._dist import run_ranks
+from tests._models import make_mesh, max_param_error, reference_and_copy, train_pair
+
+TOL = 1e-6  # fp32, relative; sums over ranks reorder additions (~1e-7 observed)
+
+
+def _shard_all(model, mesh, reshard_after_forward=None):
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _parity(rank, world_size, mesh_shape, reshard_after_forward):
+    mesh = make_mesh(mesh_shape)
+    ref, model = reference_and_copy()
+    _shard_all(model, mesh, reshard_after_forward)
+    placements = (Shard(0),) if len(mesh_shape) == 1 else (Replicate(), Shard(0))
+    shard_world = mesh_shape[-1]
+    shard_rank = mesh.get_local_rank(mesh.ndim - 1)
+    for name, p in model.named_parameters():
+        assert isinstance(p, torch.nn.Parameter) and isinstance(p, DTensor), name
+        assert tuple(p.placements) == placements, (name, p.placements)
+        chunks = torch.empty(p.shape).chunk(shard_world)
+        want = chunks[shard_rank].shape if shard_rank < len(chunks) else (0, *p.shape[1:])
+        assert p.to_local().shape == want, (name, p.to_local().shape, want)
+    loss_err = train_pair(ref, model, rank, world_size, steps=3)
+    errs = max_param_error(ref, model)
+    for name, p in model.named_parameters():
+        assert isinstance(p.grad, type(None)), "zero_grad(set_to_none) cleared the DTensor grads"
+    return loss_err, errs
+
+
+@pytest.mark.parametrize(
+    "world_size,mesh_shape,raf",
+    [
+        (1, (1,), None),
+        (2, (2,), None),
+        (4, (4,), None),
+        (4, (2, 2), None),
+        (2, (2,), False),
+        (4, (4,), 2),
+        (4, (2, 2), 2),
+    ],
+    ids=["fsdp1", "fsdp2", "fsdp4", "hsdp2x2", "zero2-w2", "fsdp4-raf2", "hsdp2x2-raf2"],
+)
+def test_training_matches_single_process(world_size, mesh_shape, raf):
+    results = run_ranks(_parity, world_size, mesh_shape, raf, timeout=90)
+    for rank, (loss_err, errs) in enumerate(results):
+        assert loss_err <= TOL, f"rank {rank}: loss differs by {loss_err:.2e}"
+        bad = {k: v for k, v in errs.items() if v > TOL}
+        assert not bad, f"rank {rank}: parameters differ from the reference: {bad}"
+
+
+def _grads_are_dtensors(rank, world_size):
+    mesh = make_mesh((world_size,))
+    _, model = reference_and_copy()
+    _shard_all(model, mesh)
+    tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(rank))
+    model(tokens).sum().backward()
+    out = {}
+    for name, p in model.named_parameters():
+        assert isinstance(p.grad, DTensor), name
+        assert p.grad.placements == p.placements and p.grad.shape == p.shape, name
+        assert p.grad.to_local().shape == p.to_local().shape, name
+        out[name] = p.grad.full_tensor().tolist()
+    # after backward every unit is resharded: the modules hold the sharded parameters again
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    return out
+
+
+def test_gradients_are_sharded_dtensors_and_equal_on_all_ranks():
+    per_rank = run_ranks(_grads_are_dtensors, 2)
+    for name in per_rank[0]:
+        assert per_rank[0][name] == per_rank[1][name], name
+
+
+def _state_dict_round_trip(rank, world_size):
+    mesh = make_mesh((world_size,))
+    _, model = reference_and_copy()
+    _shard_all(model, mesh)
+    calls = []
+    real = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast")}
+    for n, f in real.items():
+        setattr(dist, n, lambda *a, _n=n, _f=f, **k: (calls.append(_n), _f(*a, **k))[1])
+    try:
+        sd = model.state_dict()
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+    assert not calls, f"state_dict() communicated: {calls}"
+    assert all(isinstance(v, DTensor) for v in sd.values()), "state_dict holds the sharded DTensors"
+    saved = {k: v.to_local().clone() for k, v in sd.items()}
+    snapshot = {k: v.detach().clone() for k, v in sd.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(1.0)
+    model.load_state_dict(snapshot)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.to_local(), saved[k]), k
+    # the loaded values are what the next all-gather sees
+    model.unshard()
+    ok = torch.equal(model.head.weight.detach(), snapshot["head.weight"].full_tensor())
+    model.reshard()
+    return ok
+
+
+def test_state_dict_is_sharded_without_communication_and_loads_back():
+    assert run_ranks(_state_dict_round_trip, 2) == [True, True]
+
+
+def test_fsdp_module_mixin():
+    _, model = reference_and_copy()
+    assert not isinstance(model, FSDPModule)
+
+
+def _record_collectives(rank, world_size, mesh_shape, raf):
+    mesh = make_mesh(mesh_shape)
+    _, model = reference_and_copy()
+    _shard_all(model, mesh, raf)
+    log = []
+    names = ("all_gather_single", "reduce_scatter_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    real = {n: getattr(dist, n) for n in names}
+
+    def spy(name, fn):
+        def wrapped(out, *args, group=None, **kw):
+            log.append((name, out.numel() * out.element_size() if name != "reduce_scatter_single" else args[0].numel() * 4,
+                        dist.get_world_size(group)))
+            return fn(out, *args, group=group, **kw)
+        return wrapped
+
+    for n, f in real.items():
+        setattr(dist, n, spy(n, f))
+    try:
+        tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(rank))
+        model(tokens).sum().backward()
+    finally:
+        for n, f in real.items():
+            setattr(dist, n, f)
+    return log
+
+
+def _unit_bytes(modules, shard_world):
+    """Bytes of one unit's padded all-gather output: W * sum_i ceil(n_i / W) * row_i * 4."""
+    total = 0
+    for m in modules:
+        for p in m.parameters(recurse=False):
+            rows = p.shape[0]
+            total += -(-rows // shard_world) * (p.numel() // rows) * shard_world * 4
+    return total
+
+
+@pytest.mark.parametrize("world_size,mesh_shape,raf", [(4, (4,), None), (4, (2, 2), None), (4, (4,), 2), (2, (2,), False)])
+def test_one_all_gather_per_unshard_and_one_reduce_scatter_per_backward(world_size, mesh_shape, raf):
+    _, probe = reference_and_copy()
+    W = mesh_shape[-1]
+    R = mesh_shape[0] if len(mesh_shape) == 2 else 1
+    root = _unit_bytes([probe, probe.emb, probe.head], W)
+    block = _unit_bytes(list(probe.blocks[0].modules()), W)
+    ag_group = W if raf is None else raf
+    forward = [("all_gather_single", root, W), ("all_gather_single", block, W), ("all_gather_single", block, W)]
+    backward = [] if raf is False else [("all_gather_single", block, ag_group)] * 2
+    reduce = []
+    for unit in (block, block, root):
+        reduce.append(("reduce_scatter_single", unit, W))
+        if R > 1:
+            reduce.append(("all_reduce", unit // W, R))
+    for rank, log in enumerate(run_ranks(_record_collectives, world_size, mesh_shape, raf)):
+        gathers = [e for e in log if e[0] != "reduce_scatter_single" and e[0] != "all_reduce"]
+        reductions = [e for e in log if e not in gathers]
+        assert gathers == forward + backward, f"rank {rank}: all-gathers {gathers}"
+        assert reductions == reduce, f"rank {rank}: reductions {reductions}"
+        # padding is bounded: at most one chunk of rows per parameter per rank beyond the data
+        n_block = sum(p.numel() for p in probe.blocks[0].parameters()) * 4
+        assert n_block <= block < n_block + W * 4 * 7 * 6
+
+
+def _errors(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = make_mesh((world_size,))
+    found = {}
+
+    def expect(key, fn, *needles):
+        try:
+            fn()
+        except (ValueError, TypeError, NotImplementedError) as e:
+            msg = str(e)
+            missing = [n for n in needles if n not in msg]
+            found[key] = "ok" if not missing else f"message lacks {missing}: {msg}"
+        else:
+            found[key] = "no error raised"
+
+    _, model = reference_and_copy()
+    fully_shard(model.blocks[0], mesh=mesh)
+    expect("twice", lambda: fully_shard(model.blocks[0], mesh=mesh), "already sharded", "Block")
+
+    # an embedding tied to the head, with the embedding in its own unit
+    _, tied = reference_and_copy(out=11)
+    tied.head.weight = tied.emb.weight
+    fully_shard(tied.emb, mesh=mesh)
+    expect("tied", lambda: fully_shard(tied, mesh=mesh), "'head.weight'", "'weight' of the unit fully_shard(Embedding)",
+           "common ancestor")
+
+    ints = torch.nn.Linear(2, 2)
+    ints.register_parameter("count", torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False))
+    expect("int", lambda: fully_shard(ints, mesh=mesh), "'count'", "int64", "register_buffer")
+
+    scalar = torch.nn.Linear(2, 2)
+    scalar.temperature = torch.nn.Parameter(torch.tensor(1.0))
+    expect("0-d", lambda: fully_shard(scalar, mesh=mesh), "'temperature'", "0-d", "ignored_params")
+
+    mixed = torch.nn.Linear(2, 2)
+    mixed.bias = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    expect("dtypes", lambda: fully_shard(mixed, mesh=mesh), "'bias': torch.float64", "'weight': torch.float32")
+
+    mesh3 = init_device_mesh("cpu", (1, 1, world_size))
+    expect("3d-unnamed", lambda: fully_shard(torch.nn.Linear(2, 2), mesh=mesh3), "without axis names", "data_parallel_mesh")
+    named3 = init_device_mesh("cpu", (1, world_size, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    expect("3d-named", lambda: fully_shard(torch.nn.Linear(2, 2), mesh=named3), "('dp_replicate', 'dp_shard', 'tp')",
+           "mesh['dp_replicate', 'dp_shard']")
+    expect("raf", lambda: fully_shard(torch.nn.Linear(2, 2), mesh=mesh, reshard_after_forward=3), "divide")
+
+    # ignored parameters stay plain tensors
+    lin = torch.nn.Linear(4, 4)
+    fully_shard(lin, mesh=mesh, ignored_params=[lin.bias])
+    found["ignored"] = "ok" if (isinstance(lin.weight, DTensor) and not isinstance(lin.bias, DTensor)) else "bias sharded"
+    return found
+
+
+def test_bad_input_gets_a_clear_error():
+    (found,) = run_ranks(_errors, 1)
+    bad = {k: v for k, v in found.items() if v != "ok"}
+    assert not bad, bad
+
+
+def test_mesh_device_type_must_match_parameters():
+    from shardwise.composable._fully_shard import _check_params
+
+    class CudaMesh:
+        device_type = "cuda"
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"'w' is on device 'cpu' but the mesh is 'cuda'.*module.to\('cuda'\)"):
+        _check_params([("w", p, [])], CudaMesh(), "Linear")

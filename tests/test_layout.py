@@ -1,0 +1,70 @@
+"""Index arithmetic of dim-0 sharding (composable/_layout.py), over random shapes and worlds."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardwise.composable._layout import DimZeroLayout, gather_rows, scatter_rows
+
+shapes = st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple)
+worlds = st.integers(1, 8)
+
+
+@given(shapes, worlds)
+def test_shards_tile_dim0_like_torch_chunk(shape, world):
+    lay = DimZeroLayout(shape, world)
+    chunks = torch.empty(shape).chunk(world, dim=0) if shape[0] else ()
+    covered = 0
+    for r in range(world):
+        start, rows = lay.shard_start(r), lay.shard_rows(r)
+        assert start == covered, "shards are contiguous and in rank order"
+        expected = chunks[r].shape[0] if r < len(chunks) else 0
+        assert rows == expected
+        assert 0 <= rows <= lay.chunk_rows
+        assert lay.shard_shape(r) == (rows, *shape[1:])
+        covered += rows
+    assert covered == shape[0]
+    assert lay.padded_numel * world >= lay.rows * lay.row_numel
+    assert lay.full_ranks * lay.chunk_rows + lay.tail_rows == lay.rows
+    assert lay.tail_rows < max(lay.chunk_rows, 1)
+
+
+@given(shapes, worlds, st.data())
+@settings(max_examples=60)
+def test_scatter_then_gather_round_trips_and_zero_pads(shape, world, data):
+    lay = DimZeroLayout(shape, world)
+    full = torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    # a strided destination: the column block of a wider rank-major buffer, as in a unit
+    extra = data.draw(st.integers(0, 3))
+    buf = torch.full((world, lay.padded_numel + extra), -1.0)
+    block = buf[:, extra:]
+    scatter_rows(lay, full, block, 0, world)
+    assert (buf[:, :extra] == -1).all(), "writes stay inside the block"
+    out = torch.empty(shape)
+    gather_rows(lay, block, out)
+    assert torch.equal(out, full)
+    for r in range(world):
+        real = lay.shard_rows(r) * lay.row_numel
+        assert torch.equal(block[r, :real], full.reshape(-1)[lay.shard_start(r) * lay.row_numel :][:real])
+        assert (block[r, real:] == 0).all(), "padding is zero"
+
+
+@given(shapes, worlds, st.data())
+@settings(max_examples=60)
+def test_scatter_of_a_rank_range_matches_the_full_scatter(shape, world, data):
+    lay = DimZeroLayout(shape, world)
+    lo = data.draw(st.integers(0, world))
+    hi = data.draw(st.integers(lo, world))
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    whole = torch.empty(world, lay.padded_numel)
+    scatter_rows(lay, full, whole, 0, world)
+    part = torch.empty(hi - lo, lay.padded_numel)
+    scatter_rows(lay, full, part, lo, hi)
+    assert torch.equal(part, whole[lo:hi])
+
+
+def test_zero_dim_tensor_is_rejected():
+    import pytest
+
+    with pytest.raises(ValueError, match="0-d"):
+        DimZeroLayout((), 2)
