@@ -253,3 +253,56 @@ def test_mesh_device_type_must_match_parameters():
     p = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"'w' is on device 'cpu' but the mesh is 'cuda'.*module.to\('cuda'\)"):
         _check_params([("w", p, [])], CudaMesh(), "Linear")
+
+
+def _grad_accumulation(rank, world_size, mesh_shape):
+    from tests._models import batches, loss_fn
+
+    mesh = make_mesh(mesh_shape)
+    ref, model = reference_and_copy()
+    _shard_all(model, mesh)
+    (tokens, target), = batches(1, 8)
+    loss_fn(ref(tokens), target).backward()
+    per = 8 // world_size
+    mine = slice(rank * per, (rank + 1) * per)
+    rs_calls = []
+    real = dist.reduce_scatter_single
+    dist.reduce_scatter_single = lambda *a, **k: (rs_calls.append(1), real(*a, **k))[1]
+    try:
+        for i, half in enumerate((slice(0, per // 2), slice(per // 2, per))):
+            model.set_requires_gradient_sync(i == 1)
+            t, y = tokens[mine][half], target[mine][half]
+            (loss_fn(model(t), y) / 2).backward()
+            if i == 0:
+                assert not rs_calls, "no reduce-scatter while gradient sync is off"
+                assert all(p.grad is None for p in model.parameters()), "sharded grads appear only after sync"
+    finally:
+        dist.reduce_scatter_single = real
+    assert len(rs_calls) == 3, f"one reduce-scatter per unit on the last micro-batch, got {len(rs_calls)}"
+    ref_grads = dict(ref.named_parameters())
+    return {n: ((p.grad.full_tensor() - ref_grads[n].grad).abs().max() / ref_grads[n].grad.abs().max()).item()
+            for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world_size,mesh_shape", [(2, (2,)), (4, (2, 2))])
+def test_gradient_accumulation_matches_one_large_batch(world_size, mesh_shape):
+    for rank, errs in enumerate(run_ranks(_grad_accumulation, world_size, mesh_shape)):
+        bad = {k: v for k, v in errs.items() if v > TOL}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def _async_unshard(rank, world_size):
+    mesh = make_mesh((world_size,))
+    _, model = reference_and_copy()
+    _shard_all(model, mesh)
+    block = model.blocks[0]
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    full = block.up.weight
+    ok = not isinstance(full, DTensor) and full.shape == (7, 6)
+    block.reshard()
+    return ok and isinstance(block.up.weight, DTensor)
+
+
+def test_unshard_async_handle_and_reshard():
+    assert run_ranks(_async_unshard, 2) == [True, True]
