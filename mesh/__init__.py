@@ -1,0 +1,38 @@
+"""Device meshes for sharded training: ``dp_replicate`` x ``dp_shard`` x ``tp``.
+
+Typical script (launched with ``torchrun --nproc-per-node=N train.py``)::
+
+    from shardwise.mesh import init_distributed, init_mesh, data_parallel_mesh
+
+    init_distributed()                      # default process group from torchrun env
+    mesh = init_mesh(tp=2)                  # dp_shard = world_size // 2
+    dp_mesh = data_parallel_mesh(mesh)      # what fully_shard takes
+    tp_mesh = mesh["tp"]                    # what tensor parallelism takes
+
+Meshes are always 3-D with the axis names ``("dp_replicate", "dp_shard",
+"tp")``, ``tp`` innermost (consecutive ranks). `ParallelDims` holds the sizes
+and their validation; `host_fit_problem` is the pure check behind
+`HostLayoutWarning`.
+"""
+
+from ._dims import AXIS_NAMES, ParallelDims
+from ._hosts import HostLayoutWarning, host_fit_problem
+from ._init import (
+    data_parallel_mesh,
+    default_backend,
+    default_device_type,
+    init_distributed,
+    init_mesh,
+)
+
+__all__ = [
+    "AXIS_NAMES",
+    "HostLayoutWarning",
+    "ParallelDims",
+    "data_parallel_mesh",
+    "default_backend",
+    "default_device_type",
+    "host_fit_problem",
+    "init_distributed",
+    "init_mesh",
+]

@@ -1,0 +1,124 @@
+"""`ParallelDims`: the sizes of the three parallelism axes, validated.
+
+Pure arithmetic, no torch.distributed: safe to build and test anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+AXIS_NAMES: tuple[str, str, str] = ("dp_replicate", "dp_shard", "tp")
+"""Mesh axis names, outermost first. ``tp`` is innermost (consecutive ranks)."""
+
+_SIZE_FIELDS = AXIS_NAMES
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Sizes of the ``dp_replicate`` x ``dp_shard`` x ``tp`` device mesh.
+
+    All fields are keyword-only::
+
+        ParallelDims(dp_replicate=2, tp=2, world_size=8)  # dp_shard resolves to 2
+
+    Fields:
+        dp_replicate: data-parallel replicas (the HSDP outer axis). Default 1.
+        dp_shard: data-parallel ranks that shard parameters (FSDP). Default -1.
+        tp: tensor-parallel ranks. Default 1.
+        world_size: total number of ranks. Required.
+
+    Rules, checked in ``__post_init__`` (``ValueError`` otherwise, with the
+    arithmetic spelled out):
+
+    * ``world_size`` is a positive int.
+    * Each of ``dp_replicate``, ``dp_shard``, ``tp`` is a positive int or -1;
+      at most one is -1.
+    * A -1 is resolved to ``world_size // (product of the other two)``, which
+      must divide evenly; the resolved value is what the field holds afterwards
+      (``ParallelDims(world_size=8).dp_shard == 8``).
+    * ``dp_replicate * dp_shard * tp == world_size``.
+
+    ``bool`` is rejected even though it is an ``int`` subclass.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    world_size: int
+
+    def __post_init__(self) -> None:
+        _check_int("world_size", self.world_size)
+        if self.world_size < 1:
+            raise ValueError(
+                f"ParallelDims: world_size={self.world_size} is invalid; "
+                "it must be a positive int (the number of ranks)"
+            )
+        sizes = {name: getattr(self, name) for name in _SIZE_FIELDS}
+        for name, size in sizes.items():
+            _check_int(name, size)
+            if size < 1 and size != -1:
+                raise ValueError(
+                    f"ParallelDims: {name}={size} is invalid; each size must be a "
+                    "positive int, or -1 for 'the rest of world_size'"
+                )
+        inferred = [name for name, size in sizes.items() if size == -1]
+        if len(inferred) > 1:
+            listed = " and ".join(f"{name}=-1" for name in inferred)
+            raise ValueError(
+                f"ParallelDims: {listed}: at most one size can be -1 "
+                "(the rest of world_size); give the others explicitly"
+            )
+        if inferred:
+            (name,) = inferred
+            others = [n for n in _SIZE_FIELDS if n != name]
+            known = prod(sizes[n] for n in others)
+            if self.world_size % known != 0:
+                formula = " * ".join(f"{n}({sizes[n]})" for n in others)
+                raise ValueError(
+                    f"{name}=-1 cannot be resolved: world_size({self.world_size}) "
+                    f"is not divisible by {formula} = {known}"
+                )
+            sizes[name] = self.world_size // known
+            object.__setattr__(self, name, sizes[name])
+        total = prod(sizes.values())
+        if total != self.world_size:
+            formula = " * ".join(f"{n}({sizes[n]})" for n in _SIZE_FIELDS)
+            raise ValueError(
+                f"{formula} = {total} != world_size({self.world_size}); choose sizes "
+                "whose product is world_size, or pass -1 for one of them to infer it"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        """Total data-parallel degree: ``dp_replicate * dp_shard``."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        """``(dp_replicate, dp_shard, tp)``, in the order of `axis_names`."""
+        return (self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def axis_names(self) -> tuple[str, str, str]:
+        """Always ``("dp_replicate", "dp_shard", "tp")``, size-1 axes included."""
+        return AXIS_NAMES
+
+    @property
+    def dp_axis_names(self) -> tuple[str, ...]:
+        """Axes that data-parallel sharding (``fully_shard``) spans.
+
+        ``("dp_shard",)`` when ``dp_replicate == 1`` (plain FSDP), otherwise
+        ``("dp_replicate", "dp_shard")`` (HSDP: replicate outer, shard inner).
+        """
+        if self.dp_replicate == 1:
+            return ("dp_shard",)
+        return ("dp_replicate", "dp_shard")
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"ParallelDims: {name} must be an int, got {value!r} "
+            f"({type(value).__name__})"
+        )

@@ -1,0 +1,77 @@
+"""Host awareness: does the ``dp_shard`` x ``tp`` block of ranks fit in one host?
+
+Pure functions of sizes, so they can be tested without processes.
+
+The mesh is laid out row-major with ``tp`` innermost, so each ``dp_shard`` x
+``tp`` block is ``dp_shard * tp`` consecutive ranks, and torchrun numbers ranks
+host by host (``local_world_size`` consecutive ranks per host). A block stays
+inside one host exactly when ``local_world_size % (dp_shard * tp) == 0``;
+otherwise the shard (all-gather / reduce-scatter every step) and TP
+collectives of some blocks cross hosts.
+"""
+
+from __future__ import annotations
+
+from ._dims import ParallelDims
+
+
+class HostLayoutWarning(UserWarning):
+    """The mesh shape makes ``dp_shard``/``tp`` collectives cross hosts.
+
+    A performance hint, not an error. Silence it where cross-host sharding is
+    intended with
+    ``warnings.filterwarnings("ignore", category=HostLayoutWarning)``.
+    """
+
+
+def host_fit_problem(dims: ParallelDims, local_world_size: int | None) -> str | None:
+    """Explain why ``dims`` makes shard/TP collectives cross hosts, or None.
+
+    Args:
+        dims: the resolved mesh sizes (``dims.world_size`` is the total).
+        local_world_size: ranks per host (torchrun's ``LOCAL_WORLD_SIZE``), or
+            None when unknown.
+
+    Returns None (nothing to say) when ``local_world_size`` is None, when the
+    job fits on one host (``world_size <= local_world_size``), when hosts are
+    uneven (``world_size % local_world_size != 0``: boundaries unknown), or
+    when the ``dp_shard * tp`` block divides ``local_world_size``. Otherwise
+    returns a one-paragraph message with a suggested shape.
+
+    Raises:
+        ValueError: ``local_world_size`` is not a positive int.
+    """
+    if local_world_size is None:
+        return None
+    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or (
+        local_world_size < 1
+    ):
+        raise ValueError(
+            f"local_world_size={local_world_size!r} is invalid; it must be a positive "
+            "int (ranks per host, torchrun's LOCAL_WORLD_SIZE) or None"
+        )
+    world, local = dims.world_size, local_world_size
+    if world <= local or world % local != 0:
+        return None
+    block = dims.dp_shard * dims.tp
+    if local % block == 0:
+        return None
+    hosts = world // local
+    head = (
+        f"dp_shard({dims.dp_shard}) * tp({dims.tp}) = {block} consecutive ranks do not "
+        f"fit in one host of local_world_size({local}) ranks (world_size({world}) = "
+        f"{hosts} hosts), so shard/TP collectives would cross hosts over the slower "
+        "inter-host network."
+    )
+    if local % dims.tp != 0:
+        divisors = [d for d in range(1, local + 1) if local % d == 0]
+        return (
+            f"{head} tp({dims.tp}) does not divide local_world_size({local}), so even "
+            f"the TP groups cross hosts: choose tp from {divisors}, then "
+            f"dp_shard = {local} // tp and dp_replicate = {hosts}."
+        )
+    return (
+        f"{head} Consider dp_replicate={hosts}, dp_shard={local // dims.tp}, "
+        f"tp={dims.tp} (shard within a host, replicate across hosts), or filter "
+        "HostLayoutWarning if cross-host sharding is intended."
+    )
