@@ -1,0 +1,233 @@
+"""Train the small Llama of ``examples/model.py`` with shardwise's ``fully_shard`` (FSDP / HSDP).
+
+Launch one process per device::
+
+    torchrun --nproc-per-node 4 examples/train.py                      # FSDP over 4 ranks
+    torchrun --nproc-per-node 4 examples/train.py --dp-replicate 2     # HSDP: 2 replicas x 2 shards
+
+CPU processes talk over gloo, CUDA ones over NCCL. Every rank builds the same
+model from ``--seed``, each ``TransformerBlock`` is sharded on its own and then
+the root; each data-parallel rank trains on its contiguous slice of the global
+batch of :mod:`examples.data`. Rank 0 prints the mesh, the parameter bytes each
+rank holds against the full model, the loss every ``--log-every`` steps (the
+mean over the data-parallel ranks) and finally the first and last loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `examples` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from examples.data import global_batch, inputs_and_targets, local_slice, loss_floor  # noqa: E402
+from examples.model import Llama, LlamaConfig  # noqa: E402
+from shardwise.composable import fully_shard  # noqa: E402
+from shardwise.mesh import data_parallel_mesh, init_distributed, init_mesh  # noqa: E402
+
+DP_DIMS = ("dp_replicate", "dp_shard")
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for ``mesh`` (the current CUDA device on GPU meshes)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def data_parallel_rank(mesh: DeviceMesh, dims: tuple[str, ...] = DP_DIMS) -> tuple[int, int]:
+    """``(dp_rank, dp_size)``: this rank's index on the flattened data-parallel axes of ``mesh``.
+
+    Works on the full 3-D mesh or on the 1-D / 2-D data-parallel sub-mesh: the
+    axes of ``mesh`` named in ``dims`` (all its axes if it has no names) are
+    flattened row-major, ``dp_rank = replicate_coord * dp_shard + shard_coord``.
+    Ranks that differ only in other axes (tp) get the same data.
+    """
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise RuntimeError(f"rank {dist.get_rank()} is not part of {mesh}")
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    axes = [i for i, n in enumerate(names) if n in dims] if mesh.mesh_dim_names else list(range(mesh.ndim))
+    dp_rank, dp_size = 0, 1
+    for i in axes:
+        dp_rank = dp_rank * mesh.size(i) + coord[i]
+        dp_size *= mesh.size(i)
+    return dp_rank, dp_size
+
+
+def mean_over_mesh(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Mean of ``value`` over all ranks of ``mesh`` (SUM per axis, then divide: gloo has no AVG)."""
+    out = value.detach().clone()
+    for i in range(mesh.ndim):
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.get_group(i))
+    return out / mesh.size()
+
+
+def build_and_shard(cfg: LlamaConfig, dp_mesh: DeviceMesh, *, seed: int = 0, **shard_kwargs) -> Llama:
+    """Build :class:`Llama` from ``seed`` (identical on every rank) and shard it on ``dp_mesh``.
+
+    Each block of ``model.layers`` gets its own ``fully_shard`` call first, then
+    the root (embedding, final norm, output head). A 2-D ``dp_mesh``
+    (``dp_replicate x dp_shard``) gives HSDP. ``shard_kwargs`` go to every
+    ``fully_shard`` call (e.g. ``reshard_after_forward``, ``mp_policy``).
+    """
+    model = Llama(cfg, generator=torch.Generator().manual_seed(seed))
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh, **shard_kwargs)
+    fully_shard(model, mesh=dp_mesh, **shard_kwargs)
+    return model
+
+
+def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """``(local, full)``: bytes of parameters this rank stores, and of the unsharded model."""
+    local = full = 0
+    for p in model.parameters():
+        shard = p.to_local() if isinstance(p, DTensor) else p
+        local += shard.numel() * shard.element_size()
+        full += p.numel() * p.element_size()  # a DTensor's numel is its global size
+    return local, full
+
+
+def train(
+    model: torch.nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    steps: int = 30,
+    batch_size: int = 16,
+    seq_len: int = 64,
+    vocab: int = 256,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log_every: int = 5,
+    log=None,
+) -> list[float]:
+    """Train ``model`` with AdamW for ``steps`` steps; return the loss of each step.
+
+    Every rank builds the global batch of the step and keeps its data-parallel
+    slice. The returned losses are the means over the data-parallel ranks (equal
+    slices, so this is the global-batch loss) and are the same on every rank.
+    ``log(step, loss)`` is called on the logging steps (first, every
+    ``log_every``-th, last).
+    """
+    device = mesh_device(dp_mesh)
+    dp_rank, dp_size = data_parallel_rank(dp_mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses: list[float] = []
+    for step in range(1, steps + 1):
+        tokens = local_slice(global_batch(step, batch_size, seq_len, vocab, seed), dp_rank, dp_size)
+        inputs, targets = (t.to(device) for t in inputs_and_targets(tokens))
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        losses.append(mean_over_mesh(loss, dp_mesh).item())
+        if log is not None and (step == 1 or step % log_every == 0 or step == steps):
+            log(step, losses[-1])
+    return losses
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dp-replicate", type=int, default=1, help="replica groups (HSDP outer axis)")
+    p.add_argument("--dp-shard", type=int, default=-1, help="ranks one copy is sharded over; -1 = the rest")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention; default = --heads")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, split over the dp ranks")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs only)")
+    return p.parse_args(argv)
+
+
+def resolve_dp_shard(world_size: int, dp_replicate: int, dp_shard: int, tp: int = 1) -> int:
+    """Fill in ``dp_shard=-1`` and check that the mesh covers exactly ``world_size`` ranks."""
+    if dp_replicate < 1 or tp < 1:
+        raise ValueError("dp_replicate and tp must be >= 1")
+    if dp_shard == -1:
+        if world_size % (dp_replicate * tp):
+            raise ValueError(f"world size {world_size} is not divisible by dp_replicate*tp={dp_replicate * tp}")
+        dp_shard = world_size // (dp_replicate * tp)
+    if dp_replicate * dp_shard * tp != world_size:
+        raise ValueError(
+            f"dp_replicate*dp_shard*tp = {dp_replicate}*{dp_shard}*{tp} != world size {world_size}"
+        )
+    return dp_shard
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    args = parse_args(argv)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    rank, world_size = init_distributed()
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    dp_shard = resolve_dp_shard(world_size, args.dp_replicate, args.dp_shard)
+    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=dp_shard, tp=1)
+    dp_mesh = data_parallel_mesh(mesh)
+    _, dp_size = data_parallel_rank(mesh)
+    if args.batch_size % dp_size:
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by the dp size {dp_size}")
+    say(f"world={world_size} device={mesh.device_type}")
+    say(f"mesh: shape={tuple(mesh.shape)} names={mesh.mesh_dim_names} ranks={mesh.mesh.tolist()}")
+    say(f"dp mesh: shape={tuple(dp_mesh.shape)} names={dp_mesh.mesh_dim_names} (dp size {dp_size})")
+
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len),
+    )
+    model = build_and_shard(cfg, dp_mesh, seed=args.seed)
+
+    local, full = param_bytes(model)
+    device = mesh_device(mesh)
+    mine = torch.tensor([local], dtype=torch.int64, device=device)
+    per_rank = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(per_rank, mine)
+    per_rank = [int(t.item()) for t in per_rank]
+    say(f"model: {cfg}")
+    say(f"params: {sum(p.numel() for p in model.parameters())} elements, full model {full} bytes")
+    for r, b in enumerate(per_rank):
+        say(f"  rank {r}: {b} bytes sharded ({b / full:.1%} of full)")
+    say(f"  sum over ranks {sum(per_rank)} bytes = {sum(per_rank) / full:.2f} x full")
+
+    say(f"training {args.steps} steps, global batch {args.batch_size} x {args.seq_len} tokens, "
+        f"{args.batch_size // dp_size} rows per dp rank; loss floor ln(branching) = {loss_floor():.3f}")
+    t1 = time.perf_counter()
+    losses = train(
+        model, dp_mesh, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        vocab=args.vocab, lr=args.lr, seed=args.seed, log_every=args.log_every,
+        log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"),
+    )
+    t2 = time.perf_counter()
+    say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
+    say(f"time: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s ({(t2 - t1) / max(args.steps, 1) * 1e3:.0f} ms/step)")
+    dist.barrier()  # nobody tears down its connections while a peer still uses them
+    dist.destroy_process_group()
+    return losses
+
+
+if __name__ == "__main__":
+    main()
