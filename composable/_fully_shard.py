@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ._mesh_utils import mesh_device
 from ._param_group import ParamGroup
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._state import FSDPState, get_state
@@ -193,7 +194,9 @@ def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
                 f"fully_shard({label}): parameter '{fqn}' is 0-d and has no dim 0 to shard. Store it with shape (1,) "
                 "or pass it in ignored_params."
             )
-        if p.device.type not in (mesh.device_type, "meta"):
+        # CPU parameters move to an accelerator mesh's device (a model built on CPU, as with FSDP2);
+        # any other mismatch is a mistake.
+        if p.device.type not in (mesh.device_type, "meta", "cpu"):
             raise ValueError(
                 f"fully_shard({label}): parameter '{fqn}' is on device '{p.device.type}' but the mesh is "
                 f"'{mesh.device_type}'. Move the module first (module.to('{mesh.device_type}')) or build the mesh "
@@ -206,6 +209,20 @@ def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
             f"fully_shard({label}): parameters of different dtypes in one unit ({listing}); shard the submodules "
             "holding each dtype as separate units, or cast the module to one dtype."
         )
+
+
+def _move_buffers(modules: list[nn.Module], mesh: DeviceMesh) -> None:
+    """Move the unit's CPU buffers (not those of nested units) to the mesh's device."""
+    device = mesh_device(mesh)
+    if device.type == "cpu":
+        return
+    stack = list(modules)
+    while stack:
+        m = stack.pop()
+        for name, b in m._buffers.items():
+            if b is not None and b.device.type == "cpu":
+                m._buffers[name] = b.to(device)
+        stack.extend(c for c in m._modules.values() if c is not None and get_state(c) is None)
 
 
 def fully_shard(
@@ -259,6 +276,7 @@ def fully_shard(
     ignored = {id(p) for p in (ignored_params or ())}
     entries = _collect_params(modules, ignored)
     _check_params(entries, mesh, label)
+    _move_buffers(modules, mesh)
     group = ParamGroup(entries, mesh) if entries else None
     state = FSDPState(modules, group, mesh, reshard_after_forward)
     if group is not None:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ._layout import DimZeroLayout, gather_rows, scatter_rows
+from ._mesh_utils import mesh_device
 from ._sharded_param import ShardedParam
 
 __all__ = ["ParamGroup"]
@@ -52,7 +53,7 @@ class ParamGroup:
         self.replicate_world = mesh.size(0) if mesh.ndim == 2 else 1
         first = entries[0][1]
         self.dtype = first.dtype
-        device = torch.device(mesh.device_type) if first.device.type != "meta" else first.device
+        device = mesh_device(mesh) if first.device.type != "meta" else first.device
         layouts = [DimZeroLayout(tuple(p.shape), self.world) for _, p, _ in entries]
         self.offsets, total = [], 0
         for lay in layouts:

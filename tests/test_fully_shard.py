@@ -245,14 +245,17 @@ def test_bad_input_gets_a_clear_error():
 
 
 def test_mesh_device_type_must_match_parameters():
+    """Parameters on an accelerator with a CPU mesh are refused (CPU parameters would move to an
+    accelerator mesh's device). No accelerator here, so the parameter is a stand-in."""
+    from types import SimpleNamespace
+
     from shardwise.composable._fully_shard import _check_params
 
-    class CudaMesh:
-        device_type = "cuda"
-
-    p = torch.nn.Parameter(torch.zeros(3))
-    with pytest.raises(ValueError, match=r"'w' is on device 'cpu' but the mesh is 'cuda'.*module.to\('cuda'\)"):
-        _check_params([("w", p, [])], CudaMesh(), "Linear")
+    on_cuda = SimpleNamespace(
+        is_floating_point=lambda: True, dim=lambda: 1, device=torch.device("cuda", 0), dtype=torch.float32
+    )
+    with pytest.raises(ValueError, match=r"'w' is on device 'cuda' but the mesh is 'cpu'.*module.to\('cpu'\)"):
+        _check_params([("w", on_cuda, [])], SimpleNamespace(device_type="cpu"), "Linear")
 
 
 def _grad_accumulation(rank, world_size, mesh_shape):
