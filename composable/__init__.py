@@ -5,13 +5,14 @@ The names follow torch's FSDP2 so that switching is one import::
     from shardwise.composable import fully_shard, FSDPModule, MixedPrecisionPolicy
 """
 
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
+    "register_fsdp_forward_method",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",

@@ -15,7 +15,7 @@ from ._param_group import ParamGroup
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._state import FSDPState, get_state
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
 _OWNER_ATTR = "_shardwise_sharded_as"  # set on an original parameter once a unit took it
 
@@ -76,6 +76,21 @@ class FSDPModule:
         reduce-scatter (gradient accumulation); set True again before the last micro-batch."""
         for s in self._units(recurse):
             s.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP gradient accumulation: with False, backward reduce-scatters within the shard axis
+        and accumulates the sharded sums, but skips the all-reduce across replicas; the next
+        backward with True all-reduces the accumulated shards once."""
+        for s in self._units(recurse):
+            s.requires_all_reduce = requires_all_reduce
+
+    def set_unshard_limit(self, limit: int) -> None:
+        """At most ``limit`` resharding units unsharded or being all-gathered at once (call on
+        the root; default 2). Prefetches that would exceed it are skipped. See
+        [Note: the unshard limit] in ``_state.py``."""
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"set_unshard_limit: limit must be an int >= 1, got {limit!r}")
+        self._fsdp_state().unshard_limit = limit
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for s in self._units(recurse):
@@ -202,26 +217,21 @@ def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
                 f"'{mesh.device_type}'. Move the module first (module.to('{mesh.device_type}')) or build the mesh "
                 f"for '{p.device.type}'."
             )
-    dtypes = {p.dtype for _, p, _ in entries}
-    if len(dtypes) > 1:
-        listing = ", ".join(f"'{f}': {p.dtype}" for f, p, _ in entries)
-        raise NotImplementedError(
-            f"fully_shard({label}): parameters of different dtypes in one unit ({listing}); shard the submodules "
-            "holding each dtype as separate units, or cast the module to one dtype."
-        )
 
-
-def _move_buffers(modules: list[nn.Module], mesh: DeviceMesh) -> None:
-    """Move the unit's CPU buffers (not those of nested units) to the mesh's device."""
+def _move_buffers(modules: list[nn.Module], mesh: DeviceMesh, dtype: torch.dtype | None) -> None:
+    """Move the unit's CPU buffers (not those of nested units) to the mesh's device and cast
+    its floating-point buffers to ``MixedPrecisionPolicy.buffer_dtype`` when set."""
     device = mesh_device(mesh)
-    if device.type == "cpu":
-        return
     stack = list(modules)
     while stack:
         m = stack.pop()
         for name, b in m._buffers.items():
-            if b is not None and b.device.type == "cpu":
-                m._buffers[name] = b.to(device)
+            if b is None or b.device.type == "meta":
+                continue
+            to_device = device if b.device.type == "cpu" and device.type != "cpu" else b.device
+            to_dtype = dtype if dtype is not None and b.is_floating_point() else b.dtype
+            if (to_device, to_dtype) != (b.device, b.dtype):
+                m._buffers[name] = b.to(device=to_device, dtype=to_dtype)
         stack.extend(c for c in m._modules.values() if c is not None and get_state(c) is None)
 
 
@@ -269,16 +279,16 @@ def fully_shard(
     mesh = _default_mesh() if mesh is None else mesh
     _check_mesh(mesh)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
-    if not mp_policy.is_noop or mp_policy.cast_forward_inputs is not True:
-        raise NotImplementedError("fully_shard: MixedPrecisionPolicy other than the default is not implemented yet")
-    if type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError("fully_shard: CPUOffloadPolicy is not implemented yet")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     ignored = {id(p) for p in (ignored_params or ())}
     entries = _collect_params(modules, ignored)
     _check_params(entries, mesh, label)
-    _move_buffers(modules, mesh)
-    group = ParamGroup(entries, mesh) if entries else None
-    state = FSDPState(modules, group, mesh, reshard_after_forward)
+    _move_buffers(modules, mesh, mp_policy.buffer_dtype)
+    group = ParamGroup(entries, mesh, mp=mp_policy, offload=offload_policy, label=label) if entries else None
+    state = FSDPState(modules, group, mesh, reshard_after_forward, mp_policy)
     if group is not None:
         for (fqn, p, _), sp in zip(entries, group.params):
             setattr(p, _OWNER_ATTR, f"'{fqn}' of the unit fully_shard({label})")
@@ -297,3 +307,24 @@ def _fsdp_class(cls: type) -> type:
         made = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
         setattr(cls, "_shardwise_fsdp_class", made)
     return made
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` (e.g. ``generate``) run like ``forward``: the unit
+    is unsharded before it and resharded after it, exactly as around ``module(...)``."""
+    state = get_state(module)
+    if state is None:
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} is not a fully_shard unit; "
+            "call fully_shard on it first"
+        )
+    method = getattr(module, method_name, None)
+    if method is None or not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
+
+    def wrapped(*args, **kwargs):
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    wrapped.__wrapped__ = method
+    object.__setattr__(module, method_name, wrapped)

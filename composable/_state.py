@@ -4,22 +4,38 @@
 For every unit (one ``fully_shard`` call) the hooks do, in order:
 
 1. forward pre-hook: the first unit to run forward becomes the *root* and lazily collects
-   every unit under it (``_lazy_init``). The unit all-gathers its parameters (``unshard``)
-   and swaps the unsharded tensors onto its modules. If grad is enabled, the module's tensor
-   inputs are passed through ``_PostBackward`` so that, in backward, a hook runs once the
-   gradients w.r.t. those inputs — i.e. the whole backward of the unit — are done.
+   every unit under it (``_lazy_init``). The unit waits for (or issues) its all-gather
+   (``unshard``) and swaps the unsharded tensors onto its modules, then *prefetches*: issues,
+   without waiting, the all-gather of the unit that ran after it in the previous step (or the
+   ones set with ``set_modules_to_forward_prefetch``), so that communication runs while this
+   unit computes. If grad is enabled, the module's tensor inputs are passed through
+   ``_PostBackward`` so that, in backward, a hook runs once the gradients w.r.t. those
+   inputs — i.e. the whole backward of the unit — are done.
 2. forward post-hook: the unit reshards (frees the unsharded parameters) unless
    ``reshard_after_forward`` is False (the root's default), or keeps ``1/k`` of them for an
    int ``k``. Under ``torch.no_grad()`` every unit reshards, the root included: no backward is
    coming. A hook is registered on each output tensor that needs grad (pre-backward).
-3. pre-backward (first gradient reaching an output): unshard again. The first one also queues
-   the root's final callback on the autograd engine.
+3. pre-backward (first gradient reaching an output): unshard again, and prefetch the unit that
+   ran before it in forward (the next one in backward). The first one queues the root's final
+   callback on the autograd engine.
 4. post-backward (``_PostBackward.backward``): once every forward call of the unit has seen
-   its backward, reduce-scatter the gradients into the sharded ``.grad`` DTensors and reshard.
-   A module run twice in one forward (reuse) therefore reduces once, after both backwards.
+   its backward, issue the reduce-scatter of its gradients asynchronously and reshard. The
+   root keeps at most one unit's reduce-scatter in flight behind the computation: issuing one
+   finishes the previous (average, replicate all-reduce, store into ``.grad``).
+   A module run twice in one forward (reuse) reduces once, after both backwards.
 5. final callback (end of ``loss.backward()``): units whose post-backward could not fire
-   (inputs that need no grad, like token ids into the root) reduce now; every unit is
-   resharded and per-step counters are reset.
+   (inputs that need no grad, like token ids into the root) reduce now; all reductions are
+   finished; every unit is resharded; per-step counters are reset.
+
+[Note: the unshard limit]
+Prefetching trades memory for overlap. The root bounds how many resharding units may be
+unsharded or being all-gathered at once (``FSDPModule.set_unshard_limit``, default 2: the
+one computing and the one prefetched). A prefetch that would pass the limit is not issued;
+the unit is then all-gathered on demand. Units with ``reshard_after_forward=False`` (the
+root) are not counted: they stay unsharded by choice.
+
+Activation checkpointing re-runs a unit's forward inside backward; the hooks see that the unit
+is already in backward and neither reshard nor register new backward hooks then.
 """
 
 from __future__ import annotations
@@ -27,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["FSDPState", "get_state"]
 
@@ -52,27 +68,40 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+def _cast_floats(tree, dtype):
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
 class FSDPState:
     """Hooks and per-step bookkeeping of one unit over ``modules`` (one module, or the list
     given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters."""
 
-    def __init__(self, modules, group, mesh, reshard_after_forward) -> None:
+    def __init__(self, modules, group, mesh, reshard_after_forward, mp) -> None:
         self.modules = modules
         self.group = group
         self.mesh = mesh
+        self.mp = mp
         self.user_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.forward_prefetch: list[FSDPState] = []
-        self.backward_prefetch: list[FSDPState] = []
+        self.requires_all_reduce = True
+        self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (execution order)
+        self.backward_prefetch: list[FSDPState] | None = None
         self.is_root: bool | None = None
         self.root: FSDPState | None = None
+        # root-only bookkeeping
         self.all_states: list[FSDPState] = []
+        self.unshard_limit = 2
+        self._order: list[FSDPState] = []  # forward order of the previous step
+        self._this_order: list[FSDPState] = []
+        self._reduces = []  # PendingReduce in flight
+        self._callback_queued = False
+        # per-unit, per-step
         self._post_forward_target = None  # (group, k) for an int reshard_after_forward
         self._forward_seen: set[int] = set()
         self._pending_post_backward = 0
-        self._callback_queued = False
+        self._in_backward = False
         self._handles = []
         for m in modules:
             m.__dict__[_STATE_ATTR] = self
@@ -113,21 +142,53 @@ class FSDPState:
             cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
         self._post_forward_target = (cache[ranks], k)
 
+    # -- prefetch (see [Note: the unshard limit]) -------------------------------------------------
+    def _prefetch(self, states) -> None:
+        root = self.root
+        for s in states:
+            g = s.group
+            if g is None or g.is_unsharded or g.unshard_pending:
+                continue
+            busy = sum(
+                1 for t in root.all_states
+                if t.group is not None and t.reshard_after_forward is not False
+                and (t.group.is_unsharded or t.group.unshard_pending)
+            )
+            if s.reshard_after_forward is not False and busy >= root.unshard_limit:
+                continue
+            g.unshard(async_op=True)
+
+    def _neighbour(self, step: int):
+        order = self.root._order
+        if self not in order:
+            return []
+        i = order.index(self) + step
+        return [order[i]] if 0 <= i < len(order) else []
+
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
-        if self.root is None or self.is_root is None:
+        if self.root is None:
             self._lazy_init()
+        root = self.root
+        if self._in_backward:  # recomputation under activation checkpointing
+            return args, kwargs
+        if self is root and not self._forward_seen:
+            root._this_order = []
+        if self not in root._this_order:
+            root._this_order.append(self)
         self._forward_seen.add(id(module))
         if self.group is not None:
             self.group.unshard()
-        for s in self.forward_prefetch:
-            if s.group is not None:
-                s.group.unshard(async_op=True)
+        self._prefetch(self.forward_prefetch if self.forward_prefetch is not None else self._neighbour(+1))
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
     def _post_forward(self, module, args, output):
+        if self._in_backward:
+            return output
         if self.group is not None and len(self._forward_seen) == len(self.modules):
             if not torch.is_grad_enabled() or self.reshard_after_forward is True:
                 self.group.reshard()
@@ -135,6 +196,8 @@ class FSDPState:
                 self.group.reshard(to=self._post_forward_target)
         if len(self._forward_seen) == len(self.modules):
             self._forward_seen.clear()
+        if self.mp.output_dtype is not None:
+            output = _cast_floats(output, self.mp.output_dtype)
         if torch.is_grad_enabled():
             flat, _ = tree_flatten(output)
             for t in flat:
@@ -158,36 +221,47 @@ class FSDPState:
         root = self.root if self.root is not None else self
         if not root._callback_queued:
             root._callback_queued = True
+            root._order = list(root._this_order)
             Variable._execution_engine.queue_callback(root._final_callback)
+        self._in_backward = True
         if self.group is not None:
             self.group.unshard()
-        for s in self.backward_prefetch:
-            if s.group is not None:
-                s.group.unshard(async_op=True)
+        self._prefetch(self.backward_prefetch if self.backward_prefetch is not None else self._neighbour(-1))
         return None
 
     def _post_backward_fired(self) -> None:
         self._pending_post_backward -= 1
         if self._pending_post_backward <= 0:
             self._pending_post_backward = 0
-            self._post_backward()
+            self._reduce()
+            if self.group is not None and self.reshard_after_backward:
+                self.group.reshard()
 
-    def _post_backward(self) -> None:
-        if self.group is None:
+    def _reduce(self) -> None:
+        if self.group is None or not self.requires_gradient_sync:
             return
-        if self.requires_gradient_sync:
-            self.group.reduce_grads()
-        if self.reshard_after_backward:
-            self.group.reshard()
+        root = self.root
+        issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce)
+        if issued:
+            # keep one unit's reductions in flight behind the computation
+            while root._reduces:
+                pr = root._reduces.pop(0)
+                pr.group.finish_reduce(pr)
+            root._reduces.extend(issued)
 
     def _final_callback(self) -> None:
         for s in reversed(self.all_states):
-            if s.group is not None and s.requires_gradient_sync and s.group.has_unsharded_grads():
-                s.group.reduce_grads()
+            if s.group is not None and s.group.has_unsharded_grads():
+                s._reduce()
+        while self._reduces:
+            pr = self._reduces.pop(0)
+            pr.group.finish_reduce(pr)
         for s in self.all_states:
             s._pending_post_backward = 0
             s._forward_seen.clear()
+            s._in_backward = False
             if s.group is not None:
+                s.group.wait_unshard()
                 if s.reshard_after_backward:
                     s.group.reshard()
                 s.group.drop_post_forward()

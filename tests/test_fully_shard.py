@@ -170,16 +170,15 @@ def test_one_all_gather_per_unshard_and_one_reduce_scatter_per_backward(world_si
     ag_group = W if raf is None else raf
     forward = [("all_gather_single", root, W), ("all_gather_single", block, W), ("all_gather_single", block, W)]
     backward = [] if raf is False else [("all_gather_single", block, ag_group)] * 2
-    reduce = []
-    for unit in (block, block, root):
-        reduce.append(("reduce_scatter_single", unit, W))
-        if R > 1:
-            reduce.append(("all_reduce", unit // W, R))
+    scatters = [("reduce_scatter_single", unit, W) for unit in (block, block, root)]
+    all_reduces = [("all_reduce", unit // W, R) for unit in (block, block, root)] if R > 1 else []
     for rank, log in enumerate(run_ranks(_record_collectives, world_size, mesh_shape, raf)):
-        gathers = [e for e in log if e[0] != "reduce_scatter_single" and e[0] != "all_reduce"]
-        reductions = [e for e in log if e not in gathers]
+        gathers = [e for e in log if e[0].startswith("all_gather")]
         assert gathers == forward + backward, f"rank {rank}: all-gathers {gathers}"
-        assert reductions == reduce, f"rank {rank}: reductions {reductions}"
+        got = [e for e in log if e[0].startswith("reduce_scatter")]
+        assert got == scatters, f"rank {rank}: reduce-scatters {got}"
+        got = [e for e in log if e[0] == "all_reduce"]
+        assert got == all_reduces, f"rank {rank}: all-reduces {got}"
         # padding is bounded: at most one chunk of rows per parameter per rank beyond the data
         n_block = sum(p.numel() for p in probe.blocks[0].parameters()) * 4
         assert n_block <= block < n_block + W * 4 * 7 * 6
@@ -219,10 +218,6 @@ def _errors(rank, world_size):
     scalar = torch.nn.Linear(2, 2)
     scalar.temperature = torch.nn.Parameter(torch.tensor(1.0))
     expect("0-d", lambda: fully_shard(scalar, mesh=mesh), "'temperature'", "0-d", "ignored_params")
-
-    mixed = torch.nn.Linear(2, 2)
-    mixed.bias = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    expect("dtypes", lambda: fully_shard(mixed, mesh=mesh), "'bias': torch.float64", "'weight': torch.float32")
 
     mesh3 = init_device_mesh("cpu", (1, 1, world_size))
     expect("3d-unnamed", lambda: fully_shard(torch.nn.Linear(2, 2), mesh=mesh3), "without axis names", "data_parallel_mesh")
