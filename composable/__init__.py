@@ -7,6 +7,7 @@ The names follow torch's FSDP2 so that switching is one import::
 
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._wrap import ShardingPolicy, ShardingStrategy, apply_fully_shard, select_units, strategy_mesh
 
 __all__ = [
     "fully_shard",
@@ -16,4 +17,9 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "ShardingPolicy",
+    "ShardingStrategy",
+    "apply_fully_shard",
+    "select_units",
+    "strategy_mesh",
 ]

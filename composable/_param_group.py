@@ -103,10 +103,9 @@ class ParamGroup:
         dtypes = [p.dtype for _, p, _ in entries]
         cdtypes = [mp.param_dtype or d for d in dtypes]
         sizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, dtypes)]
-        align = max(d.itemsize for d in dtypes + cdtypes)
-        self.master_offsets, self.master_bytes = _byte_layout(sizes, align)
+        self.master_offsets, self.master_bytes = _byte_layout(sizes, max(d.itemsize for d in dtypes))
         csizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, cdtypes)]
-        self.ag_offsets, self.ag_bytes = _byte_layout(csizes, align)
+        self.ag_offsets, self.ag_bytes = _byte_layout(csizes, max(d.itemsize for d in cdtypes))
         self.zero_copy = cdtypes == dtypes and self.storage_device == self.compute_device
         self.sharded_bytes = self._new_storage()
         self.params = [

@@ -65,7 +65,8 @@ def reference_and_copy(seed: int = 0, **kw):
     return ref, copy.deepcopy(ref)
 
 
-def train_pair(ref, model, rank: int, dp_size: int, steps: int = 3, batch: int = 8, lr: float = 1e-2, dp_rank=None):
+def train_pair(ref, model, rank: int, dp_size: int, steps: int = 3, batch: int = 8, lr: float = 1e-2, dp_rank=None,
+               out: int = 3):
     """Train ``ref`` on the whole batch and ``model`` on this rank's slice; return the max
     relative loss difference over the steps (losses averaged over the dp ranks)."""
     dp_rank = rank if dp_rank is None else dp_rank
@@ -73,7 +74,7 @@ def train_pair(ref, model, rank: int, dp_size: int, steps: int = 3, batch: int =
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     worst = 0.0
     per = batch // dp_size
-    for tokens, target in batches(steps, batch):
+    for tokens, target in batches(steps, batch, out=out):
         ref_loss = loss_fn(ref(tokens), target)
         ref_loss.backward()
         ropt.step()

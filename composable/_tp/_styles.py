@@ -1,0 +1,213 @@
+"""Parallel styles driven by registry rules: `ModuleParallel`, `ColwiseParallel`, `RowwiseParallel`.
+
+Notation: ``p`` tensor-parallel ranks; an ``nn.Linear`` computes ``Y = X W^T + b`` with
+``W`` of shape ``[out, in]``. ``W = [W_1; ...; W_p]`` stacks row blocks (split of ``out``),
+``W = [W_1 ... W_p]`` puts column blocks side by side (split of ``in``). Blocks follow the
+``torch.chunk`` layout, so sizes need not divide ``p``.
+
+Applying one of these styles to a module (see `ModuleParallel.apply`):
+
+1. look up the `ModuleRule` for (style, module class) in the registry;
+2. turn every parameter into a DTensor with the rule's placement (`distribute_params`);
+3. a forward pre-hook lays out input 0 (and further inputs the rule names): a plain tensor
+   is taken to have ``input_layouts`` (the style argument; default: what the rule needs),
+   then redistributed to what the rule needs;
+4. a forward hook redistributes the output to ``output_layouts`` and, with
+   ``use_local_output=True`` (default), returns the local tensor.
+
+Defaults and argument names follow torch's styles of the same names, so plans written for
+``torch.distributed.tensor.parallel`` run unchanged. One deliberate difference: torch's
+``RowwiseParallel`` assumes ``input_layouts=Shard(-1)`` even for ``nn.Embedding`` (whose input
+is token ids); here the default is the rule's ``Replicate()``. Plans that pass
+``input_layouts=Replicate()`` for embeddings, as torch's examples do, behave the same.
+"""
+
+from __future__ import annotations
+
+import functools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+
+from ._layouts import as_dtensor, to_layout, to_local_share
+from ._params import distribute_params
+from ._registry import ModuleRule, TPRegistry
+
+__all__ = ["ApplyContext", "ParallelStyle", "ModuleParallel", "ColwiseParallel", "RowwiseParallel",
+           "as_layout_tuple"]
+
+
+@dataclass(frozen=True)
+class ApplyContext:
+    """What `parallelize_module` passes to every style: rules, data source, and the FQN."""
+
+    registry: TPRegistry
+    src_data_rank: int | None = 0
+    fqn: str = ""
+
+    def where(self, style: object, module: nn.Module) -> str:
+        name = f"'{self.fqn}'" if self.fqn else "the root module"
+        return f"{type(style).__name__} on {name} ({type(module).__name__})"
+
+
+class ParallelStyle(ABC):
+    """How to parallelize one module on a 1-D tensor-parallel mesh.
+
+    Subclasses implement `apply`; `validate` runs first for every entry of a plan, before any
+    module is changed, so a bad plan leaves the model untouched.
+    """
+
+    def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
+        """Raise a clear error if this style cannot apply to ``module``; change nothing."""
+
+    @abstractmethod
+    def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
+        """Parallelize ``module`` in place on ``mesh``."""
+
+
+def as_layout_tuple(layouts: Placement | tuple | list | None, what: str) -> tuple | None:
+    """A Placement or a sequence of Placement/None as a tuple (None stays None)."""
+    if layouts is None:
+        return None
+    if isinstance(layouts, Placement):
+        return (layouts,)
+    if isinstance(layouts, type):
+        raise TypeError(f"{what}: got the class {layouts.__name__}; pass an instance, "
+                        f"e.g. {layouts.__name__}()")
+    out = tuple(layouts)
+    bad = [x for x in out if x is not None and not isinstance(x, Placement)]
+    if bad:
+        raise TypeError(f"{what}: {bad} are not Placements (Shard(d), Replicate(), Partial()) or None")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModuleParallel(ParallelStyle):
+    """Split a module exactly as its registry rule says (the generic rule-driven style).
+
+    Use it directly for module classes registered under ``ModuleParallel`` (for example a
+    mixture-of-experts layer); `ColwiseParallel` and `RowwiseParallel` are the same machinery
+    with their own rules. Communication is whatever the layout changes cost: none when the
+    input already has the needed layout, ``Partial -> Replicate`` an all-reduce,
+    ``Partial -> Shard`` a reduce-scatter, ``Shard -> Replicate`` an all-gather.
+
+    Args:
+        input_layouts: layout of a plain-tensor input 0 (or a tuple, per input); default: the
+            layout the rule needs, i.e. no conversion.
+        output_layouts: layout of the output; default: the rule's output layout, with
+            ``Partial`` turned into ``Replicate`` (a partial sum is never handed out).
+        use_local_output: return the local tensor (default) instead of the DTensor.
+    """
+
+    input_layouts: Placement | tuple[Placement | None, ...] | None = None
+    output_layouts: Placement | None = None
+    use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        object.__setattr__(self, "input_layouts", as_layout_tuple(self.input_layouts, f"{name}(input_layouts)"))
+        if self.output_layouts is not None and not isinstance(self.output_layouts, Placement):
+            raise TypeError(f"{name}(output_layouts=...) takes one Placement instance, "
+                            f"got {self.output_layouts!r}")
+
+    def _rule(self, module: nn.Module, ctx: ApplyContext) -> ModuleRule:
+        rule = ctx.registry.find(self, module)
+        if rule is None:
+            known = ctx.registry.module_classes(self) or ["nothing"]
+            raise TypeError(
+                f"{ctx.where(self, module)}: no rule for {type(module).__name__}; this style knows "
+                f"{', '.join(known)}. Register one: registry = DEFAULT_REGISTRY.with_rule("
+                f"{type(self).__name__}, {type(module).__name__}, ModuleRule(...)) and pass "
+                "parallelize_module(..., registry=registry)")
+        return rule
+
+    def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
+        rule = self._rule(module, ctx)
+        if rule.check is not None:
+            rule.check(module)
+        if rule.forward is not None and "forward" in vars(module):
+            raise ValueError(f"{ctx.where(self, module)}: the instance already has its own forward "
+                             "attribute; a rule with a local forward needs to bind it")
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
+        rule = self._rule(module, ctx)
+        where = ctx.where(self, module)
+        distribute_params(module, mesh, rule.params, src_data_rank=ctx.src_data_rank, what=where)
+        needed = rule.input_layouts
+        given = self.input_layouts or needed
+        if len(given) > len(needed):
+            raise ValueError(f"{where}: input_layouts has {len(given)} entries but the rule lays out "
+                             f"{len(needed)} input(s) {needed}; use PrepareModuleInput for the others")
+        given = given + needed[len(given):]
+        out_layout = self.output_layouts
+        if out_layout is None:
+            natural = rule.output_layout
+            out_layout = Replicate() if isinstance(natural, Partial) else natural
+        local = rule.forward is not None
+
+        def lay_out_inputs(mod: nn.Module, args: tuple) -> tuple:
+            sizes = rule.input_sizes(mod) if rule.input_sizes is not None else ()
+            new = list(args)
+            for i, (have, want) in enumerate(zip(given, needed)):
+                if i >= len(new) or want is None:
+                    continue
+                size = sizes[i] if i < len(sizes) and have == want else None
+                t = to_layout(new[i], mesh, have, want, global_size=size)
+                new[i] = to_local_share(t) if local and isinstance(t, DTensor) else t
+            return tuple(new)
+
+        def lay_out_output(mod: nn.Module, args: tuple, out):
+            if local:
+                out = as_dtensor(out, mesh, rule.output_layout)
+            elif not isinstance(out, DTensor):
+                raise TypeError(f"{where}: forward returned {type(out).__name__}, not a DTensor; "
+                                "a module whose forward does not run on DTensors needs a rule with "
+                                "a local forward")
+            out = to_layout(out, mesh, None, out_layout)
+            return out.to_local() if self.use_local_output else out
+
+        module.register_forward_pre_hook(lay_out_inputs)
+        module.register_forward_hook(lay_out_output)
+        if local:
+            module.forward = functools.partial(rule.forward, module)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ColwiseParallel(ModuleParallel):
+    """Split the output features: each rank computes its block of output columns.
+
+    ``nn.Linear``: ``W = [W_1; ...; W_p]`` (rows, ``Shard(0)``), ``b = [b_1 ... b_p]``
+    (``Shard(0)``), ``Y_r = X W_r^T + b_r``, so ``Y = [Y_1 ... Y_p]`` is ``Shard(-1)``.
+    ``nn.Embedding``: the embedding dim is split, ``E = [E_1 ... E_p]`` (``Shard(1)``),
+    ``Y_r = E_r[ids]``.
+
+    Cost per call, input ``Replicate`` (default): forward none; backward one all-reduce of
+    ``dX = sum_r dY_r W_r`` (Linear; none for Embedding, ids have no gradient). With
+    ``input_layouts=Shard(1)`` (sequence parallel) the forward all-gathers ``X`` and the
+    backward reduce-scatters ``dX`` instead. ``output_layouts=Replicate()`` adds an all-gather
+    of ``Y``. Defaults: ``input_layouts=Replicate()``, ``output_layouts=Shard(-1)``,
+    ``use_local_output=True``, as in torch.
+    """
+
+
+@dataclass(frozen=True, kw_only=True)
+class RowwiseParallel(ModuleParallel):
+    """Split the input features: each rank computes a partial sum of the output.
+
+    ``nn.Linear``: ``W = [W_1 ... W_p]`` (columns, ``Shard(1)``), ``X = [X_1 ... X_p]``
+    (``Shard(-1)``, the output of a `ColwiseParallel` layer), ``Y = sum_r X_r W_r^T + b``
+    with ``b`` ``Replicate`` and added once. ``nn.Embedding``: the vocabulary is split, see
+    `vocab_parallel_embedding` (``Shard(0)``, a masked lookup, ``Y = sum_r Y_r``).
+
+    Cost per call: forward one all-reduce of ``Y`` (``output_layouts=Replicate()``, default)
+    or one reduce-scatter (``output_layouts=Shard(1)``, sequence parallel); backward none for
+    ``Replicate`` output (``dX_r = dY W_r`` is local), one all-gather of ``dY`` for ``Shard(1)``
+    output. Defaults: ``input_layouts=Shard(-1)`` for Linear and ``Replicate()`` for Embedding,
+    ``output_layouts=Replicate()``, ``use_local_output=True``.
+
+    Sizes need not divide ``p``: a plain local input is viewed with the global width
+    ``in_features`` (torch infers ``p * local`` and fails, e.g. hidden 7 on 2 ranks).
+    """

@@ -1,0 +1,299 @@
+"""``apply_fully_shard``: pick the units of a model by a policy and shard them with a strategy.
+
+    from shardwise.composable import ShardingPolicy, apply_fully_shard
+
+    policy = ShardingPolicy(strategy="FULL_SHARD", layer_cls="TransformerBlock")
+    apply_fully_shard(model, init_mesh(dp_shard=-1), policy)   # every block, then the root
+
+A *unit* is one ``fully_shard`` call, selected by class name, parameter count or
+``_no_split_modules``; the strategy (Accelerate's names) fixes the data-parallel mesh and
+``reshard_after_forward``. docs/strategies.md compares them with DeepSpeed ZeRO and FSDP1/2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardwise.mesh import init_mesh
+
+from ._fully_shard import FSDPModule, fully_shard
+
+__all__ = ["ShardingStrategy", "ShardingPolicy", "select_units", "strategy_mesh", "apply_fully_shard"]
+
+
+class ShardingStrategy(str, enum.Enum):
+    """Accelerate's (and FSDP1's) strategy names, as a data-parallel mesh + ``reshard_after_forward``.
+
+    * ``FULL_SHARD`` (ZeRO-3): 1-D mesh, shard over all D ranks; reshard_after_forward True.
+    * ``SHARD_GRAD_OP`` (ZeRO-2): 1-D mesh, shard over all D ranks; False.
+    * ``NO_SHARD`` (DDP-like): 2-D ``(D, 1)`` mesh, replicate over all, shard size 1; False.
+    * ``HYBRID_SHARD``: 2-D ``(R, S)`` mesh with ``R > 1``, shard within a replica; True.
+    * ``HYBRID_SHARD_ZERO2``: 2-D ``(R, S)`` mesh with ``R > 1``; False.
+    """
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
+    @classmethod
+    def parse(cls, value: "ShardingStrategy | str | int") -> "ShardingStrategy":
+        """A strategy from itself, its name in any case (``"ShardingStrategy.X"`` too), or Accelerate's
+        number 1-5."""
+        key = value.value if isinstance(value, cls) else str(value).strip().upper().rpartition(".")[2]
+        if key.isdigit() and 1 <= int(key) <= 5:
+            return list(cls)[int(key) - 1]
+        if key in cls.__members__:
+            return cls[key]
+        raise ValueError(f"unknown sharding strategy {value!r}; use one of {[s.value for s in cls]} "
+                         "(or Accelerate's numbers 1-5 in that order)")
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """Which modules become units, and how they are sharded.
+
+    Fields:
+        strategy: a `ShardingStrategy` or its name (Accelerate's ``fsdp_sharding_strategy``).
+        layer_cls: class names whose instances become units: a comma-separated string
+            (``"LlamaDecoderLayer,Embedding"``, Accelerate's ``fsdp_transformer_layer_cls_to_wrap``),
+            or a sequence of names or classes. A module matches if its class or a base class has
+            the name. Every name must match a module of the model.
+        min_num_params: if > 0, a module becomes a unit when the parameters under it that are
+            not already in a unit below it number at least this (Accelerate's
+            ``fsdp_min_num_params``; ``ModuleList``/``ModuleDict`` are never picked by size).
+        no_split_modules: also select the classes named by ``_no_split_modules`` (Hugging Face's
+            convention) of the model and its submodules; at least one must be present.
+        reshard_after_forward: overrides the strategy's value for every unit except the root:
+            an int ``k`` keeps ``1/k`` of the gathered parameters and re-gathers over ``k``
+            ranks (ZeRO++ hpZ). None: the strategy's.
+
+    Selectors combine by "or". With none, only the root is a unit (Accelerate's ``NO_WRAP``).
+    Units are sharded children before parents, then the root, which always keeps its
+    parameters from forward to backward (they are the first needed there).
+    """
+
+    strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD
+    layer_cls: str | tuple[str, ...] = ()
+    min_num_params: int = 0
+    no_split_modules: bool = False
+    reshard_after_forward: bool | int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", ShardingStrategy.parse(self.strategy))
+        raw = self.layer_cls.split(",") if isinstance(self.layer_cls, str) else self.layer_cls
+        names = [c.__name__ if isinstance(c, type) else c for c in raw]
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"ShardingPolicy.layer_cls={self.layer_cls!r}: give class names or classes")
+        object.__setattr__(self, "layer_cls", tuple(dict.fromkeys(n.strip() for n in names if n.strip())))
+        n = self.min_num_params
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"ShardingPolicy.min_num_params={n!r}: use an int >= 0 (0 = do not select by size)")
+        raf = self.reshard_after_forward
+        if raf is not None and (not isinstance(raf, int) or (not isinstance(raf, bool) and raf < 1)):
+            raise ValueError(f"ShardingPolicy.reshard_after_forward={raf!r}: use None, a bool or an int >= 1")
+
+    @classmethod
+    def from_accelerate(cls, config: dict) -> "ShardingPolicy":
+        """A policy from Accelerate's FSDP config keys (``fsdp_config`` of its YAML, with or
+        without the ``fsdp_`` prefix): ``sharding_strategy``, ``reshard_after_forward``
+        (FSDP2's true = FULL_SHARD, false = SHARD_GRAD_OP; or a strategy name), ``auto_wrap_policy``
+        (``TRANSFORMER_BASED_WRAP``, ``SIZE_BASED_WRAP``, ``NO_WRAP``),
+        ``transformer_layer_cls_to_wrap`` and ``min_num_params``. Other keys are ignored."""
+        cfg = {k[5:] if k.startswith("fsdp_") else k: v for k, v in config.items()}
+        strategy = cfg.get("sharding_strategy", "FULL_SHARD")
+        flag = str(cfg.get("reshard_after_forward", strategy)).strip().lower()  # FSDP2: a bool
+        strategy = {"true": "FULL_SHARD", "false": "SHARD_GRAD_OP"}.get(flag, flag)
+        wrap = str(cfg.get("auto_wrap_policy", "NO_WRAP")).upper()
+        if wrap == "TRANSFORMER_BASED_WRAP":
+            layers = cfg.get("transformer_layer_cls_to_wrap") or ()
+            return cls(strategy=strategy, layer_cls=layers, no_split_modules=not layers)
+        if wrap == "SIZE_BASED_WRAP":
+            if "min_num_params" not in cfg:
+                raise ValueError("from_accelerate: SIZE_BASED_WRAP needs fsdp_min_num_params")
+            return cls(strategy=strategy, min_num_params=int(cfg["min_num_params"]))
+        if wrap != "NO_WRAP":
+            raise ValueError(f"from_accelerate: auto_wrap_policy={wrap!r}; use TRANSFORMER_BASED_WRAP, "
+                             "SIZE_BASED_WRAP or NO_WRAP")
+        return cls(strategy=strategy)
+
+
+def _class_names(model: nn.Module, policy: ShardingPolicy) -> set[str]:
+    present = sorted({c.__name__ for m in model.modules() for c in type(m).__mro__
+                      if issubclass(c, nn.Module) and c is not nn.Module and not issubclass(c, FSDPModule)})
+    lower = {p.lower(): p for p in present}
+
+    def missing_error(names: list[str], what: str) -> ValueError:
+        near = {n: [lower[m] for m in difflib.get_close_matches(n.lower(), lower, n=3, cutoff=0.6)] for n in names}
+        hints = "; ".join(f"{n!r}: did you mean {m}?" for n, m in near.items() if m)
+        return ValueError(f"apply_fully_shard: {what} {names} match no module of {type(model).__name__}. "
+                          f"Classes present: {present}.{' ' + hints if hints else ''} Fix the names in "
+                          "ShardingPolicy(layer_cls=...).")
+
+    wanted = set(policy.layer_cls)
+    missing = [n for n in policy.layer_cls if n not in present]
+    if missing:
+        raise missing_error(missing, "layer_cls")
+    if policy.no_split_modules:
+        declared = {n for m in model.modules() for n in (getattr(m, "_no_split_modules", None) or ())}
+        if not declared:
+            raise ValueError(f"apply_fully_shard: no_split_modules=True but {type(model).__name__} has no "
+                             f"_no_split_modules; name the block classes: ShardingPolicy(layer_cls=...) of {present}")
+        if not declared & set(present):
+            raise missing_error(sorted(declared), "the _no_split_modules classes")
+        wanted |= declared
+    return wanted
+
+
+def select_units(model: nn.Module, policy: ShardingPolicy) -> list[str]:
+    """Qualified names of the submodules that `apply_fully_shard` makes units, in the order it
+    shards them (children before parents; the root, which comes last, is not listed).
+
+    Pure: no communication, works on any module (meta device included). Modules that are
+    already units are skipped, and their parameters do not count toward ``min_num_params``.
+    """
+    names = _class_names(model, policy)
+    units: list[str] = []
+    seen_modules: set[int] = set()
+    seen_params: set[int] = set()
+
+    def visit(mod: nn.Module, fqn: str) -> int:
+        """Parameters under ``mod`` not yet in a unit (each counted once)."""
+        free = 0
+        for cname, child in mod.named_children():
+            if id(child) not in seen_modules:
+                seen_modules.add(id(child))
+                free += visit(child, f"{fqn}.{cname}" if fqn else cname)
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen_params:
+                seen_params.add(id(p))
+                free += p.numel()
+        if mod is model:
+            return free
+        if isinstance(mod, FSDPModule):
+            return 0
+        by_class = any(c.__name__ in names for c in type(mod).__mro__)
+        by_size = 0 < policy.min_num_params <= free and not isinstance(mod, (nn.ModuleList, nn.ModuleDict))
+        if by_class or by_size:
+            units.append(fqn)
+            return 0
+        return free
+
+    seen_modules.add(id(model))
+    visit(model, "")
+    return units
+
+
+def _axes(mesh: DeviceMesh) -> tuple[int, int]:
+    """(replicate, shard) sizes of a 1-D, 2-D or init_mesh 3-D mesh."""
+    if mesh.ndim == 1:
+        return 1, mesh.size(0)
+    if mesh.ndim == 2:
+        return mesh.size(0), mesh.size(1)
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 3 and "dp_replicate" in names and "dp_shard" in names:
+        return mesh.size(names.index("dp_replicate")), mesh.size(names.index("dp_shard"))
+    raise ValueError(f"apply_fully_shard: got a {mesh.ndim}-D mesh with axes {names or 'unnamed'}; pass a "
+                     "1-D or 2-D data-parallel mesh, or the 3-D mesh of shardwise.mesh.init_mesh")
+
+
+def _no_shard_mesh(mesh: DeviceMesh, dp: int) -> DeviceMesh:
+    """The same data-parallel ranks regrouped as a ``(dp, 1)`` replicate x shard mesh."""
+    if mesh.mesh.numel() != dist.get_world_size():
+        raise ValueError(
+            f"apply_fully_shard(NO_SHARD): the mesh covers {mesh.mesh.numel()} of {dist.get_world_size()} ranks; "
+            "NO_SHARD regroups the ranks into a (D, 1) mesh, which every rank must build together. Pass the full "
+            "init_mesh(...) mesh, or build the (D, 1) mesh yourself, e.g. "
+            "init_device_mesh(device, (D, 1), mesh_dim_names=('dp_replicate', 'dp_shard')).")
+    if mesh.ndim == 3:
+        names = mesh.mesh_dim_names
+        tp = mesh.mesh.permute(names.index("dp_replicate"), names.index("dp_shard"), names.index("tp"))
+        full = DeviceMesh(mesh.device_type, tp.reshape(dp, 1, -1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        return full["dp_replicate", "dp_shard"]
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def strategy_mesh(strategy: ShardingStrategy | str, mesh: DeviceMesh | None = None) -> DeviceMesh:
+    """The data-parallel mesh ``fully_shard`` gets for ``strategy``, from ``mesh``.
+
+    ``mesh`` may be the 3-D mesh of ``shardwise.mesh.init_mesh``, a 1-D shard mesh, a 2-D
+    replicate x shard mesh, or None (``init_mesh()``: every rank on the shard axis; HYBRID_*
+    need a mesh). With ``R`` replicas and ``S`` shards in ``mesh``:
+
+    * FULL_SHARD, SHARD_GRAD_OP: need ``R == 1``; give the 1-D shard mesh.
+    * HYBRID_SHARD, HYBRID_SHARD_ZERO2: need ``R > 1``; give the 2-D ``(R, S)`` mesh.
+    * NO_SHARD: a ``(R * S, 1)`` mesh over the same ranks: ``mesh`` itself if ``S == 1``,
+      otherwise a new mesh, which needs ``mesh`` to span every rank (all ranks build it).
+
+    Raises ValueError naming the mesh and the one to pass instead.
+    """
+    strategy = ShardingStrategy.parse(strategy)
+    if mesh is None and strategy.is_hybrid:
+        raise ValueError(f"{strategy.value} needs the replicate x shard split of the ranks: pass "
+                         "mesh=shardwise.mesh.init_mesh(dp_replicate=R, dp_shard=S) with R > 1")
+    mesh = init_mesh(dp_replicate=1, dp_shard=-1) if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"apply_fully_shard: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    R, S = _axes(mesh)
+    if strategy is ShardingStrategy.NO_SHARD:
+        if S == 1 and mesh.ndim == 2:
+            return mesh
+        if S == 1 and mesh.ndim == 3:
+            return mesh["dp_replicate", "dp_shard"]
+        return _no_shard_mesh(mesh, R * S)
+    if strategy.is_hybrid:
+        if R == 1:
+            raise ValueError(f"{strategy.value} replicates over the outer axis and shards over the inner one, but "
+                             f"the mesh has 1 replica x {S} shards. Pass a mesh with replicas: init_mesh(dp_replicate=R, "
+                             f"dp_shard=S) with R > 1 and R * S = {S}, or use "
+                             f"{'FULL_SHARD' if strategy.reshard_after_forward else 'SHARD_GRAD_OP'}")
+        return mesh["dp_replicate", "dp_shard"] if mesh.ndim == 3 else mesh
+    if R > 1:
+        raise ValueError(f"{strategy.value} shards over one axis but the mesh has {R} replicas x {S} shards. Use "
+                         f"HYBRID_SHARD{'' if strategy.reshard_after_forward else '_ZERO2'} to shard within the "
+                         f"replicas, or build init_mesh(dp_replicate=1, dp_shard={R * S}) to shard over all ranks")
+    if mesh.ndim == 1:
+        return mesh
+    if mesh.ndim == 3:
+        return mesh["dp_shard"]
+    names = mesh.mesh_dim_names
+    return mesh[names[1]] if names else DeviceMesh.from_group(mesh.get_group(1), mesh.device_type)
+
+
+def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None,
+                      policy: ShardingPolicy = ShardingPolicy(), *,
+                      ignored_params: Iterable[nn.Parameter] | None = None) -> nn.Module:
+    """Shard ``model``: ``fully_shard`` every unit `select_units` picks (children first), then
+    the root, on ``strategy_mesh(policy.strategy, mesh)``.
+
+    Units get the strategy's ``reshard_after_forward`` (or ``policy.reshard_after_forward``);
+    the root gets None (keeps its parameters until backward), or False under a strategy that
+    never reshards. ``ignored_params`` go to every call. Returns ``model``. Call it on every
+    rank; build the optimizer afterwards.
+    """
+    if not isinstance(policy, ShardingPolicy):
+        raise TypeError(f"apply_fully_shard: policy must be a ShardingPolicy, got {type(policy).__name__}")
+    dp_mesh = strategy_mesh(policy.strategy, mesh)
+    raf = policy.strategy.reshard_after_forward if policy.reshard_after_forward is None else policy.reshard_after_forward
+    ignored = list(ignored_params or ())
+    modules = dict(model.named_modules())
+    for name in select_units(model, policy):
+        fully_shard(modules[name], mesh=dp_mesh, reshard_after_forward=raf, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False if raf is False else None, ignored_params=ignored)
+    return model
