@@ -1,0 +1,229 @@
+"""Deferred initialisation of sharded models, and loading from one rank.
+
+[Note: deferred initialisation]
+A model too large for one device is built on the meta device, sharded, and only then given
+storage. Its values must be exactly what the same init code would produce on one device, on
+every rank and whatever the mesh. Running random init directly on shards cannot do that on CPU
+(each rank would draw the first numbers of the stream for its own rows), so ``materialize``
+runs the user's init code on *full-size* tensors, but never more than one unit's worth at a
+time:
+
+* every parameter of every unit gets a full-size placeholder (original dtype) whose storage is
+  empty, registered on its modules in place of the sharded parameter;
+* a dispatch mode watches the init code. The first op that touches a placeholder's storage
+  makes its unit *current*: the previous current unit keeps its own rows (this rank's shard)
+  and frees its placeholders, the new one gets storage — zeros, or its values so far gathered
+  back from the shards if the init code comes back to it (``init_weights`` that does the
+  embedding, then the blocks, then the final norm of the root unit);
+* every rank runs the same init code with the same generator state, so each one draws the
+  whole stream and keeps its rows: the shards equal the single-device values bit for bit.
+
+Parameters or meta buffers that the init code never touched are an error naming them, not
+silent garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ._layout import gather_rows, scatter_rows
+from ._state import get_state
+
+__all__ = ["materialize", "broadcast_from_rank0"]
+
+
+def _groups(model: nn.Module):
+    seen, out = set(), []
+    for m in model.modules():
+        s = get_state(m)
+        if s is not None and s.group is not None and id(s.group) not in seen:
+            seen.add(id(s.group))
+            out.append(s.group)
+    return out
+
+
+def _materialize_storage(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Real storage for meta units, meta buffers and meta ignored parameters; returns the
+    buffers that were on meta (they need values from the init code)."""
+    groups = _groups(model)
+    for g in groups:
+        if g.sharded_bytes.device.type == "meta":
+            g.materialize()
+    default = groups[0].compute_device if groups else torch.device("cpu")
+    meta_buffers = []
+    for m in model.modules():
+        s = get_state(m)
+        device = s.group.compute_device if s is not None and s.group is not None else None
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.device.type == "meta":
+                m._buffers[name] = torch.zeros_like(b, device=device or default)
+                meta_buffers.append((m, name))
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                m._parameters[name] = nn.Parameter(torch.zeros_like(p, device=default), requires_grad=p.requires_grad)
+    return meta_buffers
+
+
+class _Placeholders:
+    """Full-size, lazily allocated stand-ins for the parameters of every unit."""
+
+    def __init__(self, groups) -> None:
+        self.groups = groups
+        self.full = {}  # id(ShardedParam) -> placeholder
+        self.owner = {}  # storage _cdata -> (group, ShardedParam)
+        self.touched: set[int] = set()
+        self.ever_active: set[int] = set()
+        self.current = None
+        for g in groups:
+            for p in g.params:
+                t = nn.Parameter(torch.empty(p.layout.shape, dtype=p.orig_dtype, device=p.padded.device),
+                                 requires_grad=p.requires_grad)
+                t.data.untyped_storage().resize_(0)
+                self.full[id(p)] = t
+                self.owner[t.untyped_storage()._cdata] = (g, p)
+                for module, name in p.uses:
+                    module._parameters[name] = t
+
+    def touch(self, key: int) -> None:
+        g, p = self.owner[key]
+        self.touched.add(id(p))
+        if self.current is g:
+            return
+        if self.current is not None:
+            self._finalize(self.current)
+        self._activate(g)
+
+    def _activate(self, g) -> None:
+        for p in g.params:
+            t = self.full[id(p)].data
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.zero_()
+        if id(g) in self.ever_active:  # the init code came back: restore its values so far
+            rows = torch.empty(g.world * g.master_bytes, dtype=torch.uint8, device=g.sharded_bytes.device)
+            dist.all_gather_single(rows, g.sharded_bytes, group=g.shard_group)
+            rows = rows.view(g.world, g.master_bytes)
+            for p, o in zip(g.params, g.master_offsets):
+                block = rows[:, o : o + p.layout.padded_numel * p.orig_dtype.itemsize].view(p.orig_dtype)
+                gather_rows(p.layout, block, self.full[id(p)].data)
+        self.ever_active.add(id(g))
+        self.current = g
+
+    def _finalize(self, g) -> None:
+        for p in g.params:
+            t = self.full[id(p)].data
+            scatter_rows(p.layout, t, p.padded.view(1, -1), g.rank, g.rank + 1)
+            t.untyped_storage().resize_(0)
+        self.current = None
+
+    def finish(self) -> None:
+        if self.current is not None:
+            self._finalize(self.current)
+        for g in self.groups:
+            for p in g.params:
+                p.register(unsharded=False)
+
+
+class _TouchMode(TorchDispatchMode):
+    def __init__(self, placeholders: _Placeholders, buffers: dict[int, str]) -> None:
+        super().__init__()
+        self.ph = placeholders
+        self.buffers = buffers
+        self.buffers_touched: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat, _ = tree_flatten((args, kwargs or {}))
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                key = t.untyped_storage()._cdata
+                if key in self.ph.owner:
+                    self.ph.touch(key)
+                elif key in self.buffers:
+                    self.buffers_touched.add(key)
+        return func(*args, **(kwargs or {}))
+
+
+def _default_init(model: nn.Module) -> None:
+    for m in model.modules():
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+
+
+def materialize(model: nn.Module, init_fn=None) -> None:
+    """Give a model built on the meta device and sharded with ``fully_shard`` real storage,
+    and run ``init_fn(model)`` (default: ``reset_parameters()`` of every submodule that has
+    one, in module order) so that every rank's shards hold exactly what the same init would
+    put there on one device with the same seed. At most one unit is unsharded at a time.
+    See [Note: deferred initialisation]. Collective: call it on every rank.
+
+    Raises ``RuntimeError`` naming the parameters / meta buffers ``init_fn`` left untouched.
+    """
+    init_fn = _default_init if init_fn is None else init_fn
+    meta_buffers = _materialize_storage(model)
+    groups = _groups(model)
+    ph = _Placeholders(groups)
+    buffer_keys = {m._buffers[n].untyped_storage()._cdata: n for m, n in meta_buffers}
+    mode = _TouchMode(ph, buffer_keys)
+    try:
+        with torch.no_grad(), mode:
+            init_fn(model)
+    finally:
+        ph.finish()
+    missing = [p.fqn for g in groups for p in g.params if id(p) not in ph.touched]
+    missing += [f"buffer {n}" for k, n in buffer_keys.items() if k not in mode.buffers_touched]
+    if missing:
+        raise RuntimeError(
+            f"materialize: init_fn did not initialise {missing}; they were built on the meta device and "
+            "have no values. Initialise them in init_fn (e.g. a reset_parameters() on their module, or "
+            "nn.init.* / .copy_() in your init_weights)."
+        )
+
+
+def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_rank: int = 0) -> None:
+    """Fill a sharded model from a full state dict that only ``src_rank`` holds (others pass
+    None and may have built the model on the meta device): Accelerate's
+    ``sync_module_states`` / ``cpu_ram_efficient_loading``. Unit by unit, the source builds the
+    padded ``[W, B]`` byte matrix of one unit and scatters row ``r`` to shard rank ``r`` (then
+    it is broadcast across replicas for HSDP), so no other rank ever holds more than its shard.
+    Buffers are broadcast from the source's model. Collective: call it on every rank.
+
+    On the source, take ``full_state_dict = model.state_dict()`` before calling ``fully_shard``.
+    """
+    me = dist.get_rank()
+    _materialize_storage(model)
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    for g in _groups(model):
+        mesh = g.mesh
+        coords = list(mesh.get_coordinate())
+        src_coords = [int(x) for x in (mesh.mesh == src_rank).nonzero()[0]] if (mesh.mesh == src_rank).any() else None
+        if src_coords is None:
+            raise ValueError(f"broadcast_from_rank0: src_rank {src_rank} is not in the mesh of unit {g.label}")
+        in_src_shard_group = coords[:-1] == src_coords[:-1]
+        if in_src_shard_group:
+            send = None
+            if me == src_rank:
+                send = torch.zeros(g.world, g.master_bytes, dtype=torch.uint8, device=g.sharded_bytes.device)
+                for p, o in zip(g.params, g.master_offsets):
+                    fqn = names[id(p.sharded)]
+                    if fqn not in full_state_dict:
+                        raise KeyError(f"broadcast_from_rank0: '{fqn}' is missing from the full state dict")
+                    full = full_state_dict[fqn].detach().to(device=send.device, dtype=p.orig_dtype)
+                    if tuple(full.shape) != p.layout.shape:
+                        raise ValueError(f"broadcast_from_rank0: '{fqn}' has shape {tuple(full.shape)}, "
+                                         f"the model expects {p.layout.shape}")
+                    block = send[:, o : o + p.layout.padded_numel * p.orig_dtype.itemsize].view(p.orig_dtype)
+                    scatter_rows(p.layout, full, block, 0, g.world)
+                send = list(send.unbind(0))
+            dist.scatter(g.sharded_bytes, send, src=src_rank, group=g.shard_group)
+        if g.replicate_group is not None:
+            src_in_replicas = int(mesh.mesh[(slice(None), *coords[1:])][src_coords[0]])
+            dist.broadcast(g.sharded_bytes, src=src_in_replicas, group=g.replicate_group)
+    for m in model.modules():
+        for name, b in m._buffers.items():
+            if b is not None:
+                dist.broadcast(b, src=src_rank)
