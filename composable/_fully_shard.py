@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._mesh_utils import mesh_device
 from ._param_group import ParamGroup
@@ -175,8 +176,8 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]):
                 continue
             fqn = prefix + name
             owner = getattr(p, _OWNER_ATTR, None)
-            if owner is not None or isinstance(p, DTensor):
-                where = owner if owner is not None else "another unit (it is already a DTensor)"
+            if owner is not None:
+                where = owner
                 raise ValueError(
                     f"fully_shard: parameter '{fqn}' is shared with {where}, which is already sharded. A parameter "
                     "shared between two units (e.g. an embedding tied to the output head) would be all-gathered and "
@@ -199,6 +200,14 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]):
 
 def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
     for fqn, p, _ in entries:
+        if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or not all(
+                isinstance(x, (Shard, Replicate)) and not isinstance(x, _StridedShard) for x in p.placements)):
+            raise ValueError(
+                f"fully_shard({label}): parameter '{fqn}' is a DTensor with placements {tuple(p.placements)} on a "
+                f"{p.device_mesh.ndim}-D mesh; fully_shard composes with tensor parallelism on a 1-D 'tp' mesh "
+                "(Shard or Replicate placements). Apply tensor parallelism first, then fully_shard on the "
+                "data-parallel mesh."
+            )
         if not p.is_floating_point():
             raise ValueError(
                 f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters are "
@@ -292,6 +301,7 @@ def fully_shard(
     if group is not None:
         for (fqn, p, _), sp in zip(entries, group.params):
             setattr(p, _OWNER_ATTR, f"'{fqn}' of the unit fully_shard({label})")
+            setattr(sp.sharded, _OWNER_ATTR, getattr(p, _OWNER_ATTR))
             sp.register(unsharded=False)
     for m in modules:
         m.__class__ = _fsdp_class(type(m))

@@ -46,6 +46,15 @@ def _groups(model: nn.Module):
     return out
 
 
+def _refuse_tp(model: nn.Module, what: str) -> None:
+    tp = [p.fqn for g in _groups(model) for p in g.params if p.tp_mesh is not None]
+    if tp:
+        raise NotImplementedError(
+            f"{what}: tensor-parallel parameters {tp[:3]}... are not supported yet; initialise or load the model "
+            "before applying tensor parallelism, or load a sharded checkpoint (shardwise.checkpoint)."
+        )
+
+
 def _materialize_storage(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """Real storage for meta units, meta buffers and meta ignored parameters; returns the
     buffers that were on meta (they need values from the init code)."""
@@ -162,6 +171,7 @@ def materialize(model: nn.Module, init_fn=None) -> None:
     Raises ``RuntimeError`` naming the parameters / meta buffers ``init_fn`` left untouched.
     """
     init_fn = _default_init if init_fn is None else init_fn
+    _refuse_tp(model, "materialize")
     meta_buffers = _materialize_storage(model)
     groups = _groups(model)
     ph = _Placeholders(groups)
@@ -193,6 +203,7 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
     On the source, take ``full_state_dict = model.state_dict()`` before calling ``fully_shard``.
     """
     me = dist.get_rank()
+    _refuse_tp(model, "broadcast_from_rank0")
     _materialize_storage(model)
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ._layout import DimZeroLayout, gather_rows, scatter_rows
 from ._mesh_utils import mesh_device
@@ -99,7 +100,9 @@ class ParamGroup:
             torch.device("cpu") if self.offload else self.compute_device)
         self.pin = self.offload and (offload.pin_memory if offload.pin_memory is not None
                                      else self.compute_device.type != "cpu")
-        layouts = [DimZeroLayout(tuple(p.shape), self.world) for _, p, _ in entries]
+        # a tensor-parallel DTensor is sharded on its TP-local shape
+        layouts = [DimZeroLayout(tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape), self.world)
+                   for _, p, _ in entries]
         dtypes = [p.dtype for _, p, _ in entries]
         cdtypes = [mp.param_dtype or d for d in dtypes]
         sizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, dtypes)]
@@ -216,7 +219,7 @@ class ParamGroup:
             rows = buf.view(per, self.ag_bytes)
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    scatter_rows(p.layout, p.unsharded.data, self._ag_block(rows, i), lo, lo + per)
+                    scatter_rows(p.layout, p.unsharded_data(), self._ag_block(rows, i), lo, lo + per)
             self._post_forward = (buf, group)
         for p in self.params:
             p.register(unsharded=False)
@@ -244,11 +247,11 @@ class ParamGroup:
                 rows = send.view(W, b.numel)
                 for p, o in zip(b.params, b.offsets):
                     block = rows[:, o : o + p.layout.padded_numel]
-                    if p.unsharded.grad is None:
+                    g = p.take_unsharded_grad(b.dtype)
+                    if g is None:
                         block.zero_()
                     else:
-                        scatter_rows(p.layout, p.unsharded.grad, block, 0, W)
-                        p.unsharded.grad = None
+                        scatter_rows(p.layout, g, block, 0, W)
                 out = torch.empty(b.numel, dtype=b.dtype, device=self.compute_device)
                 work = dist.reduce_scatter_single(out, send, group=self.shard_group, async_op=True)
                 pending.append(PendingReduce(self, b, work, out, all_reduce))

@@ -20,6 +20,19 @@ tensor object: ``untyped_storage().resize_(0)`` drops the bytes and the all-gath
 backward resizes the same storage back and fills it. Writes go through ``.data`` (an alias
 with its own version counter), so autograd's in-place checks do not fire on the refill.
 
+[Note: sharding a tensor-parallel parameter]
+A parameter already distributed by tensor parallelism is a DTensor on a 1-D ``tp`` mesh whose
+local tensor is this rank's TP piece. fully_shard shards that *local* tensor along dim 0 over
+the data-parallel axes, so the layout arithmetic (``layout``) is on the TP-local shape and the
+collectives run within each data-parallel group, whose members hold TP pieces of the same
+shape. The sharded parameter is a DTensor on the combined ``(dp..., tp)`` mesh: if TP split
+dim 0 too (colwise weights), the dim-0 pieces are "TP chunk first, then dp chunk within it",
+which DTensor spells ``_StridedShard(0, split_factor=tp)`` on the dp axis; otherwise the dp
+axis is a plain ``Shard(0)``. ``full_tensor()`` therefore gives the global tensor. The
+unsharded parameter is again a DTensor on the ``tp`` mesh, as the TP module code expects; its
+gradient is redistributed to the parameter's TP placement (the TP all-reduce of a
+``Partial`` gradient, in ``reduce_dtype``) before the data-parallel reduce-scatter.
+
 Parameters that appear under several names inside one unit (shared within the unit, e.g. an
 embedding tied to the output head) are one ``ShardedParam`` with several ``uses``; all of
 them are swapped together, so the tie holds in forward and both uses' gradients add up.
@@ -30,6 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._layout import DimZeroLayout, scatter_rows
 
@@ -59,19 +73,31 @@ class ShardedParam:
         self.fqn = fqn
         self.uses = uses
         self.layout = layout
-        self.mesh = mesh
         self.shard_rank = shard_rank
         self.orig_dtype = param.dtype
         self.compute_dtype = compute_dtype
         self.requires_grad = param.requires_grad
-        self.placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-        self.global_stride = torch.empty(layout.shape, device="meta").stride()
-        self.unsharded = nn.Parameter(
-            torch.empty(layout.shape, dtype=compute_dtype, device=compute_device),
-            requires_grad=param.requires_grad,
-        )
+        dp = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        if isinstance(param, DTensor):  # see [Note: sharding a tensor-parallel parameter]
+            self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)
+            if self.tp_placements[0] == Shard(0):
+                dp = dp[:-1] + (_StridedShard(0, split_factor=self.tp_mesh.size()),)
+            self.mesh = _combined_mesh(mesh, self.tp_mesh)
+            self.placements = dp + self.tp_placements
+            self.global_shape = tuple(param.shape)
+            data = param.to_local().detach()
+        else:
+            self.tp_mesh, self.tp_placements = None, None
+            self.mesh, self.placements, self.global_shape = mesh, dp, layout.shape
+            data = param.detach()
+        self.global_stride = torch.empty(self.global_shape, device="meta").stride()
+        local = torch.empty(layout.shape, dtype=compute_dtype, device=compute_device)
+        if self.tp_mesh is not None:
+            local = DTensor.from_local(local, self.tp_mesh, self.tp_placements, run_check=False,
+                                       shape=torch.Size(self.global_shape), stride=self.global_stride)
+        self.unsharded = nn.Parameter(local, requires_grad=param.requires_grad)
         self.free_unsharded()
-        self.set_storage(padded, None if param.device.type == "meta" else param.detach())
+        self.set_storage(padded, None if param.device.type == "meta" else data)
 
     # -- layouts ---------------------------------------------------------------------------
     def set_storage(self, padded: torch.Tensor, full: torch.Tensor | None) -> None:
@@ -91,7 +117,7 @@ class ShardedParam:
             self.mesh,
             self.placements,
             run_check=False,
-            shape=torch.Size(self.layout.shape),
+            shape=torch.Size(self.global_shape),
             stride=self.global_stride,
         )
 
@@ -100,20 +126,41 @@ class ShardedParam:
         return self.sharded.to_local()
 
     # -- unsharded storage (see [Note: freeing by storage resize]) ------------------------------
+    def unsharded_data(self) -> torch.Tensor:
+        """A writable alias of the unsharded parameter's (TP-local) data, outside autograd."""
+        t = self.unsharded
+        if self.tp_mesh is not None:
+            with torch.no_grad():
+                t = t.to_local()
+        return t.data
+
     @property
     def unsharded_allocated(self) -> bool:
-        return self.unsharded.untyped_storage().size() > 0
+        return self.unsharded_data().untyped_storage().size() > 0
 
     def alloc_unsharded(self) -> torch.Tensor:
         """Give the unsharded parameter its bytes back; returns a writable alias."""
-        t = self.unsharded.data
+        t = self.unsharded_data()
         nbytes = t.numel() * t.element_size()
         if t.untyped_storage().size() != nbytes:
             t.untyped_storage().resize_(nbytes)
         return t
 
     def free_unsharded(self) -> None:
-        self.unsharded.data.untyped_storage().resize_(0)
+        self.unsharded_data().untyped_storage().resize_(0)
+
+    def take_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The unsharded gradient as a plain (TP-local) tensor in ``dtype``, cleared from the
+        unsharded parameter. A TP gradient is first redistributed to the parameter's TP
+        placement (e.g. the all-reduce of a ``Partial`` gradient), in ``dtype``."""
+        g = self.unsharded.grad
+        self.unsharded.grad = None
+        if g is None or self.tp_mesh is None:
+            return g
+        g = g.to(dtype)
+        if tuple(g.placements) != self.tp_placements:
+            g = g.redistribute(self.tp_mesh, self.tp_placements)
+        return g.to_local()
 
     # -- which tensor the module sees ------------------------------------------------------------
     def register(self, unsharded: bool) -> None:
@@ -131,3 +178,18 @@ class ShardedParam:
         else:
             with torch.no_grad():
                 self.sharded.grad.to_local().add_(local_grad.to(device))
+
+
+def _combined_mesh(dp_mesh, tp_mesh):
+    """The ``(dp axes..., tp axis)`` mesh of the root mesh both were sliced from."""
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    root = dp_mesh._get_root_mesh()
+    if not dp_names or not tp_names or tp_mesh._get_root_mesh() is not root:
+        raise ValueError(
+            "fully_shard: a tensor-parallel parameter needs the data-parallel mesh and its TP mesh to be named "
+            "slices of one mesh, e.g. mesh = init_mesh(dp_shard=2, tp=2); parallelize_module(m, mesh['tp'], plan); "
+            f"fully_shard(m, mesh=data_parallel_mesh(mesh)). Got dp axes {dp_names} and tp axes {tp_names}."
+        )
+    if set(dp_names) & set(tp_names):
+        raise ValueError(f"fully_shard: the dp mesh {dp_names} and the TP mesh {tp_names} share an axis")
+    return root[(*dp_names, *tp_names)]
