@@ -1,0 +1,1 @@
+"""Benchmarks (not part of the library): ``python benchmarks/memory.py --help``."""

@@ -1,0 +1,155 @@
+"""``clip_grad_norm_`` over gradients sharded on any meshes: the true global norm, few collectives.
+
+[Note: the norm of sharded gradients]
+For ``p`` finite, ``||g||_p^p`` is a sum over elements, so it splits over the pieces of a
+sharded gradient: each rank computes ``sum |local|^p`` over its ``to_local()`` (which holds
+only real rows, never padding) and a SUM over the mesh axes where the gradient is *Shard*
+adds the pieces. Over a *Replicate* axis every rank holds the same piece: summing there would
+count it several times, so those axes are skipped. For ``p = inf`` the same holds with MAX.
+A *Partial* gradient is a pending sum of the local tensors, whose norm is not a function of
+their norms: it is redistributed to Replicate on those axes first (one all-reduce per such
+gradient; fully_shard never produces Partial gradients).
+
+Gradients are grouped by the process groups to reduce over (derived from mesh + placements):
+each group's local sums are added up locally and reduced with one all-reduce per mesh axis
+to reduce over, whatever the number of parameters. Plain-tensor gradients are taken as the
+same on every rank (replicated, like the parameters ``fully_shard`` ignores) and not reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+__all__ = ["clip_grad_norm_"]
+
+
+def _local_grads(parameters: list[torch.Tensor]) -> list[tuple[torch.Tensor, tuple]]:
+    """``[(tensor to measure, reduce key)]``; the key is the tuple of process groups to reduce over."""
+    out = []
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        if not isinstance(g, DTensor):
+            out.append((g.detach(), ()))
+            continue
+        mesh = g.device_mesh
+        if mesh.get_coordinate() is None:
+            continue  # this rank holds no piece of it
+        if any(pl.is_partial() for pl in g.placements):
+            g = g.redistribute(mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+        axes = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if pl.is_shard() and mesh.size(i) > 1)
+        out.append((g.to_local().detach(), axes))
+    return out
+
+
+def _norms(tensors: list[torch.Tensor], p: float, foreach: bool | None) -> list[torch.Tensor]:
+    """Per-tensor ``p``-norms in fp32 (fp64 for fp64 tensors); 0 for empty tensors (an empty
+    shard of a trailing rank), which have no inf-norm of their own."""
+    wide = [torch.promote_types(t.dtype, torch.float32) for t in tensors]
+    norms = [torch.zeros((), dtype=w, device=t.device) for t, w in zip(tensors, wide)]
+    todo = [i for i, t in enumerate(tensors) if t.numel() > 0]
+    if foreach is None:
+        foreach = all(tensors[i].device.type not in ("cpu", "meta") for i in todo)
+    if not foreach:
+        for i in todo:
+            norms[i] = torch.linalg.vector_norm(tensors[i], p, dtype=wide[i])
+        return norms
+    by_kind: dict[tuple, list[int]] = {}
+    for i in todo:
+        by_kind.setdefault((tensors[i].device, tensors[i].dtype), []).append(i)
+    for idx in by_kind.values():
+        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], p)):
+            norms[i] = n.to(wide[i])
+    return norms
+
+
+def _reduce(value: torch.Tensor, groups: tuple, op) -> torch.Tensor:
+    """All-reduce ``value`` over each group in turn (distinct axes of one mesh)."""
+    for group in groups:
+        dist.all_reduce(value, op=op, group=group)
+    return value
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Scale the gradients of ``parameters`` in place so that their global norm is at most
+    ``max_norm``; return that norm (before clipping) as a plain 0-d tensor, equal on every rank.
+
+    Gradients may be DTensors on any meshes and placements — ``(Shard(0),)`` from FSDP,
+    ``(Replicate(), Shard(0))`` from HSDP, ``(Shard(1),)`` on a tensor-parallel mesh, several
+    at once — or plain tensors, which are taken as replicated (the same on every rank). The
+    norm is that of all gradients concatenated, as ``torch.nn.utils.clip_grad_norm_`` computes
+    on one device; see [Note: the norm of sharded gradients] for how it is reduced (one
+    all-reduce per mesh axis per distinct sharding, not per parameter). Every rank must call it
+    with the same kinds of gradients (it communicates).
+
+    Args:
+        max_norm: the largest allowed norm; grads are multiplied by
+            ``min(1, max_norm / (norm + 1e-6))``, as torch does.
+        norm_type: ``p`` of the p-norm: a positive float, or ``inf`` for the max-abs norm.
+        error_if_nonfinite: raise ``RuntimeError`` if the norm is nan or inf (on every rank,
+            since the norm is global); otherwise clipping with a nonfinite norm makes nans.
+        foreach: use the fused ``torch._foreach_*`` kernels; None: on accelerators only.
+
+    The norm is computed in fp32 (fp64 if a gradient is fp64) on the device of the first
+    gradient; with no gradients it is 0.
+    """
+    p = float(norm_type)
+    if math.isnan(p) or p <= 0:
+        raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r}; use a positive number or float('inf')")
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    entries = _local_grads(params)
+    if not entries:
+        return torch.tensor(0.0)
+    device = entries[0][0].device
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t, _ in entries) else torch.float32
+    norms = _norms([t for t, _ in entries], p, foreach)
+    inf = math.isinf(p)
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for (_, key), n in zip(entries, norms):
+        by_key.setdefault(key, []).append(n.to(device=device, dtype=dtype))
+    parts = []
+    for key, ns in by_key.items():
+        stacked = torch.stack(ns)
+        local = stacked.max() if inf else stacked.pow(p).sum()
+        parts.append(_reduce(local, key, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM))
+    stacked = torch.stack(parts)
+    total = stacked.max() if inf else stacked.sum().pow(1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total.item()}, so they "
+            "cannot be clipped. Find the nan/inf gradient (loss scale, a bad batch), or pass "
+            "error_if_nonfinite=False to clip anyway (the gradients become nan).")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    _scale_(params, coef, foreach)
+    return total
+
+
+def _scale_(parameters, coef: torch.Tensor, foreach: bool | None) -> None:
+    """Multiply every gradient's local tensor by ``coef`` in place (scaling each piece of a
+    sharded or partial gradient scales the whole)."""
+    by_device: dict[tuple, list[torch.Tensor]] = {}
+    for param in parameters:
+        g = param.grad
+        if g is not None:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            by_device.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), tensors in by_device.items():
+        c = coef.to(device=device, dtype=dtype)
+        if foreach or (foreach is None and device.type not in ("cpu", "meta")):
+            torch._foreach_mul_(tensors, c)
+        else:
+            for t in tensors:
+                t.mul_(c)
