@@ -110,9 +110,10 @@ class ParamGroup:
         csizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, cdtypes)]
         self.ag_offsets, self.ag_bytes = _byte_layout(csizes, max(d.itemsize for d in cdtypes))
         self.zero_copy = cdtypes == dtypes and self.storage_device == self.compute_device
+        alias = self.world == 1 and self.zero_copy  # [Note: a shard of one rank]
         self.sharded_bytes = self._new_storage()
         self.params = [
-            ShardedParam(fqn, p, uses, lay, self._segment(o, lay, d), mesh, self.rank, cd, self.compute_device)
+            ShardedParam(fqn, p, uses, lay, self._segment(o, lay, d), mesh, self.rank, cd, self.compute_device, alias)
             for (fqn, p, uses), lay, o, d, cd in zip(entries, layouts, self.master_offsets, dtypes, cdtypes)
         ]
         self.buckets = self._make_buckets()
@@ -171,6 +172,9 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (no-op if unsharded or already issued); wait unless async."""
+        if not self.is_unsharded and self._pending is None and self.world == 1:
+            # one rank: the "gathered" rows are this rank's own (cast) shards; no collective
+            self._pending = (None, self.sharded_bytes if self.zero_copy else self._all_gather_input())
         if not self.is_unsharded and self._pending is None:
             gathered = torch.empty(self.world * self.ag_bytes, dtype=torch.uint8, device=self.compute_device)
             if self._post_forward is not None:
@@ -193,12 +197,14 @@ class ParamGroup:
             return
         work, gathered = self._pending
         self._pending = None
-        work.wait()
+        if work is not None:
+            work.wait()
         self._post_forward = None
         rows = gathered.view(self.world, self.ag_bytes)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                gather_rows(p.layout, self._ag_block(rows, i), p.alloc_unsharded())
+                if not p.alias:
+                    gather_rows(p.layout, self._ag_block(rows, i), p.alloc_unsharded())
         for p in self.params:
             p.register(unsharded=True)
         self.is_unsharded = True
@@ -252,6 +258,9 @@ class ParamGroup:
                         block.zero_()
                     else:
                         scatter_rows(p.layout, g, block, 0, W)
+                if W == 1:  # nothing to scatter: the sum over one rank is the input
+                    pending.append(PendingReduce(self, b, None, send, all_reduce))
+                    continue
                 out = torch.empty(b.numel, dtype=b.dtype, device=self.compute_device)
                 work = dist.reduce_scatter_single(out, send, group=self.shard_group, async_op=True)
                 pending.append(PendingReduce(self, b, work, out, all_reduce))
@@ -262,7 +271,8 @@ class ParamGroup:
     def finish_reduce(self, pr: PendingReduce) -> None:
         """Wait for ``pr``, all-reduce over replicas when asked, average, and add the shards to
         the sharded parameters' ``.grad``."""
-        pr.work.wait()
+        if pr.work is not None:
+            pr.work.wait()
         out, b = pr.out, pr.bucket
         with torch.no_grad():
             out.div_(self.world * self.replicate_world)

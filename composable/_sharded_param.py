@@ -33,6 +33,12 @@ unsharded parameter is again a DTensor on the ``tp`` mesh, as the TP module code
 gradient is redistributed to the parameter's TP placement (the TP all-reduce of a
 ``Partial`` gradient, in ``reduce_dtype``) before the data-parallel reduce-scatter.
 
+[Note: a shard of one rank]
+When the shard axis has one rank (NO_SHARD, or a 1-rank world) and no cast or device move is
+needed, the shard *is* the whole parameter: the unsharded parameter is then a second
+``nn.Parameter`` over the same storage (``alias``), nothing is allocated, copied or freed, and
+the unit issues no all-gather or reduce-scatter (only the all-reduce across replicas).
+
 Parameters that appear under several names inside one unit (shared within the unit, e.g. an
 embedding tied to the output head) are one ``ShardedParam`` with several ``uses``; all of
 them are swapped together, so the tie holds in forward and both uses' gradients add up.
@@ -69,7 +75,9 @@ class ShardedParam:
         shard_rank: int,
         compute_dtype: torch.dtype,
         compute_device: torch.device,
+        alias: bool = False,
     ) -> None:
+        self.alias = alias  # see [Note: a shard of one rank]
         self.fqn = fqn
         self.uses = uses
         self.layout = layout
@@ -110,6 +118,11 @@ class ShardedParam:
         n = self.layout.shard_rows(self.shard_rank) * self.layout.row_numel
         local = padded[:n].view(self.layout.shard_shape(self.shard_rank))
         self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
+        if self.alias:
+            full = local if self.tp_mesh is None else DTensor.from_local(
+                local, self.tp_mesh, self.tp_placements, run_check=False,
+                shape=torch.Size(self.global_shape), stride=self.global_stride)
+            self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
@@ -141,13 +154,16 @@ class ShardedParam:
     def alloc_unsharded(self) -> torch.Tensor:
         """Give the unsharded parameter its bytes back; returns a writable alias."""
         t = self.unsharded_data()
+        if self.alias:
+            return t
         nbytes = t.numel() * t.element_size()
         if t.untyped_storage().size() != nbytes:
             t.untyped_storage().resize_(nbytes)
         return t
 
     def free_unsharded(self) -> None:
-        self.unsharded_data().untyped_storage().resize_(0)
+        if not self.alias:
+            self.unsharded_data().untyped_storage().resize_(0)
 
     def take_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The unsharded gradient as a plain (TP-local) tensor in ``dtype``, cleared from the
