@@ -140,7 +140,7 @@ def _forkserver_context(fn: Callable[..., Any]) -> multiprocessing.context.BaseC
     """The forkserver context, started on first use with the modules preloaded."""
     global _context
     if _context is None:
-        preload = ["torch", "torch.distributed", "torch.distributed.device_mesh"]
+        preload = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch._dynamo"]
         preload += sorted(n for n in sys.modules if n.partition(".")[0] in ("shardwise", "tests"))
         module = getattr(fn, "__module__", None)
         if module and module != "__main__" and module not in preload:

@@ -94,7 +94,7 @@ def exchange_sizes(local: int, mesh: DeviceMesh, device: torch.device) -> list[i
     """Every rank's ``local`` (one all-gather of one int64 each over the mesh's group)."""
     mine = torch.tensor([local], dtype=torch.int64, device=device)
     out = torch.empty(mesh.size(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, mine, group=mesh.get_group())
+    dist.all_gather_single(out, mine, group=mesh.get_group())
     return out.tolist()
 
 

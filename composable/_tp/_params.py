@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 
-__all__ = ["distribute_params", "GradToParamLayout"]
+__all__ = ["distribute_params", "check_not_distributed", "GradToParamLayout"]
 
 
 class GradToParamLayout:
@@ -49,6 +49,14 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
+def check_not_distributed(module: nn.Module, what: str) -> None:
+    """Raise if any parameter of ``module`` is already a DTensor (parallelized twice)."""
+    done = [n for n, p in module.named_parameters() if isinstance(p, DTensor)]
+    if done:
+        raise ValueError(f"{what}: parameter(s) {done} are already DTensors (was the module "
+                         "parallelized twice, or by torch's parallelize_module?)")
+
+
 def distribute_params(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Placement],
                       *, src_data_rank: int | None, what: str) -> None:
     """Replace every parameter of ``module`` by a DTensor with ``placements[name]``.
@@ -62,10 +70,7 @@ def distribute_params(module: nn.Module, mesh: DeviceMesh, placements: Mapping[s
     if unknown:
         raise ValueError(f"{what}: no placement for parameter(s) {unknown}; the rule covers "
                          f"{sorted(placements)}. Register a rule that names every parameter")
-    done = [n for n, p in params.items() if isinstance(p, DTensor)]
-    if done:
-        raise ValueError(f"{what}: parameter(s) {done} are already DTensors (was the module "
-                         "parallelized twice, or by torch's parallelize_module?)")
+    check_not_distributed(module, what)
     for name, param in params.items():
         placement = placements[name]
         if isinstance(placement, type):

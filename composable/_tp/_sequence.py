@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._layouts import to_layout
-from ._params import distribute_params
+from ._params import check_not_distributed, distribute_params
 from ._styles import ApplyContext, ParallelStyle
 
 __all__ = ["SequenceParallel"]
@@ -48,6 +48,9 @@ class SequenceParallel(ParallelStyle):
 
     sequence_dim: int = 1
     use_local_output: bool = False
+
+    def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
+        check_not_distributed(module, ctx.where(self, module))
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
         where = ctx.where(self, module)

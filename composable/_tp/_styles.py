@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from ._layouts import as_dtensor, to_layout, to_local_share
-from ._params import distribute_params
+from ._params import check_not_distributed, distribute_params
 from ._registry import ModuleRule, TPRegistry
 
 __all__ = ["ApplyContext", "ParallelStyle", "ModuleParallel", "ColwiseParallel", "RowwiseParallel",
@@ -124,8 +124,22 @@ class ModuleParallel(ParallelStyle):
                 "parallelize_module(..., registry=registry)")
         return rule
 
+    def _layouts(self, rule: ModuleRule, where: str) -> tuple[tuple, Placement]:
+        """(layout of each plain input, layout of the output) for this style and rule."""
+        needed = rule.input_layouts
+        given = self.input_layouts or needed
+        if len(given) > len(needed):
+            raise ValueError(f"{where}: input_layouts has {len(given)} entries but the rule lays out "
+                             f"{len(needed)} input(s) {needed}; use PrepareModuleInput for the others")
+        out = self.output_layouts
+        if out is None:
+            out = Replicate() if isinstance(rule.output_layout, Partial) else rule.output_layout
+        return given + needed[len(given):], out
+
     def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
         rule = self._rule(module, ctx)
+        self._layouts(rule, ctx.where(self, module))
+        check_not_distributed(module, ctx.where(self, module))
         if rule.check is not None:
             rule.check(module)
         if rule.forward is not None and "forward" in vars(module):
@@ -137,15 +151,7 @@ class ModuleParallel(ParallelStyle):
         where = ctx.where(self, module)
         distribute_params(module, mesh, rule.params, src_data_rank=ctx.src_data_rank, what=where)
         needed = rule.input_layouts
-        given = self.input_layouts or needed
-        if len(given) > len(needed):
-            raise ValueError(f"{where}: input_layouts has {len(given)} entries but the rule lays out "
-                             f"{len(needed)} input(s) {needed}; use PrepareModuleInput for the others")
-        given = given + needed[len(given):]
-        out_layout = self.output_layouts
-        if out_layout is None:
-            natural = rule.output_layout
-            out_layout = Replicate() if isinstance(natural, Partial) else natural
+        given, out_layout = self._layouts(rule, where)
         local = rule.forward is not None
 
         def lay_out_inputs(mod: nn.Module, args: tuple) -> tuple:

@@ -1,0 +1,123 @@
+"""`parallelize_module`: apply a tensor-parallel plan to a module tree.
+
+A plan is one style (applied to ``module`` itself) or a mapping ``pattern -> style`` where a
+pattern is a dotted module name relative to ``module`` (``"layers.0.attention.wq"``) in which
+``*`` (and other ``fnmatch`` wildcards) match within one name component:
+``"layers.*.feed_forward.w1"`` matches every block's ``w1`` but ``"layers.*"`` does not match
+``"layers.0.attention"``. ``""`` names ``module`` itself.
+
+The whole plan is checked before anything changes: a pattern that matches no module is an
+error listing the closest module names (``difflib``), so a typo cannot silently leave a layer
+unsharded (torch only warns); two patterns matching the same module are an error (merge them,
+e.g. into `PrepareModuleInputOutput`); every style validates its module (a rule exists, the
+configuration is supported). Then the styles are applied in plan order.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from fnmatch import fnmatchcase
+from typing import Mapping
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._builtin import DEFAULT_REGISTRY
+from ._layouts import check_tp_mesh
+from ._registry import TPRegistry
+from ._styles import ApplyContext, ParallelStyle
+
+__all__ = ["parallelize_module", "match_plan", "PlanError"]
+
+
+class PlanError(ValueError):
+    """A plan that cannot be applied: unmatched or overlapping patterns, wrong types."""
+
+
+def _matches(pattern: str, fqn: str) -> bool:
+    if pattern == "":
+        return fqn == ""
+    parts, names = pattern.split("."), fqn.split(".") if fqn else []
+    return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
+
+
+def _near_misses(pattern: str, fqns: list[str]) -> list[str]:
+    """Close module names: by spelling (difflib), and names ending like the pattern; list
+    indices are also offered as ``*`` (``layers.*.attention``)."""
+    generic = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", f) for f in fqns} - set(fqns))
+    pool = generic + [f for f in fqns if f]
+    close = difflib.get_close_matches(pattern, pool, n=5, cutoff=0.6)
+    last = pattern.rpartition(".")[2]
+    same_end = [f for f in pool if fnmatchcase(f.rpartition(".")[2], last)]
+    return list(dict.fromkeys(close + same_end))[:5]
+
+
+def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple[str, nn.Module, ParallelStyle]]:
+    """``[(fqn, submodule, style)]`` in plan order, module order within a pattern.
+
+    Raises `PlanError` for a non-style value, a pattern matching nothing (with near misses),
+    or a module matched by two patterns.
+    """
+    modules = dict(module.named_modules())
+    fqns = list(modules)
+    out: list[tuple[str, nn.Module, ParallelStyle]] = []
+    owner: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str):
+            raise PlanError(f"plan key {pattern!r} is not a string module pattern")
+        if not isinstance(style, ParallelStyle):
+            hint = (" (a torch.distributed.tensor.parallel style? use the shardwise.composable "
+                    "class of the same name)" if "torch" in type(style).__module__ else "")
+            raise PlanError(f"plan[{pattern!r}] = {style!r} is not a shardwise ParallelStyle{hint}")
+        hits = [f for f in fqns if _matches(pattern, f)]
+        if not hits:
+            near = _near_misses(pattern, fqns)
+            hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+            raise PlanError(f"plan pattern {pattern!r} matches no submodule of "
+                            f"{type(module).__name__}{hint} ('*' matches within one dotted name)")
+        for f in hits:
+            if f in owner:
+                raise PlanError(f"module '{f}' is matched by plan patterns {owner[f]!r} and "
+                                f"{pattern!r}; give it one entry (PrepareModuleInputOutput combines "
+                                "input and output layouts)")
+            owner[f] = pattern
+            out.append((f, modules[f], style))
+    return out
+
+
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
+                       parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle], *,
+                       registry: TPRegistry = DEFAULT_REGISTRY,
+                       src_data_rank: int | None = 0) -> nn.Module:
+    """Apply tensor-parallel styles to ``module`` in place and return it.
+
+    Args:
+        module: the model (or a part of it); every rank holds the same full module.
+        device_mesh: the 1-D tensor-parallel mesh, e.g. ``init_mesh(...)["tp"]``.
+        parallelize_plan: a style for ``module`` itself, or ``{pattern: style}`` (see the
+            module docstring for patterns).
+        registry: the rules Colwise/Rowwise/ModuleParallel use per module class
+            (default: the immutable ``DEFAULT_REGISTRY`` for Linear and Embedding).
+        src_data_rank: the rank whose parameter values are distributed (default 0, one
+            scatter/broadcast per parameter); None: every rank slices its own copy, no
+            communication (the copies must already agree).
+
+    Raises `PlanError` (a ``ValueError``) for an invalid plan and ``TypeError`` for a module
+    a style has no rule for, before anything is changed.
+    """
+    check_tp_mesh(device_mesh, "parallelize_module")
+    if not isinstance(registry, TPRegistry):
+        raise TypeError(f"parallelize_module(registry=...) takes a TPRegistry, got {type(registry).__name__}")
+    if isinstance(parallelize_plan, ParallelStyle):
+        parallelize_plan = {"": parallelize_plan}
+    elif not isinstance(parallelize_plan, Mapping):
+        raise PlanError(f"parallelize_plan must be a ParallelStyle or a dict of pattern -> style, "
+                        f"got {type(parallelize_plan).__name__}")
+    entries = match_plan(module, parallelize_plan)
+    contexts = [ApplyContext(registry, src_data_rank, fqn) for fqn, _, _ in entries]
+    for (fqn, sub, style), ctx in zip(entries, contexts):
+        style.validate(sub, ctx)
+    for (fqn, sub, style), ctx in zip(entries, contexts):
+        style.apply(sub, device_mesh, ctx)
+    return module

@@ -1,0 +1,165 @@
+"""`PrepareModuleInput`, `PrepareModuleOutput`, `PrepareModuleInputOutput`: layouts only.
+
+These styles touch no parameter. They annotate a module's inputs (positional and keyword) or
+outputs with the layout they have and redistribute them to the layout wanted, e.g. gather a
+sequence-sharded activation before an attention block:
+``PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))``
+(one all-gather forward, one reduce-scatter of the gradient backward). ``None`` marks an
+argument to leave alone (rotary tables, masks, non-tensors). A plain tensor is taken to have
+the given layout (see `as_dtensor` for how a sharded one's global shape is found); a DTensor
+keeps its own. Argument names and defaults follow torch's styles of the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+from ._layouts import to_layout
+from ._styles import ApplyContext, ParallelStyle, as_layout_tuple
+
+__all__ = ["PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"]
+
+
+def _pair(given, desired, what: str) -> tuple[tuple | None, tuple | None]:
+    given = as_layout_tuple(given, f"{what}: input_layouts")
+    desired = as_layout_tuple(desired, f"{what}: desired layouts")
+    if given is not None and (desired is None or len(given) != len(desired)):
+        raise ValueError(f"{what}: layouts {given} and desired layouts {desired} must have the "
+                         "same length (use None for an argument to leave alone)")
+    return given, desired
+
+
+def _kwarg_pair(given, desired, what: str) -> tuple[Mapping, Mapping]:
+    given, desired = dict(given or {}), dict(desired or {})
+    if set(given) != set(desired):
+        raise ValueError(f"{what}: input_kwarg_layouts keys {sorted(given)} and "
+                         f"desired_input_kwarg_layouts keys {sorted(desired)} must be the same")
+    for d in (given, desired):
+        as_layout_tuple(tuple(d.values()), f"{what}: kwarg layouts")
+    return MappingProxyType(given), MappingProxyType(desired)
+
+
+def _convert(x: Any, mesh: DeviceMesh, given, desired, use_local: bool) -> Any:
+    if given is None:
+        return x
+    x = to_layout(x, mesh, given, desired)
+    return x.to_local() if use_local and isinstance(x, DTensor) else x
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareModuleInput(ParallelStyle):
+    """Lay out a module's inputs before its forward.
+
+    Args:
+        input_layouts: layout of each positional input (a Placement for one input); None
+            entries are left alone. The module must get exactly this many positional inputs.
+        desired_input_layouts: the layout each is redistributed to; same length.
+        input_kwarg_layouts / desired_input_kwarg_layouts: the same for keyword arguments, by
+            name (same keys); a keyword not passed in a call is skipped.
+        use_local_output: hand the forward local tensors instead of DTensors (default False).
+    """
+
+    input_layouts: Placement | tuple[Placement | None, ...] | None = None
+    desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None
+    input_kwarg_layouts: Mapping[str, Placement] | None = None
+    desired_input_kwarg_layouts: Mapping[str, Placement] | None = None
+    use_local_output: bool = False
+
+    def __post_init__(self) -> None:
+        what = type(self).__name__
+        given, desired = _pair(self.input_layouts, self.desired_input_layouts, what)
+        kw, dkw = _kwarg_pair(self.input_kwarg_layouts, self.desired_input_kwarg_layouts, what)
+        for name, value in (("input_layouts", given), ("desired_input_layouts", desired),
+                            ("input_kwarg_layouts", kw), ("desired_input_kwarg_layouts", dkw)):
+            object.__setattr__(self, name, value)
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
+        where = ctx.where(self, module)
+        given, desired = self.input_layouts, self.desired_input_layouts
+        kw, dkw, local = self.input_kwarg_layouts, self.desired_input_kwarg_layouts, self.use_local_output
+
+        def prepare(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if given is not None:
+                if len(args) != len(given):
+                    raise ValueError(f"{where}: forward got {len(args)} positional inputs, the plan "
+                                     f"lays out {len(given)} ({given}); use None for inputs to leave alone")
+                args = tuple(_convert(a, mesh, g, d, local) for a, g, d in zip(args, given, desired))
+            if kw:
+                kwargs = {k: _convert(v, mesh, kw.get(k), dkw.get(k), local) for k, v in kwargs.items()}
+            return args, kwargs
+
+        module.register_forward_pre_hook(prepare, with_kwargs=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareModuleOutput(ParallelStyle):
+    """Lay out a module's outputs after its forward.
+
+    Args:
+        output_layouts: layout of each output (a Placement for a single tensor output); None
+            entries are left alone. The forward must return this many outputs (a tuple for
+            more than one).
+        desired_output_layouts: the layout each is redistributed to; same length.
+        use_local_output: return local tensors (default True).
+    """
+
+    output_layouts: Placement | tuple[Placement | None, ...]
+    desired_output_layouts: Placement | tuple[Placement | None, ...]
+    use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        given, desired = _pair(self.output_layouts, self.desired_output_layouts, type(self).__name__)
+        object.__setattr__(self, "output_layouts", given)
+        object.__setattr__(self, "desired_output_layouts", desired)
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
+        where = ctx.where(self, module)
+        given, desired, local = self.output_layouts, self.desired_output_layouts, self.use_local_output
+
+        def prepare(mod: nn.Module, args: tuple, out: Any) -> Any:
+            single = not isinstance(out, tuple)
+            outs = (out,) if single else out
+            if len(outs) != len(given):
+                raise ValueError(f"{where}: forward returned {len(outs)} output(s), the plan lays out "
+                                 f"{len(given)} ({given}); use None for outputs to leave alone")
+            outs = tuple(_convert(o, mesh, g, d, local) for o, g, d in zip(outs, given, desired))
+            return outs[0] if single else outs
+
+        module.register_forward_hook(prepare)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareModuleInputOutput(ParallelStyle):
+    """`PrepareModuleInput` and `PrepareModuleOutput` on one module (``use_local_input`` is the
+    former's ``use_local_output``)."""
+
+    input_layouts: Placement | tuple[Placement | None, ...] | None = None
+    desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None
+    input_kwarg_layouts: Mapping[str, Placement] | None = None
+    desired_input_kwarg_layouts: Mapping[str, Placement] | None = None
+    use_local_input: bool = False
+    output_layouts: Placement | tuple[Placement | None, ...]
+    desired_output_layouts: Placement | tuple[Placement | None, ...]
+    use_local_output: bool = True
+    _parts: tuple = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        inp = PrepareModuleInput(
+            input_layouts=self.input_layouts, desired_input_layouts=self.desired_input_layouts,
+            input_kwarg_layouts=self.input_kwarg_layouts,
+            desired_input_kwarg_layouts=self.desired_input_kwarg_layouts,
+            use_local_output=self.use_local_input)
+        out = PrepareModuleOutput(output_layouts=self.output_layouts,
+                                  desired_output_layouts=self.desired_output_layouts,
+                                  use_local_output=self.use_local_output)
+        object.__setattr__(self, "_parts", (inp, out))
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
+        for part in self._parts:
+            part.apply(module, mesh, ctx)
