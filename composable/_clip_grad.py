@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP x TP dim-0 layout
 
 __all__ = ["clip_grad_norm_"]
 
@@ -43,7 +44,8 @@ def _local_grads(parameters: list[torch.Tensor]) -> list[tuple[torch.Tensor, tup
             continue  # this rank holds no piece of it
         if any(pl.is_partial() for pl in g.placements):
             g = g.redistribute(mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
-        axes = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements) if pl.is_shard() and mesh.size(i) > 1)
+        axes = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements)
+                     if (pl.is_shard() or isinstance(pl, _StridedShard)) and mesh.size(i) > 1)
         out.append((g.to_local().detach(), axes))
     return out
 
