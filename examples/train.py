@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from examples.data import global_batch, inputs_and_targets, local_slice, loss_floor  # noqa: E402
 from examples.model import Llama, LlamaConfig  # noqa: E402
-from shardwise.composable import fully_shard  # noqa: E402
+from examples.parallel import apply_fsdp, apply_tp  # noqa: E402
+from shardwise.composable import loss_parallel  # noqa: E402
 from shardwise.mesh import data_parallel_mesh, init_distributed, init_mesh  # noqa: E402
 
 DP_DIMS = ("dp_replicate", "dp_shard")
@@ -73,19 +74,18 @@ def mean_over_mesh(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return out / mesh.size()
 
 
-def build_and_shard(cfg: LlamaConfig, dp_mesh: DeviceMesh, *, seed: int = 0, **shard_kwargs) -> Llama:
-    """Build :class:`Llama` from ``seed`` (identical on every rank) and shard it on ``dp_mesh``.
-
-    Each block of ``model.layers`` gets its own ``fully_shard`` call first, then
-    the root (embedding, final norm, output head). A 2-D ``dp_mesh``
-    (``dp_replicate x dp_shard``) gives HSDP. ``shard_kwargs`` go to every
-    ``fully_shard`` call (e.g. ``reshard_after_forward``, ``mp_policy``).
+def build_and_shard(
+    cfg: LlamaConfig, dp_mesh: DeviceMesh, *, seed: int = 0, tp_mesh: DeviceMesh | None = None, **shard_kwargs
+) -> Llama:
+    """Build :class:`Llama` from ``seed`` (identical on every rank), tensor-parallelise it on
+    ``tp_mesh`` when given (``apply_tp``), then shard it on ``dp_mesh`` (``apply_fsdp``: each
+    block, then the root). A 2-D ``dp_mesh`` (``dp_replicate x dp_shard``) gives HSDP.
+    ``shard_kwargs`` go to every ``fully_shard`` call (e.g. ``reshard_after_forward``).
     """
     model = Llama(cfg, generator=torch.Generator().manual_seed(seed))
-    for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, **shard_kwargs)
-    fully_shard(model, mesh=dp_mesh, **shard_kwargs)
-    return model
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        apply_tp(model, tp_mesh)
+    return apply_fsdp(model, dp_mesh, **shard_kwargs)
 
 
 def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -127,11 +127,16 @@ def train(
         tokens = local_slice(global_batch(step, batch_size, seq_len, vocab, seed), dp_rank, dp_size)
         inputs, targets = (t.to(device) for t in inputs_and_targets(tokens))
         logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if isinstance(logits, DTensor):  # class-sharded logits under tensor parallelism
+            with loss_parallel():
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
-        losses.append(mean_over_mesh(loss, dp_mesh).item())
+        value = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        losses.append(mean_over_mesh(value, dp_mesh).item())
         if log is not None and (step == 1 or step % log_every == 0 or step == steps):
             log(step, losses[-1])
     return losses
@@ -141,6 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dp-replicate", type=int, default=1, help="replica groups (HSDP outer axis)")
     p.add_argument("--dp-shard", type=int, default=-1, help="ranks one copy is sharded over; -1 = the rest")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (consecutive, within a host)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -181,8 +187,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     rank, world_size = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    dp_shard = resolve_dp_shard(world_size, args.dp_replicate, args.dp_shard)
-    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=dp_shard, tp=1)
+    dp_shard = resolve_dp_shard(world_size, args.dp_replicate, args.dp_shard, args.tp)
+    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=dp_shard, tp=args.tp)
     dp_mesh = data_parallel_mesh(mesh)
     _, dp_size = data_parallel_rank(mesh)
     if args.batch_size % dp_size:
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         n_kv_heads=args.kv_heads,
         max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len),
     )
-    model = build_and_shard(cfg, dp_mesh, seed=args.seed)
+    model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"])
 
     local, full = param_bytes(model)
     device = mesh_device(mesh)

@@ -36,7 +36,11 @@ def _reference_losses(steps=4, dim=32, layers=2, heads=4, vocab=64, seq_len=16, 
     return losses
 
 
-@pytest.mark.parametrize("world_size,extra", [(2, []), (4, ["--dp-replicate", "2"])], ids=["fsdp2", "hsdp2x2"])
+@pytest.mark.parametrize(
+    "world_size,extra",
+    [(2, []), (4, ["--dp-replicate", "2"]), (4, ["--tp", "2"])],
+    ids=["fsdp2", "hsdp2x2", "fsdp2xtp2"],
+)
 def test_main_job_matches_single_process(world_size, extra):
     ref = _reference_losses()
     for rank, losses in enumerate(run_ranks(_main_job, world_size, ARGS + extra, timeout=120)):

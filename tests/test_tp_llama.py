@@ -18,41 +18,19 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import shardwise.composable as sw
 from examples.model import Llama, LlamaConfig, TransformerBlock
+from examples.parallel import block_tp_plan, llama_tp_plan
 from tests._dist import run_ranks
 from tests.test_tp import assert_close, compare_training, init_, placements_of, rel, tp_mesh
 
 
 def block_plan(s, sequence_parallel: bool) -> dict:
-    """The TP plan of one TransformerBlock; ``s`` supplies the style classes (shardwise's or
-    torch's ``torch.distributed.tensor.parallel``: the same plan code runs on both)."""
-    if not sequence_parallel:
-        return {
-            "attention.wq": s.ColwiseParallel(), "attention.wk": s.ColwiseParallel(),
-            "attention.wv": s.ColwiseParallel(), "attention.wo": s.RowwiseParallel(),
-            "feed_forward.w1": s.ColwiseParallel(), "feed_forward.w3": s.ColwiseParallel(),
-            "feed_forward.w2": s.RowwiseParallel(),
-        }
-    return {
-        "attention_norm": s.SequenceParallel(),
-        "attention": s.PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                          desired_input_layouts=(Replicate(), None, None)),
-        "attention.wq": s.ColwiseParallel(), "attention.wk": s.ColwiseParallel(),
-        "attention.wv": s.ColwiseParallel(), "attention.wo": s.RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": s.SequenceParallel(),
-        "feed_forward": s.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": s.ColwiseParallel(), "feed_forward.w3": s.ColwiseParallel(),
-        "feed_forward.w2": s.RowwiseParallel(output_layouts=Shard(1)),
-    }
+    """The TP plan of one TransformerBlock (examples/parallel.py); ``s`` supplies the style
+    classes (shardwise's or torch's: the same plan code runs on both)."""
+    return block_tp_plan(s, sequence_parallel)
 
 
 def llama_plan(s) -> dict:
-    plan = {
-        "tok_embeddings": s.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": s.SequenceParallel(),
-        "output": s.ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
-    }
-    plan.update({f"layers.*.{k}": v for k, v in block_plan(s, True).items()})
-    return plan
+    return llama_tp_plan(s)
 
 
 def per_rank_heads(model, tp: int) -> None:
