@@ -1,6 +1,49 @@
 """shardwise.checkpoint: reshardable safetensors checkpoints.
 
-Not built yet (tracked as its own issue); this package exports nothing so far.
+Save from any layout, load into any other::
+
+    from shardwise.checkpoint import save, load, get_model_state_dict, get_optimizer_state_dict
+
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    save(state, "ckpt/step-100", keep_last=3)      # collective; atomic
+    ...
+    load(state, "ckpt/step-100")                    # fills the tensors in place, resharding
+    set_optimizer_state_dict(model, optim, state["optim"])
+
+See ``docs/checkpoint.md`` (usage and API) and ``docs/checkpoint-format.md`` (the format).
 """
 
-__all__: list[str] = []
+from ._cli import main
+from ._comm import CheckpointError
+from ._hf import load_safetensors
+from ._offline import merge_checkpoint, reshard_checkpoint
+from ._reader import LoadStats, load
+from ._state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from ._verify import VerifyReport, verify_checkpoint
+from ._writer import SaveHandle, async_save, save
+
+__all__ = [
+    "CheckpointError",
+    "LoadStats",
+    "SaveHandle",
+    "StateDictOptions",
+    "VerifyReport",
+    "async_save",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "load",
+    "load_safetensors",
+    "main",
+    "merge_checkpoint",
+    "reshard_checkpoint",
+    "save",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "verify_checkpoint",
+]

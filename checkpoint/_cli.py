@@ -1,0 +1,159 @@
+"""The command line: ``python -m shardwise.checkpoint`` or ``shardwise-checkpoint``.
+
+    inspect DIR [--json]                 tensors, layouts, sizes, the world size it came from
+    verify DIR                           every box present, sizes and checksums match (exit 1 if not)
+    merge DIR OUT [--prefix P] [--max-shard-size 5GB]
+                                         full tensors as Hugging Face safetensors files
+    reshard DIR OUT --world-size N       a checkpoint laid out for N ranks
+
+Every command works on one machine without torch.distributed. Errors print one message and
+exit with status 1 (2 for wrong usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections import Counter
+from datetime import datetime, timezone
+
+from ._comm import CheckpointError
+from ._format import Index, dtype_name, read_index
+from ._offline import merge_checkpoint, reshard_checkpoint
+from ._verify import verify_checkpoint
+
+__all__ = ["main"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 1048576")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _layout(layout: dict | None) -> str:
+    if layout is None:
+        return "plain"
+    names = layout.get("mesh_dim_names")
+    mesh = "x".join(map(str, layout["mesh_shape"]))
+    axes = f" {tuple(names)}" if names else ""
+    return f"mesh {mesh}{axes} {', '.join(layout['placements'])}"
+
+
+def _summary(index: Index) -> dict:
+    return {
+        "path": index.root,
+        "format_version": index.version,
+        "created": (datetime.fromtimestamp(index.created_unix_ns / 1e9, timezone.utc).isoformat()
+                    if index.created_unix_ns else None),
+        "saved_from_world_size": index.world_size,
+        "files": len(index.files),
+        "bytes": sum(v or 0 for v in index.files.values()),
+        "layouts": dict(Counter(_layout(t.layout) for t in index.tensors.values())),
+        "tensors": {k: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "layout": _layout(t.layout),
+                        "boxes": len(t.boxes), "bytes": t.nbytes} for k, t in index.tensors.items()},
+        "values": sorted(index.values),
+    }
+
+
+def _inspect(args) -> int:
+    index = read_index(os.path.abspath(args.path))
+    s = _summary(index)
+    if args.json:
+        print(json.dumps(s, indent=1))
+        return 0
+    print(f"checkpoint {s['path']}")
+    print(f"  format version {s['format_version']}, created {s['created']}, saved by "
+          f"{s['saved_from_world_size']} ranks")
+    print(f"  {s['files']} data files, {_human(s['bytes'])}; {len(s['tensors'])} tensors")
+    print("  layouts saved from:")
+    for layout, n in s["layouts"].items():
+        print(f"    {n:5d} x {layout}")
+    width = max((len(k) for k in s["tensors"]), default=0)
+    for k, t in s["tensors"].items():
+        print(f"  {k:<{width}}  {t['dtype']:<9} {str(t['shape']):<16} {_human(t['bytes']):>9}  "
+              f"{t['boxes']} boxes  {t['layout']}")
+    if s["values"]:
+        print(f"  plain values: {', '.join(s['values'])}")
+    return 0
+
+
+def _verify(args) -> int:
+    report = verify_checkpoint(args.path)
+    if report.ok:
+        print(f"OK {report.path}: {report.tensors} tensors, {report.boxes} boxes, "
+              f"{_human(report.bytes_checked)} checksummed")
+        return 0
+    print(f"FAILED {report.path}: {len(report.problems)} problems", file=sys.stderr)
+    for p in report.problems:
+        print(f"  {p}", file=sys.stderr)
+    return 1
+
+
+def _progress(args) -> bool:
+    return not args.no_progress and sys.stderr.isatty()
+
+
+def _merge(args) -> int:
+    names = merge_checkpoint(args.path, args.out, prefix=args.prefix, max_shard_bytes=args.max_shard_size,
+                             progress=_progress(args))
+    print(f"wrote {len(names)} safetensors files and model.safetensors.index.json to {os.path.abspath(args.out)}")
+    return 0
+
+
+def _reshard(args) -> int:
+    reshard_checkpoint(args.path, args.out, args.world_size, progress=_progress(args))
+    print(f"wrote a checkpoint for {args.world_size} ranks to {os.path.abspath(args.out)}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardwise-checkpoint", description="Inspect, verify, merge and reshard "
+                                "shardwise checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("inspect", help="list tensors, layouts and sizes")
+    c.add_argument("path")
+    c.add_argument("--json", action="store_true", help="print the summary as JSON")
+    c.set_defaults(run=_inspect)
+    c = sub.add_parser("verify", help="check every box, file size and checksum")
+    c.add_argument("path")
+    c.set_defaults(run=_verify)
+    c = sub.add_parser("merge", help="write full tensors as Hugging Face style safetensors")
+    c.add_argument("path")
+    c.add_argument("out")
+    c.add_argument("--prefix", default="", help="only tensors whose key starts with this, with it stripped "
+                   "(e.g. 'model/')")
+    c.add_argument("--max-shard-size", type=_size, default=5 * 10**9, help="bytes per output file (default 5GB)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar (none when stderr is not a terminal)")
+    c.set_defaults(run=_merge)
+    c = sub.add_parser("reshard", help="rewrite for another number of ranks (dim-0 shards)")
+    c.add_argument("path")
+    c.add_argument("out")
+    c.add_argument("--world-size", type=int, required=True)
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(run=_reshard)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

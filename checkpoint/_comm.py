@@ -1,0 +1,157 @@
+"""Collectives of the checkpoint code: agreeing on errors and moving small JSON between ranks.
+
+Every checkpoint call that is collective follows one rule: a rank that finds a problem does not
+raise on its own (its peers would wait for it in the next collective until the timeout).
+It passes the problem to `agree`, which every rank calls at the same point; if any rank has a
+problem, every rank raises the same `CheckpointError` naming the ranks and their messages.
+
+All functions also work without ``torch.distributed`` (one process: rank 0 of 1), which is how
+plain single-process modules and the command-line tool use them.
+
+Small data (file names, box lists, checksums) travels as UTF-8 JSON in uint8 tensors, never
+as pickles. Tensors for these collectives live on the CPU for gloo and on the current
+accelerator for a backend without CPU support (NCCL).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CheckpointError", "agree", "all_gather_json", "broadcast_json", "collective_device", "gather_json",
+    "is_distributed", "rank_and_world",
+]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved, loaded or read.
+
+    In collective calls it is raised on every rank with the same message, which names the
+    ranks that found a problem, the tensor and the file concerned, and what to do about it.
+    """
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def collective_device() -> torch.device:
+    backend = str(dist.get_backend())
+    if "gloo" in backend or backend == "mpi":
+        return torch.device("cpu")
+    acc = torch.accelerator.current_accelerator()
+    if acc is None:
+        return torch.device("cpu")
+    return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(t: torch.Tensor) -> Any:
+    return json.loads(bytes(t.cpu().numpy()).decode())
+
+
+def all_gather_json(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` on every rank, by rank."""
+    if not is_distributed():
+        return [json.loads(json.dumps(obj))]
+    dev, world = collective_device(), dist.get_world_size()
+    data = _encode(obj).to(dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=dev))
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=dev)
+    padded[: data.numel()] = data
+    out = [torch.empty(longest, dtype=torch.uint8, device=dev) for _ in range(world)]
+    dist.all_gather(out, padded)
+    return [_decode(o[: int(s.item())]) for o, s in zip(out, sizes)]
+
+
+def gather_json(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj`` on rank ``dst`` (by rank); None on the other ranks."""
+    if not is_distributed():
+        return [json.loads(json.dumps(obj))]
+    dev, world, rank = collective_device(), dist.get_world_size(), dist.get_rank()
+    data = _encode(obj).to(dev)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)] if rank == dst else None
+    dist.gather(size, sizes, dst=dst)
+    longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(longest, src=dst)
+    padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=dev)
+    padded[: data.numel()] = data
+    out = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
+    dist.gather(padded, out, dst=dst)
+    if rank != dst:
+        return None
+    return [_decode(o[: int(s.item())]) for o, s in zip(out, sizes)]
+
+
+def broadcast_json(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (the other ranks' ``obj`` is ignored)."""
+    if not is_distributed():
+        return json.loads(json.dumps(obj))
+    dev = collective_device()
+    data = _encode(obj).to(dev) if dist.get_rank() == src else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(size, src=src)
+    buf = data if data is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    dist.broadcast(buf, src=src)
+    return _decode(buf)
+
+
+def _message(error: BaseException | str) -> str:
+    if isinstance(error, CheckpointError) or isinstance(error, str):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def agree(error: BaseException | str | None, what: str) -> None:
+    """Collective: raise `CheckpointError` on every rank if any rank passes an error.
+
+    ``error`` is this rank's problem (an exception, a message, or None). The raised message
+    starts with ``what`` and lists each distinct problem once with the ranks that had it; on a
+    rank whose own error was an exception, that exception is chained as the cause.
+    """
+    mine = None if error is None else _message(error)
+    if is_distributed():
+        dev = collective_device()
+        flag = torch.tensor([0 if mine is None else 1], dtype=torch.int32, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not int(flag.item()):
+            return
+        messages = all_gather_json(mine)
+    else:
+        if mine is None:
+            return
+        messages = [mine]
+    by_message: dict[str, list[int]] = {}
+    for rank, msg in enumerate(messages):
+        if msg is not None:
+            by_message.setdefault(msg, []).append(rank)
+    world = len(messages)
+    lines = [f"{what} failed:"]
+    for msg, ranks in by_message.items():
+        who = "" if world == 1 else ("every rank: " if len(ranks) == world else f"rank {_ranks(ranks)}: ")
+        lines.append(f"  {who}{msg}")
+    exc = CheckpointError("\n".join(lines))
+    if isinstance(error, BaseException):
+        raise exc from error
+    raise exc
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) < 8 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)"

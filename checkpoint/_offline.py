@@ -1,0 +1,200 @@
+"""Offline tools (one process, no torch.distributed): merge to Hugging Face files, reshard.
+
+Both read a checkpoint's saved boxes through safetensors slices and write new safetensors
+files with ``_safetensors_io.StreamingWriter``, one *slab* at a time: a slab is a run of
+dim-0 rows of one output box of at most ``chunk_bytes`` (one row when a row is larger), read
+from every saved box it meets and appended to the output file. Memory is one slab, whatever
+the model size. Outputs are written into a temporary directory and renamed into place as in
+[Note: atomic commit] (``_commit.py``).
+
+* `merge_checkpoint` writes full tensors, Hugging Face style: ``model-0000i-of-0000n
+  .safetensors`` files of at most ``max_shard_bytes`` each (a larger tensor gets a file of
+  its own) and ``model.safetensors.index.json``. ``prefix`` selects the tensors whose flat
+  key starts with it and strips it from their names (``"model/"`` gives a model's own names).
+* `reshard_checkpoint` writes a checkpoint laid out for ``world_size`` ranks: every tensor
+  saved from a DTensor becomes dim-0 shards as ``Shard(0)`` over ``world_size`` ranks would
+  hold them (FSDP's layout; HSDP's too, since replicas are saved once), plain and 0-d tensors
+  go to rank 0. Loading it into that layout reads one file per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import Shard
+
+from ._boxes import Box, LocalBox, boxes_for
+from ._commit import check_target, commit, temp_dir_for
+from ._comm import CheckpointError
+from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, format_index,
+                      index_to_json, read_index, write_json)
+from ._hf import HF_INDEX_FILE
+from ._plan import plan_reads
+from ._safetensors_io import StreamingWriter
+
+__all__ = ["merge_checkpoint", "reshard_checkpoint"]
+
+
+class _Progress:
+    """A one-line progress bar on stderr (bytes done of a total), at most 10 updates a second."""
+
+    def __init__(self, label: str, total: int, enabled: bool) -> None:
+        self.label, self.total, self.done, self.enabled, self._last = label, max(total, 1), 0, enabled, 0.0
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+            self._last = now
+            frac = min(1.0, self.done / self.total)
+            bar = "#" * int(30 * frac)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}% {self.done / 1e6:.1f}/"
+                             f"{self.total / 1e6:.1f} MB")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class _Source:
+    """Reads regions of a checkpoint's tensors from its files (opened once each)."""
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+        self._open: dict[str, object] = {}
+
+    def _file(self, name: str):
+        if name not in self._open:
+            self._open[name] = safe_open(os.path.join(self.index.root, name), framework="pt", device="cpu")
+        return self._open[name]
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        entry = self.index.tensors[key]
+        out = torch.empty(box.sizes, dtype=entry.dtype)
+        items = plan_reads(LocalBox(box, (0,) * len(box.sizes)), [b.box for b in entry.boxes])
+        if sum(it.src.numel for it in items) != box.numel:
+            raise CheckpointError(f"checkpoint {self.index.root} lacks part of tensor '{key}' (box at "
+                                  f"{list(box.offsets)} of size {list(box.sizes)}); run verify")
+        for it in items:
+            saved = entry.boxes[it.source]
+            out[it.dst.slices()] = self._file(saved.file).get_slice(saved.key)[it.src.slices()]
+        return out
+
+
+def _slabs(box: Box, itemsize: int, chunk_bytes: int) -> list[Box]:
+    if not box.sizes or box.numel == 0:
+        return [box] if box.numel else []
+    row = box.numel // box.sizes[0] * itemsize
+    step = max(1, chunk_bytes // max(row, 1))
+    return [Box((box.offsets[0] + s, *box.offsets[1:]), (min(step, box.sizes[0] - s), *box.sizes[1:]))
+            for s in range(0, box.sizes[0], step)]
+
+
+def _write(path: str, source: _Source, parts: list[tuple[str, str, Box]], chunk_bytes: int, progress: _Progress,
+           metadata: dict[str, str]) -> dict[str, int]:
+    """Write ``parts`` ``[(file_key, tensor key, global box)]`` into one safetensors file."""
+    by_key = {fk: (key, box) for fk, key, box in parts}
+    writer = StreamingWriter(path, [(fk, source.index.tensors[k].dtype, b.sizes) for fk, (k, b) in by_key.items()],
+                             metadata)
+    try:
+        for fk in writer.keys:
+            key, box = by_key[fk]
+            itemsize = torch.empty((), dtype=source.index.tensors[key].dtype).element_size()
+            for slab in _slabs(box, itemsize, chunk_bytes):
+                writer.append(source.read(key, slab))
+                progress.add(slab.numel * itemsize)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def _into_place(out: str, fill: Callable[[str], None]) -> None:
+    out = os.path.abspath(os.fspath(out))
+    check_target(out)
+    token = secrets.token_hex(4)
+    tmp = temp_dir_for(out, token)
+    os.makedirs(tmp)
+    fill(tmp)
+    commit(tmp, out, token)
+
+
+def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix: str = "",
+                     max_shard_bytes: int = 5 << 30, chunk_bytes: int = 64 << 20, progress: bool = False) -> list[str]:
+    """Write the full tensors of the checkpoint at ``path`` as Hugging Face safetensors into the
+    new folder ``out`` (see the module docstring); returns the file names written."""
+    index = read_index(os.fspath(path))
+    keys = [k for k in index.tensors if k.startswith(prefix)]
+    if not keys:
+        raise CheckpointError(f"checkpoint {index.root} has no tensor whose key starts with {prefix!r}")
+    shards: list[list[str]] = [[]]
+    size = 0
+    for k in keys:
+        n = index.tensors[k].nbytes
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += n
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    bar = _Progress("merge", sum(index.tensors[k].nbytes for k in keys), progress)
+
+    def fill(tmp: str) -> None:
+        source = _Source(index)
+        weight_map = {}
+        for name, group in zip(names, shards):
+            parts = [(k[len(prefix):], k, Box((0,) * len(index.tensors[k].shape), index.tensors[k].shape))
+                     for k in group]
+            _write(os.path.join(tmp, name), source, parts, chunk_bytes, bar, {"format": "pt"})
+            weight_map.update({p[0]: name for p in parts})
+        total = sum(index.tensors[k].nbytes for k in keys)
+        write_json(os.path.join(tmp, HF_INDEX_FILE),
+                   json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+
+    _into_place(out, fill)
+    return names
+
+
+def reshard_checkpoint(path: str | os.PathLike, out: str | os.PathLike, world_size: int, *,
+                       chunk_bytes: int = 64 << 20, progress: bool = False) -> None:
+    """Rewrite the checkpoint at ``path`` into a new checkpoint ``out`` laid out for
+    ``world_size`` ranks (see the module docstring). Plain values are kept."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    index = read_index(os.fspath(path))
+    per_rank: list[list[tuple[str, str, Box]]] = [[] for _ in range(world_size)]
+    layouts = {}
+    for key, t in index.tensors.items():
+        sharded = t.layout is not None and len(t.shape) > 0
+        layouts[key] = {"mesh_shape": [world_size], "mesh_dim_names": None,
+                        "placements": [repr(Shard(0))]} if sharded else None
+        for r in range(world_size) if sharded else [0]:
+            lbs = boxes_for(t.shape, (world_size,), (r,), [Shard(0)]) if sharded else (
+                [LocalBox(Box((0,) * len(t.shape), t.shape), ())] if 0 not in t.shape else [])
+            per_rank[r] += [(f"{key}@{','.join(map(str, lb.box.offsets))}", key, lb.box) for lb in lbs]
+    bar = _Progress("reshard", sum(t.nbytes for t in index.tensors.values()), progress)
+
+    def fill(tmp: str) -> None:
+        source = _Source(index)
+        boxes: dict[str, list[SavedBox]] = {k: [] for k in index.tensors}
+        files = {}
+        for r, parts in enumerate(per_rank):
+            if not parts:
+                continue
+            name = data_file_name(r)
+            crcs = _write(os.path.join(tmp, name), source, parts, chunk_bytes, bar,
+                          {"format": FORMAT_NAME, "rank": str(r)})
+            files[name] = os.path.getsize(os.path.join(tmp, name))
+            for fk, key, box in parts:
+                boxes[key].append(SavedBox(box, name, fk, crcs[fk]))
+        tensors = {k: TensorEntry(t.dtype, t.shape, tuple(boxes[k]), layouts[k]) for k, t in index.tensors.items()}
+        new = Index(os.path.abspath(os.fspath(out)), tensors, index.values, files, world_size, time.time_ns())
+        write_json(os.path.join(tmp, INDEX_FILE), format_index(index_to_json(new)))
+
+    _into_place(out, fill)

@@ -1,0 +1,99 @@
+"""Planning reads: which slices of which saved boxes fill a destination, in bounded pieces.
+
+A destination (`LocalBox`: a global box and where it sits in the local tensor) is filled from
+the saved boxes of the same tensor. Saved boxes of one tensor are disjoint, so the destination
+is covered exactly when the element counts of its intersections with the saved boxes add up
+to its own count; each intersection becomes one `ReadItem`: a region of one saved box (in that
+box's coordinates, i.e. a safetensors slice) and the region of the local tensor it fills.
+
+To bound memory, `split` cuts an item into pieces of at most ``max_numel`` elements along its
+outermost dimension that has more than one index (one index of that dimension at a time, and
+then the next dimension, when a single index is already too large). A piece is read, copied
+into the destination and dropped before the next is read.
+
+`partition_problem` checks what the format promises about a tensor's saved boxes: inside the
+tensor, pairwise disjoint, covering it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._boxes import Box, LocalBox
+
+__all__ = ["ReadItem", "plan_reads", "covered_numel", "split", "partition_problem"]
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Fill ``dst`` (a region of the local tensor) from ``src`` (a region of saved box ``source``)."""
+
+    source: int
+    src: Box
+    dst: Box
+
+
+def plan_reads(dest: LocalBox, saved: Sequence[Box]) -> list[ReadItem]:
+    """One item per saved box that meets ``dest.box``, in the order of ``saved``."""
+    items = []
+    for i, s in enumerate(saved):
+        common = dest.box.intersect(s)
+        if common is None:
+            continue
+        items.append(ReadItem(i, common.shifted(s.offsets), common.shifted(dest.box.offsets, dest.local_offsets)))
+    return items
+
+
+def covered_numel(items: Sequence[ReadItem]) -> int:
+    return sum(it.src.numel for it in items)
+
+
+def _split_box_pairs(src: Box, dst: Box, max_numel: int) -> list[tuple[Box, Box]]:
+    if src.numel <= max_numel:
+        return [(src, dst)]
+    d = next(i for i, n in enumerate(src.sizes) if n > 1)
+    inner = src.numel // src.sizes[d]
+    step = max(1, max_numel // inner)
+    out = []
+    for start in range(0, src.sizes[d], step):
+        n = min(step, src.sizes[d] - start)
+        s = _narrow(src, d, start, n)
+        t = _narrow(dst, d, start, n)
+        out.extend(_split_box_pairs(s, t, max_numel) if n == 1 and inner > max_numel else [(s, t)])
+    return out
+
+
+def _narrow(b: Box, d: int, start: int, n: int) -> Box:
+    offsets = list(b.offsets)
+    sizes = list(b.sizes)
+    offsets[d] += start
+    sizes[d] = n
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def split(item: ReadItem, max_numel: int) -> list[ReadItem]:
+    """``item`` cut into items of at most ``max(max_numel, 1)`` elements, in row-major order."""
+    return [ReadItem(item.source, s, d) for s, d in _split_box_pairs(item.src, item.dst, max(1, max_numel))]
+
+
+def partition_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
+    """None if ``boxes`` tile a tensor of ``shape`` exactly, else what is wrong."""
+    total = 1
+    for n in shape:
+        total *= n
+    for b in boxes:
+        if not b.within(shape):
+            return f"box at {list(b.offsets)} of size {list(b.sizes)} lies outside the shape {list(shape)}"
+    # sweep along dim 0 so that only boxes whose first-dim ranges meet are compared
+    order = sorted(boxes, key=lambda b: b.offsets[:1])
+    for i, a in enumerate(order):
+        for b in order[i + 1 :]:
+            if a.sizes and b.offsets[0] >= a.ends[0]:
+                break
+            if a.intersect(b) is not None and a.numel and b.numel:
+                return f"boxes at {list(a.offsets)} and {list(b.offsets)} overlap"
+    have = sum(b.numel for b in boxes)
+    if have != total:
+        return f"the boxes hold {have} of the tensor's {total} elements"
+    return None

@@ -1,0 +1,296 @@
+"""``load``: fill a state's tensors in place from a checkpoint, resharding to their layout.
+
+[Note: the steps of a load]
+1. Check (every rank, reads only ``index.json``, file sizes and safetensors headers, plus the
+   checksummed bytes when ``verify``): each target tensor is in the checkpoint with the same
+   dtype and global shape; for each of this rank's boxes (``_boxes.local_boxes``) the saved
+   boxes that meet it cover it (``_plan.plan_reads``); each data file to be read exists, has
+   the size the index records and holds the expected keys, dtypes and shapes; with ``verify``
+   the CRC-32 of this rank's share of the saved boxes matches the index. All problems are
+   agreed on (``_comm.agree``): if any rank found one, every rank raises before any target
+   tensor is written, so a failed load leaves the target untouched.
+2. Read (every rank, no collective): per data file, per item, exactly the overlapping region
+   of the saved box, in pieces of at most ``max_read_bytes`` (``_plan.split``), each copied
+   into the destination and dropped. A piece that is one contiguous byte range of the file
+   (any run of dim-0 rows, which is what resharding dim-0 shards needs) is read with
+   ``pread``, straight into the destination when possible; other pieces (column slices)
+   through ``safe_open(file).get_slice(key)[region]``. Memory beyond the target tensors is
+   one piece; the bytes requested are the bytes this rank needs.
+3. Plain values from the index replace the target's plain values; the call ends with one more
+   agreement (an I/O error in step 2 is raised on every rank).
+
+Checksums cover whole saved boxes, so they cannot be checked on a partial read. With
+``verify`` (the default) every saved box of the target's tensors is checksummed in step 1 by
+exactly one rank (boxes are dealt out largest first to the rank with the fewest bytes so far),
+before any rank writes: each rank reads about the checkpoint's size divided by the world size
+for this, 16 MiB at a time, in addition to the bytes it needs. ``verify=False`` skips it;
+sizes and headers are always checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import heapq
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+
+from ._boxes import LocalBox, local_boxes
+from ._comm import CheckpointError, agree, rank_and_world
+from ._flatten import Leaf, flatten, set_values
+from ._format import Index, SavedBox, TensorEntry, read_index
+from ._plan import ReadItem, covered_numel, plan_reads, split
+from ._safetensors_io import (DTYPE_CODES, Header, contiguous_run, crc32_of_range, open_for_ranges, pread_into,
+                              read_header)
+
+__all__ = ["load", "LoadStats", "load_from_index"]
+
+_MAX_PROBLEMS = 20
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """What one rank did in a load (returned by `load`).
+
+    ``bytes_needed``: bytes of this rank's target data; ``bytes_read``: bytes this rank read
+    from data files to fill them (only overlapping regions are read, so it equals
+    ``bytes_needed``; kernel read-ahead is switched off for these reads); ``bytes_verified``:
+    bytes it read to check checksums (its share of the saved boxes, with ``verify``);
+    ``files_opened``: data files it read from.
+    """
+
+    tensors: int
+    bytes_needed: int
+    bytes_read: int
+    bytes_verified: int
+    files_opened: int
+
+
+@dataclass
+class _Read:
+    key: str
+    local: torch.Tensor
+    saved: SavedBox
+    item: ReadItem
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_tensor(key: str, t: torch.Tensor, entry: TensorEntry, where: str, problems: list[str]) -> list[LocalBox]:
+    if entry.dtype != t.dtype:
+        problems.append(f"tensor '{key}' is {entry.dtype} in {where} but {t.dtype} in the target; cast one of them "
+                        "so they agree")
+        return []
+    if entry.shape != tuple(t.shape):
+        problems.append(f"tensor '{key}' has shape {list(entry.shape)} in {where} but {list(t.shape)} in the "
+                        "target (a different model configuration?)")
+        return []
+    if t.device.type == "meta":
+        problems.append(f"tensor '{key}' of the target is on the meta device; materialize it before loading")
+        return []
+    return local_boxes(t)
+
+
+def _plan_load(index: Index, leaves: list[Leaf], strict: bool, where: str):
+    problems: list[str] = []
+    reads: list[_Read] = []
+    for leaf in leaves:
+        t = leaf.value
+        if not isinstance(t, torch.Tensor):
+            if leaf.key not in index.values and strict:
+                problems.append(f"value '{leaf.key}' is not in {where}" + _similar(leaf.key, index.values))
+            continue
+        entry = index.tensors.get(leaf.key)
+        if entry is None:
+            if strict:
+                problems.append(f"tensor '{leaf.key}' is not in {where}" + _similar(leaf.key, index.tensors))
+            continue
+        for lb in _check_tensor(leaf.key, t, entry, where, problems):
+            items = plan_reads(lb, [b.box for b in entry.boxes])
+            if covered_numel(items) != lb.box.numel:
+                problems.append(f"{where} lacks part of tensor '{leaf.key}' (box at {list(lb.box.offsets)} of size "
+                                f"{list(lb.box.sizes)} is not fully saved); the index is damaged")
+                continue
+            reads.extend(_Read(leaf.key, _local(t), entry.boxes[it.source], it) for it in items)
+    return reads, problems
+
+
+def _verification_share(index: Index, keys: list[str], rank: int, world: int) -> set[tuple[str, str]]:
+    """The saved boxes (``(file, key)``) this rank checksums: every checksummed box of the target's
+    tensors goes to exactly one rank, largest first to the rank with the fewest bytes so far."""
+    boxes = sorted(((b.box.numel * index.tensors[k].dtype.itemsize, b.file, b.key)
+                    for k in set(keys) for b in index.tensors[k].boxes if b.crc32 is not None),
+                   key=lambda x: (-x[0], x[1], x[2]))
+    ranks = [(0, r) for r in range(world)]
+    mine = set()
+    for nbytes, file, key in boxes:
+        load_, r = heapq.heappop(ranks)
+        heapq.heappush(ranks, (load_ + nbytes, r))
+        if r == rank:
+            mine.add((file, key))
+    return mine
+
+
+def _check_files(index: Index, uses: list[tuple[str, SavedBox]], share: set[tuple[str, str]],
+                 headers: dict[str, Header | None], problems: list[str]) -> int:
+    """Check the data files of ``uses`` (``(tensor key, saved box)``) and the checksums of the
+    boxes in ``share``; fills ``headers`` (file name -> header); returns the bytes checksummed."""
+    checked: set[tuple[str, str]] = set()
+    verified = 0
+    for key, box in uses:
+        name = box.file
+        path = os.path.join(index.root, name)
+        if name not in headers:
+            headers[name] = None
+            try:
+                expected = index.files.get(name)
+                if not os.path.isfile(path):
+                    raise CheckpointError(f"data file {path} is missing (it holds tensor '{key}')")
+                size = os.path.getsize(path)
+                if expected is not None and size != expected:
+                    raise CheckpointError(f"data file {path} has {size} bytes but the index records {expected} "
+                                          f"(truncated or replaced; it holds tensor '{key}')")
+                headers[name] = read_header(path)
+            except CheckpointError as e:
+                problems.append(str(e))
+        header = headers[name]
+        if header is None or (name, box.key) in checked:
+            continue
+        checked.add((name, box.key))
+        e = header.entries.get(box.key)
+        want = DTYPE_CODES[index.tensors[key].dtype]
+        if e is None or e.dtype != want or e.shape != box.box.sizes:
+            problems.append(f"data file {path} does not hold key '{box.key}' as {want} {list(box.box.sizes)} "
+                            f"(tensor '{key}'); the file does not belong to this index")
+            continue
+        if (name, box.key) in share:
+            crc = crc32_of_range(path, header.data_start + e.begin, header.data_start + e.end)
+            verified += e.end - e.begin
+            if crc != box.crc32:
+                problems.append(f"checksum mismatch in data file {path}, key '{box.key}' (tensor '{key}', box at "
+                                f"{list(box.box.offsets)}): the file is corrupted; restore it or load another "
+                                "checkpoint")
+    return verified
+
+
+def _read(index: Index, reads: list[_Read], headers: dict[str, Header | None],
+          max_read_bytes: int) -> tuple[int, int]:
+    """Step 2 of [Note: the steps of a load]; returns (bytes read, files opened).
+
+    A piece that is one contiguous byte range of its saved box (any dim-0 slab of a saved box,
+    as resharding FSDP/HSDP shards gives) is read with ``pread`` straight into the destination
+    when that is contiguous on the CPU (else into a buffer of the piece's size). Other pieces
+    (e.g. column slices) go through ``safe_open(...).get_slice(key)[region]``.
+    """
+    by_file: dict[str, list[_Read]] = defaultdict(list)
+    for r in reads:
+        by_file[r.saved.file].append(r)
+    nbytes = 0
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for name, items in by_file.items():
+            path = os.path.join(index.root, name)
+            header = headers[name]
+            fd = open_for_ranges(path)
+            sliced = None  # safe_open maps the file; opened only for pieces that need it
+            try:
+                for r in items:
+                    entry = header.entries[r.saved.key]
+                    itemsize = r.local.element_size()
+                    for piece in split(r.item, max(1, max_read_bytes // itemsize)):
+                        dst = r.local[piece.dst.slices()]
+                        run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
+                        if run is None:
+                            if sliced is None:
+                                sliced = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+                            dst.copy_(sliced.get_slice(r.saved.key)[piece.src.slices()])
+                        else:
+                            at = header.data_start + entry.begin + run[0] * itemsize
+                            direct = dst.device.type == "cpu" and dst.is_contiguous()
+                            buf = dst if direct else torch.empty(dst.shape, dtype=dst.dtype)
+                            pread_into(fd, buf.detach(), at, path)
+                            if direct:
+                                torch.autograd.graph.increment_version(dst)  # as an in-place copy would
+                            else:
+                                dst.copy_(buf)
+                        nbytes += dst.numel() * itemsize
+            finally:
+                os.close(fd)
+    return nbytes, len(by_file)
+
+
+def _similar(key: str, names) -> str:
+    close = difflib.get_close_matches(key, list(names), n=3)
+    return f" (similar names there: {close})" if close else ""
+
+
+def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: bool = True,
+                    max_read_bytes: int = 64 << 20, where: str | None = None) -> LoadStats:
+    """`load` from an already built `Index` (a checkpoint's, or one describing other files)."""
+    where = where or f"checkpoint {index.root}"
+    what = f"loading {where}"
+    reads, leaves, problems, verified = [], [], [], 0
+    headers: dict[str, Header | None] = {}
+    error: BaseException | None = None
+    try:
+        leaves = flatten(state)
+        with torch.no_grad():
+            reads, problems = _plan_load(index, leaves, strict, where)
+        uses = [(r.key, r.saved) for r in reads]
+        share: set[tuple[str, str]] = set()
+        if verify:
+            keys = [leaf.key for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors]
+            share = _verification_share(index, keys, *rank_and_world())
+            by_id = {(b.file, b.key): (k, b) for k in keys for b in index.tensors[k].boxes}
+            uses += [by_id[s] for s in sorted(share)]
+        verified = _check_files(index, uses, share, headers, problems)
+    except Exception as e:
+        error = e
+    if problems and error is None:
+        more = len(problems) - _MAX_PROBLEMS
+        shown = problems[:_MAX_PROBLEMS] + ([f"... and {more} more problems"] if more > 0 else [])
+        error = "\n    ".join(shown) + "\n  The target was not modified."
+    agree(error, what)
+    read_bytes, files = 0, 0
+    try:
+        read_bytes, files = _read(index, reads, headers, max_read_bytes)
+        set_values(leaves, index.values)
+    except Exception as e:
+        error = e
+    agree(error, what)
+    needed = sum(r.item.dst.numel * r.local.element_size() for r in reads)
+    ntensors = sum(1 for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors)
+    return LoadStats(ntensors, needed, read_bytes, verified, files)
+
+
+def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
+         max_read_bytes: int = 64 << 20) -> LoadStats:
+    """Fill the tensors of ``state`` in place from the checkpoint at ``path``; collective.
+
+    ``state`` has the structure that was saved (e.g. ``{"model": get_model_state_dict(model),
+    ...}``); its tensors may have any layout (plain, or DTensors with any supported placements
+    on any mesh), independent of the layout they were saved from. Plain values in ``state``
+    are replaced by the saved ones. ``strict=False`` skips keys of ``state`` that the checkpoint
+    lacks; keys of the checkpoint that ``state`` lacks are always ignored. ``verify`` checks the
+    CRC-32 of every saved box of the loaded tensors, spread over the ranks, before anything is
+    written (see [Note: the steps of a load]). At most ``max_read_bytes`` are read at a time.
+
+    Raises `CheckpointError` on every rank, before modifying any tensor, if the directory is
+    not a complete checkpoint or a tensor is missing, of another dtype or shape, or its data
+    file is missing, truncated or corrupted. Returns this rank's `LoadStats`.
+    """
+    path = os.path.abspath(os.fspath(path))
+    index, error = None, None
+    try:
+        index = read_index(path)
+    except CheckpointError as e:
+        error = e
+    agree(error, f"loading checkpoint {path}")
+    return load_from_index(state, index, strict=strict, verify=verify, max_read_bytes=max_read_bytes)
+

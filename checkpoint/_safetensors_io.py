@@ -1,0 +1,246 @@
+"""Safetensors files written as a stream, and their headers read without torch.
+
+A safetensors file is: 8 bytes (little-endian u64) giving the header length ``N``; ``N``
+bytes of JSON mapping each key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (plus
+an optional ``"__metadata__"`` map of strings), padded with spaces so that the data starts on
+an 8-byte boundary; then the data: each tensor's bytes, row-major, little-endian, tensors back
+to back in the order of their offsets, no gaps.
+
+Because every entry's dtype and shape are known before any byte is written, the header can go
+first and each tensor can then be appended in pieces (`StreamingWriter.append`): no whole
+file, and not even a whole tensor, has to be in memory at once. The writer computes a CRC-32
+of every entry's bytes as they pass. Files written so are ordinary safetensors files
+(``safetensors.safe_open`` and ``load_file`` read them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ._comm import CheckpointError
+
+__all__ = [
+    "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crc32_of_range", "tensor_bytes", "contiguous_run",
+    "open_for_ranges", "pread_into",
+]
+
+DTYPE_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+_ALIGN = 8
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+_MAX_HEADER = 100 << 20
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("shardwise.checkpoint writes little-endian safetensors and needs a little-endian machine")
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The row-major bytes of ``t`` (copied to a contiguous CPU tensor if needed)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass(frozen=True)
+class Entry:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # byte offsets relative to the start of the data
+    end: int
+
+
+class StreamingWriter:
+    """Write one safetensors file whose entries are declared up front and filled in order.
+
+    ``entries`` is ``[(key, dtype, shape)]``; the file stores them widest dtype first (so that
+    every tensor is aligned to its element size) and ``keys`` lists that order. `append` takes
+    the tensors in that order, whole or in row-major pieces; `close` checks that every byte was written,
+    fsyncs the file and returns ``{key: crc32}``.
+    """
+
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        self._order: list[tuple[str, torch.dtype, int]] = []
+        pos = 0
+        # widest dtypes first: every tensor then starts at a multiple of its element size
+        entries = sorted(entries, key=lambda e: -_itemsize(e[1]) if e[1] in DTYPE_CODES else 0)
+        for key, dtype, shape in entries:
+            if dtype not in DTYPE_CODES:
+                raise CheckpointError(f"tensor '{key}' has dtype {dtype}, which safetensors cannot store")
+            n = 1
+            for s in shape:
+                n *= s
+            size = n * _itemsize(dtype)
+            header[key] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [pos, pos + size]}
+            self._order.append((key, dtype, size))
+            pos += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-(len(raw) + 8) % _ALIGN)
+        self.path = path
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self.keys = [k for k, _, _ in self._order]  # the order in which `append` expects the data
+        self._i, self._left, self._crc, self.crcs = 0, 0, 0, {}
+        self._start_entry()
+
+    def _start_entry(self) -> None:
+        while self._i < len(self._order) and self._order[self._i][2] == 0:
+            self.crcs[self._order[self._i][0]] = 0  # empty tensors have no bytes
+            self._i += 1
+        if self._i < len(self._order):
+            self._left, self._crc = self._order[self._i][2], 0
+
+    def append(self, t: torch.Tensor) -> None:
+        if t.numel() == 0:
+            return  # empty entries are complete from the start
+        if self._i >= len(self._order):
+            raise CheckpointError(f"{self.path}: more data appended than the header declares")
+        key, dtype, _ = self._order[self._i]
+        if t.dtype != dtype:
+            raise CheckpointError(f"{self.path}: tensor '{key}' declared {dtype} but got {t.dtype}")
+        data = tensor_bytes(t)
+        if len(data) > self._left:
+            raise CheckpointError(f"{self.path}: tensor '{key}' got more bytes than its shape declares")
+        self._file.write(data)
+        self._crc = zlib.crc32(data, self._crc)
+        self._left -= len(data)
+        if self._left == 0:
+            self.crcs[key] = self._crc
+            self._i += 1
+            self._start_entry()
+
+    def close(self) -> dict[str, int]:
+        if self._i < len(self._order):
+            self._file.close()
+            raise CheckpointError(f"{self.path}: tensor '{self._order[self._i][0]}' was not completely written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return self.crcs
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+@dataclass(frozen=True)
+class Header:
+    entries: dict[str, Entry]
+    data_start: int  # absolute byte offset of the data
+    data_size: int  # bytes of data the header declares
+    metadata: dict[str, str]
+
+
+def open_for_ranges(path: str) -> int:
+    """An fd for reading byte ranges: the kernel is told not to read ahead past them (a read
+    ahead of several MiB would otherwise pull in neighbouring boxes this rank does not need)."""
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
+def _pread(fd: int, n: int, offset: int) -> bytes:
+    parts, done = [], 0
+    while done < n:
+        data = os.pread(fd, n - done, offset + done)
+        if not data:
+            break
+        parts.append(data)
+        done += len(data)
+    return b"".join(parts)
+
+
+def read_header(path: str) -> Header:
+    """Parse and check a safetensors header; a `CheckpointError` names ``path`` on any problem,
+    including a file shorter than its header declares (truncated)."""
+    try:
+        fd = open_for_ranges(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    try:
+        size = os.fstat(fd).st_size
+        head = _pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file (truncated?)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{path}: header of {n} bytes does not fit in the {size}-byte file (truncated?)")
+        raw = json.loads(_pread(fd, n, 8))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
+    finally:
+        os.close(fd)
+    metadata = raw.pop("__metadata__", None) or {}
+    entries, end = {}, 0
+    for key, e in raw.items():
+        begin, stop = e["data_offsets"]
+        entries[key] = Entry(e["dtype"], tuple(e["shape"]), begin, stop)
+        end = max(end, stop)
+    if 8 + n + end > size:
+        raise CheckpointError(f"{path}: truncated: the header declares {8 + n + end} bytes, the file has {size}")
+    return Header(entries, 8 + n, end, metadata)
+
+
+def crc32_of_range(path: str, begin: int, end: int, chunk: int = 16 << 20) -> int:
+    """CRC-32 of bytes ``[begin, end)`` of ``path``, read ``chunk`` bytes at a time."""
+    crc = 0
+    fd = open_for_ranges(path)
+    try:
+        pos = begin
+        while pos < end:
+            data = _pread(fd, min(chunk, end - pos), pos)
+            if not data:
+                raise CheckpointError(f"{path}: truncated: ended {end - pos} bytes before offset {end}")
+            crc = zlib.crc32(data, crc)
+            pos += len(data)
+    finally:
+        os.close(fd)
+    return crc
+
+
+def contiguous_run(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(first element, element count)`` if the region ``offsets``/``sizes`` of a row-major
+    tensor of ``shape`` is one contiguous run of its elements, else None.
+
+    It is when, for some dimension ``k``, the region has one index in every dimension before
+    ``k`` and all indices in every dimension after ``k``.
+    """
+    k = 0
+    while k < len(sizes) and sizes[k] == 1 and k + 1 < len(sizes):
+        k += 1
+    if any(o != 0 or n != full for o, n, full in zip(offsets[k + 1:], sizes[k + 1:], shape[k + 1:])):
+        return None
+    first, stride = 0, 1
+    for o, n in zip(reversed(offsets), reversed(shape)):
+        first += o * stride
+        stride *= n
+    count = 1
+    for n in sizes:
+        count *= n
+    return first, count
+
+
+def pread_into(fd: int, out: torch.Tensor, offset: int, path: str) -> None:
+    """Fill the contiguous CPU tensor ``out`` with the bytes of ``fd`` at ``offset``."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise CheckpointError(f"{path}: truncated: no data at byte {offset + done}")
+        done += n

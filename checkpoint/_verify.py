@@ -1,0 +1,88 @@
+"""``verify_checkpoint``: check a checkpoint completely, without torch.distributed.
+
+Checks, in order, collecting every problem rather than stopping at the first:
+
+1. the directory is a complete checkpoint of a known version (``_format.read_index``);
+2. every tensor's saved boxes lie inside it, are disjoint and cover it (``_plan.partition_problem``);
+3. every data file the index names exists and has the recorded size, and its safetensors
+   header parses (a truncated file is reported as such);
+4. every saved box's key is in its file with the tensor's dtype and the box's shape, and the
+   CRC-32 of its bytes matches the index (read 16 MiB at a time).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ._comm import CheckpointError
+from ._format import read_index
+from ._plan import partition_problem
+from ._safetensors_io import DTYPE_CODES, crc32_of_range, read_header
+
+__all__ = ["VerifyReport", "verify_checkpoint"]
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """``problems`` is empty when the checkpoint is sound."""
+
+    path: str
+    problems: tuple[str, ...]
+    tensors: int = 0
+    boxes: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
+    """Check the checkpoint at ``path`` (see the module docstring)."""
+    path = os.path.abspath(os.fspath(path))
+    try:
+        index = read_index(path)
+    except CheckpointError as e:
+        return VerifyReport(path, (str(e),))
+    problems: list[str] = []
+    headers = {}
+    names = set(index.files) | {b.file for t in index.tensors.values() for b in t.boxes}
+    for name in sorted(names):
+        file = os.path.join(path, name)
+        expected = index.files.get(name)
+        if name not in index.files:
+            problems.append(f"data file {name} is used by boxes but not listed in the index")
+        if not os.path.isfile(file):
+            problems.append(f"data file {file} is missing")
+            continue
+        size = os.path.getsize(file)
+        if expected is not None and size != expected:
+            problems.append(f"data file {file} has {size} bytes, the index records {expected} (truncated?)")
+        try:
+            headers[name] = read_header(file)
+        except CheckpointError as e:
+            problems.append(str(e))
+    nboxes = checked = 0
+    for key, t in index.tensors.items():
+        gap = partition_problem(t.shape, [b.box for b in t.boxes])
+        if gap:
+            problems.append(f"tensor '{key}': {gap}")
+        for b in t.boxes:
+            nboxes += 1
+            header = headers.get(b.file)
+            if header is None:
+                continue
+            e = header.entries.get(b.key)
+            where = f"tensor '{key}' box at {list(b.box.offsets)} (file {b.file}, key '{b.key}')"
+            if e is None:
+                problems.append(f"{where}: the key is not in the file")
+            elif e.dtype != DTYPE_CODES[t.dtype] or e.shape != b.box.sizes:
+                problems.append(f"{where}: the file holds {e.dtype} {list(e.shape)}, the index says "
+                                f"{DTYPE_CODES[t.dtype]} {list(b.box.sizes)}")
+            elif b.crc32 is not None:
+                begin, end = header.data_start + e.begin, header.data_start + e.end
+                checked += end - begin
+                if crc32_of_range(os.path.join(path, b.file), begin, end) != b.crc32:
+                    problems.append(f"{where}: checksum mismatch (the data is corrupted)")
+    return VerifyReport(path, tuple(problems), len(index.tensors), nboxes, checked)

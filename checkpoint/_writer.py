@@ -1,0 +1,268 @@
+"""``save`` and ``async_save``: every rank writes the boxes it owns, rank 0 commits the index.
+
+[Note: the steps of a save]
+1. Plan (every rank, no I/O): flatten the state; for each tensor, this rank's boxes and
+   whether it is their writer (see [Note: boxes of a placement] in ``_boxes.py``); plain
+   values to JSON. Problems are agreed on (``_comm.agree``) before anything is written.
+2. Rank 0 checks the target and creates the temporary directory; its name goes to every rank.
+3. ``async_save`` only: copy every box this rank writes to CPU memory (the snapshot). From
+   here on the caller may change the state; the checkpoint holds the values of this moment.
+4. Every writing rank streams its boxes into ``rank-<rank>.safetensors`` (CRC-32 of each box
+   on the way) and fsyncs it. ``async_save`` does this in a background thread, which does no
+   collective (a collective there could interleave with the training's own).
+5. Commit (collective; for ``async_save`` inside ``SaveHandle.wait()``): agree on write errors;
+   gather each rank's file and boxes on rank 0, which checks that all ranks saved the same
+   tensors, writes ``index.json`` last and renames the directory into place ([Note: atomic
+   commit] in ``_commit.py``), then rotates old checkpoints. Every rank returns only once the
+   checkpoint is committed, or raises the same error; a failed save leaves no directory
+   behind except when a process died (then an ``incomplete`` one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ._boxes import Box, local_boxes, layout_of, writes_data
+from ._comm import CheckpointError, agree, broadcast_json, gather_json, rank_and_world
+from ._commit import check_target, commit, rotate, temp_dir_for
+from ._flatten import flatten, to_json_value
+from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, dtype_name, format_index,
+                      index_to_json, write_json)
+from ._safetensors_io import DTYPE_CODES, StreamingWriter
+
+__all__ = ["save", "async_save", "SaveHandle"]
+
+
+@dataclass
+class _Piece:
+    key: str  # flat key of the tensor
+    box: Box  # global box
+    data: Any  # the local tensor (synchronous save) or the snapshot of this box
+    region: Box | None  # where the box sits in ``data``; None once ``data`` is a snapshot
+
+    @property
+    def file_key(self) -> str:
+        return f"{self.key}@{','.join(map(str, self.box.offsets))}"
+
+    def tensor(self) -> torch.Tensor:
+        return self.data if self.region is None else self.data[self.region.slices()]
+
+
+@dataclass
+class _Plan:
+    meta: dict[str, dict] = field(default_factory=dict)  # key -> dtype, shape, layout
+    pieces: list[_Piece] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)
+
+
+def _plan(state: dict, rank: int) -> _Plan:
+    plan = _Plan()
+    with torch.no_grad():
+        for leaf in flatten(state):
+            v = leaf.value
+            if not isinstance(v, torch.Tensor):
+                plan.values[leaf.key] = to_json_value(v, leaf.key)
+                continue
+            if v.dtype not in DTYPE_CODES:
+                raise CheckpointError(f"tensor '{leaf.key}' has dtype {v.dtype}, which safetensors cannot store")
+            if v.device.type == "meta":
+                raise CheckpointError(f"tensor '{leaf.key}' is on the meta device and has no data; materialize it "
+                                      "(e.g. module.to_empty(device=...) and initialize) before saving")
+            plan.meta[leaf.key] = {"dtype": dtype_name(v.dtype), "shape": list(v.shape), "layout": layout_of(v)}
+            boxes = local_boxes(v)  # on every rank: refuses unsupported placements everywhere
+            if not writes_data(v, rank):
+                continue
+            local = v.to_local() if isinstance(v, DTensor) else v
+            plan.pieces += [_Piece(leaf.key, lb.box, local.detach(), lb.local_region()) for lb in boxes]
+    return plan
+
+
+def _snapshot(plan: _Plan) -> None:
+    with torch.no_grad():
+        for p in plan.pieces:
+            src = p.tensor()
+            p.data = torch.empty(src.shape, dtype=src.dtype, device="cpu").copy_(src)
+            p.region = None
+
+
+def _write_file(plan: _Plan, tmp: str, rank: int) -> dict:
+    """Write this rank's boxes; returns its report for the index."""
+    if not plan.pieces:
+        return {"file": None, "bytes": 0, "boxes": []}
+    name = data_file_name(rank)
+    path = os.path.join(tmp, name)
+    by_key = {p.file_key: p for p in plan.pieces}
+    entries = [(k, p.data.dtype, p.box.sizes) for k, p in by_key.items()]
+    writer = StreamingWriter(path, entries, {"format": FORMAT_NAME, "rank": str(rank)})
+    try:
+        for k in writer.keys:
+            writer.append(by_key[k].tensor())
+    except BaseException:
+        writer.abort()
+        raise
+    crcs = writer.close()
+    boxes = [{"key": p.key, "file_key": k, "offsets": list(p.box.offsets), "sizes": list(p.box.sizes),
+              "crc32": crcs[k]} for k, p in by_key.items()]
+    return {"file": name, "bytes": os.path.getsize(path), "boxes": boxes}
+
+
+def _meta_digest(meta: dict) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def _build_index(path: str, plan: _Plan, reports: list[dict], world: int) -> Index:
+    digest = _meta_digest(plan.meta)
+    differ = [r for r, rep in enumerate(reports) if rep["meta"] != digest]
+    if differ:
+        raise CheckpointError(
+            f"ranks {differ} passed tensors (keys, shapes or dtypes) different from rank 0's; every rank must save "
+            "the same state structure (e.g. build the optimizer state the same way on every rank)"
+        )
+    boxes: dict[str, list[SavedBox]] = {k: [] for k in plan.meta}
+    files: dict[str, int | None] = {}
+    for rep in reports:
+        if rep["file"] is None:
+            continue
+        files[rep["file"]] = rep["bytes"]
+        for b in rep["boxes"]:
+            boxes[b["key"]].append(SavedBox(Box(tuple(b["offsets"]), tuple(b["sizes"])), rep["file"], b["file_key"],
+                                            b["crc32"]))
+    tensors = {}
+    for k, m in plan.meta.items():
+        dtype = getattr(torch, m["dtype"])
+        tensors[k] = TensorEntry(dtype, tuple(m["shape"]), tuple(boxes[k]), m["layout"])
+    return Index(path, tensors, plan.values, files, world, time.time_ns())
+
+
+class SaveHandle:
+    """A save in progress (from `async_save`). ``wait()`` finishes it."""
+
+    def __init__(self, path: str, plan: _Plan, tmp: str, token: str, keep_last: int | None, background: bool,
+                 error: BaseException | None = None):
+        self.path = path
+        self._plan, self._tmp, self._token, self._keep_last = plan, tmp, token, keep_last
+        self._report: dict | None = None
+        self._error = error  # a failed snapshot: nothing to write, reported by wait()
+        self._finished = False
+        self._thread = None
+        if error is not None:
+            return
+        if background:
+            self._thread = threading.Thread(target=self._write, name=f"shardwise-save {path}", daemon=True)
+            self._thread.start()
+        else:
+            self._write()
+
+    def _write(self) -> None:
+        try:
+            self._report = _write_file(self._plan, self._tmp, rank_and_world()[0])
+        except BaseException as e:  # surfaced by wait()
+            self._error = e
+
+    def done(self) -> bool:
+        """Whether this rank has finished writing its files (``wait()`` still has to commit)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Collective: finish writing, commit the checkpoint, rotate old ones.
+
+        Raises `CheckpointError` on every rank if any rank failed; the checkpoint is then not
+        committed. Calling it again after it returned does nothing.
+        """
+        if self._finished:
+            return
+        self._finished = True
+        if self._thread is not None:
+            self._thread.join()
+        rank, world = rank_and_world()
+        where = f"saving checkpoint {self.path}"
+        try:
+            agree(self._error, where)
+        except CheckpointError:
+            if rank == 0:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
+        report = dict(self._report or {}, meta=_meta_digest(self._plan.meta))
+        reports = gather_json(report, dst=0)
+        error = None
+        if rank == 0:
+            committed = False
+            try:
+                index = _build_index(self.path, self._plan, reports, world)
+                write_json(os.path.join(self._tmp, INDEX_FILE), format_index(index_to_json(index)))
+                commit(self._tmp, self.path, self._token)
+                committed = True
+                if self._keep_last is not None:
+                    rotate(self.path, self._keep_last, self._token)
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+                if committed:
+                    error = f"the checkpoint was committed, but deleting old ones (keep_last) failed: {error}"
+                else:
+                    shutil.rmtree(self._tmp, ignore_errors=True)
+        error = broadcast_json(error, src=0)
+        if error is not None:
+            raise CheckpointError(f"{where} failed on rank 0: {error}")
+
+
+def _start(state: dict, path: str, keep_last: int | None, background: bool) -> SaveHandle:
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+    path = os.path.abspath(os.fspath(path))
+    rank, _ = rank_and_world()
+    plan, error = None, None
+    try:
+        plan = _plan(state, rank)
+    except Exception as e:
+        error = e
+    agree(error, f"saving checkpoint {path}")
+    setup = {"token": secrets.token_hex(4), "error": None}
+    if rank == 0:
+        try:
+            check_target(path)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.mkdir(temp_dir_for(path, setup["token"]))
+        except Exception as e:
+            setup["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+    setup = broadcast_json(setup, src=0)
+    if setup["error"] is not None:
+        raise CheckpointError(f"saving checkpoint {path} failed on rank 0: {setup['error']}")
+    snapshot_error = None
+    if background:
+        try:
+            _snapshot(plan)
+        except Exception as e:  # e.g. out of CPU memory on this rank: every rank learns it in wait()
+            snapshot_error = e
+    return SaveHandle(path, plan, temp_dir_for(path, setup["token"]), setup["token"], keep_last, background,
+                      snapshot_error)
+
+
+def save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None) -> None:
+    """Save ``state`` to the checkpoint directory ``path``; collective over the default group.
+
+    ``state`` is a dict tree of tensors, DTensors and plain (JSON) values, the same structure on
+    every rank. Each piece of tensor data is written once, by the rank that owns it; the
+    checkpoint appears at ``path`` atomically when complete (an existing checkpoint there is
+    replaced). ``keep_last=N`` then deletes all but the ``N`` newest checkpoints in the same
+    parent directory. Raises `CheckpointError` on every rank on failure.
+    """
+    _start(state, path, keep_last, background=False).wait()
+
+
+def async_save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None) -> SaveHandle:
+    """Like `save`, but return once the state is copied to CPU memory; files are written in a
+    background thread. Collective. Call ``handle.wait()`` (collective, on every rank) before
+    the next save: it commits the checkpoint and raises any error from the background write.
+    """
+    return _start(state, path, keep_last, background=True)
