@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from examples.data import global_batch, inputs_and_targets, local_slice, loss_floor  # noqa: E402
 from examples.model import Llama, LlamaConfig  # noqa: E402
 from examples.parallel import apply_fsdp, apply_tp  # noqa: E402
+import shardwise.checkpoint as ckpt  # noqa: E402
 from shardwise.composable import loss_parallel  # noqa: E402
 from shardwise.mesh import data_parallel_mesh, init_distributed, init_mesh  # noqa: E402
 
@@ -88,6 +89,23 @@ def build_and_shard(
     return apply_fsdp(model, dp_mesh, **shard_kwargs)
 
 
+def app_state(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> dict:
+    """What a checkpoint holds: the model and optimizer state keyed by parameter name (so it
+    reshards like the parameters), and the step."""
+    return {"model": ckpt.get_model_state_dict(model), "optim": ckpt.get_optimizer_state_dict(model, optim),
+            "trainer": {"step": step}}
+
+
+def resume(model: torch.nn.Module, optim: torch.optim.Optimizer, path: str) -> int:
+    """Load ``path`` into ``model`` and ``optim`` (resharding to this job's layout); return the
+    step it was saved at."""
+    state = app_state(model, optim, 0)
+    ckpt.load(state, path)
+    ckpt.set_model_state_dict(model, state["model"])
+    ckpt.set_optimizer_state_dict(model, optim, state["optim"])
+    return int(state["trainer"]["step"])
+
+
 def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """``(local, full)``: bytes of parameters this rank stores, and of the unsharded model."""
     local = full = 0
@@ -110,8 +128,11 @@ def train(
     seed: int = 0,
     log_every: int = 5,
     log=None,
+    optim: torch.optim.Optimizer | None = None,
+    start_step: int = 1,
 ) -> list[float]:
-    """Train ``model`` with AdamW for ``steps`` steps; return the loss of each step.
+    """Train ``model`` with AdamW (or ``optim``) for steps ``start_step .. steps``; return the
+    loss of each step.
 
     Every rank builds the global batch of the step and keeps its data-parallel
     slice. The returned losses are the means over the data-parallel ranks (equal
@@ -121,9 +142,9 @@ def train(
     """
     device = mesh_device(dp_mesh)
     dp_rank, dp_size = data_parallel_rank(dp_mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr) if optim is None else optim
     losses: list[float] = []
-    for step in range(1, steps + 1):
+    for step in range(start_step, steps + 1):
         tokens = local_slice(global_batch(step, batch_size, seq_len, vocab, seed), dp_rank, dp_size)
         inputs, targets = (t.to(device) for t in inputs_and_targets(tokens))
         logits = model(inputs)
@@ -137,7 +158,7 @@ def train(
         optim.step()
         value = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         losses.append(mean_over_mesh(value, dp_mesh).item())
-        if log is not None and (step == 1 or step % log_every == 0 or step == steps):
+        if log is not None and (step == start_step or step % log_every == 0 or step == steps):
             log(step, losses[-1])
     return losses
 
@@ -158,6 +179,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--save", metavar="DIR", help="save model + optimizer + step to DIR at the end")
+    p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint saved by --save (any world size)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs only)")
     return p.parse_args(argv)
 
@@ -221,14 +244,23 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     say(f"training {args.steps} steps, global batch {args.batch_size} x {args.seq_len} tokens, "
         f"{args.batch_size // dp_size} rows per dp rank; loss floor ln(branching) = {loss_floor():.3f}")
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = 1
+    if args.resume:
+        start = resume(model, optim, args.resume) + 1
+        say(f"resumed from {args.resume}: continuing at step {start} on {world_size} ranks")
     t1 = time.perf_counter()
     losses = train(
         model, dp_mesh, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         vocab=args.vocab, lr=args.lr, seed=args.seed, log_every=args.log_every,
-        log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"),
+        log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"), optim=optim, start_step=start,
     )
     t2 = time.perf_counter()
-    say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
+    if args.save:
+        ckpt.save(app_state(model, optim, args.steps), args.save)
+        say(f"saved step {args.steps} to {args.save} (resume with --resume {args.save}, on any world size)")
+    if losses:
+        say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
     say(f"time: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s ({(t2 - t1) / max(args.steps, 1) * 1e3:.0f} ms/step)")
     dist.barrier()  # nobody tears down its connections while a peer still uses them
     dist.destroy_process_group()

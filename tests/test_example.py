@@ -48,3 +48,16 @@ def test_main_job_matches_single_process(world_size, extra):
         for step, (a, b) in enumerate(zip(losses, ref), 1):
             assert abs(a - b) <= 1e-6 * abs(b), f"rank {rank} step {step}: {a} vs reference {b}"
         assert losses[-1] < losses[0], "the loss falls"
+
+
+def test_stop_on_four_ranks_and_resume_on_two(tmp_path):
+    """--save on a 4-rank FSDP run, --resume on a 2-rank run (another layout): the resumed
+    steps continue exactly as uninterrupted training on one process."""
+    ref = _reference_losses(steps=6)
+    ckpt = str(tmp_path / "ckpt")
+    first = ARGS[2:]  # drop "--steps 4"
+    saved = run_ranks(_main_job, 4, ["--steps", "3", "--save", ckpt] + first, timeout=120)[0]
+    resumed = run_ranks(_main_job, 2, ["--steps", "6", "--resume", ckpt] + first, timeout=120)[0]
+    assert len(saved) == 3 and len(resumed) == 3
+    for step, (a, b) in enumerate(zip(saved + resumed, ref), 1):
+        assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {a} vs reference {b}"
