@@ -1,0 +1,197 @@
+"""GPU training step: shardwise's ``fully_shard`` against torch's FSDP2, time and peak memory.
+
+    python benchmarks/gpu_step.py                                # one GPU: a one-rank NCCL group
+    torchrun --nproc-per-node 8 benchmarks/gpu_step.py           # several GPUs: FSDP over all
+    python benchmarks/gpu_step.py --device cpu --dim 64 --layers 2 --seq-len 32 --steps 2   # smoke
+
+Without CUDA (and without ``--device cpu``) it prints why and exits with status 0.
+
+The Llama of ``examples/model.py`` is built on the device from one seed for each
+implementation, one unit per block then the root, with the same mesh, ``reshard_after_forward``
+and mixed precision (``--mp bf16``: bf16 parameters in compute, fp32 gradient reduction, fp32
+master weights and AdamW state; the default on CUDA). Two phases:
+
+1. memory: one implementation at a time (the other's model does not exist), two warm-up steps,
+   then ``torch.cuda.reset_peak_memory_stats()`` and ``--mem-steps`` steps;
+   ``torch.cuda.max_memory_allocated()`` is the peak, ``memory_allocated()`` before them the
+   states kept between steps.
+2. time: both models alive, ``--reps`` repetitions of ``--steps`` steps alternating A B, B A, ...;
+   a repetition is timed with CUDA events around its steps after a barrier (``perf_counter`` on
+   CPU). Reported: medians and the median of the per-repetition ratios shardwise / FSDP2.
+
+With a one-rank group both implementations shard over one rank, which measures their per-step
+overhead around the same compute (copies, hooks, casts) rather than communication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `examples` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from examples.model import Llama, LlamaConfig  # noqa: E402
+
+GiB = 2**30
+IMPLS = ("shardwise", "torch FSDP2")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--mp", choices=("bf16", "none"), default=None, help="default: bf16 on cuda, none on cpu")
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-per-rank", type=int, default=4)
+    p.add_argument("--reshard-after-forward", choices=("true", "false"), default="true")
+    p.add_argument("--reps", type=int, default=6, help="interleaved repetitions per implementation")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
+    p.add_argument("--mem-steps", type=int, default=2)
+    return p.parse_args(argv)
+
+
+def build(impl: str, cfg: LlamaConfig, args, mesh, device: torch.device):
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.device(device):
+        model = Llama(cfg, generator=gen)
+    bf16 = args.mp == "bf16"
+    if impl == "shardwise":
+        from shardwise.composable import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    raf = args.reshard_after_forward == "true"
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if raf else False, mp_policy=mp)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def step(model, optim, tokens) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+class Clock:
+    """Wall time of a block of steps: CUDA events on a GPU, perf_counter on CPU (after a barrier)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        dist.barrier()
+        if self.cuda:
+            self._a, self._b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._a.record()
+        else:
+            self._t = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self._b.record()
+            torch.cuda.synchronize()
+            return self._a.elapsed_time(self._b) / 1e3
+        return time.perf_counter() - self._t
+
+
+def memory_phase(cfg, args, mesh, device, batches) -> dict:
+    out = {}
+    for impl in IMPLS:
+        model, optim = build(impl, cfg, args, mesh, device)
+        for b in batches[:2]:
+            step(model, optim, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            states = torch.cuda.memory_allocated()
+        for i in range(args.mem_steps):
+            step(model, optim, batches[i % len(batches)])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            out[impl] = (torch.cuda.max_memory_allocated(), states)
+        del model, optim
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def time_phase(cfg, args, mesh, device, batches) -> tuple[dict, float]:
+    built = {impl: build(impl, cfg, args, mesh, device) for impl in IMPLS}
+    losses = {impl: [step(*built[impl], b).item() for b in batches[:2]] for impl in IMPLS}  # warm-up
+    clock, times = Clock(device), {impl: [] for impl in IMPLS}
+    for rep in range(args.reps):
+        for impl in IMPLS if rep % 2 == 0 else IMPLS[::-1]:
+            clock.start()
+            for k in range(args.steps):
+                last = step(*built[impl], batches[(rep * args.steps + k) % len(batches)])
+            times[impl].append(clock.stop() / args.steps)
+            losses[impl].append(last.item())
+    diff = max(abs(a - b) / abs(b) for a, b in zip(*losses.values()))
+    return times, diff
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_step.py: CUDA is not available on this machine, nothing to measure. Run it on a GPU host, "
+              "or use --device cpu for a smoke run of the same code path.", file=sys.stderr)
+        return 0
+    args.mp = args.mp or ("bf16" if args.device == "cuda" else "none")
+    from shardwise.mesh import init_distributed, init_mesh
+
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    rank, world = init_distributed(backend="nccl" if args.device == "cuda" else "gloo")
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    mesh = init_mesh(dp_shard=-1, device_type=args.device)["dp_shard"]
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len))
+    g = torch.Generator().manual_seed(1 + rank)
+    batches = [torch.randint(0, args.vocab, (args.batch_per_rank, args.seq_len + 1), generator=g).to(device)
+               for _ in range(4)]
+    say = print if rank == 0 else (lambda *a, **k: None)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Llama(cfg).parameters())
+    say(f"{name} x {world}; torch {torch.__version__}; mp={args.mp}; reshard_after_forward="
+        f"{args.reshard_after_forward}\nmodel: {cfg}\n{n / 1e6:,.1f} M params; {args.batch_per_rank} x "
+        f"{args.seq_len} tokens per rank")
+    mem = memory_phase(cfg, args, mesh, device, batches)
+    times, diff = time_phase(cfg, args, mesh, device, batches)
+    ratios = [a / b for a, b in zip(times[IMPLS[0]], times[IMPLS[1]])]
+    say("| implementation | median step ms | peak allocated GiB | allocated between steps GiB |")
+    say("| --- | ---: | ---: | ---: |")
+    for impl in IMPLS:
+        peak, states = mem.get(impl, (None, None))
+        cells = ("n/a (cpu)", "n/a (cpu)") if peak is None else (f"{peak / GiB:.2f}", f"{states / GiB:.2f}")
+        say(f"| {impl} | {statistics.median(times[impl]) * 1e3:.1f} | {cells[0]} | {cells[1]} |")
+    say(f"shardwise / FSDP2 step time: median {statistics.median(ratios):.3f} [{min(ratios):.2f}, {max(ratios):.2f}] "
+        f"over {args.reps} interleaved repetitions of {args.steps} steps")
+    if IMPLS[0] in mem:
+        say(f"shardwise / FSDP2 peak memory: {mem[IMPLS[0]][0] / mem[IMPLS[1]][0]:.3f}")
+    say(f"largest relative loss difference between the two at equal steps: {diff:.1e}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,300 @@
+"""Per-rank memory of a ``fully_shard`` layout from shapes alone, and a mesh for a cluster.
+
+    with torch.device("meta"):
+        model = Llama(cfg)                                    # no memory, no devices
+    print(plan_memory(model, (1, 64, 1), "FULL_SHARD"))      # (dp_replicate, dp_shard, tp)
+    print(suggest_mesh(model, hosts=8, gpus_per_host=8, bytes_per_gpu=80 * 2**30))
+
+[Note: the memory model]
+Units are those of ``apply_fully_shard`` (`select_units`, children first); the root takes every
+other parameter, each counted once. With ``S`` ranks on the shard axis (1 for NO_SHARD), a
+parameter of TP-local shape ``(n, *rest)`` takes ``ceil(n / S)`` rows on every rank: the padded
+slot of ``fully_shard``'s flat buffer (``_layout.py``), uneven sizes included. Per rank:
+
+    params, optimizer   sharded parameters (their own dtype: fp32 master weights) and
+                        ``optimizer_states`` tensors like each trainable shard (AdamW: 2)
+    grads               sharded gradients of the trainable parameters
+    unsharded_forward   gathered parameters (``param_dtype``) kept from forward into backward:
+                        the root's; plus every unit's if units keep them (SHARD_GRAD_OP, NO_SHARD),
+                        or ``1/k`` of every unit's for ``reshard_after_forward=k``
+    unsharded_backward  gathered in backward: that, plus ``prefetch`` times the largest other unit
+                        when units reshard (the one computing, the one prefetched)
+    root_grads          the root's unsharded gradients, kept to the end of backward (its inputs are
+                        token ids, so it reduces last)
+    grad_buffers        root_grads + the largest unit's unsharded gradients and its reduce-scatter
+                        input (padded, ``reduce_dtype``)
+    activations         as given: e.g. the peak of one forward + loss of the unsharded model on
+                        one rank's batch, minus its parameters (``benchmarks/plan_check.py``)
+
+Through backward the saved activations are freed unit by unit while the sharded gradients
+grow, so the peak sits at one of its two ends:
+
+    start of backward   params + optimizer + unsharded_forward + activations + root_grads
+    end of backward     params + optimizer + grads + unsharded_backward + grad_buffers
+    peak = max(start, end); upper_bound = everything at once
+
+(``root_grads`` at the start stands for the first gradients of backward: for a language model
+the output head's and the logits'.) A shard axis of one rank without a cast gathers nothing
+(the unsharded parameter aliases the shard). Tensor parallelism is approximated: parameters of
+2+ dimensions split ``ceil(n / tp)`` on dim 0, 1-D ones replicate. Not modelled: AdamW's scalar
+``step`` tensors, buffers, allocator caching, communication library buffers, CPU offload.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+
+from ._policies import MixedPrecisionPolicy
+from ._wrap import ShardingPolicy, ShardingStrategy, select_units
+
+__all__ = ["UnitPlan", "MemoryPlan", "plan_memory", "MeshSuggestion", "suggest_mesh"]
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit (``name`` "" is the root); bytes per rank unless noted. ``unsharded``: gathered,
+    TP-local, in ``param_dtype``; ``reduce_bytes``: its padded reduce-scatter input."""
+
+    name: str
+    numel: int
+    sharded: int
+    trainable: int  # elements
+    trainable_bytes: int
+    unsharded: int
+    unsharded_grads: int
+    reduce_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Estimated bytes per rank; see [Note: the memory model] in ``_planner.py``."""
+
+    mesh_shape: tuple[int, int, int]  # (dp_replicate, dp_shard, tp)
+    strategy: str
+    units: tuple[UnitPlan, ...]
+    params: int
+    grads: int
+    optimizer: int
+    unsharded_forward: int
+    unsharded_backward: int
+    root_grads: int
+    grad_buffers: int
+    activations: int
+
+    @property
+    def between_steps(self) -> int:  # gradients freed by zero_grad(set_to_none=True)
+        return self.params + self.optimizer
+
+    @property
+    def start_of_backward(self) -> int:
+        return self.between_steps + self.unsharded_forward + self.activations + self.root_grads
+
+    @property
+    def end_of_backward(self) -> int:
+        return self.between_steps + self.grads + self.unsharded_backward + self.grad_buffers
+
+    @property
+    def peak(self) -> int:
+        return max(self.start_of_backward, self.end_of_backward)
+
+    @property
+    def upper_bound(self) -> int:
+        return self.end_of_backward + self.activations
+
+    def __str__(self) -> str:
+        (R, S, T), big = self.mesh_shape, max(self.units, key=lambda u: u.unsharded)
+        keys = ("params", "optimizer", "grads", "unsharded_forward", "unsharded_backward", "root_grads",
+                "grad_buffers", "activations", "start_of_backward", "end_of_backward", "peak")
+        return "\n".join([f"{self.strategy}, dp_replicate={R} x dp_shard={S} x tp={T}: {len(self.units)} units, "
+                          f"{sum(u.numel for u in self.units):,} params; largest '{big.name or '(root)'}' "
+                          f"{fmt_bytes(big.unsharded)} gathered. Per rank:"]
+                         + [f"  {k:18s} {fmt_bytes(getattr(self, k)):>11s}" for k in keys])
+
+
+def fmt_bytes(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**30 / 10 else f"{b / 2**20:.1f} MiB"
+
+
+def _declares_units(model: nn.Module) -> bool:
+    return any(getattr(m, "_no_split_modules", None) for m in model.modules())
+
+
+def _mesh_shape(shape, strategy: ShardingStrategy) -> tuple[int, int, int]:
+    t = (shape,) if isinstance(shape, int) else tuple(shape)
+    full = {1: (1, *t, 1), 2: (*t, 1), 3: t}.get(len(t))
+    if full is None or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in full):
+        raise ValueError(f"mesh_shape={shape!r}: give dp_shard, (dp_replicate, dp_shard) or "
+                         "(dp_replicate, dp_shard, tp), each an int >= 1")
+    R, S, _ = full
+    if strategy.is_hybrid and R == 1:
+        raise ValueError(f"{strategy.value} needs dp_replicate > 1, got mesh (1, {S}); use "
+                         f"{'FULL_SHARD' if strategy.reshard_after_forward else 'SHARD_GRAD_OP'} on (1, {S})")
+    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and R > 1:
+        raise ValueError(f"{strategy.value} shards over one axis but dp_replicate={R}; use HYBRID_SHARD"
+                         f"{'' if strategy.reshard_after_forward else '_ZERO2'} or mesh (1, {R * S})")
+    return full
+
+
+def _unit(name: str, params: list, shard: int, tp: int, mp: MixedPrecisionPolicy) -> UnitPlan:
+    align = max((p.dtype.itemsize for p in params), default=1)  # fully_shard's byte alignment
+    cols = []
+    for p in params:
+        rows = -(-p.shape[0] // tp) if tp > 1 and p.dim() >= 2 else p.shape[0]
+        row, g, size = math.prod(p.shape[1:]), p.requires_grad, p.dtype.itemsize
+        full, padded, compute = rows * row, -(-rows // shard) * row, (mp.param_dtype or p.dtype).itemsize
+        reduce = (mp.reduce_dtype or mp.param_dtype or p.dtype).itemsize
+        cols.append((p.numel(), -(-padded * size // align) * align, g * padded, g * padded * size,
+                     full * compute, g * full * compute, g * padded * shard * reduce))
+    return UnitPlan(name, *([sum(c) for c in zip(*cols)] or [0] * 7))
+
+
+def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
+                policy: ShardingPolicy | ShardingStrategy | str = ShardingStrategy.FULL_SHARD, *,
+                units: list[str] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
+                optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
+                prefetch: int = 2, activation_bytes: int = 0) -> MemoryPlan:
+    """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
+    devices (the model may be on the meta device). See [Note: the memory model].
+
+    Args:
+        mesh_shape: ``dp_shard``, ``(dp_replicate, dp_shard)`` or ``(dp_replicate, dp_shard, tp)``;
+            FULL_SHARD / SHARD_GRAD_OP need ``dp_replicate == 1``, HYBRID_* more; NO_SHARD
+            replicates over all ``dp_replicate * dp_shard`` ranks.
+        policy: a `ShardingPolicy` (strategy + unit selection), or a strategy: units are then the
+            ``_no_split_modules`` classes (none: the root only). ``units``: module names instead.
+        mp_policy: ``param_dtype`` sizes gathered parameters and their gradients, ``reduce_dtype``
+            the reduce-scatter input.
+        optimizer_states, optimizer_dtype: values per trainable element (AdamW: 2) and their dtype
+            (None: the parameter's, as ``torch.optim`` does).
+        prefetch: units gathered at once when resharding (``set_unshard_limit``, default 2).
+
+    Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names.
+    """
+    if not isinstance(policy, ShardingPolicy):
+        policy = ShardingPolicy(policy, no_split_modules=_declares_units(model))
+    strategy = policy.strategy
+    R, S, T = _mesh_shape(mesh_shape, strategy)
+    if not isinstance(prefetch, int) or prefetch < 1 or optimizer_states < 0:
+        raise ValueError(f"plan_memory: prefetch={prefetch!r} must be an int >= 1, optimizer_states >= 0")
+    shard = 1 if strategy is ShardingStrategy.NO_SHARD else S
+    mp, modules = mp_policy or MixedPrecisionPolicy(), dict(model.named_modules())
+    names = list(units) if units is not None else select_units(model, policy)
+    missing = [n for n in names if n not in modules or n == ""]
+    if missing:
+        raise ValueError(f"plan_memory: units {missing} are not submodules of {type(model).__name__} "
+                         f"(qualified names such as {list(modules)[1:4]})")
+    seen, plans = set(), []
+    for name in names + [""]:
+        own = [p for p in modules[name].parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        if own or name == "":
+            plans.append(_unit(name, own, shard, T, mp))
+    root, others = plans[-1], plans[:-1]
+    raf = strategy.reshard_after_forward if policy.reshard_after_forward is None else policy.reshard_after_forward
+    alias = shard == 1 and mp.param_dtype is None  # [Note: a shard of one rank] in _sharded_param.py
+    ahead, every = sum(sorted((u.unsharded for u in others), reverse=True)[:prefetch]), sum(u.unsharded for u in others)
+    kept = 0 if raf is True else every if raf in (False, 1) else every // raf
+    extra = ahead if raf is True or raf not in (False, 1) else 0  # units gathered while computing
+    fwd, bwd = (0, 0) if alias else (root.unsharded + kept, root.unsharded + kept + extra)
+    largest = max(others, key=lambda u: u.unsharded, default=root)
+    grad_buffers = largest.unsharded_grads + largest.reduce_bytes + (root.unsharded_grads if largest is not root else 0)
+    grads = sum(u.trainable_bytes for u in plans)
+    per_state = grads if optimizer_dtype is None else sum(u.trainable for u in plans) * optimizer_dtype.itemsize
+    return MemoryPlan((R, S, T), strategy.value, tuple(plans), sum(u.sharded for u in plans), grads,
+                      optimizer_states * per_state, fwd, bwd, root.unsharded_grads, grad_buffers, int(activation_bytes))
+
+
+@dataclass(frozen=True)
+class MeshSuggestion:
+    """The chosen mesh and strategy, its `MemoryPlan`, the estimated communication per step and rank
+    (``comm_seconds``, ``cross_host_bytes``) and the ``reasoning`` (``str()`` prints it)."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    strategy: str
+    plan: MemoryPlan
+    comm_seconds: float
+    cross_host_bytes: float
+    reasoning: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return "\n".join(self.reasoning)
+
+
+def _ring(n: int, size: float, all_reduce: bool = False) -> float:
+    return 0.0 if n <= 1 else (2 if all_reduce else 1) * (n - 1) / n * size
+
+
+def _comm(plan: MemoryPlan, gpus_per_host: int, hosts: int, intra: float, inter: float) -> tuple[float, float]:
+    """(seconds, cross-host bytes) of one rank's data-parallel sends per step (ring algorithms)."""
+    (R, S, T), strategy = plan.mesh_shape, ShardingStrategy(plan.strategy)
+    shard, rep = (1, R * S) if strategy is ShardingStrategy.NO_SHARD else (S, R)
+    others = sum(u.unsharded for u in plan.units[:-1])  # gathered again in backward when resharded
+    gathered = others * (1 + strategy.reshard_after_forward) + plan.units[-1].unsharded
+    reduced = sum(u.reduce_bytes for u in plan.units)
+    shard_bytes, rep_bytes = _ring(shard, gathered) + _ring(shard, reduced), _ring(rep, reduced / shard, True)
+    shard_cross, rep_cross = hosts > 1 and (shard * T > gpus_per_host or gpus_per_host % (shard * T)), hosts > 1
+    return (shard_bytes / (inter if shard_cross else intra) + rep_bytes / (inter if rep_cross else intra),
+            shard_bytes * shard_cross + rep_bytes * rep_cross)
+
+
+def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu: int, *,
+                 policy: ShardingPolicy | None = None, mp_policy: MixedPrecisionPolicy | None = None,
+                 activation_bytes: int = 0, optimizer_states: int = 2, headroom: float = 0.9,
+                 intra_host_bandwidth: float = 200e9, inter_host_bandwidth: float = 25e9) -> MeshSuggestion:
+    """The mesh ``(dp_replicate, dp_shard, tp)`` and strategy that fit ``bytes_per_gpu`` with the
+    least estimated data-parallel communication time.
+
+    Candidates: every ``tp`` dividing ``gpus_per_host`` (TP stays inside a host), every split of
+    the other ranks into ``dp_replicate x dp_shard``, with and without resharding after forward,
+    each planned by `plan_memory` (units: ``policy``'s, default ``_no_split_modules``). One fits
+    when ``peak <= headroom * bytes_per_gpu``. The smallest fitting ``tp`` is used (TP adds
+    activation traffic every layer: only when needed); among its candidates the least time wins
+    (within 1 %: less memory), counting the bytes one rank sends under ring algorithms at
+    ``intra_host_bandwidth``, or ``inter_host_bandwidth`` for a group spanning hosts — which
+    favours sharding inside a host and replicating across hosts. ``activation_bytes`` (per rank
+    at tp 1) is divided by ``tp``, as with sequence parallelism. Raises ValueError naming the
+    smallest candidate when nothing fits.
+    """
+    if min(hosts, gpus_per_host) < 1 or bytes_per_gpu <= 0:
+        raise ValueError("suggest_mesh: hosts, gpus_per_host and bytes_per_gpu must be positive")
+    base = policy or ShardingPolicy(no_split_modules=_declares_units(model))
+    world, budget, candidates = hosts * gpus_per_host, headroom * bytes_per_gpu, []
+    shapes = [(world // tp // S, S, tp) for tp in range(1, gpus_per_host + 1) if gpus_per_host % tp == 0
+              for S in range(1, world // tp + 1) if world // tp % S == 0]
+    for R, S, tp in shapes:
+        for name in (["NO_SHARD"] if S == 1 else ["SHARD_GRAD_OP", "FULL_SHARD"] if R == 1
+                     else ["HYBRID_SHARD_ZERO2", "HYBRID_SHARD"]):
+            plan = plan_memory(model, (R, S, tp), replace(base, strategy=name, reshard_after_forward=None),
+                               mp_policy=mp_policy, optimizer_states=optimizer_states,
+                               activation_bytes=activation_bytes // tp)
+            secs, cross = _comm(plan, gpus_per_host, hosts, intra_host_bandwidth, inter_host_bandwidth)
+            candidates.append((tp, secs, plan.peak, plan, cross))
+    fitting = [c for c in candidates if c[2] <= budget]
+    lines = [f"world {world} = {hosts} host(s) x {gpus_per_host} GPUs; budget {fmt_bytes(budget)} per GPU "
+             f"({headroom:.0%} of {fmt_bytes(bytes_per_gpu)}); bandwidth per GPU {intra_host_bandwidth / 1e9:g} GB/s "
+             f"in a host, {inter_host_bandwidth / 1e9:g} GB/s across hosts"]
+    shown = min((c[0] for c in fitting), default=gpus_per_host)  # up to the smallest tp that fits
+    for tp, secs, peak, plan, cross in sorted((c for c in candidates if c[0] <= shown), key=lambda c: c[:3]):
+        R, S, _ = plan.mesh_shape
+        lines.append(f"  tp={tp} {plan.strategy:18s} ({R} x {S}): peak {fmt_bytes(peak):>11s} "
+                     f"{'fits' if peak <= budget else 'too big'}; comm {secs * 1e3:8.1f} ms/step, "
+                     f"{fmt_bytes(cross)} across hosts")
+    if not fitting:
+        best = min(candidates, key=lambda c: c[2])[3]
+        raise ValueError("\n".join(lines + [f"suggest_mesh: nothing fits; the smallest is {best.strategy} "
+                                             f"{best.mesh_shape} at {fmt_bytes(best.peak)}. Add hosts, use bf16 params "
+                                             "(mp_policy), activation checkpointing, or a smaller micro-batch."]))
+    tp, fastest = min((c[0], c[1]) for c in fitting)  # least time at the smallest tp; within 1 %: least memory
+    tp, secs, peak, plan, cross = min((c for c in fitting if c[0] == tp and c[1] <= 1.01 * fastest),
+                                      key=lambda c: c[2])
+    (R, S, _), why = plan.mesh_shape, "no tp=1 layout fits, so tensor parallelism is needed; " if tp > 1 else ""
+    lines.append(f"chose tp={tp}, {plan.strategy} on dp_replicate={R} x dp_shard={S}: {why}it fits "
+                 f"({fmt_bytes(peak)}) with the least estimated communication ({secs * 1e3:.1f} ms/step, "
+                 f"{fmt_bytes(cross)} per rank across hosts)")
+    return MeshSuggestion(R, S, tp, plan.strategy, plan, secs, cross, tuple(lines))
