@@ -37,9 +37,16 @@ def batch(step: int, args, rank: int) -> torch.Tensor:
     return torch.randint(0, args.vocab, (args.batch_per_rank, args.seq_len + 1), generator=g)
 
 
-def step(model, optim, tokens) -> None:
-    logits = model(tokens[:, :-1])
-    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+def step(model, optim, tokens, tracker=None) -> None:
+    def phase(name):
+        if tracker is not None:
+            tracker.phase = name
+
+    phase("forward")
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    phase("backward")
+    loss.backward()
+    phase("optimizer")
     optim.step()
     optim.zero_grad(set_to_none=True)
 
@@ -69,8 +76,8 @@ def measure(rank: int, world: int, cfg: LlamaConfig, strategy: str, mesh_shape: 
     between = tracker.current()
     with tracker:
         for i in (1, 2):
-            step(model, optim, batch(i, args, rank))
-    return dict(peak=tracker.peak, between=between)
+            step(model, optim, batch(i, args, rank), tracker)
+    return dict(peak=tracker.peak, between=between, phase=tracker.peak_phase)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -109,15 +116,16 @@ def main(argv=None) -> None:
     n = sum(p.numel() for p in meta.parameters())
     print(f"model: {cfg}\n{n:,} params ({n * 4 / MB:.1f} MiB fp32); {args.batch_per_rank} x {args.seq_len} tokens "
           f"per rank; measured activations A = {A / MB:.1f} MiB; torch {torch.__version__}\n")
-    print("| ranks | strategy (mesh) | measured peak MiB (max over ranks) | plan.peak (start / end of backward) | "
+    print("| ranks | strategy (mesh) | measured peak MiB (max over ranks), in | plan.peak (start / end of backward) | "
           "error | plan.upper_bound | between steps, rank 0 | plan.between_steps |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for world in args.ranks:
         for strategy, shape in layouts(world):
             got = run_ranks(this.measure, world, cfg, strategy, shape, args, timeout=600)
             plan = plan_memory(meta, shape, strategy, activation_bytes=A)
-            peak = max(r["peak"] for r in got)
-            print(f"| {world} | {strategy} {shape} | {peak / MB:.1f} | {plan.peak / MB:.1f} "
+            top = max(got, key=lambda r: r["peak"])
+            peak = top["peak"]
+            print(f"| {world} | {strategy} {shape} | {peak / MB:.1f}, {top['phase']} | {plan.peak / MB:.1f} "
                   f"({plan.start_of_backward / MB:.1f} / {plan.end_of_backward / MB:.1f}) | "
                   f"{(plan.peak - peak) / peak:+.1%} | {plan.upper_bound / MB:.1f} | {got[0]['between'] / MB:.2f} | "
                   f"{plan.between_steps / MB:.2f} |", flush=True)

@@ -33,8 +33,8 @@ grow, so the peak sits at one of its two ends:
     end of backward     params + optimizer + grads + unsharded_backward + grad_buffers
     peak = max(start, end); upper_bound = everything at once
 
-(``root_grads`` at the start stands for the first gradients of backward: for a language model
-the output head's and the logits'.) A shard axis of one rank without a cast gathers nothing
+(``root_grads`` at the start stands for the first gradient of backward; for a language model
+that is the logits' gradient, ``tokens x vocab``.) A shard axis of one rank without a cast gathers nothing
 (the unsharded parameter aliases the shard). Tensor parallelism is approximated: parameters of
 2+ dimensions split ``ceil(n / tp)`` on dim 0, 1-D ones replicate. Not modelled: AdamW's scalar
 ``step`` tensors, buffers, allocator caching, communication library buffers, CPU offload.
