@@ -80,6 +80,7 @@ class PendingReduce:
     work: object
     out: torch.Tensor
     all_reduce: bool
+    stage: str = "scatter"
 
 
 class ParamGroup:
@@ -268,13 +269,20 @@ class ParamGroup:
             p.unsharded.grad = None
         return pending
 
-    def finish_reduce(self, pr: PendingReduce) -> None:
-        """Wait for ``pr``, all-reduce over replicas when asked, average, and add the shards to
-        the sharded parameters' ``.grad``."""
+    def advance_reduce(self, pr: PendingReduce) -> bool:
+        """Move ``pr`` one stage on; True once its result is stored in the sharded ``.grad``.
+
+        Stage "scatter": wait for the reduce-scatter and average; on a 2-D mesh issue the
+        all-reduce across replicas asynchronously and stay pending (stage "all_reduce"), so it
+        too runs behind the rest of backward. Stage "all_reduce": wait and store."""
         if pr.work is not None:
             pr.work.wait()
+            pr.work = None
         out, b = pr.out, pr.bucket
         with torch.no_grad():
+            if pr.stage == "all_reduce":
+                self._store(b, out)
+                return True
             out.div_(self.world * self.replicate_world)
             if self.replicate_group is None:
                 self._store(b, out)
@@ -282,12 +290,19 @@ class ParamGroup:
                 self._store(b, out)
                 b.partial_over_replicas = True
             elif not b.partial_over_replicas:
-                dist.all_reduce(out, group=self.replicate_group)
-                self._store(b, out)
+                pr.work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
+                pr.stage = "all_reduce"
+                return False
             else:  # last micro-batch: add it, then all-reduce the accumulated shards once
                 self._store(b, out)
                 self._all_reduce_sharded_grads(b)
                 b.partial_over_replicas = False
+        return True
+
+    def finish_reduce(self, pr: PendingReduce) -> None:
+        """Run ``pr`` to completion."""
+        while not self.advance_reduce(pr):
+            pass
 
     def _store(self, b: _Bucket, out: torch.Tensor) -> None:
         for p, o in zip(b.params, b.offsets):

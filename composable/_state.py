@@ -20,8 +20,9 @@ For every unit (one ``fully_shard`` call) the hooks do, in order:
    callback on the autograd engine.
 4. post-backward (``_PostBackward.backward``): once every forward call of the unit has seen
    its backward, issue the reduce-scatter of its gradients asynchronously and reshard. The
-   root keeps at most one unit's reduce-scatter in flight behind the computation: issuing one
-   finishes the previous (average, replicate all-reduce, store into ``.grad``).
+   root keeps the reductions in flight behind the computation: issuing one unit's moves the
+   earlier ones a stage on (reduce-scatter -> average and replicate all-reduce -> store into
+   ``.grad``).
    A module run twice in one forward (reuse) reduces once, after both backwards.
 5. final callback (end of ``loss.backward()``): units whose post-backward could not fire
    (inputs that need no grad, like token ids into the root) reduce now; all reductions are
@@ -243,10 +244,12 @@ class FSDPState:
         root = self.root
         issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce)
         if issued:
-            # keep one unit's reductions in flight behind the computation
-            while root._reduces:
-                pr = root._reduces.pop(0)
-                pr.group.finish_reduce(pr)
+            # move the earlier units' reductions one stage on (reduce-scatter -> replica
+            # all-reduce -> stored) and keep the new ones in flight behind the computation
+            earlier, root._reduces = root._reduces, []
+            for pr in earlier:
+                if not pr.group.advance_reduce(pr):
+                    root._reduces.append(pr)
             root._reduces.extend(issued)
 
     def _final_callback(self) -> None:
