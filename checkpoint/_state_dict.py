@@ -1,6 +1,6 @@
 """Model and optimizer state dicts keyed by parameter name, for sharded and plain modules alike.
 
-The names and layouts follow torch's ``torch.distributed.checkpoint.state_dict`` so code can
+The names and layouts follow the state-dict helpers of torch's DCP so code can
 switch with one import:
 
 * ``get_model_state_dict(model)`` is ``model.state_dict()``: parameters and persistent

@@ -67,7 +67,7 @@ def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tup
         if not isinstance(pattern, str):
             raise PlanError(f"plan key {pattern!r} is not a string module pattern")
         if not isinstance(style, ParallelStyle):
-            hint = (" (a torch.distributed.tensor.parallel style? use the shardwise.composable "
+            hint = (" (one of torch's tensor-parallel styles? use the shardwise.composable "
                     "class of the same name)" if "torch" in type(style).__module__ else "")
             raise PlanError(f"plan[{pattern!r}] = {style!r} is not a shardwise ParallelStyle{hint}")
         hits = [f for f in fqns if _matches(pattern, f)]

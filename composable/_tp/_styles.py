@@ -16,7 +16,7 @@ Applying one of these styles to a module (see `ModuleParallel.apply`):
    ``use_local_output=True`` (default), returns the local tensor.
 
 Defaults and argument names follow torch's styles of the same names, so plans written for
-``torch.distributed.tensor.parallel`` run unchanged. One deliberate difference: torch's
+torch's own tensor-parallel API run unchanged. One deliberate difference: torch's
 ``RowwiseParallel`` assumes ``input_layouts=Shard(-1)`` even for ``nn.Embedding`` (whose input
 is token ids); here the default is the rule's ``Replicate()``. Plans that pass
 ``input_layouts=Replicate()`` for embeddings, as torch's examples do, behave the same.
