@@ -41,7 +41,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from ._boxes import LocalBox, local_boxes
-from ._comm import CheckpointError, agree, rank_and_world
+from ._comm import all_gather_json, CheckpointError, agree, rank_and_world
 from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
 from ._plan import ReadItem, covered_numel, plan_reads, split
@@ -122,17 +122,22 @@ def _plan_load(index: Index, leaves: list[Leaf], strict: bool, where: str):
     return reads, problems
 
 
-def _verification_share(index: Index, keys: list[str], rank: int, world: int) -> set[tuple[str, str]]:
+def _verification_share(index: Index, keys: list[str], rank: int, world: int,
+                        needs: list[dict[str, int]] | None = None) -> set[tuple[str, str]]:
     """The saved boxes (``(file, key)``) this rank checksums: every checksummed box of the target's
-    tensors goes to exactly one rank, largest first to the rank with the fewest bytes so far."""
+    tensors goes to exactly one rank — the rank that reads the most of it anyway (``needs[r]``
+    maps ``"file/key"`` to the bytes rank ``r`` loads from that box), so checking adds as few
+    extra disk reads as possible; boxes nobody loads go, largest first, to the least loaded."""
     boxes = sorted(((b.box.numel * index.tensors[k].dtype.itemsize, b.file, b.key)
                     for k in set(keys) for b in index.tensors[k].boxes if b.crc32 is not None),
                    key=lambda x: (-x[0], x[1], x[2]))
-    ranks = [(0, r) for r in range(world)]
+    needs = needs or [{} for _ in range(world)]
+    load = [0] * world
     mine = set()
     for nbytes, file, key in boxes:
-        load_, r = heapq.heappop(ranks)
-        heapq.heappush(ranks, (load_ + nbytes, r))
+        want = [needs[r].get(f"{file}/{key}", 0) for r in range(world)]
+        r = max(range(world), key=lambda i: (want[i], -load[i], -i))
+        load[r] += nbytes
         if r == rank:
             mine.add((file, key))
     return mine
@@ -242,14 +247,23 @@ def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: b
         leaves = flatten(state)
         with torch.no_grad():
             reads, problems = _plan_load(index, leaves, strict, where)
-        uses = [(r.key, r.saved) for r in reads]
-        share: set[tuple[str, str]] = set()
-        if verify:
+    except Exception as e:
+        error = e
+    share: set[tuple[str, str]] = set()
+    uses = [(r.key, r.saved) for r in reads]
+    if verify:  # every rank takes part, even one whose planning failed (no hang)
+        need: dict[str, int] = defaultdict(int)
+        for r in reads:
+            need[f"{r.saved.file}/{r.saved.key}"] += r.item.src.numel * r.local.element_size()
+        needs = all_gather_json(dict(need))
+    try:
+        if verify and error is None:
             keys = [leaf.key for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors]
-            share = _verification_share(index, keys, *rank_and_world())
+            share = _verification_share(index, keys, *rank_and_world(), needs)
             by_id = {(b.file, b.key): (k, b) for k in keys for b in index.tensors[k].boxes}
             uses += [by_id[s] for s in sorted(share)]
-        verified = _check_files(index, uses, share, headers, problems)
+        if error is None:
+            verified = _check_files(index, uses, share, headers, problems)
     except Exception as e:
         error = e
     if problems and error is None:
