@@ -175,6 +175,9 @@ class FSDPState:
             return args, kwargs
         if self is root and not self._forward_seen:
             root._this_order = []
+            if not root._callback_queued:  # a new step: forget forwards that saw no backward
+                for s in root.all_states:
+                    s._pending_post_backward = 0
         if self not in root._this_order:
             root._this_order.append(self)
         self._forward_seen.add(id(module))

@@ -249,3 +249,35 @@ def _forward_method(rank, world_size):
 
 def test_register_fsdp_forward_method():
     assert run_ranks(_forward_method, 2) == [True, True]
+
+
+def _forward_without_backward(rank, world_size):
+    """A forward with grad enabled whose output is dropped (e.g. logging) must not delay the
+    next step's reduce-scatters to the end of backward."""
+    mesh = make_mesh((world_size,))
+    ref, model = reference_and_copy()
+    _shard(model, mesh)
+    tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(rank))
+    model(tokens)  # output dropped: no backward for this forward
+    from shardwise.composable._state import get_state
+
+    fired_early, in_final = [], []
+    root, block = get_state(model), get_state(model.blocks[1])
+    real_reduce, real_final = block._reduce, root._final_callback
+
+    def reduce():
+        fired_early.append(not in_final)
+        return real_reduce()
+
+    def final():
+        in_final.append(1)
+        return real_final()
+
+    block._reduce, root._final_callback = reduce, final
+    model(tokens).sum().backward()
+    return fired_early
+
+
+def test_a_forward_without_backward_does_not_stall_the_next_backward():
+    for rank, fired in enumerate(run_ranks(_forward_without_backward, 2)):
+        assert fired and fired[0], f"rank {rank}: block 1 reduced inside backward, not at its end: {fired}"
