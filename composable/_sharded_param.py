@@ -134,10 +134,6 @@ class ShardedParam:
             stride=self.global_stride,
         )
 
-    def local_shard(self) -> torch.Tensor:
-        """This rank's unpadded shard (a view of the flat sharded buffer)."""
-        return self.sharded.to_local()
-
     # -- unsharded storage (see [Note: freeing by storage resize]) ------------------------------
     def unsharded_data(self) -> torch.Tensor:
         """A writable alias of the unsharded parameter's (TP-local) data, outside autograd."""
