@@ -9,7 +9,8 @@ from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_
 from ._clip_grad import clip_grad_norm_
 from ._materialize import broadcast_from_rank0, materialize
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._tp import (parallelize_module, ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput, ModuleParallel, ModuleRule, TPRegistry, DEFAULT_REGISTRY, ApplyContext, PlanError, loss_parallel, vocab_parallel_cross_entropy, local_shard_range, to_local_share)  # noqa: E501  tensor parallelism
+from ._tp import *  # noqa: F403  tensor parallelism: the names in _tp.__all__
+from ._tp import __all__ as _tp_all
 from ._planner import MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
 from ._wrap import ShardingPolicy, ShardingStrategy, apply_fully_shard, select_units, strategy_mesh
 
@@ -34,23 +35,5 @@ __all__ = [
     "MemoryPlan",
     "MeshSuggestion",
     "UnitPlan",
-    # tensor parallelism (composable/_tp)
-    "parallelize_module",
-    "ParallelStyle",
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
-    "ModuleParallel",
-    "ModuleRule",
-    "TPRegistry",
-    "DEFAULT_REGISTRY",
-    "ApplyContext",
-    "PlanError",
-    "loss_parallel",
-    "vocab_parallel_cross_entropy",
-    "local_shard_range",
-    "to_local_share",
 ]
+__all__ += _tp_all

@@ -242,7 +242,7 @@ class ParamGroup:
 
     def reduce_grads(self, *, all_reduce: bool = True) -> list[PendingReduce]:
         """Issue the reduce-scatter of the unsharded gradients (one per bucket, async) and
-        free them; ``finish_reduce`` stores the result. ``all_reduce=False`` (HSDP gradient
+        free them (frozen parameters never have one); ``advance_reduce`` stores the result. ``all_reduce=False`` (HSDP gradient
         accumulation) skips the replicate all-reduce until a later call asks for it."""
         if not self.has_unsharded_grads():
             return []
@@ -265,8 +265,6 @@ class ParamGroup:
                 out = torch.empty(b.numel, dtype=b.dtype, device=self.compute_device)
                 work = dist.reduce_scatter_single(out, send, group=self.shard_group, async_op=True)
                 pending.append(PendingReduce(self, b, work, out, all_reduce))
-        for p in self.params:
-            p.unsharded.grad = None
         return pending
 
     def advance_reduce(self, pr: PendingReduce) -> bool:

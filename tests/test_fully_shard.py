@@ -119,9 +119,16 @@ def test_state_dict_is_sharded_without_communication_and_loads_back():
     assert run_ranks(_state_dict_round_trip, 2) == [True, True]
 
 
-def test_fsdp_module_mixin():
+def _mixin(rank, world_size):
     _, model = reference_and_copy()
-    assert not isinstance(model, FSDPModule)
+    _shard_all(model, make_mesh((world_size,)))
+    _, fresh = reference_and_copy()
+    return (isinstance(model.blocks[0], FSDPModule), type(model.blocks[0]).__name__,
+            isinstance(model, FSDPModule), isinstance(fresh.blocks[0], FSDPModule))
+
+
+def test_fsdp_module_mixin_is_added_per_instance():
+    assert run_ranks(_mixin, 1) == [(True, "FSDPBlock", True, False)]
 
 
 def _record_collectives(rank, world_size, mesh_shape, raf):
