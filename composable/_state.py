@@ -237,9 +237,11 @@ class FSDPState:
         self._pending_post_backward -= 1
         if self._pending_post_backward <= 0:
             self._pending_post_backward = 0
-            self._reduce()
+            # free the unsharded parameters before the reduce-scatter allocates its send
+            # buffer: the gradients and that buffer then never coexist with them
             if self.group is not None and self.reshard_after_backward:
                 self.group.reshard()
+            self._reduce()
 
     def _reduce(self) -> None:
         if self.group is None or not self.requires_gradient_sync:
@@ -258,6 +260,8 @@ class FSDPState:
     def _final_callback(self) -> None:
         for s in reversed(self.all_states):
             if s.group is not None and s.group.has_unsharded_grads():
+                if s.reshard_after_backward:
+                    s.group.reshard()  # as in _post_backward_fired: parameters go first
                 s._reduce()
         while self._reduces:
             pr = self._reduces.pop(0)

@@ -281,3 +281,36 @@ def _forward_without_backward(rank, world_size):
 def test_a_forward_without_backward_does_not_stall_the_next_backward():
     for rank, fired in enumerate(run_ranks(_forward_without_backward, 2)):
         assert fired and fired[0], f"rank {rank}: block 1 reduced inside backward, not at its end: {fired}"
+
+
+def _params_freed_before_reduce(rank, world_size, raf):
+    """When a unit's reduce-scatter allocates its send buffer, the unit's unsharded
+    parameters are already freed (so the buffer, the gradients and the parameters never
+    coexist) — in the post-backward hook and in the final callback (the root)."""
+    mesh = make_mesh((world_size,))
+    _, model = reference_and_copy()
+    _shard(model, mesh, reshard_after_forward=raf)
+    from shardwise.composable._state import get_state
+
+    seen = {}
+    for m in model.modules():
+        st = get_state(m)
+        if st is None:
+            continue
+        real = st.group.reduce_grads
+
+        def reduce_grads(*a, _g=st.group, _real=real, _name=type(m).__name__ + str(id(m) % 997), **kw):
+            seen[_name] = [p.fqn for p in _g.params if p.unsharded_allocated]
+            return _real(*a, **kw)
+
+        st.group.reduce_grads = reduce_grads
+    tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(rank))
+    model(tokens).pow(2).mean().backward()
+    return len(seen), {k: v for k, v in seen.items() if v}
+
+
+@pytest.mark.parametrize("raf", [True, False])
+def test_unsharded_parameters_are_freed_before_the_reduce_scatter(raf):
+    for rank, (units, kept) in enumerate(run_ranks(_params_freed_before_reduce, 2, raf)):
+        assert units == 3, f"rank {rank}: expected 3 units to reduce, saw {units}"
+        assert not kept, f"rank {rank}: unsharded parameters still allocated at reduce time: {kept}"
