@@ -13,7 +13,8 @@ the same DTensor state dict is handed to every implementation, so they all save 
 exactly the same shards and only the checkpoint code differs:
 
     shardwise   shardwise.checkpoint.save / load(verify=False); also load with the default
-                verify=True (CRC-32 of every saved box, each box checked by one rank)
+                verify=True (CRC-32 of every checksum chunk of the saved boxes it loads from,
+                each chunk checked by the one rank that loads most of it)
     dcp         torch.distributed.checkpoint.save / load with the default FileSystemWriter /
                 FileSystemReader and default planners
     dcp-hf      DCP with HuggingFaceStorageWriter(save_distributed=True) / HuggingFaceStorageReader;

@@ -3,9 +3,11 @@
 The format itself is specified in ``docs/checkpoint-format.md``; this module is its code.
 An `Index` maps every tensor's flat key (see ``_flatten.py``) to a `TensorEntry` (dtype, global
 shape, the layout it was saved from, and its saved boxes, each a `SavedBox`: a box, the data
-file and safetensors key holding it, and the CRC-32 of its bytes), and every plain value's
-flat key to its JSON value. ``files`` records each data file's size in bytes, so a truncated
-or missing file is found before any data is read.
+file and safetensors key holding it, the CRC-32 of its bytes and, for a box of several
+checksum chunks, the chunks' rows and CRC-32s, see [Note: checksum chunks] in
+``_checksums.py``), and every plain value's flat key to its JSON value. ``files`` records
+each data file's size in bytes, so a truncated or missing file is found before any data is
+read.
 
 `read_index` refuses, with a `CheckpointError` that says what the directory is and what to
 do, anything that is not a complete checkpoint of a version this code reads.
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from ._boxes import Box
+from ._checksums import box_rows, chunk_count, crcs_from_hex, crcs_to_hex
 from ._comm import CheckpointError
 from ._safetensors_io import DTYPE_CODES
 
@@ -52,10 +55,19 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class SavedBox:
+    """A saved box: where it lies in the tensor, where its bytes are, and their checksums.
+
+    ``chunk_rows``/``chunk_crc32``: None when the box has no checksum chunks (one chunk, a
+    checkpoint written before chunks existed, a Hugging Face file); else the rows per chunk
+    ``R`` and the CRC-32 of each chunk ``i`` (rows ``[i * R, min((i + 1) * R, rows))``).
+    """
+
     box: Box
     file: str  # relative to the checkpoint directory
     key: str  # safetensors key inside ``file``
     crc32: int | None  # of the box's bytes; None when unknown (e.g. a Hugging Face file)
+    chunk_rows: int | None = None
+    chunk_crc32: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,34 @@ class Index:
     version: int = FORMAT_VERSION
 
 
+def _box_to_json(b: SavedBox) -> dict:
+    out = {"offsets": list(b.box.offsets), "sizes": list(b.box.sizes), "file": b.file, "key": b.key,
+           "crc32": None if b.crc32 is None else f"{b.crc32:08x}"}
+    if b.chunk_crc32 is not None:
+        out["chunk_rows"] = b.chunk_rows
+        out["chunk_crc32"] = crcs_to_hex(b.chunk_crc32)
+    return out
+
+
+def _box_from_json(b: dict, tensor: str, file: str) -> SavedBox:
+    box = Box(tuple(b["offsets"]), tuple(b["sizes"]))
+    crc = None if b.get("crc32") is None else int(b["crc32"], 16)
+    rows, chunks = b.get("chunk_rows"), b.get("chunk_crc32")
+    if rows is None and chunks is None:
+        return SavedBox(box, b["file"], b["key"], crc)
+    where = f"{file} is damaged: tensor '{tensor}' box at {list(box.offsets)} (key '{b['key']}')"
+    if rows is None or chunks is None:
+        raise CheckpointError(f"{where} has only one of 'chunk_rows' and 'chunk_crc32'; both or neither are needed")
+    total = box_rows(box.sizes)[0]
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise CheckpointError(f"{where}: 'chunk_rows' must be an integer >= 1, got {rows!r}")
+    try:
+        crcs = crcs_from_hex(chunks, chunk_count(total, rows))
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e} (a box of {total} rows in chunks of {rows} rows)") from None
+    return SavedBox(box, b["file"], b["key"], crc, rows, crcs)
+
+
 def index_to_json(index: Index) -> dict:
     tensors = {}
     for key, t in index.tensors.items():
@@ -91,11 +131,7 @@ def index_to_json(index: Index) -> dict:
             "dtype": dtype_name(t.dtype),
             "shape": list(t.shape),
             "layout": t.layout,
-            "boxes": [
-                {"offsets": list(b.box.offsets), "sizes": list(b.box.sizes), "file": b.file, "key": b.key,
-                 "crc32": None if b.crc32 is None else f"{b.crc32:08x}"}
-                for b in t.boxes
-            ],
+            "boxes": [_box_to_json(b) for b in t.boxes],
         }
     return {
         "format": FORMAT_NAME,
@@ -168,11 +204,7 @@ def read_index(path: str) -> Index:
     try:
         tensors = {}
         for key, t in raw["tensors"].items():
-            boxes = tuple(
-                SavedBox(Box(tuple(b["offsets"]), tuple(b["sizes"])), b["file"], b["key"],
-                         None if b.get("crc32") is None else int(b["crc32"], 16))
-                for b in t["boxes"]
-            )
+            boxes = tuple(_box_from_json(b, key, file) for b in t["boxes"])
             tensors[key] = TensorEntry(dtype_from_name(t["dtype"]), tuple(t["shape"]), boxes, t.get("layout"))
         files = {name: f.get("bytes") for name, f in raw.get("files", {}).items()}
         return Index(path, tensors, raw.get("values", {}), files, raw.get("world_size"),

@@ -1,7 +1,8 @@
 """Offline tools (one process, no torch.distributed): merge to Hugging Face files, reshard.
 
 Both read a checkpoint's saved boxes through safetensors slices and write new safetensors
-files with ``_safetensors_io.StreamingWriter``, one *slab* at a time: a slab is a run of
+files with ``_safetensors_io.StreamingWriter`` (which checksums every box and its checksum
+chunks as a save does), one *slab* at a time: a slab is a run of
 dim-0 rows of one output box of at most ``chunk_bytes`` (one row when a row is larger), read
 from every saved box it meets and appended to the output file. Memory is one slab, whatever
 the model size. Outputs are written into a temporary directory and renamed into place as in
@@ -37,6 +38,7 @@ from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, dat
                       index_to_json, read_index, write_json)
 from ._hf import HF_INDEX_FILE
 from ._plan import plan_reads
+from ._checksums import BoxChecksums
 from ._safetensors_io import StreamingWriter
 
 __all__ = ["merge_checkpoint", "reshard_checkpoint"]
@@ -97,7 +99,7 @@ def _slabs(box: Box, itemsize: int, chunk_bytes: int) -> list[Box]:
 
 
 def _write(path: str, source: _Source, parts: list[tuple[str, str, Box]], chunk_bytes: int, progress: _Progress,
-           metadata: dict[str, str]) -> dict[str, int]:
+           metadata: dict[str, str]) -> dict[str, BoxChecksums]:
     """Write ``parts`` ``[(file_key, tensor key, global box)]`` into one safetensors file."""
     by_key = {fk: (key, box) for fk, key, box in parts}
     writer = StreamingWriter(path, [(fk, source.index.tensors[k].dtype, b.sizes) for fk, (k, b) in by_key.items()],
@@ -188,11 +190,12 @@ def reshard_checkpoint(path: str | os.PathLike, out: str | os.PathLike, world_si
             if not parts:
                 continue
             name = data_file_name(r)
-            crcs = _write(os.path.join(tmp, name), source, parts, chunk_bytes, bar,
+            sums = _write(os.path.join(tmp, name), source, parts, chunk_bytes, bar,
                           {"format": FORMAT_NAME, "rank": str(r)})
             files[name] = os.path.getsize(os.path.join(tmp, name))
             for fk, key, box in parts:
-                boxes[key].append(SavedBox(box, name, fk, crcs[fk]))
+                s = sums[fk]
+                boxes[key].append(SavedBox(box, name, fk, s.crc32, s.chunk_rows, s.chunk_crc32))
         tensors = {k: TensorEntry(t.dtype, t.shape, tuple(boxes[k]), layouts[k]) for k, t in index.tensors.items()}
         new = Index(os.path.abspath(os.fspath(out)), tensors, index.values, files, world_size, time.time_ns())
         write_json(os.path.join(tmp, INDEX_FILE), format_index(index_to_json(new)))

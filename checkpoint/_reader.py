@@ -6,7 +6,7 @@
    dtype and global shape; for each of this rank's boxes (``_boxes.local_boxes``) the saved
    boxes that meet it cover it (``_plan.plan_reads``); each data file to be read exists, has
    the size the index records and holds the expected keys, dtypes and shapes; with ``verify``
-   the CRC-32 of this rank's share of the saved boxes matches the index. All problems are
+   the CRC-32 of each checksum unit in this rank's share matches the index. All problems are
    agreed on (``_comm.agree``): if any rank found one, every rank raises before any target
    tensor is written, so a failed load leaves the target untouched.
 2. Read (every rank, no collective): per data file, per item, exactly the overlapping region
@@ -19,19 +19,23 @@
 3. Plain values from the index replace the target's plain values; the call ends with one more
    agreement (an I/O error in step 2 is raised on every rank).
 
-Checksums cover whole saved boxes, so they cannot be checked on a partial read. With
-``verify`` (the default) every saved box of the target's tensors is checksummed in step 1 by
-exactly one rank (boxes are dealt out largest first to the rank with the fewest bytes so far),
-before any rank writes: each rank reads about the checkpoint's size divided by the world size
-for this, 16 MiB at a time, in addition to the bytes it needs. ``verify=False`` skips it;
-sizes and headers are always checked.
+A checksum covers a *unit*: a checksum chunk of a saved box (a run of its dim-0 rows, see
+[Note: checksum chunks] in ``_checksums.py``), or the whole box when the index records no
+chunks for it (a single-chunk box, or a checkpoint written before chunks existed). With
+``verify`` (the default) every unit of the target's tensors is checksummed in step 1 by exactly
+one rank, before any rank writes: one all-gather of the row ranges each rank reads from each
+saved box, then every rank computes the same assignment, each unit to the rank that reads most
+of it anyway ([Note: verification shares] in ``_checksums.py``). What a rank checksums is
+then mostly what it loads (step 2 finds those pages in the page cache); the extra reads are the
+parts of chunks that straddle its shard's boundaries, less than one chunk per boundary and
+saved box. ``LoadStats.bytes_verified`` counts the bytes it checksummed. ``verify=False``
+skips it; sizes and headers are always checked.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-import heapq
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -41,11 +45,12 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from ._boxes import LocalBox, local_boxes
+from ._checksums import Unit, assign, contiguous_runs, needs_of, verification_units
 from ._comm import all_gather_json, CheckpointError, agree, rank_and_world
 from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
 from ._plan import ReadItem, covered_numel, plan_reads, split
-from ._safetensors_io import (DTYPE_CODES, Header, contiguous_run, crc32_of_range, open_for_ranges, pread_into,
+from ._safetensors_io import (DTYPE_CODES, Header, contiguous_run, crcs_of_range, open_for_ranges, pread_into,
                               read_header)
 
 __all__ = ["load", "LoadStats", "load_from_index"]
@@ -60,7 +65,7 @@ class LoadStats:
     ``bytes_needed``: bytes of this rank's target data; ``bytes_read``: bytes this rank read
     from data files to fill them (only overlapping regions are read, so it equals
     ``bytes_needed``; kernel read-ahead is switched off for these reads); ``bytes_verified``:
-    bytes it read to check checksums (its share of the saved boxes, with ``verify``);
+    bytes it read to check checksums (its share of the checksum units, with ``verify``);
     ``files_opened``: data files it read from.
     """
 
@@ -122,33 +127,14 @@ def _plan_load(index: Index, leaves: list[Leaf], strict: bool, where: str):
     return reads, problems
 
 
-def _verification_share(index: Index, keys: list[str], rank: int, world: int,
-                        needs: list[dict[str, int]] | None = None) -> set[tuple[str, str]]:
-    """The saved boxes (``(file, key)``) this rank checksums: every checksummed box of the target's
-    tensors goes to exactly one rank — the rank that reads the most of it anyway (``needs[r]``
-    maps ``"file/key"`` to the bytes rank ``r`` loads from that box), so checking adds as few
-    extra disk reads as possible; boxes nobody loads go, largest first, to the least loaded."""
-    boxes = sorted(((b.box.numel * index.tensors[k].dtype.itemsize, b.file, b.key)
-                    for k in set(keys) for b in index.tensors[k].boxes if b.crc32 is not None),
-                   key=lambda x: (-x[0], x[1], x[2]))
-    needs = needs or [{} for _ in range(world)]
-    load = [0] * world
-    mine = set()
-    for nbytes, file, key in boxes:
-        want = [needs[r].get(f"{file}/{key}", 0) for r in range(world)]
-        r = max(range(world), key=lambda i: (want[i], -load[i], -i))
-        load[r] += nbytes
-        if r == rank:
-            mine.add((file, key))
-    return mine
-
-
-def _check_files(index: Index, uses: list[tuple[str, SavedBox]], share: set[tuple[str, str]],
-                 headers: dict[str, Header | None], problems: list[str]) -> int:
-    """Check the data files of ``uses`` (``(tensor key, saved box)``) and the checksums of the
-    boxes in ``share``; fills ``headers`` (file name -> header); returns the bytes checksummed."""
+def _check_headers(index: Index, uses: list[tuple[str, SavedBox]], headers: dict[str, Header | None],
+                   problems: list[str]) -> set[tuple[str, str]]:
+    """Check the data files of ``uses`` (``(tensor key, saved box)``): present, of the recorded
+    size, holding each box's key with the tensor's dtype and the box's shape. Fills ``headers``
+    (file name -> header, None for a file with a problem); returns the boxes (``(file, key)``)
+    found as expected."""
     checked: set[tuple[str, str]] = set()
-    verified = 0
+    good: set[tuple[str, str]] = set()
     for key, box in uses:
         name = box.file
         path = os.path.join(index.root, name)
@@ -174,14 +160,40 @@ def _check_files(index: Index, uses: list[tuple[str, SavedBox]], share: set[tupl
         if e is None or e.dtype != want or e.shape != box.box.sizes:
             problems.append(f"data file {path} does not hold key '{box.key}' as {want} {list(box.box.sizes)} "
                             f"(tensor '{key}'); the file does not belong to this index")
-            continue
-        if (name, box.key) in share:
-            crc = crc32_of_range(path, header.data_start + e.begin, header.data_start + e.end)
-            verified += e.end - e.begin
-            if crc != box.crc32:
-                problems.append(f"checksum mismatch in data file {path}, key '{box.key}' (tensor '{key}', box at "
-                                f"{list(box.box.offsets)}): the file is corrupted; restore it or load another "
-                                "checkpoint")
+        else:
+            good.add((name, box.key))
+    return good
+
+
+def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | None], good: set[tuple[str, str]],
+                 problems: list[str]) -> int:
+    """Check the CRC-32 of every unit of ``share`` whose box passed `_check_headers` (is in
+    ``good``); returns the bytes checksummed. Each data file is opened once, and consecutive
+    chunks of one box are read as one range (16 MiB at a time), in file order."""
+    by_file: dict[str, list[list[Unit]]] = defaultdict(list)
+    for run in contiguous_runs(u for u in share if (u.saved.file, u.saved.key) in good):
+        by_file[run[0].saved.file].append(run)
+    verified = 0
+    for name, runs in sorted(by_file.items()):
+        header = headers[name]
+        path = os.path.join(index.root, name)
+        fd = open_for_ranges(path)
+        try:
+            for run in sorted(runs, key=lambda run: (header.entries[run[0].saved.key].begin, run[0].lo)):
+                first, last = run[0], run[-1]
+                start = header.data_start + header.entries[first.saved.key].begin
+                begin, end = start + first.lo * first.row_bytes, start + last.hi * first.row_bytes
+                crc = crcs_of_range(fd, begin, end, path, first.nbytes)
+                verified += crc.total
+                for u, got in zip(run, crc.chunks()):
+                    if got != u.crc32:
+                        problems.append(f"checksum mismatch in data file {path}, key '{u.saved.key}' (tensor "
+                                        f"'{u.tensor}', {u.where()}): the file is corrupted; restore it or load "
+                                        "another checkpoint")
+        except CheckpointError as e:
+            problems.append(str(e))
+        finally:
+            os.close(fd)
     return verified
 
 
@@ -249,21 +261,26 @@ def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: b
             reads, problems = _plan_load(index, leaves, strict, where)
     except Exception as e:
         error = e
-    share: set[tuple[str, str]] = set()
-    uses = [(r.key, r.saved) for r in reads]
+    share: list[Unit] = []
     if verify:  # every rank takes part, even one whose planning failed (no hang)
-        need: dict[str, int] = defaultdict(int)
-        for r in reads:
-            need[f"{r.saved.file}/{r.saved.key}"] += r.item.src.numel * r.local.element_size()
-        needs = all_gather_json(dict(need))
+        units, mine = [], []
+        try:
+            if error is None:
+                keys = [leaf.key for leaf in leaves if isinstance(leaf.value, torch.Tensor)
+                        and leaf.key in index.tensors]
+                units, ids = verification_units(index, keys)
+                mine = needs_of(((r.saved.file, r.saved.key, r.item.src, r.local.element_size()) for r in reads), ids)
+        except Exception as e:
+            error = e
+        needs = all_gather_json(mine)
     try:
         if verify and error is None:
-            keys = [leaf.key for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors]
-            share = _verification_share(index, keys, *rank_and_world(), needs)
-            by_id = {(b.file, b.key): (k, b) for k in keys for b in index.tensors[k].boxes}
-            uses += [by_id[s] for s in sorted(share)]
+            rank, world = rank_and_world()
+            share = [u for u, owner in zip(units, assign(units, needs, world)) if owner == rank]
         if error is None:
-            verified = _check_files(index, uses, share, headers, problems)
+            good = _check_headers(index, [(r.key, r.saved) for r in reads] + [(u.tensor, u.saved) for u in share],
+                                  headers, problems)
+            verified = _check_share(index, share, headers, good, problems)
     except Exception as e:
         error = e
     if problems and error is None:
@@ -292,8 +309,8 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
     on any mesh), independent of the layout they were saved from. Plain values in ``state``
     are replaced by the saved ones. ``strict=False`` skips keys of ``state`` that the checkpoint
     lacks; keys of the checkpoint that ``state`` lacks are always ignored. ``verify`` checks the
-    CRC-32 of every saved box of the loaded tensors, spread over the ranks, before anything is
-    written (see [Note: the steps of a load]). At most ``max_read_bytes`` are read at a time.
+    CRC-32 of every checksum chunk (or whole saved box) of the loaded tensors, spread over the
+    ranks, before anything is written (see [Note: the steps of a load]). At most ``max_read_bytes`` are read at a time.
 
     Raises `CheckpointError` on every rank, before modifying any tensor, if the directory is
     not a complete checkpoint or a tensor is missing, of another dtype or shape, or its data

@@ -8,9 +8,11 @@ to back in the order of their offsets, no gaps.
 
 Because every entry's dtype and shape are known before any byte is written, the header can go
 first and each tensor can then be appended in pieces (`StreamingWriter.append`): no whole
-file, and not even a whole tensor, has to be in memory at once. The writer computes a CRC-32
-of every entry's bytes as they pass. Files written so are ordinary safetensors files
-(``safetensors.safe_open`` and ``load_file`` read them).
+file, and not even a whole tensor, has to be in memory at once. The writer computes the CRC-32
+of each checksum chunk of every entry as the bytes pass, whatever the length of the pieces,
+and from them the CRC-32 of the entry ([Note: checksum chunks] in ``_checksums.py``). Files
+written so are ordinary safetensors files (``safetensors.safe_open`` and ``load_file`` read
+them).
 """
 
 from __future__ import annotations
@@ -19,15 +21,18 @@ import json
 import os
 import struct
 import sys
-import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from . import _checksums
+from ._checksums import BoxChecksums, ChunkedCrc, ChunkRule, box_rows
 from ._comm import CheckpointError
 
 __all__ = [
-    "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crc32_of_range", "tensor_bytes", "contiguous_run",
+    "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crc32_of_range", "crcs_of_range", "read_pieces",
+    "tensor_bytes", "contiguous_run",
     "open_for_ranges", "pread_into",
 ]
 
@@ -68,14 +73,18 @@ class StreamingWriter:
 
     ``entries`` is ``[(key, dtype, shape)]``; the file stores them widest dtype first (so that
     every tensor is aligned to its element size) and ``keys`` lists that order. `append` takes
-    the tensors in that order, whole or in row-major pieces; `close` checks that every byte was written,
-    fsyncs the file and returns ``{key: crc32}``.
+    the tensors in that order, whole or in row-major pieces of any length; `close` checks that
+    every byte was written, fsyncs the file and returns ``{key: BoxChecksums}``: each entry's
+    CRC-32 and, when ``chunk_rule`` (default ``_checksums.CHUNK_RULE``) cuts it into several
+    chunks of dim-0 rows, the CRC-32 of each chunk.
     """
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, chunk_rule: ChunkRule | None = None) -> None:
+        rule = chunk_rule or _checksums.CHUNK_RULE
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self._order: list[tuple[str, torch.dtype, int]] = []
+        self._chunks: dict[str, tuple[int | None, int | None]] = {}  # key -> (rows, bytes) per chunk
         pos = 0
         # widest dtypes first: every tensor then starts at a multiple of its element size
         entries = sorted(entries, key=lambda e: -_itemsize(e[1]) if e[1] in DTYPE_CODES else 0)
@@ -88,6 +97,8 @@ class StreamingWriter:
             size = n * _itemsize(dtype)
             header[key] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [pos, pos + size]}
             self._order.append((key, dtype, size))
+            rows = rule.chunk_rows(tuple(shape), _itemsize(dtype))
+            self._chunks[key] = (rows, rows * box_rows(tuple(shape))[1] * _itemsize(dtype) if rows else None)
             pos += size
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(len(raw) + 8) % _ALIGN)
@@ -95,15 +106,16 @@ class StreamingWriter:
         self._file = open(path, "wb")
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self.keys = [k for k, _, _ in self._order]  # the order in which `append` expects the data
-        self._i, self._left, self._crc, self.crcs = 0, 0, 0, {}
+        self._i, self._crc, self.checksums = 0, ChunkedCrc(0), {}
         self._start_entry()
 
     def _start_entry(self) -> None:
         while self._i < len(self._order) and self._order[self._i][2] == 0:
-            self.crcs[self._order[self._i][0]] = 0  # empty tensors have no bytes
+            self.checksums[self._order[self._i][0]] = BoxChecksums(0)  # empty tensors have no bytes
             self._i += 1
         if self._i < len(self._order):
-            self._left, self._crc = self._order[self._i][2], 0
+            key, _, size = self._order[self._i]
+            self._crc = ChunkedCrc(size, self._chunks[key][1])
 
     def append(self, t: torch.Tensor) -> None:
         if t.numel() == 0:
@@ -114,24 +126,25 @@ class StreamingWriter:
         if t.dtype != dtype:
             raise CheckpointError(f"{self.path}: tensor '{key}' declared {dtype} but got {t.dtype}")
         data = tensor_bytes(t)
-        if len(data) > self._left:
+        crc = self._crc
+        if len(data) > crc.total - crc.done:
             raise CheckpointError(f"{self.path}: tensor '{key}' got more bytes than its shape declares")
         self._file.write(data)
-        self._crc = zlib.crc32(data, self._crc)
-        self._left -= len(data)
-        if self._left == 0:
-            self.crcs[key] = self._crc
+        crc.update(data)
+        if crc.done == crc.total:
+            rows = self._chunks[key][0]
+            self.checksums[key] = BoxChecksums(crc.whole(), rows, crc.chunks() if rows else None)
             self._i += 1
             self._start_entry()
 
-    def close(self) -> dict[str, int]:
+    def close(self) -> dict[str, BoxChecksums]:
         if self._i < len(self._order):
             self._file.close()
             raise CheckpointError(f"{self.path}: tensor '{self._order[self._i][0]}' was not completely written")
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        return self.crcs
+        return self.checksums
 
     def abort(self) -> None:
         self._file.close()
@@ -196,21 +209,35 @@ def read_header(path: str) -> Header:
     return Header(entries, 8 + n, end, metadata)
 
 
-def crc32_of_range(path: str, begin: int, end: int, chunk: int = 16 << 20) -> int:
-    """CRC-32 of bytes ``[begin, end)`` of ``path``, read ``chunk`` bytes at a time."""
-    crc = 0
+def read_pieces(fd: int, begin: int, end: int, path: str, piece: int = 16 << 20) -> Iterator[memoryview]:
+    """Bytes ``[begin, end)`` of the open file ``fd`` (named ``path``), at most ``piece`` bytes at
+    a time. Every piece is a view of one reused buffer: it is valid until the next is read."""
+    buf = memoryview(bytearray(max(0, min(piece, end - begin))))
+    pos = begin
+    while pos < end:
+        n = os.preadv(fd, [buf[: min(len(buf), end - pos)]], pos)
+        if n <= 0:
+            raise CheckpointError(f"{path}: truncated: ended {end - pos} bytes before offset {end}")
+        yield buf[:n]
+        pos += n
+
+
+def crcs_of_range(fd: int, begin: int, end: int, path: str, chunk_bytes: int | None = None) -> ChunkedCrc:
+    """The CRC-32s of bytes ``[begin, end)`` of ``fd`` (named ``path``): of every ``chunk_bytes``
+    (all of them when None) and of the whole; one piece of at most 16 MiB in memory."""
+    crc = ChunkedCrc(end - begin, chunk_bytes)
+    for data in read_pieces(fd, begin, end, path):
+        crc.update(data)
+    return crc
+
+
+def crc32_of_range(path: str, begin: int, end: int) -> int:
+    """CRC-32 of bytes ``[begin, end)`` of ``path``."""
     fd = open_for_ranges(path)
     try:
-        pos = begin
-        while pos < end:
-            data = _pread(fd, min(chunk, end - pos), pos)
-            if not data:
-                raise CheckpointError(f"{path}: truncated: ended {end - pos} bytes before offset {end}")
-            crc = zlib.crc32(data, crc)
-            pos += len(data)
+        return crcs_of_range(fd, begin, end, path).whole()
     finally:
         os.close(fd)
-    return crc
 
 
 def contiguous_run(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:

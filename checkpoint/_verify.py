@@ -7,7 +7,11 @@ Checks, in order, collecting every problem rather than stopping at the first:
 3. every data file the index names exists and has the recorded size, and its safetensors
    header parses (a truncated file is reported as such);
 4. every saved box's key is in its file with the tensor's dtype and the box's shape, and the
-   CRC-32 of its bytes matches the index (read 16 MiB at a time).
+   CRC-32 of its bytes matches the index (read 16 MiB at a time); for a box with checksum
+   chunks ([Note: checksum chunks] in ``_checksums.py``) the CRC-32 of every chunk matches
+   (a mismatch names the chunk's rows), and the chunk CRCs combine into the box's CRC (else
+   the index is inconsistent). The chunk layout itself (the number of chunk CRCs against the
+   box's rows) is checked when the index is read.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ._checksums import box_rows, combine_chunks
 from ._comm import CheckpointError
-from ._format import read_index
+from ._format import SavedBox, read_index
 from ._plan import partition_problem
-from ._safetensors_io import DTYPE_CODES, crc32_of_range, read_header
+from ._safetensors_io import DTYPE_CODES, Header, crcs_of_range, open_for_ranges, read_header
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 
@@ -80,9 +85,35 @@ def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
             elif e.dtype != DTYPE_CODES[t.dtype] or e.shape != b.box.sizes:
                 problems.append(f"{where}: the file holds {e.dtype} {list(e.shape)}, the index says "
                                 f"{DTYPE_CODES[t.dtype]} {list(b.box.sizes)}")
-            elif b.crc32 is not None:
-                begin, end = header.data_start + e.begin, header.data_start + e.end
-                checked += end - begin
-                if crc32_of_range(os.path.join(path, b.file), begin, end) != b.crc32:
-                    problems.append(f"{where}: checksum mismatch (the data is corrupted)")
+            elif b.crc32 is not None or b.chunk_crc32 is not None:
+                checked += e.end - e.begin
+                problems += [f"{where}: {p}" for p in _check_box(os.path.join(path, b.file), header, b,
+                                                                 t.dtype.itemsize)]
     return VerifyReport(path, tuple(problems), len(index.tensors), nboxes, checked)
+
+
+def _check_box(file: str, header: Header, b: SavedBox, itemsize: int) -> list[str]:
+    """The checksum problems of saved box ``b`` (its header entry already checked)."""
+    e = header.entries[b.key]
+    row_bytes = box_rows(b.box.sizes)[1] * itemsize
+    chunk_bytes = b.chunk_rows * row_bytes if b.chunk_crc32 is not None else None
+    fd = open_for_ranges(file)
+    try:
+        crc = crcs_of_range(fd, header.data_start + e.begin, header.data_start + e.end, file, chunk_bytes)
+    except CheckpointError as err:
+        return [str(err)]
+    finally:
+        os.close(fd)
+    if b.chunk_crc32 is None:
+        return [] if crc.whole() == b.crc32 else ["checksum mismatch (the data is corrupted)"]
+    problems = []
+    first = b.box.offsets[0] if b.box.offsets else 0
+    for i, (got, want) in enumerate(zip(crc.chunks(), b.chunk_crc32)):
+        if got != want:
+            lo, hi = i * b.chunk_rows, min((i + 1) * b.chunk_rows, box_rows(b.box.sizes)[0])
+            problems.append(f"checksum mismatch in chunk {i}: rows [{lo}, {hi}) of the box, rows "
+                            f"[{first + lo}, {first + hi}) of the tensor (the data is corrupted)")
+    if b.crc32 is not None and combine_chunks(b.chunk_crc32, chunk_bytes, e.end - e.begin) != b.crc32:
+        problems.append("the index's chunk checksums do not combine into its checksum of the box (the index is "
+                        "damaged)")
+    return problems

@@ -8,7 +8,8 @@
 3. ``async_save`` only: copy every box this rank writes to CPU memory (the snapshot). From
    here on the caller may change the state; the checkpoint holds the values of this moment.
 4. Every writing rank streams its boxes into ``rank-<rank>.safetensors`` (CRC-32 of each box
-   on the way) and fsyncs it. ``async_save`` does this in a background thread, which does no
+   and of each of its checksum chunks on the way, [Note: checksum chunks] in ``_checksums.py``)
+   and fsyncs it. ``async_save`` does this in a background thread, which does no
    collective (a collective there could interleave with the training's own).
 5. Commit (collective; for ``async_save`` inside ``SaveHandle.wait()``): agree on write errors;
    gather each rank's file and boxes on rank 0, which checks that all ranks saved the same
@@ -34,6 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._boxes import Box, local_boxes, layout_of, writes_data
+from ._checksums import crcs_from_hex, crcs_to_hex
 from ._comm import CheckpointError, agree, broadcast_json, gather_json, rank_and_world
 from ._commit import check_target, commit, rotate, temp_dir_for
 from ._flatten import flatten, to_json_value
@@ -111,9 +113,11 @@ def _write_file(plan: _Plan, tmp: str, rank: int) -> dict:
     except BaseException:
         writer.abort()
         raise
-    crcs = writer.close()
+    sums = writer.close()
     boxes = [{"key": p.key, "file_key": k, "offsets": list(p.box.offsets), "sizes": list(p.box.sizes),
-              "crc32": crcs[k]} for k, p in by_key.items()]
+              "crc32": sums[k].crc32, "chunk_rows": sums[k].chunk_rows,
+              "chunk_crc32": None if sums[k].chunk_crc32 is None else crcs_to_hex(sums[k].chunk_crc32)}
+             for k, p in by_key.items()]
     return {"file": name, "bytes": os.path.getsize(path), "boxes": boxes}
 
 
@@ -136,8 +140,10 @@ def _build_index(path: str, plan: _Plan, reports: list[dict], world: int) -> Ind
             continue
         files[rep["file"]] = rep["bytes"]
         for b in rep["boxes"]:
+            rows, hex_crcs = b["chunk_rows"], b["chunk_crc32"]
+            chunks = None if hex_crcs is None else crcs_from_hex(hex_crcs, len(hex_crcs) // 8)
             boxes[b["key"]].append(SavedBox(Box(tuple(b["offsets"]), tuple(b["sizes"])), rep["file"], b["file_key"],
-                                            b["crc32"]))
+                                            b["crc32"], rows, chunks))
     tensors = {}
     for k, m in plan.meta.items():
         dtype = getattr(torch, m["dtype"])

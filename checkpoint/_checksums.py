@@ -1,0 +1,314 @@
+"""Checksums of saved boxes: whole-box and per-chunk CRC-32s, and who checks which on load.
+
+[Note: checksum chunks]
+Every saved box has a CRC-32 (as in zlib/PNG) of its bytes. A box whose bytes are more than
+one *chunk* also has the CRC-32 of each chunk: chunk ``i`` is rows ``[i * R, min((i + 1) * R,
+rows))`` along dim 0 of the box (a 0-d box is one row), so it is one contiguous byte range of
+the safetensors entry. ``R`` (``chunk_rows``) is chosen at save time by a `ChunkRule`:
+
+    row_bytes = bytes of one dim-0 row of the box
+    target    = clamp(box_bytes // per_box, min_bytes, max_bytes)
+    R         = max(1, target // row_bytes)
+
+With the default rule (`CHUNK_RULE`: at most 4 MiB, at least 64 KiB, about 8 per box) a box
+of up to 512 KiB is cut into chunks of 64 KiB, one of up to 32 MiB into about 8, and a larger
+one into 4 MiB chunks; a box of one chunk records none. A reader never recomputes ``R``: it
+takes ``chunk_rows`` from the index, so the rule can change without a format change. The
+index stores the chunk CRCs as one string of 8 hex digits per chunk, so its size grows by at
+most 16 x 8 characters per box plus 8 per 4 MiB of data.
+
+The whole-box CRC is derived from the chunk CRCs (`crc32_combine`, as zlib's), so a writer
+checksums every byte once.
+
+[Note: verification shares]
+With ``verify`` every checksum *unit* of the loaded tensors (a chunk, or a whole box when the
+box has no chunks) is checked by exactly one rank, before any rank writes. Each rank sends
+the others, in one all-gather, the dim-0 row ranges it reads from every saved box
+(`needs_of`); from those every rank computes the same assignment (`assign`): units are dealt
+out largest first (ties by file, key, first row) to the rank that reads the most of the
+unit's bytes anyway; a unit nobody reads goes to the rank with the fewest bytes so far
+(lowest rank on a tie). A rank thus re-reads for checking only the parts of the few chunks
+that straddle its shard's boundaries (none when they fall on chunk boundaries).
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+import struct
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ._comm import CheckpointError
+
+if TYPE_CHECKING:
+    from ._boxes import Box
+    from ._format import Index, SavedBox
+
+__all__ = [
+    "CHUNK_MAX_BYTES", "CHUNK_MIN_BYTES", "CHUNKS_PER_BOX", "CHUNK_RULE", "ChunkRule", "BoxChecksums", "ChunkedCrc",
+    "Unit", "assign", "box_rows", "chunk_bounds", "chunk_count", "combine_chunks", "contiguous_runs", "crc32_combine",
+    "crcs_from_hex", "crcs_to_hex", "needs_of", "verification_units",
+]
+
+CHUNK_MAX_BYTES = 4 << 20
+CHUNK_MIN_BYTES = 64 << 10
+CHUNKS_PER_BOX = 8
+_HEX = re.compile(r"[0-9a-fA-F]*")
+
+
+def box_rows(sizes: Sequence[int]) -> tuple[int, int]:
+    """``(rows, elements per row)`` of a box of ``sizes`` along dim 0; a 0-d box is one row."""
+    per_row = 1
+    for s in sizes[1:]:
+        per_row *= s
+    return (sizes[0], per_row) if sizes else (1, 1)
+
+
+def chunk_count(rows: int, chunk_rows: int) -> int:
+    return -(-rows // chunk_rows)
+
+
+def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """The row ranges ``[lo, hi)`` of the chunks of a box of ``rows`` rows."""
+    return [(lo, min(lo + chunk_rows, rows)) for lo in range(0, rows, chunk_rows)]
+
+
+@dataclass(frozen=True)
+class ChunkRule:
+    """How many dim-0 rows a checksum chunk holds (see [Note: checksum chunks])."""
+
+    max_bytes: int = CHUNK_MAX_BYTES
+    min_bytes: int = CHUNK_MIN_BYTES
+    per_box: int = CHUNKS_PER_BOX
+
+    def chunk_rows(self, sizes: Sequence[int], itemsize: int) -> int | None:
+        """``R`` for a box of ``sizes``, or None when the box is a single chunk."""
+        rows, per_row = box_rows(sizes)
+        row_bytes = per_row * itemsize
+        if rows * row_bytes == 0:
+            return None
+        target = min(self.max_bytes, max(self.min_bytes, rows * row_bytes // max(self.per_box, 1)))
+        r = max(1, target // row_bytes)
+        return r if chunk_count(rows, r) > 1 else None
+
+
+CHUNK_RULE = ChunkRule()
+
+
+# -- CRC-32 arithmetic ------------------------------------------------------------------------
+# zlib's CRC-32 is reflected: bit 31 of a value is the coefficient of x^0, bit 0 that of x^31.
+_POLY = 0xEDB88320
+_X0 = 1 << 31
+
+
+def _mulmod(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC-32 polynomial (reflected representation)."""
+    p = 0
+    m = _X0
+    while m and a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x8n(n: int) -> int:
+    """``x ** (8 * n)`` modulo the polynomial: appending ``n`` bytes shifts a CRC by this factor."""
+    result, base = _X0, _X0 >> 8
+    while n:
+        if n & 1:
+            result = _mulmod(result, base)
+        base = _mulmod(base, base)
+        n >>= 1
+    return result
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of ``A + B`` from ``crc1`` = CRC of ``A``, ``crc2`` = CRC of ``B`` and ``len(B)``."""
+    return _mulmod(crc1, _x8n(len2)) ^ crc2
+
+
+class ChunkedCrc:
+    """CRC-32s of a stream of ``total`` bytes fed in pieces of any length: of every
+    ``chunk_bytes`` bytes (the last chunk may be shorter) and, combined, of the whole."""
+
+    def __init__(self, total: int, chunk_bytes: int | None = None) -> None:
+        self.total = total
+        self.chunk_bytes = chunk_bytes or max(total, 1)
+        self.done = 0
+        self._crcs: list[int] = []
+        self._crc = 0
+        self._left = min(self.chunk_bytes, total)
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        if len(view) > self.total - self.done:
+            raise ValueError(f"{len(view)} bytes given, only {self.total - self.done} of {self.total} remain")
+        pos = 0
+        while pos < len(view):
+            take = min(self._left, len(view) - pos)
+            self._crc = zlib.crc32(view[pos:pos + take], self._crc)
+            pos += take
+            self.done += take
+            self._left -= take
+            if self._left == 0:
+                self._crcs.append(self._crc)
+                self._crc = 0
+                self._left = min(self.chunk_bytes, self.total - self.done)
+
+    def chunks(self) -> tuple[int, ...]:
+        if self.done != self.total:
+            raise ValueError(f"{self.done} of {self.total} bytes given")
+        return tuple(self._crcs)
+
+    def whole(self) -> int:
+        return combine_chunks(self.chunks(), self.chunk_bytes, self.total)
+
+
+def combine_chunks(crcs: Sequence[int], chunk_bytes: int, total: int) -> int:
+    """The CRC-32 of ``total`` bytes from the CRCs ``crcs`` of its chunks of ``chunk_bytes``
+    (the last one shorter when ``chunk_bytes`` does not divide ``total``)."""
+    if not crcs:
+        return 0
+    full, last = _x8n(chunk_bytes), _x8n(total - (len(crcs) - 1) * chunk_bytes)
+    crc = crcs[0]
+    for i in range(1, len(crcs)):
+        crc = _mulmod(crc, full if i < len(crcs) - 1 else last) ^ crcs[i]
+    return crc
+
+
+@dataclass(frozen=True)
+class BoxChecksums:
+    """What a writer records for one box: its CRC-32 and, with several chunks, theirs."""
+
+    crc32: int
+    chunk_rows: int | None = None
+    chunk_crc32: tuple[int, ...] | None = None
+
+
+def crcs_to_hex(crcs: Iterable[int]) -> str:
+    return "".join(f"{c:08x}" for c in crcs)
+
+
+def crcs_from_hex(text: object, count: int) -> tuple[int, ...]:
+    """``count`` CRCs from 8 hex digits each; `CheckpointError` saying what is wrong otherwise."""
+    if not isinstance(text, str) or not _HEX.fullmatch(text):
+        raise CheckpointError(f"'chunk_crc32' must be a string of hex digits, got {str(text)[:40]!r}")
+    if len(text) != 8 * count:
+        raise CheckpointError(f"'chunk_crc32' has {len(text)} hex digits; {count} chunks need {8 * count}")
+    return struct.unpack(f">{count}I", bytes.fromhex(text))
+
+
+# -- verification shares (see [Note: verification shares]) -------------------------------------
+
+@dataclass(frozen=True)
+class Unit:
+    """One checksum check: rows ``[lo, hi)`` of saved box ``saved`` of tensor ``tensor``, chunk
+    ``chunk`` of the box (None: the whole box, checked against ``saved.crc32``)."""
+
+    tensor: str
+    saved: SavedBox
+    box_id: int
+    chunk: int | None
+    lo: int
+    hi: int
+    row_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.row_bytes
+
+    @property
+    def crc32(self) -> int:
+        return self.saved.crc32 if self.chunk is None else self.saved.chunk_crc32[self.chunk]
+
+    def where(self) -> str:
+        box = self.saved.box
+        if self.chunk is None:
+            return f"box at {list(box.offsets)}"
+        first = box.offsets[0] if box.offsets else 0
+        return (f"box at {list(box.offsets)}, chunk {self.chunk}: rows [{self.lo}, {self.hi}) of the box, "
+                f"rows [{first + self.lo}, {first + self.hi}) of the tensor")
+
+
+def verification_units(index: Index, keys: Iterable[str]) -> tuple[list[Unit], dict[tuple[str, str], int]]:
+    """Every checksum unit of the tensors ``keys``, and each saved box's id (``(file, key)`` ->
+    position among the boxes of ``keys`` in sorted key order: the same on every rank)."""
+    units: list[Unit] = []
+    ids: dict[tuple[str, str], int] = {}
+    for k in sorted(set(keys)):
+        t = index.tensors[k]
+        itemsize = t.dtype.itemsize
+        for b in t.boxes:
+            bid = ids.setdefault((b.file, b.key), len(ids))
+            rows, per_row = box_rows(b.box.sizes)
+            if b.chunk_crc32 is not None:
+                units += [Unit(k, b, bid, i, lo, hi, per_row * itemsize)
+                          for i, (lo, hi) in enumerate(chunk_bounds(rows, b.chunk_rows))]
+            elif b.crc32 is not None:
+                units.append(Unit(k, b, bid, None, 0, rows, per_row * itemsize))
+    return units, ids
+
+
+def needs_of(reads: Iterable[tuple[str, str, Box, int]], ids: dict[tuple[str, str], int]) -> list[int]:
+    """What this rank reads, for the all-gather: ``[box id, first row, end row, bytes per row]``
+    for each ``(file, key, region of the saved box, itemsize)`` in ``reads``, flattened."""
+    out: list[int] = []
+    for file, key, src, itemsize in reads:
+        bid = ids.get((file, key))
+        if bid is None:
+            continue
+        rows, per_row = box_rows(src.sizes)
+        lo = src.offsets[0] if src.sizes else 0
+        out += [bid, lo, lo + rows, per_row * itemsize]
+    return out
+
+
+def contiguous_runs(units: Iterable[Unit]) -> list[list[Unit]]:
+    """``units`` grouped into runs of consecutive chunks of one box (each run in row order; a
+    run's chunks are all of the box's chunk size except perhaps the box's last one)."""
+    runs: list[list[Unit]] = []
+    for u in sorted(units, key=lambda u: (u.box_id, u.lo)):
+        if runs and runs[-1][-1].box_id == u.box_id and runs[-1][-1].hi == u.lo:
+            runs[-1].append(u)
+        else:
+            runs.append([u])
+    return runs
+
+
+def assign(units: Sequence[Unit], needs: Sequence[Sequence[int]], world: int) -> list[int]:
+    """The rank that checks each unit (see [Note: verification shares]); ``needs[r]`` is rank
+    ``r``'s `needs_of`. Every rank computes the same list from the same arguments."""
+    wants: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for r, flat in enumerate(needs):
+        for j in range(0, len(flat), 4):
+            bid, lo, hi, per_row = flat[j:j + 4]
+            wants[bid].append((r, lo, hi, per_row))
+    order = sorted(range(len(units)), key=lambda i: (-units[i].nbytes, units[i].saved.file, units[i].saved.key,
+                                                     units[i].lo))
+    load = [0] * world
+    least = [(0, r) for r in range(world)]  # (load, rank), stale entries dropped when seen
+    owner = [0] * len(units)
+    for i in order:
+        u = units[i]
+        want: dict[int, int] = defaultdict(int)
+        for r, lo, hi, per_row in wants.get(u.box_id, ()):
+            n = min(hi, u.hi) - max(lo, u.lo)
+            if n > 0:
+                want[r] += n * per_row
+        if want:
+            r = max(want, key=lambda q: (want[q], -load[q], -q))
+        else:
+            while least[0][0] != load[least[0][1]]:
+                heapq.heappop(least)
+            r = least[0][1]
+        load[r] += u.nbytes
+        heapq.heappush(least, (load[r], r))
+        owner[i] = r
+    return owner
