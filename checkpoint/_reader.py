@@ -50,8 +50,8 @@ from ._comm import all_gather_json, CheckpointError, agree, rank_and_world
 from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
 from ._plan import ReadItem, covered_numel, plan_reads, split
-from ._safetensors_io import (DTYPE_CODES, Header, contiguous_run, crcs_of_range, open_for_ranges, pread_into,
-                              read_header)
+from ._safetensors_io import (DTYPE_CODES, Header, byte_view, contiguous_run, crcs_of_ranges, open_for_ranges,
+                              pread_into, preadv_into, read_header)
 
 __all__ = ["load", "LoadStats", "load_from_index"]
 
@@ -168,8 +168,9 @@ def _check_headers(index: Index, uses: list[tuple[str, SavedBox]], headers: dict
 def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | None], good: set[tuple[str, str]],
                  problems: list[str]) -> int:
     """Check the CRC-32 of every unit of ``share`` whose box passed `_check_headers` (is in
-    ``good``); returns the bytes checksummed. Each data file is opened once, and consecutive
-    chunks of one box are read as one range (16 MiB at a time), in file order."""
+    ``good``); returns the bytes checksummed. Each data file is opened once; consecutive
+    chunks of one box, and runs of chunks that follow one another in the file, are read as one
+    range (16 MiB at a time)."""
     by_file: dict[str, list[list[Unit]]] = defaultdict(list)
     for run in contiguous_runs(u for u in share if (u.saved.file, u.saved.key) in good):
         by_file[run[0].saved.file].append(run)
@@ -179,11 +180,12 @@ def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | No
         path = os.path.join(index.root, name)
         fd = open_for_ranges(path)
         try:
-            for run in sorted(runs, key=lambda run: (header.entries[run[0].saved.key].begin, run[0].lo)):
+            spans = []
+            for run in runs:
                 first, last = run[0], run[-1]
                 start = header.data_start + header.entries[first.saved.key].begin
-                begin, end = start + first.lo * first.row_bytes, start + last.hi * first.row_bytes
-                crc = crcs_of_range(fd, begin, end, path, first.nbytes)
+                spans.append((start + first.lo * first.row_bytes, start + last.hi * first.row_bytes, first.nbytes))
+            for run, crc in zip(runs, crcs_of_ranges(fd, spans, path)):
                 verified += crc.total
                 for u, got in zip(run, crc.chunks()):
                     if got != u.crc32:
@@ -203,8 +205,11 @@ def _read(index: Index, reads: list[_Read], headers: dict[str, Header | None],
 
     A piece that is one contiguous byte range of its saved box (any dim-0 slab of a saved box,
     as resharding FSDP/HSDP shards gives) is read with ``pread`` straight into the destination
-    when that is contiguous on the CPU (else into a buffer of the piece's size). Other pieces
-    (e.g. column slices) go through ``safe_open(...).get_slice(key)[region]``.
+    when that is contiguous on the CPU (else into a buffer of the piece's size). Direct pieces
+    whose byte ranges follow one another in the file (e.g. consecutive saved boxes that all
+    land in this rank's shards) are read by one ``preadv`` into all their destinations: fewer,
+    larger reads. Other pieces (e.g. column slices) go through
+    ``safe_open(...).get_slice(key)[region]``.
     """
     by_file: dict[str, list[_Read]] = defaultdict(list)
     for r in reads:
@@ -216,30 +221,46 @@ def _read(index: Index, reads: list[_Read], headers: dict[str, Header | None],
             header = headers[name]
             fd = open_for_ranges(path)
             sliced = None  # safe_open maps the file; opened only for pieces that need it
+            direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
             try:
                 for r in items:
                     entry = header.entries[r.saved.key]
                     itemsize = r.local.element_size()
                     for piece in split(r.item, max(1, max_read_bytes // itemsize)):
                         dst = r.local[piece.dst.slices()]
+                        nbytes += dst.numel() * itemsize
                         run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
                         if run is None:
                             if sliced is None:
                                 sliced = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
                             dst.copy_(sliced.get_slice(r.saved.key)[piece.src.slices()])
+                            continue
+                        at = header.data_start + entry.begin + run[0] * itemsize
+                        if dst.device.type == "cpu" and dst.is_contiguous():
+                            direct.append((at, dst.numel() * itemsize, dst))
                         else:
-                            at = header.data_start + entry.begin + run[0] * itemsize
-                            direct = dst.device.type == "cpu" and dst.is_contiguous()
-                            buf = dst if direct else torch.empty(dst.shape, dtype=dst.dtype)
-                            pread_into(fd, buf.detach(), at, path)
-                            if direct:
-                                torch.autograd.graph.increment_version(dst)  # as an in-place copy would
-                            else:
-                                dst.copy_(buf)
-                        nbytes += dst.numel() * itemsize
+                            buf = torch.empty(dst.shape, dtype=dst.dtype)
+                            pread_into(fd, buf, at, path)
+                            dst.copy_(buf)
+                for group in _adjacent(direct):
+                    preadv_into(fd, [byte_view(d) for _, _, d in group], group[0][0], path)
+                    for _, _, d in group:
+                        torch.autograd.graph.increment_version(d)  # as an in-place copy would
             finally:
                 os.close(fd)
     return nbytes, len(by_file)
+
+
+def _adjacent(ranges: list[tuple[int, int, torch.Tensor]]) -> list[list[tuple[int, int, torch.Tensor]]]:
+    """``(offset, length, ...)`` items sorted by offset and grouped into runs whose byte ranges
+    follow one another with no gap."""
+    groups: list[list] = []
+    for item in sorted(ranges, key=lambda x: x[0]):
+        if groups and groups[-1][-1][0] + groups[-1][-1][1] == item[0]:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
 
 
 def _similar(key: str, names) -> str:

@@ -31,9 +31,9 @@ from ._checksums import BoxChecksums, ChunkedCrc, ChunkRule, box_rows
 from ._comm import CheckpointError
 
 __all__ = [
-    "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crc32_of_range", "crcs_of_range", "read_pieces",
+    "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crc32_of_range", "crcs_of_range", "crcs_of_ranges", "read_pieces",
     "tensor_bytes", "contiguous_run",
-    "open_for_ranges", "pread_into",
+    "open_for_ranges", "pread_into", "preadv_into", "byte_view",
 ]
 
 DTYPE_CODES: dict[torch.dtype, str] = {
@@ -231,6 +231,31 @@ def crcs_of_range(fd: int, begin: int, end: int, path: str, chunk_bytes: int | N
     return crc
 
 
+def crcs_of_ranges(fd: int, ranges: list[tuple[int, int, int | None]], path: str) -> list[ChunkedCrc]:
+    """`crcs_of_range` for each ``(begin, end, chunk_bytes)`` of ``ranges``, in that order.
+    Ranges that follow one another in the file (in any order in ``ranges``) are read together,
+    16 MiB at a time, so many small adjacent ranges cost a few large reads."""
+    crcs = [ChunkedCrc(end - begin, chunk) for begin, end, chunk in ranges]
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    k = 0
+    while k < len(order):
+        group = [order[k]]
+        while k + len(group) < len(order) and ranges[order[k + len(group)]][0] == ranges[group[-1]][1]:
+            group.append(order[k + len(group)])
+        k += len(group)
+        j = 0
+        for data in read_pieces(fd, ranges[group[0]][0], ranges[group[-1]][1], path):
+            pos = 0
+            while pos < len(data):
+                while crcs[group[j]].done == crcs[group[j]].total:
+                    j += 1
+                crc = crcs[group[j]]
+                take = min(crc.total - crc.done, len(data) - pos)
+                crc.update(data[pos : pos + take])
+                pos += take
+    return crcs
+
+
 def crc32_of_range(path: str, begin: int, end: int) -> int:
     """CRC-32 of bytes ``[begin, end)`` of ``path``."""
     fd = open_for_ranges(path)
@@ -262,12 +287,34 @@ def contiguous_run(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tupl
     return first, count
 
 
+_IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t`` as a writable memoryview (no copy)."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def preadv_into(fd: int, views: list[memoryview], offset: int, path: str) -> int:
+    """Fill the byte buffers ``views``, in order, from consecutive bytes of ``fd`` starting at
+    ``offset``: one ``preadv`` system call for up to 1024 buffers (short reads resumed).
+    Returns the number of bytes read."""
+    views = [v for v in views if len(v)]
+    i, pos = 0, offset
+    while i < len(views):
+        n = os.preadv(fd, views[i : i + _IOV_MAX], pos)
+        if n <= 0:
+            raise CheckpointError(f"{path}: truncated: no data at byte {pos}")
+        pos += n
+        while n and i < len(views):
+            if n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            else:
+                views[i], n = views[i][n:], 0
+    return pos - offset
+
+
 def pread_into(fd: int, out: torch.Tensor, offset: int, path: str) -> None:
     """Fill the contiguous CPU tensor ``out`` with the bytes of ``fd`` at ``offset``."""
-    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise CheckpointError(f"{path}: truncated: no data at byte {offset + done}")
-        done += n
+    preadv_into(fd, [byte_view(out)], offset, path)

@@ -61,17 +61,17 @@ def _save4(rank, world_size, path):
 def _load_recording(rank, world_size, path):
     """Load into ``world_size`` ranks with verify, recording the byte ranges this rank checksums."""
     calls, gathers = [], []
-    real_read, real_gather = _reader.crcs_of_range, _reader.all_gather_json
+    real_read, real_gather = _reader.crcs_of_ranges, _reader.all_gather_json
 
-    def spy(fd, begin, end, file, *args, **kwargs):
-        calls.append((os.path.basename(file), begin, end))
-        return real_read(fd, begin, end, file, *args, **kwargs)
+    def spy(fd, spans, file):
+        calls.extend((os.path.basename(file), begin, end) for begin, end, _ in spans)
+        return real_read(fd, spans, file)
 
     def gather(obj):
         gathers.append(len(json.dumps(obj)))
         return real_gather(obj)
 
-    _reader.crcs_of_range, _reader.all_gather_json = spy, gather
+    _reader.crcs_of_ranges, _reader.all_gather_json = spy, gather
     state = _state(world_size, zeros=True)
     before = full(state)
     try:
