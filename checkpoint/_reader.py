@@ -170,7 +170,7 @@ def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | No
     """Check the CRC-32 of every unit of ``share`` whose box passed `_check_headers` (is in
     ``good``); returns the bytes checksummed. Each data file is opened once; consecutive
     chunks of one box, and runs of chunks that follow one another in the file, are read as one
-    range (16 MiB at a time)."""
+    range (4 MiB at a time)."""
     by_file: dict[str, list[list[Unit]]] = defaultdict(list)
     for run in contiguous_runs(u for u in share if (u.saved.file, u.saved.key) in good):
         by_file[run[0].saved.file].append(run)

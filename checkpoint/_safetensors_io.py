@@ -209,10 +209,13 @@ def read_header(path: str) -> Header:
     return Header(entries, 8 + n, end, metadata)
 
 
-def read_pieces(fd: int, begin: int, end: int, path: str, piece: int = 16 << 20) -> Iterator[memoryview]:
+def read_pieces(fd: int, begin: int, end: int, path: str, piece: int = 4 << 20,
+                buf: memoryview | None = None) -> Iterator[memoryview]:
     """Bytes ``[begin, end)`` of the open file ``fd`` (named ``path``), at most ``piece`` bytes at
-    a time. Every piece is a view of one reused buffer: it is valid until the next is read."""
-    buf = memoryview(bytearray(max(0, min(piece, end - begin))))
+    a time (or ``len(buf)``, when a byte buffer ``buf`` to reuse is given). Every piece is a view
+    of that one buffer: it is valid until the next is read."""
+    if buf is None:
+        buf = memoryview(bytearray(max(0, min(piece, end - begin))))
     pos = begin
     while pos < end:
         n = os.preadv(fd, [buf[: min(len(buf), end - pos)]], pos)
@@ -224,7 +227,7 @@ def read_pieces(fd: int, begin: int, end: int, path: str, piece: int = 16 << 20)
 
 def crcs_of_range(fd: int, begin: int, end: int, path: str, chunk_bytes: int | None = None) -> ChunkedCrc:
     """The CRC-32s of bytes ``[begin, end)`` of ``fd`` (named ``path``): of every ``chunk_bytes``
-    (all of them when None) and of the whole; one piece of at most 16 MiB in memory."""
+    (all of them when None) and of the whole; one piece of at most 4 MiB in memory."""
     crc = ChunkedCrc(end - begin, chunk_bytes)
     for data in read_pieces(fd, begin, end, path):
         crc.update(data)
@@ -234,17 +237,19 @@ def crcs_of_range(fd: int, begin: int, end: int, path: str, chunk_bytes: int | N
 def crcs_of_ranges(fd: int, ranges: list[tuple[int, int, int | None]], path: str) -> list[ChunkedCrc]:
     """`crcs_of_range` for each ``(begin, end, chunk_bytes)`` of ``ranges``, in that order.
     Ranges that follow one another in the file (in any order in ``ranges``) are read together,
-    16 MiB at a time, so many small adjacent ranges cost a few large reads."""
+    4 MiB at a time, so many small adjacent ranges cost a few large reads."""
     crcs = [ChunkedCrc(end - begin, chunk) for begin, end, chunk in ranges]
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-    k = 0
-    while k < len(order):
-        group = [order[k]]
-        while k + len(group) < len(order) and ranges[order[k + len(group)]][0] == ranges[group[-1]][1]:
-            group.append(order[k + len(group)])
-        k += len(group)
+    groups: list[list[int]] = []  # indices of ranges whose bytes follow one another
+    for i in sorted(range(len(ranges)), key=lambda i: ranges[i][0]):
+        if groups and ranges[groups[-1][-1]][1] == ranges[i][0]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    spans = [(ranges[g[0]][0], ranges[g[-1]][1]) for g in groups]
+    buf = memoryview(bytearray(min(4 << 20, max((e - b for b, e in spans), default=0))))
+    for group, (begin, end) in zip(groups, spans):
         j = 0
-        for data in read_pieces(fd, ranges[group[0]][0], ranges[group[-1]][1], path):
+        for data in read_pieces(fd, begin, end, path, buf=buf):
             pos = 0
             while pos < len(data):
                 while crcs[group[j]].done == crcs[group[j]].total:
