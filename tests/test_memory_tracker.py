@@ -1,7 +1,9 @@
-"""benchmarks/tracker.py counts live storages once, at their current size, on a known sequence."""
+"""benchmarks/tracker.py counts live storages once, at their current size, on a known sequence;
+benchmarks/gpu_step.py runs its code path on CPU (its smoke mode) and says so without CUDA."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks.tracker import AllocationTracker
@@ -69,3 +71,39 @@ def _dtensor_inner(rank, world_size):
 def test_dtensors_count_their_local_tensors():
     for grew, local_bytes in run_ranks(_dtensor_inner, 2):
         assert grew == local_bytes == 4 * 4 * 4, (grew, local_bytes)
+
+
+# -- benchmarks/gpu_step.py: its code path on CPU (no GPU here) --------------------------------------
+def _gpu_step_smoke(rank, world_size):
+    import contextlib
+    import io
+
+    from benchmarks import gpu_step
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = gpu_step.main(["--device", "cpu", "--dim", "32", "--layers", "2", "--heads", "4", "--vocab", "64",
+                            "--seq-len", "16", "--batch-per-rank", "2", "--steps", "1", "--reps", "2"])
+    return rc, out.getvalue()
+
+
+def test_gpu_step_benchmark_runs_its_code_path_on_cpu():
+    """The GPU benchmark's CPU smoke mode on 2 gloo ranks: both implementations train the same
+    steps (the loss difference it prints is ~0) and the report is printed on rank 0."""
+    (rc0, out0), (rc1, out1) = run_ranks(_gpu_step_smoke, 2, timeout=120)
+    assert rc0 == rc1 == 0
+    assert out1 == ""
+    assert "| shardwise |" in out0 and "| torch FSDP2 |" in out0, out0
+    diff = float(out0.rsplit("at equal steps:", 1)[1].split()[0])
+    assert diff < 1e-5, out0
+
+
+def test_gpu_step_benchmark_without_cuda_says_so(capsys):
+    import torch
+
+    from benchmarks import gpu_step
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available: gpu_step.py would run the real benchmark")
+    assert gpu_step.main([]) == 0
+    assert "CUDA is not available" in capsys.readouterr().err
