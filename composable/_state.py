@@ -19,13 +19,14 @@ For every unit (one ``fully_shard`` call) the hooks do, in order:
    ran before it in forward (the next one in backward). The first one queues the root's final
    callback on the autograd engine.
 4. post-backward (``_PostBackward.backward``): once every forward call of the unit has seen
-   its backward, issue the reduce-scatter of its gradients asynchronously and reshard. The
-   root keeps the reductions in flight behind the computation: issuing one unit's moves the
-   earlier ones a stage on (reduce-scatter -> average and replicate all-reduce -> store into
-   ``.grad``).
+   its backward, reshard (free the unsharded parameters first, so they never coexist with
+   the reduce-scatter's send buffer), then issue the reduce-scatter of its gradients
+   asynchronously. The root keeps the reductions in flight behind the computation: issuing
+   one unit's moves the earlier ones a stage on (reduce-scatter -> average and replicate
+   all-reduce -> store into ``.grad``).
    A module run twice in one forward (reuse) reduces once, after both backwards.
 5. final callback (end of ``loss.backward()``): units whose post-backward could not fire
-   (inputs that need no grad, like token ids into the root) reduce now; all reductions are
+   (inputs that need no grad, like token ids into the root) reshard and reduce now; all reductions are
    finished; every unit is resharded; per-step counters are reset.
 
 [Note: the unshard limit]
