@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ._layout import gather_rows, scatter_rows
+from ._mesh_utils import all_gather_single
 from ._state import get_state
 
 __all__ = ["materialize", "broadcast_from_rank0"]
@@ -113,7 +114,7 @@ class _Placeholders:
             t.zero_()
         if id(g) in self.ever_active:  # the init code came back: restore its values so far
             rows = torch.empty(g.world * g.master_bytes, dtype=torch.uint8, device=g.sharded_bytes.device)
-            dist.all_gather_single(rows, g.sharded_bytes, group=g.shard_group)
+            all_gather_single(rows, g.sharded_bytes, group=g.shard_group)
             rows = rows.view(g.world, g.master_bytes)
             for p, o in zip(g.params, g.master_offsets):
                 block = rows[:, o : o + p.layout.padded_numel * p.orig_dtype.itemsize].view(p.orig_dtype)

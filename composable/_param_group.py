@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ._layout import DimZeroLayout, gather_rows, scatter_rows
-from ._mesh_utils import mesh_device
+from ._mesh_utils import all_gather_single, mesh_device, reduce_scatter_single
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._sharded_param import ShardedParam
 
@@ -182,7 +182,7 @@ class ParamGroup:
                 src, group = self._post_forward
             else:
                 src, group = self._all_gather_input(), self.shard_group
-            work = dist.all_gather_single(gathered, src, group=group, async_op=True)
+            work = all_gather_single(gathered, src, group=group, async_op=True)
             self._pending = (work, gathered)
         if not async_op:
             self.wait_unshard()
@@ -263,7 +263,7 @@ class ParamGroup:
                     pending.append(PendingReduce(self, b, None, send, all_reduce))
                     continue
                 out = torch.empty(b.numel, dtype=b.dtype, device=self.compute_device)
-                work = dist.reduce_scatter_single(out, send, group=self.shard_group, async_op=True)
+                work = reduce_scatter_single(out, send, group=self.shard_group, async_op=True)
                 pending.append(PendingReduce(self, b, work, out, all_reduce))
         return pending
 

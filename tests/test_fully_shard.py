@@ -311,3 +311,17 @@ def _async_unshard(rank, world_size):
 
 def test_unshard_async_handle_and_reshard():
     assert run_ranks(_async_unshard, 2) == [True, True]
+
+
+def _older_collective_names(rank, world_size):
+    """A torch without ``all_gather_single`` / ``reduce_scatter_single`` (before 2.13): the
+    older names carry the same collectives (this rank is a fresh process: nothing leaks)."""
+    import torch.distributed as dist
+
+    del dist.all_gather_single, dist.reduce_scatter_single
+    return _parity(rank, world_size, (world_size,), None)
+
+
+def test_training_on_a_torch_with_the_older_collective_names():
+    for rank, (loss_err, errs) in enumerate(run_ranks(_older_collective_names, 2)):
+        assert loss_err <= TOL and max(errs.values()) <= TOL, f"rank {rank}: {loss_err:.2e}, {errs}"

@@ -22,9 +22,10 @@ carries the shape along and avoids the exchange.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from .._mesh_utils import all_gather_single
 
 __all__ = [
     "normalize",
@@ -94,7 +95,7 @@ def exchange_sizes(local: int, mesh: DeviceMesh, device: torch.device) -> list[i
     """Every rank's ``local`` (one all-gather of one int64 each over the mesh's group)."""
     mine = torch.tensor([local], dtype=torch.int64, device=device)
     out = torch.empty(mesh.size(), dtype=torch.int64, device=device)
-    dist.all_gather_single(out, mine, group=mesh.get_group())
+    all_gather_single(out, mine, group=mesh.get_group())
     return out.tolist()
 
 
