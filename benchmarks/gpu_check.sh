@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
   date -u
   command -v nvidia-smi >/dev/null && nvidia-smi -L
   echo "== install shardwise from this checkout (no dependencies, no network)"
-  rm -rf "$SITE"
+  rm -rf "$SITE" build  # build/: a stale in-tree build would be installed instead of the sources
   timeout 120 "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" . || exit 3
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   echo "== torch, CUDA, NCCL"

@@ -23,8 +23,12 @@ checksums every byte once.
 [Note: verification shares]
 With ``verify`` every checksum *unit* of the loaded tensors (a chunk, or a whole box when the
 box has no chunks) is checked by exactly one rank, before any rank writes. Each rank sends
-the others, in one all-gather, the dim-0 row ranges it reads from every saved box
-(`needs_of`); from those every rank computes the same assignment (`assign`): units are dealt
+the others, in one all-gather, the set of tensors it loads (a bit mask over the index's sorted
+keys, `keys_to_mask`) and the dim-0 row ranges it reads from every saved box (`needs_of`, boxes
+numbered by `box_ids`, which depends on the index alone). Ranks may load different tensors
+(pipeline stages, ``strict=False``): the units are those of the union of the sets, so every
+rank lists the same units in the same order, and every rank computes the same assignment
+(`assign`): units are dealt
 out largest first (ties by file, key, first row) to the rank that reads the most of the
 unit's bytes anyway; a unit nobody reads goes to the rank with the fewest bytes so far
 (lowest rank on a tie). A rank thus re-reads for checking only the parts of the few chunks
@@ -50,7 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK_MAX_BYTES", "CHUNK_MIN_BYTES", "CHUNKS_PER_BOX", "CHUNK_RULE", "ChunkRule", "BoxChecksums", "ChunkedCrc",
-    "Unit", "assign", "box_rows", "chunk_bounds", "chunk_count", "combine_chunks", "contiguous_runs", "crc32_combine",
+    "Unit", "assign", "box_ids", "box_rows", "keys_to_mask", "mask_to_keys", "chunk_bounds", "chunk_count", "combine_chunks", "contiguous_runs", "crc32_combine",
     "crcs_from_hex", "crcs_to_hex", "needs_of", "verification_units",
 ]
 
@@ -237,23 +241,50 @@ class Unit:
                 f"rows [{first + self.lo}, {first + self.hi}) of the tensor")
 
 
-def verification_units(index: Index, keys: Iterable[str]) -> tuple[list[Unit], dict[tuple[str, str], int]]:
-    """Every checksum unit of the tensors ``keys``, and each saved box's id (``(file, key)`` ->
-    position among the boxes of ``keys`` in sorted key order: the same on every rank)."""
-    units: list[Unit] = []
+def box_ids(index: Index) -> dict[tuple[str, str], int]:
+    """Every saved box's id: ``(file, key)`` -> its position among all boxes of the index, in
+    sorted tensor-key order. It depends on the index alone, so it is the same on every rank
+    whatever each rank loads."""
     ids: dict[tuple[str, str], int] = {}
+    for k in sorted(index.tensors):
+        for b in index.tensors[k].boxes:
+            ids.setdefault((b.file, b.key), len(ids))
+    return ids
+
+
+def keys_to_mask(index: Index, keys: Iterable[str]) -> str:
+    """The set ``keys`` of tensor keys as a hex bit mask over the sorted keys of the index
+    (compact for the all-gather: one bit per tensor)."""
+    pos = {k: i for i, k in enumerate(sorted(index.tensors))}
+    mask = 0
+    for k in keys:
+        mask |= 1 << pos[k]
+    return format(mask, "x")
+
+
+def mask_to_keys(index: Index, masks: Iterable[str]) -> list[str]:
+    """The union of the key sets ``masks`` (from `keys_to_mask`), in sorted order."""
+    union = 0
+    for m in masks:
+        union |= int(m, 16)
+    return [k for i, k in enumerate(sorted(index.tensors)) if union >> i & 1]
+
+
+def verification_units(index: Index, keys: Iterable[str], ids: dict[tuple[str, str], int]) -> list[Unit]:
+    """Every checksum unit of the tensors ``keys``; boxes numbered by ``ids`` (`box_ids`)."""
+    units: list[Unit] = []
     for k in sorted(set(keys)):
         t = index.tensors[k]
         itemsize = t.dtype.itemsize
         for b in t.boxes:
-            bid = ids.setdefault((b.file, b.key), len(ids))
+            bid = ids[(b.file, b.key)]
             rows, per_row = box_rows(b.box.sizes)
             if b.chunk_crc32 is not None:
                 units += [Unit(k, b, bid, i, lo, hi, per_row * itemsize)
                           for i, (lo, hi) in enumerate(chunk_bounds(rows, b.chunk_rows))]
             elif b.crc32 is not None:
                 units.append(Unit(k, b, bid, None, 0, rows, per_row * itemsize))
-    return units, ids
+    return units
 
 
 def needs_of(reads: Iterable[tuple[str, str, Box, int]], ids: dict[tuple[str, str], int]) -> list[int]:

@@ -105,8 +105,14 @@ def _box_to_json(b: SavedBox) -> dict:
     return out
 
 
+def _ints(v, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise ValueError(f"{what} must be a list of non-negative integers, got {v!r}")
+    return tuple(v)
+
+
 def _box_from_json(b: dict, tensor: str, file: str) -> SavedBox:
-    box = Box(tuple(b["offsets"]), tuple(b["sizes"]))
+    box = Box(_ints(b["offsets"], f"tensor '{tensor}': 'offsets'"), _ints(b["sizes"], f"tensor '{tensor}': 'sizes'"))
     crc = None if b.get("crc32") is None else int(b["crc32"], 16)
     rows, chunks = b.get("chunk_rows"), b.get("chunk_crc32")
     if rows is None and chunks is None:
@@ -205,7 +211,8 @@ def read_index(path: str) -> Index:
         tensors = {}
         for key, t in raw["tensors"].items():
             boxes = tuple(_box_from_json(b, key, file) for b in t["boxes"])
-            tensors[key] = TensorEntry(dtype_from_name(t["dtype"]), tuple(t["shape"]), boxes, t.get("layout"))
+            tensors[key] = TensorEntry(dtype_from_name(t["dtype"]), _ints(t["shape"], f"tensor '{key}': 'shape'"), boxes,
+                                       t.get("layout"))
         files = {name: f.get("bytes") for name, f in raw.get("files", {}).items()}
         return Index(path, tensors, raw.get("values", {}), files, raw.get("world_size"),
                      raw.get("created_unix_ns"), version)

@@ -33,12 +33,12 @@ from torch.distributed.tensor import Shard
 
 from ._boxes import Box, LocalBox, boxes_for
 from ._commit import check_target, commit, temp_dir_for
+from ._checksums import BoxChecksums
 from ._comm import CheckpointError
 from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, format_index,
                       index_to_json, read_index, write_json)
 from ._hf import HF_INDEX_FILE
 from ._plan import plan_reads
-from ._checksums import BoxChecksums
 from ._safetensors_io import StreamingWriter
 
 __all__ = ["merge_checkpoint", "reshard_checkpoint"]

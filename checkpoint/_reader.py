@@ -45,7 +45,8 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from ._boxes import LocalBox, local_boxes
-from ._checksums import Unit, assign, contiguous_runs, needs_of, verification_units
+from ._checksums import (Unit, assign, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of,
+                         verification_units)
 from ._comm import all_gather_json, CheckpointError, agree, rank_and_world
 from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
@@ -184,6 +185,8 @@ def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | No
             for run in runs:
                 first, last = run[0], run[-1]
                 start = header.data_start + header.entries[first.saved.key].begin
+                # a run starts at a chunk boundary, so its first chunk is full-sized (only a
+                # box's last chunk can be shorter): first.nbytes is the run's chunk size
                 spans.append((start + first.lo * first.row_bytes, start + last.hi * first.row_bytes, first.nbytes))
             for run, crc in zip(runs, crcs_of_ranges(fd, spans, path)):
                 verified += crc.total
@@ -284,20 +287,26 @@ def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: b
         error = e
     share: list[Unit] = []
     if verify:  # every rank takes part, even one whose planning failed (no hang)
-        units, mine = [], []
+        mine: dict = {"keys": "0", "needs": []}
         try:
             if error is None:
+                ids = box_ids(index)
                 keys = [leaf.key for leaf in leaves if isinstance(leaf.value, torch.Tensor)
                         and leaf.key in index.tensors]
-                units, ids = verification_units(index, keys)
-                mine = needs_of(((r.saved.file, r.saved.key, r.item.src, r.local.element_size()) for r in reads), ids)
+                mine = {"keys": keys_to_mask(index, keys),
+                        "needs": needs_of(((r.saved.file, r.saved.key, r.item.src, r.local.element_size())
+                                           for r in reads), ids)}
         except Exception as e:
             error = e
-        needs = all_gather_json(mine)
+        gathered = all_gather_json(mine)
     try:
         if verify and error is None:
+            # every rank loads its own tensors; the units are those of every tensor any rank
+            # loads, numbered the same way everywhere, so each is checked by exactly one rank
             rank, world = rank_and_world()
-            share = [u for u, owner in zip(units, assign(units, needs, world)) if owner == rank]
+            units = verification_units(index, mask_to_keys(index, [g["keys"] for g in gathered]), ids)
+            owners = assign(units, [g["needs"] for g in gathered], world)
+            share = [u for u, owner in zip(units, owners) if owner == rank]
         if error is None:
             good = _check_headers(index, [(r.key, r.saved) for r in reads] + [(u.tensor, u.saved) for u in share],
                                   headers, problems)
@@ -331,7 +340,9 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
     are replaced by the saved ones. ``strict=False`` skips keys of ``state`` that the checkpoint
     lacks; keys of the checkpoint that ``state`` lacks are always ignored. ``verify`` checks the
     CRC-32 of every checksum chunk (or whole saved box) of the loaded tensors, spread over the
-    ranks, before anything is written (see [Note: the steps of a load]). At most ``max_read_bytes`` are read at a time.
+    ranks, before anything is written (see [Note: the steps of a load]). Reads that need a
+    buffer (a destination that is not contiguous on the CPU) take at most ``max_read_bytes`` at
+    a time; reads straight into the target may cover several pieces at once.
 
     Raises `CheckpointError` on every rank, before modifying any tensor, if the directory is
     not a complete checkpoint or a tensor is missing, of another dtype or shape, or its data

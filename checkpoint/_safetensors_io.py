@@ -31,9 +31,8 @@ from ._checksums import BoxChecksums, ChunkedCrc, ChunkRule, box_rows
 from ._comm import CheckpointError
 
 __all__ = [
-    "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crc32_of_range", "crcs_of_range", "crcs_of_ranges", "read_pieces",
-    "tensor_bytes", "contiguous_run",
-    "open_for_ranges", "pread_into", "preadv_into", "byte_view",
+    "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crc32_of_range", "crcs_of_range", "crcs_of_ranges",
+    "read_pieces", "tensor_bytes", "contiguous_run", "open_for_ranges", "pread_into", "preadv_into", "byte_view",
 ]
 
 DTYPE_CODES: dict[torch.dtype, str] = {

@@ -289,6 +289,20 @@ def test_malformed_chunk_fields_are_a_clear_error(small, tmp_path, case):
     assert BAD[case] in problem, problem
 
 
+@pytest.mark.parametrize("field,value", [("sizes", [10.0, 4]), ("offsets", [True, 0]), ("sizes", [-10, 4]),
+                                         ("shape", [10, 4.0]), ("sizes", "10")])
+def test_non_integer_box_coordinates_are_a_clear_error(small, tmp_path, field, value):
+    """Not a crash in the chunk arithmetic (a float row count once reached struct.unpack)."""
+    def edit(raw):
+        t = raw["tensors"]["a"]
+        (t if field == "shape" else t["boxes"][0])[field] = value
+
+    path = _copy(small, str(tmp_path / "coords"), edit)
+    for run in (lambda: read_index(path), lambda: load({"a": torch.zeros(10, 4)}, path)):
+        with pytest.raises(CheckpointError, match=f"is damaged: .*'{field}' must be a list of non-negative integers"):
+            run()
+
+
 def test_chunk_crcs_that_disagree_with_the_box_crc_are_reported(small, tmp_path):
     def swap(raw):
         b = raw["tensors"]["a"]["boxes"][0]
@@ -391,3 +405,46 @@ def test_streaming_writer_records_the_chunk_crcs_of_its_entries(tmp_path_factory
     if r is not None:
         assert sums.chunk_crc32 == _direct(t, r)
     assert torch.equal(load_file(path)["t"], t)
+
+
+# -- ranks that load different tensors ----------------------------------------------------------------
+def _save_two(rank, world_size, path):
+    _checksums.CHUNK_RULE = RULE
+    g = torch.Generator().manual_seed(5)
+    save({"a": torch.randn(32, 4, generator=g), "b": torch.randn(32, 4, generator=g)}, path)
+
+
+def _load_one_each(rank, world_size, path):
+    """Rank 0 loads only "a", rank 1 only "b" (as pipeline stages would)."""
+    key = "ab"[rank]
+    state = {key: torch.zeros(32, 4)}
+    try:
+        stats = load(state, path, strict=False)
+    except CheckpointError as e:
+        return ("error", str(e), bool(state[key].count_nonzero() == 0))
+    return ("ok", stats.bytes_verified, None)
+
+
+def test_ranks_loading_different_tensors_check_every_chunk_of_both(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(_save_two, 2, path)
+    ok = run_ranks(_load_one_each, 2, path)
+    assert [r[0] for r in ok] == ["ok", "ok"]
+    assert sum(r[1] for r in ok) == 2 * 32 * 4 * 4  # every byte of a and b checked once
+    index = read_index(path)
+    for key in ("a", "b"):
+        for b in index.tensors[key].boxes:
+            rows = b.box.sizes[0]
+            header = read_header(os.path.join(path, b.file))
+            start = header.data_start + header.entries[b.key].begin
+            for i, (lo, _) in enumerate(chunk_bounds(rows, b.chunk_rows)):
+                bad = str(tmp_path / f"bad-{key}-{b.key.replace('/', '_')}-{i}")
+                shutil.copytree(path, bad)
+                with open(os.path.join(bad, b.file), "r+b") as f:
+                    f.seek(start + lo * 16)
+                    byte = f.read(1)
+                    f.seek(start + lo * 16)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+                got = run_ranks(_load_one_each, 2, bad)
+                assert [r[0] for r in got] == ["error", "error"], (key, b.key, i, got)
+                assert all("checksum mismatch" in r[1] and r[2] for r in got), got
