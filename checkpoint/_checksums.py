@@ -26,18 +26,17 @@ box has no chunks) is checked by exactly one rank, before any rank writes. Each 
 the others, in one all-gather, the set of tensors it loads (a bit mask over the index's sorted
 keys, `keys_to_mask`) and the dim-0 row ranges it reads from every saved box (`needs_of`, boxes
 numbered by `box_ids`, which depends on the index alone). Ranks may load different tensors
-(pipeline stages, ``strict=False``): the units are those of the union of the sets, so every
-rank lists the same units in the same order, and every rank computes the same assignment
-(`assign`): units are dealt
-out largest first (ties by file, key, first row) to the rank that reads the most of the
-unit's bytes anyway; a unit nobody reads goes to the rank with the fewest bytes so far
-(lowest rank on a tie). A rank thus re-reads for checking only the parts of the few chunks
-that straddle its shard's boundaries (none when they fall on chunk boundaries).
+(pipeline stages, ``strict=False``): the units are those of the union of the sets. From the
+same gathered lists every rank works out its own share (`share_of`): a unit goes to the rank
+that reads the most of its bytes anyway; among equals (a replicated tensor that every rank
+reads) to one picked by the box and chunk, so such boxes spread over the ranks; a unit nobody
+reads goes round-robin. A rank thus re-reads for checking only the parts of the few chunks
+that straddle its shard's boundaries (none when they fall on chunk boundaries). The work is
+per saved box and reader boundary (`owned_chunks`), not per chunk of the checkpoint.
 """
 
 from __future__ import annotations
 
-import heapq
 import re
 import struct
 import zlib
@@ -54,8 +53,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK_MAX_BYTES", "CHUNK_MIN_BYTES", "CHUNKS_PER_BOX", "CHUNK_RULE", "ChunkRule", "BoxChecksums", "ChunkedCrc",
-    "Unit", "assign", "box_ids", "box_rows", "keys_to_mask", "mask_to_keys", "chunk_bounds", "chunk_count", "combine_chunks", "contiguous_runs", "crc32_combine",
-    "crcs_from_hex", "crcs_to_hex", "needs_of", "verification_units",
+    "Unit", "box_ids", "box_rows", "chunk_bounds", "chunk_count", "combine_chunks", "contiguous_runs", "crc32_combine",
+    "crcs_from_hex", "crcs_to_hex", "keys_to_mask", "mask_to_keys", "needs_of", "owned_chunks", "share_of",
 ]
 
 CHUNK_MAX_BYTES = 4 << 20
@@ -270,23 +269,6 @@ def mask_to_keys(index: Index, masks: Iterable[str]) -> list[str]:
     return [k for i, k in enumerate(sorted(index.tensors)) if union >> i & 1]
 
 
-def verification_units(index: Index, keys: Iterable[str], ids: dict[tuple[str, str], int]) -> list[Unit]:
-    """Every checksum unit of the tensors ``keys``; boxes numbered by ``ids`` (`box_ids`)."""
-    units: list[Unit] = []
-    for k in sorted(set(keys)):
-        t = index.tensors[k]
-        itemsize = t.dtype.itemsize
-        for b in t.boxes:
-            bid = ids[(b.file, b.key)]
-            rows, per_row = box_rows(b.box.sizes)
-            if b.chunk_crc32 is not None:
-                units += [Unit(k, b, bid, i, lo, hi, per_row * itemsize)
-                          for i, (lo, hi) in enumerate(chunk_bounds(rows, b.chunk_rows))]
-            elif b.crc32 is not None:
-                units.append(Unit(k, b, bid, None, 0, rows, per_row * itemsize))
-    return units
-
-
 def needs_of(reads: Iterable[tuple[str, str, Box, int]], ids: dict[tuple[str, str], int]) -> list[int]:
     """What this rank reads, for the all-gather: ``[box id, first row, end row, bytes per row]``
     for each ``(file, key, region of the saved box, itemsize)`` in ``reads``, flattened."""
@@ -313,33 +295,95 @@ def contiguous_runs(units: Iterable[Unit]) -> list[list[Unit]]:
     return runs
 
 
-def assign(units: Sequence[Unit], needs: Sequence[Sequence[int]], world: int) -> list[int]:
-    """The rank that checks each unit (see [Note: verification shares]); ``needs[r]`` is rank
-    ``r``'s `needs_of`. Every rank computes the same list from the same arguments."""
+def share_of(index: Index, keys: Iterable[str], ids: dict[tuple[str, str], int], needs: Sequence[Sequence[int]],
+             rank: int, world: int) -> list[Unit]:
+    """The checksum units of the tensors ``keys`` that ``rank`` checks (see [Note: verification
+    shares]); ``needs[r]`` is rank ``r``'s `needs_of`, boxes numbered by ``ids`` (`box_ids`).
+    Every rank computes its share from the same arguments, and the shares of all ranks hold
+    every unit exactly once. The work is per saved box and per reader boundary, plus the units
+    this rank owns: not per unit of the whole checkpoint."""
     wants: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
     for r, flat in enumerate(needs):
         for j in range(0, len(flat), 4):
             bid, lo, hi, per_row = flat[j:j + 4]
-            wants[bid].append((r, lo, hi, per_row))
-    order = sorted(range(len(units)), key=lambda i: (-units[i].nbytes, units[i].saved.file, units[i].saved.key,
-                                                     units[i].lo))
-    load = [0] * world
-    least = [(0, r) for r in range(world)]  # (load, rank), stale entries dropped when seen
-    owner = [0] * len(units)
-    for i in order:
-        u = units[i]
-        want: dict[int, int] = defaultdict(int)
-        for r, lo, hi, per_row in wants.get(u.box_id, ()):
-            n = min(hi, u.hi) - max(lo, u.lo)
-            if n > 0:
-                want[r] += n * per_row
-        if want:
-            r = max(want, key=lambda q: (want[q], -load[q], -q))
+            if hi > lo:
+                wants[bid].append((r, lo, hi, per_row))
+    reading = {bid for bid, readers in wants.items() if any(r == rank for r, _, _, _ in readers)}
+    mine: list[Unit] = []
+    for k in sorted(set(keys)):
+        t = index.tensors[k]
+        for b in t.boxes:
+            bid = ids[(b.file, b.key)]
+            readers = wants.get(bid, ())
+            rows, per_row = box_rows(b.box.sizes)
+            if bid not in reading and readers and _covered(readers, rows):
+                continue  # read whole by other ranks: nothing of it is this rank's
+            row_bytes = per_row * t.dtype.itemsize
+            chunked = b.chunk_crc32 is not None
+            if rows * row_bytes == 0 or (not chunked and b.crc32 is None):
+                continue  # no bytes, or no checksum
+            size = b.chunk_rows if chunked else rows
+            for p, q in owned_chunks(readers, rows, size, bid, rank, world):
+                mine += [Unit(k, b, bid, i if chunked else None, i * size, min((i + 1) * size, rows), row_bytes)
+                         for i in range(p, q)]
+    return mine
+
+
+def _covered(readers: Sequence[tuple[int, int, int, int]], rows: int) -> bool:
+    """Whether the row ranges of ``readers`` together cover rows ``[0, rows)``."""
+    end = 0
+    for _, lo, hi, _ in sorted(readers, key=lambda x: x[1]):
+        if lo > end:
+            return False
+        end = max(end, hi)
+    return end >= rows
+
+
+def owned_chunks(readers: Sequence[tuple[int, int, int, int]], rows: int, size: int, salt: int, rank: int,
+                 world: int) -> list[tuple[int, int]]:
+    """The chunks (ranges ``[p, q)`` of chunk indices) that ``rank`` checks, of a box of ``rows``
+    rows in chunks of ``size`` rows, read by ``readers`` ``[(rank, first row, end row, bytes per
+    row)]`` (a rank may appear several times, for disjoint rows).
+
+    A chunk goes to the rank that reads the most of its bytes; among equals, to one chosen by
+    ``salt`` (the box id) and the chunk, so that boxes read whole by every rank (replicated
+    tensors) spread over the ranks; a chunk nobody reads goes round-robin. The reader
+    boundaries cut the chunks into segments over which the readers that cover them whole do not
+    change; only the chunks that a boundary falls inside are looked at one by one."""
+    n = -(-rows // size)
+
+    def pick(candidates: list[int], at: int) -> int:
+        return sorted(candidates)[(salt + at) % len(candidates)]
+
+    def round_robin(p: int, q: int) -> list[tuple[int, int]]:
+        first = p + (rank - salt - p) % world
+        return [(i, i + 1) for i in range(first, q, world)]
+
+    full = [(-(-lo // size), n if hi >= rows else hi // size, r, per_row) for r, lo, hi, per_row in readers]
+    inside = {lo // size for _, lo, _, _ in readers if lo % size} | {
+        hi // size for _, _, hi, _ in readers if hi < rows and hi % size}
+    cuts = {0, n} | {a for a, _, _, _ in full} | {max(a, b) for a, b, _, _ in full} | inside | {c + 1 for c in inside}
+    points = sorted(c for c in cuts if 0 <= c <= n)
+    out: list[tuple[int, int]] = []
+    for p, q in zip(points, points[1:]):
+        if p in inside:  # a reader boundary falls inside chunk p (q == p + 1)
+            lo_c, hi_c = p * size, min(q * size, rows)
+            want: dict[int, int] = defaultdict(int)
+            for r, lo, hi, per_row in readers:
+                if min(hi, hi_c) > max(lo, lo_c):
+                    want[r] += (min(hi, hi_c) - max(lo, lo_c)) * per_row
+            if not want:
+                out += round_robin(p, q)
+                continue
+            best = max(want.values())
+            owner = pick([r for r, w in want.items() if w == best], p)
         else:
-            while least[0][0] != load[least[0][1]]:
-                heapq.heappop(least)
-            r = least[0][1]
-        load[r] += u.nbytes
-        heapq.heappush(least, (load[r], r))
-        owner[i] = r
-    return owner
+            cover = [(per_row, r) for a, b, r, per_row in full if a <= p and q <= b]
+            if not cover:
+                out += round_robin(p, q)
+                continue
+            best = max(per_row for per_row, _ in cover)
+            owner = pick(list({r for per_row, r in cover if per_row == best}), p)
+        if owner == rank:
+            out.append((p, q))
+    return out

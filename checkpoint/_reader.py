@@ -45,8 +45,7 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from ._boxes import LocalBox, local_boxes
-from ._checksums import (Unit, assign, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of,
-                         verification_units)
+from ._checksums import Unit, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of, share_of
 from ._comm import all_gather_json, CheckpointError, agree, rank_and_world
 from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
@@ -303,10 +302,8 @@ def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: b
         if verify and error is None:
             # every rank loads its own tensors; the units are those of every tensor any rank
             # loads, numbered the same way everywhere, so each is checked by exactly one rank
-            rank, world = rank_and_world()
-            units = verification_units(index, mask_to_keys(index, [g["keys"] for g in gathered]), ids)
-            owners = assign(units, [g["needs"] for g in gathered], world)
-            share = [u for u, owner in zip(units, owners) if owner == rank]
+            share = share_of(index, mask_to_keys(index, [g["keys"] for g in gathered]), ids,
+                             [g["needs"] for g in gathered], *rank_and_world())
         if error is None:
             good = _check_headers(index, [(r.key, r.saved) for r in reads] + [(u.tensor, u.saved) for u in share],
                                   headers, problems)

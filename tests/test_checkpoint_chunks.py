@@ -448,3 +448,34 @@ def test_ranks_loading_different_tensors_check_every_chunk_of_both(tmp_path):
                 got = run_ranks(_load_one_each, 2, bad)
                 assert [r[0] for r in got] == ["error", "error"], (key, b.key, i, got)
                 assert all("checksum mismatch" in r[1] and r[2] for r in got), got
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows=st.integers(1, 60), size=st.integers(1, 12), world=st.integers(1, 5), salt=st.integers(0, 50),
+       reads=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 60), st.integers(0, 60), st.sampled_from([4, 8])),
+                      max_size=8))
+def test_owned_chunks_give_each_chunk_to_one_rank_that_reads_most_of_it(rows, size, world, salt, reads):
+    """Against a chunk-by-chunk reference: every chunk has exactly one owner; a chunk someone
+    reads goes to a rank that reads the most of its bytes (the only one, when it is unique)."""
+    readers, taken = [], set()
+    for r, a, b, per_row in reads:  # each rank's row ranges disjoint, as a rank's shards are
+        r, lo, hi = r % world, min(a, b, rows), min(max(a, b), rows)
+        if hi > lo and not any((r, x) in taken for x in range(lo, hi)):
+            taken |= {(r, x) for x in range(lo, hi)}
+            readers.append((r, lo, hi, per_row))
+    owners: dict[int, list[int]] = {}
+    for rank in range(world):
+        for p, q in _checksums.owned_chunks(readers, rows, size, salt, rank, world):
+            for i in range(p, q):
+                owners.setdefault(i, []).append(rank)
+    assert sorted(owners) == list(range(len(chunk_bounds(rows, size)))), owners
+    for i, (lo_c, hi_c) in enumerate(chunk_bounds(rows, size)):
+        (owner,) = owners[i]
+        want = {}
+        for r, lo, hi, per_row in readers:
+            n = min(hi, hi_c) - max(lo, lo_c)
+            if n > 0:
+                want[r] = want.get(r, 0) + n * per_row
+        if want:
+            best = max(want.values())
+            assert want.get(owner) == best, (i, owner, want)
