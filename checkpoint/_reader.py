@@ -50,8 +50,8 @@ from ._comm import all_gather_json, CheckpointError, agree, rank_and_world
 from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
 from ._plan import ReadItem, covered_numel, plan_reads, split
-from ._safetensors_io import (DTYPE_CODES, Header, byte_view, contiguous_run, crcs_of_ranges, open_for_ranges,
-                              pread_into, preadv_into, read_header)
+from ._safetensors_io import (DTYPE_CODES, Header, adjacent_groups, byte_view, contiguous_run, crcs_of_ranges,
+                              open_for_ranges, pread_into, preadv_into, read_header)
 
 __all__ = ["load", "LoadStats", "load_from_index"]
 
@@ -244,25 +244,13 @@ def _read(index: Index, reads: list[_Read], headers: dict[str, Header | None],
                             buf = torch.empty(dst.shape, dtype=dst.dtype)
                             pread_into(fd, buf, at, path)
                             dst.copy_(buf)
-                for group in _adjacent(direct):
-                    preadv_into(fd, [byte_view(d) for _, _, d in group], group[0][0], path)
-                    for _, _, d in group:
-                        torch.autograd.graph.increment_version(d)  # as an in-place copy would
+                for group in adjacent_groups([(at, at + n) for at, n, _ in direct]):
+                    preadv_into(fd, [byte_view(direct[i][2]) for i in group], direct[group[0]][0], path)
+                    for i in group:
+                        torch.autograd.graph.increment_version(direct[i][2])  # as an in-place copy would
             finally:
                 os.close(fd)
     return nbytes, len(by_file)
-
-
-def _adjacent(ranges: list[tuple[int, int, torch.Tensor]]) -> list[list[tuple[int, int, torch.Tensor]]]:
-    """``(offset, length, ...)`` items sorted by offset and grouped into runs whose byte ranges
-    follow one another with no gap."""
-    groups: list[list] = []
-    for item in sorted(ranges, key=lambda x: x[0]):
-        if groups and groups[-1][-1][0] + groups[-1][-1][1] == item[0]:
-            groups[-1].append(item)
-        else:
-            groups.append([item])
-    return groups
 
 
 def _similar(key: str, names) -> str:

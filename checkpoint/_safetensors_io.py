@@ -31,7 +31,7 @@ from ._checksums import BoxChecksums, ChunkedCrc, ChunkRule, box_rows
 from ._comm import CheckpointError
 
 __all__ = [
-    "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crc32_of_range", "crcs_of_range", "crcs_of_ranges",
+    "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crcs_of_range", "crcs_of_ranges", "adjacent_groups",
     "read_pieces", "tensor_bytes", "contiguous_run", "open_for_ranges", "pread_into", "preadv_into", "byte_view",
 ]
 
@@ -233,17 +233,24 @@ def crcs_of_range(fd: int, begin: int, end: int, path: str, chunk_bytes: int | N
     return crc
 
 
+def adjacent_groups(spans: list[tuple[int, int]]) -> list[list[int]]:
+    """The indices of the byte ranges ``spans`` (``(begin, end)``), in file order, grouped into
+    runs whose ranges follow one another with no gap (each run can be read as one range)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+        if groups and spans[groups[-1][-1]][1] == spans[i][0]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def crcs_of_ranges(fd: int, ranges: list[tuple[int, int, int | None]], path: str) -> list[ChunkedCrc]:
     """`crcs_of_range` for each ``(begin, end, chunk_bytes)`` of ``ranges``, in that order.
     Ranges that follow one another in the file (in any order in ``ranges``) are read together,
     4 MiB at a time, so many small adjacent ranges cost a few large reads."""
     crcs = [ChunkedCrc(end - begin, chunk) for begin, end, chunk in ranges]
-    groups: list[list[int]] = []  # indices of ranges whose bytes follow one another
-    for i in sorted(range(len(ranges)), key=lambda i: ranges[i][0]):
-        if groups and ranges[groups[-1][-1]][1] == ranges[i][0]:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+    groups = adjacent_groups([(begin, end) for begin, end, _ in ranges])
     spans = [(ranges[g[0]][0], ranges[g[-1]][1]) for g in groups]
     buf = memoryview(bytearray(min(4 << 20, max((e - b for b, e in spans), default=0))))
     for group, (begin, end) in zip(groups, spans):
@@ -258,15 +265,6 @@ def crcs_of_ranges(fd: int, ranges: list[tuple[int, int, int | None]], path: str
                 crc.update(data[pos : pos + take])
                 pos += take
     return crcs
-
-
-def crc32_of_range(path: str, begin: int, end: int) -> int:
-    """CRC-32 of bytes ``[begin, end)`` of ``path``."""
-    fd = open_for_ranges(path)
-    try:
-        return crcs_of_range(fd, begin, end, path).whole()
-    finally:
-        os.close(fd)
 
 
 def contiguous_run(offsets: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, int] | None:
