@@ -17,6 +17,7 @@ them).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import struct
@@ -55,8 +56,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The row-major bytes of ``t`` (copied to a contiguous CPU tensor if needed)."""
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return byte_view(t.detach().to("cpu").contiguous())
 
 
 @dataclass(frozen=True)
@@ -293,8 +293,18 @@ _IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of the contiguous CPU tensor ``t`` as a writable memoryview (no copy)."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+    """The bytes of the contiguous CPU tensor ``t`` as a writable memoryview (no copy).
+
+    Built on ctypes rather than ``Tensor.numpy()``: numpy is not a dependency of shardwise,
+    and a fresh environment need not have it. The view keeps ``t`` alive.
+    """
+    flat = t.detach().reshape(-1)
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    buf = (ctypes.c_ubyte * nbytes).from_address(flat.data_ptr())
+    buf._owner = flat  # the memoryview holds buf, buf holds the tensor's storage
+    return memoryview(buf).cast("B")
 
 
 def preadv_into(fd: int, views: list[memoryview], offset: int, path: str) -> int:
