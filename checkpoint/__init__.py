@@ -16,6 +16,7 @@ See ``docs/checkpoint.md`` (usage and API) and ``docs/checkpoint-format.md`` (th
 from ._cli import main
 from ._comm import CheckpointError
 from ._hf import load_safetensors
+from ._hf_folder import save_hf_folder
 from ._offline import merge_checkpoint, reshard_checkpoint
 from ._reader import LoadStats, load
 from ._state_dict import (
@@ -43,6 +44,7 @@ __all__ = [
     "merge_checkpoint",
     "reshard_checkpoint",
     "save",
+    "save_hf_folder",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "verify_checkpoint",

@@ -22,7 +22,7 @@ transformers.logging.set_verbosity_error()
 def _gpt2(seed):
     torch.manual_seed(seed)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=40, n_positions=16,
-                                  bos_token_id=0, eos_token_id=0)
+                                  bos_token_id=0, eos_token_id=0, architectures=["GPT2LMHeadModel"])
     return transformers.GPT2LMHeadModel(cfg).eval()
 
 
@@ -30,7 +30,7 @@ def _llama_hf(seed):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-                                   bos_token_id=0, eos_token_id=0)
+                                   bos_token_id=0, eos_token_id=0)  # no architectures: save_hf_folder adds it
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -111,3 +111,121 @@ def test_tied_load_into_a_sharded_model(tmp_path):
     for got in run_ranks(_load_tied_sharded, 2, str(tmp_path / "tied.safetensors")):
         for k, v in ref.state_dict().items():
             assert torch.equal(got[k], v), k
+
+
+# -- item 5: merge / save_hf_folder write complete save_pretrained folders ------------------------
+def _save_plain(model, path):
+    """A shardwise checkpoint of an unsharded model with its optimizer, as a training job saves it."""
+    from shardwise.checkpoint import get_model_state_dict, get_optimizer_state_dict, save
+
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    model(TOKENS, labels=TOKENS).loss.backward()
+    optim.step()
+    model.eval()
+    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}, path)
+
+
+def test_merge_with_config_gives_a_folder_from_pretrained_reads(tmp_path):
+    from shardwise.checkpoint import merge_checkpoint
+
+    src = _gpt2(0)
+    src.config.save_pretrained(tmp_path / "cfg")  # config.json (+ nothing else)
+    _save_plain(src, str(tmp_path / "ck"))
+    names = merge_checkpoint(tmp_path / "ck", tmp_path / "hf", config=tmp_path / "cfg")
+    assert names == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(got).__name__ == "GPT2LMHeadModel" and got.lm_head.weight is got.transformer.wte.weight
+    assert torch.equal(got(TOKENS).logits, src(TOKENS).logits)
+    from safetensors import safe_open
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:  # as save_pretrained: one name per tie, no optim
+        assert set(f.keys()) == set(src.state_dict()) - {"lm_head.weight"}
+    # sharded output: model-0000i-of-0000n + model.safetensors.index.json, from a config object
+    llama = _llama_hf(3)
+    _save_plain(llama, str(tmp_path / "ck2"))
+    with pytest.raises(CheckpointError, match="architectures"):  # a config built in code names no class
+        merge_checkpoint(tmp_path / "ck2", tmp_path / "hf2", config=llama.config)
+    llama.config.architectures = ["LlamaForCausalLM"]
+    names = merge_checkpoint(tmp_path / "ck2", tmp_path / "hf2", config=llama.config, max_shard_bytes=4000)
+    assert len(names) > 1 and names[0] == f"model-00001-of-{len(names):05d}.safetensors"
+    index = json.loads((tmp_path / "hf2" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(llama.state_dict())
+    got = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    assert torch.equal(got(TOKENS).logits, llama(TOKENS).logits)
+
+
+def test_merge_refuses_folders_from_pretrained_would_misread(tmp_path):
+    from shardwise.checkpoint import main, merge_checkpoint, save
+
+    src = _gpt2(0)
+    _save_plain(src, str(tmp_path / "ck"))
+    bigger = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=40, n_positions=16,
+                                     architectures=["GPT2LMHeadModel"])
+    with pytest.raises(CheckpointError, match=r"another shape.*transformer.wte.weight: \[40, 16\] here, \[40, 32\]"):
+        merge_checkpoint(tmp_path / "ck", tmp_path / "a", config=bigger)
+    deeper = src.config.to_dict() | {"n_layer": 3, "architectures": ["GPT2LMHeadModel"]}
+    with pytest.raises(CheckpointError, match=r"missing \(from_pretrained would initialise them randomly\).*h\.2\."):
+        merge_checkpoint(tmp_path / "ck", tmp_path / "a", config=deeper)
+    with pytest.raises(CheckpointError, match=r"not in the config's GPT2LMHeadModel .*optimizer state\? pass prefix"):
+        merge_checkpoint(tmp_path / "ck", tmp_path / "a", prefix="", config=src.config)
+    no_arch = {k: v for k, v in src.config.to_dict().items() if k != "architectures"}
+    with pytest.raises(CheckpointError, match="architectures"):
+        merge_checkpoint(tmp_path / "ck", tmp_path / "a", config=no_arch)
+    assert not os.path.exists(tmp_path / "a"), "nothing written"
+    # a head trained untied under a config that ties it
+    untied = _gpt2(0)
+    untied.lm_head.weight = nn.Parameter(untied.lm_head.weight.detach() + 1)
+    save({"model": untied.state_dict()}, str(tmp_path / "untied"))
+    with pytest.raises(CheckpointError, match="ties 'lm_head.weight' to 'transformer.wte.weight' but their values"):
+        merge_checkpoint(tmp_path / "untied", tmp_path / "a", config=src.config)
+    # only optimizer state: no silent fallback to everything
+    save({"optim": {"w": torch.zeros(2)}}, str(tmp_path / "opt"))
+    with pytest.raises(CheckpointError, match=r"no 'model/' tensors, only the groups \['optim'\]"):
+        merge_checkpoint(tmp_path / "opt", tmp_path / "a")
+    # without a config: bare tensors under names from_pretrained does not take for a model
+    assert main(["merge", str(tmp_path / "ck"), str(tmp_path / "bare"), "--no-progress"]) == 0
+    assert sorted(os.listdir(tmp_path / "bare")) == ["tensors-00001-of-00001.safetensors",
+                                                     "tensors.safetensors.index.json"]
+    with pytest.raises(OSError):
+        transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "bare")
+    fresh = _gpt2(2)
+    load_safetensors(fresh.state_dict(), tmp_path / "bare")
+    assert torch.equal(fresh(TOKENS).logits, src(TOKENS).logits), "default prefix: the model's tensors only"
+    # the command line takes the config's folder
+    src.config.save_pretrained(tmp_path / "cfg")
+    assert main(["merge", str(tmp_path / "ck"), str(tmp_path / "cli"), "--config", str(tmp_path / "cfg"),
+                 "--no-progress"]) == 0
+    assert main(["merge", str(tmp_path / "ck"), str(tmp_path / "cli2"), "--config", str(tmp_path / "nowhere"),
+                 "--no-progress"]) == 1
+
+
+def _sharded_llama_to_hf(rank, world_size, path, ckpt):
+    from shardwise.checkpoint import get_model_state_dict, save, save_hf_folder
+    from shardwise.composable import fully_shard
+
+    model = _llama_hf(4)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(TOKENS, labels=TOKENS).loss.backward()
+    optim.step()
+    names = save_hf_folder(model, path, max_shard_bytes=6000)
+    save({"model": get_model_state_dict(model)}, ckpt)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return names, full
+
+
+def test_save_hf_folder_from_a_sharded_model_and_merge_of_its_checkpoint(tmp_path):
+    from shardwise.checkpoint import merge_checkpoint
+
+    results = run_ranks(_sharded_llama_to_hf, 2, str(tmp_path / "live"), str(tmp_path / "ck"), timeout=120)
+    names, full = results[0]
+    assert len(names) > 1 and results[1][0] == names
+    ref = _llama_hf(0)
+    ref.load_state_dict(full)
+    merge_checkpoint(tmp_path / "ck", tmp_path / "merged", config=tmp_path / "live")
+    for folder in ("live", "merged"):
+        got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / folder).eval()
+        assert torch.equal(got(TOKENS).logits, ref(TOKENS).logits), folder
