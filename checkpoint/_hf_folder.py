@@ -70,12 +70,12 @@ class HFConfig:
         """The names of ``shapes`` (name -> shape of the tensors at hand) to write; raises
         `CheckpointError` if ``from_pretrained`` would misread them. ``same(a, b)`` tells whether
         two tensors hold equal values (see [Note: checking a folder before writing it])."""
-        drop = {n for group in self.ties for n in group[1:] if n in shapes and group[0] in shapes}
-        problems = []
-        for group in self.ties:
-            if group[0] not in shapes and len([n for n in group if n in shapes]) == 1:
-                drop.discard(next(n for n in group if n in shapes))
-        missing = [n for n in self.expected if n not in shapes and not self._tied_present(n, shapes)]
+        problems = [f"'{present[0]}' is tied to '{g[0]}' in the config's {self.architecture}, but only "
+                    f"'{present[0]}' is here; save it under '{g[0]}' (the name save_pretrained keeps)"
+                    for g in self.ties if g[0] not in shapes and (present := [n for n in g if n in shapes])]
+        drop = {n for group in self.ties for n in group[1:] if n in shapes}
+        missing = [n for n in self.expected if n not in shapes
+                   and not any(n in g and g[0] in shapes for g in self.ties)]
         unexpected = [n for n in shapes if n not in self.expected]
         wrong = [f"{n}: {list(shapes[n])} here, {list(self.expected[n])} in the config's {self.architecture}"
                  for n in shapes if n in self.expected and tuple(shapes[n]) != self.expected[n]]
@@ -98,9 +98,6 @@ class HFConfig:
             raise CheckpointError("refusing to write a Hugging Face folder that from_pretrained would misread:\n    "
                                   + "\n    ".join(problems))
         return [n for n in shapes if n not in drop]
-
-    def _tied_present(self, name: str, shapes: dict) -> bool:
-        return any(name in g and any(m in shapes for m in g) for g in self.ties)
 
     def write(self, folder: str) -> None:
         write_json(os.path.join(folder, CONFIG_FILE), self.text)

@@ -179,6 +179,11 @@ def test_merge_refuses_folders_from_pretrained_would_misread(tmp_path):
     save({"model": untied.state_dict()}, str(tmp_path / "untied"))
     with pytest.raises(CheckpointError, match="ties 'lm_head.weight' to 'transformer.wte.weight' but their values"):
         merge_checkpoint(tmp_path / "untied", tmp_path / "a", config=src.config)
+    # only the tied copy, not the name save_pretrained keeps (from_pretrained would tie the head to a random wte)
+    save({"model": {k: v for k, v in src.state_dict().items() if k != "transformer.wte.weight"}},
+         str(tmp_path / "headonly"))
+    with pytest.raises(CheckpointError, match="only 'lm_head.weight' is here; save it under 'transformer.wte.weight'"):
+        merge_checkpoint(tmp_path / "headonly", tmp_path / "a", config=src.config)
     # only optimizer state: no silent fallback to everything
     save({"optim": {"w": torch.zeros(2)}}, str(tmp_path / "opt"))
     with pytest.raises(CheckpointError, match=r"no 'model/' tensors, only the groups \['optim'\]"):
