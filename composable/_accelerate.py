@@ -115,11 +115,17 @@ class AccelerateConfig:
         ``broadcast_from_rank0``. Returns ``model``."""
         self._check_world()
         full = None
-        if self.sync_module_states and dist.get_rank() == 0:
-            full = {k: v for k, v in model.state_dict().items()}
-            if any(v.device.type == "meta" for v in full.values()):
-                raise ValueError("Accelerate config: fsdp_sync_module_states broadcasts rank 0's weights, but rank 0's "
-                                 "model is on the meta device; build (or load) it for real on rank 0")
+        if self.sync_module_states:
+            problem = None
+            if dist.get_rank() == 0:
+                full = dict(model.state_dict())
+                if any(v.device.type == "meta" for v in full.values()):
+                    problem = ("Accelerate config: fsdp_sync_module_states broadcasts rank 0's weights, but rank 0's "
+                               "model is on the meta device; build (or load) it for real on rank 0")
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)  # every rank raises, none waits in a broadcast
+            if problems[0]:
+                raise ValueError(problems[0])
         names = select_units(model, self.policy)
         modules = dict(model.named_modules())
         if self.activation_checkpointing:

@@ -114,7 +114,8 @@ class ShardingPolicy:
         if raf is not None and (not isinstance(raf, int) or (not isinstance(raf, bool) and raf < 1)):
             raise ValueError(f"ShardingPolicy.reshard_after_forward={raf!r}: use None, a bool or an int >= 1")
         if not isinstance(self.mp_policy, MixedPrecisionPolicy) or not isinstance(self.offload_policy, OffloadPolicy):
-            raise TypeError("ShardingPolicy: mp_policy must be a MixedPrecisionPolicy and offload_policy an OffloadPolicy")
+            raise TypeError("ShardingPolicy: mp_policy must be a MixedPrecisionPolicy and offload_policy an "
+                            "OffloadPolicy")
 
     @classmethod
     def from_accelerate(cls, config: dict) -> "ShardingPolicy":

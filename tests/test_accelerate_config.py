@@ -246,3 +246,20 @@ def test_activation_checkpointing_recomputes_with_the_same_dropout_masks():
         assert n1 < n0, (rank, "checkpointed blocks save fewer tensors for backward", n0, n1)
         for k in p0:
             assert torch.equal(p0[k], p1[k]), (rank, k, "recompute repeats the dropout mask: bit-identical")
+
+
+def _sync_from_a_meta_rank0(rank, world_size):
+    from shardwise.mesh import init_mesh
+
+    with torch.device("meta"):
+        model = Llama(CFG)
+    try:
+        from_accelerate_config({"fsdp_sync_module_states": True}).apply(model, init_mesh())
+    except ValueError as e:
+        return str(e)
+    return "not refused"
+
+
+def test_sync_from_a_meta_rank0_is_refused_on_every_rank():
+    for msg in run_ranks(_sync_from_a_meta_rank0, 2, timeout=60):
+        assert "rank 0's model is on the meta device" in msg, msg
