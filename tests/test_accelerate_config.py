@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from examples.model import Llama, LlamaConfig
