@@ -205,32 +205,36 @@ def test_merge_refuses_folders_from_pretrained_would_misread(tmp_path):
                  "--no-progress"]) == 1
 
 
-def _sharded_llama_to_hf(rank, world_size, path, ckpt):
+def _sharded_to_hf(rank, world_size, root):
     from shardwise.checkpoint import get_model_state_dict, save, save_hf_folder
     from shardwise.composable import fully_shard
 
-    model = _llama_hf(4)
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(TOKENS, labels=TOKENS).loss.backward()
-    optim.step()
-    names = save_hf_folder(model, path, max_shard_bytes=6000)
-    save({"model": get_model_state_dict(model)}, ckpt)
-    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    return names, full
+    out = {}
+    for name, model, blocks in [("llama", _llama_hf(4), lambda m: m.model.layers),
+                                ("gpt2", _gpt2(4), lambda m: m.transformer.h)]:  # gpt2: tied head
+        for block in blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(TOKENS, labels=TOKENS).loss.backward()
+        optim.step()
+        names = save_hf_folder(model, os.path.join(root, name, "live"), max_shard_bytes=6000)
+        save({"model": get_model_state_dict(model)}, os.path.join(root, name, "ck"))
+        out[name] = names, {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return out
 
 
 def test_save_hf_folder_from_a_sharded_model_and_merge_of_its_checkpoint(tmp_path):
     from shardwise.checkpoint import merge_checkpoint
 
-    results = run_ranks(_sharded_llama_to_hf, 2, str(tmp_path / "live"), str(tmp_path / "ck"), timeout=120)
-    names, full = results[0]
-    assert len(names) > 1 and results[1][0] == names
-    ref = _llama_hf(0)
-    ref.load_state_dict(full)
-    merge_checkpoint(tmp_path / "ck", tmp_path / "merged", config=tmp_path / "live")
-    for folder in ("live", "merged"):
-        got = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / folder).eval()
-        assert torch.equal(got(TOKENS).logits, ref(TOKENS).logits), folder
+    results = run_ranks(_sharded_to_hf, 2, str(tmp_path), timeout=120)
+    for name, build in (("llama", _llama_hf), ("gpt2", _gpt2)):
+        names, full = results[0][name]
+        assert len(names) > 1 and results[1][name][0] == names
+        ref = build(0)
+        ref.load_state_dict(full)
+        root = tmp_path / name
+        merge_checkpoint(root / "ck", root / "merged", config=root / "live")
+        for folder in ("live", "merged"):
+            got = transformers.AutoModelForCausalLM.from_pretrained(root / folder).eval()
+            assert torch.equal(got(TOKENS).logits, ref(TOKENS).logits), (name, folder)
