@@ -16,6 +16,7 @@ See ``docs/checkpoint.md`` (usage and API) and ``docs/checkpoint-format.md`` (th
 from ._cli import main
 from ._comm import CheckpointError
 from ._hf import load_safetensors
+from ._hf_folder import save_hf_folder
 from ._offline import merge_checkpoint, reshard_checkpoint
 from ._reader import LoadStats, load
 from ._state_dict import (
@@ -25,6 +26,7 @@ from ._state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from ._training_state import TrainingState, load_training_state, save_training_state
 from ._verify import VerifyReport, verify_checkpoint
 from ._writer import SaveHandle, async_save, save
 
@@ -33,16 +35,20 @@ __all__ = [
     "LoadStats",
     "SaveHandle",
     "StateDictOptions",
+    "TrainingState",
     "VerifyReport",
     "async_save",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "load",
+    "load_training_state",
     "load_safetensors",
     "main",
     "merge_checkpoint",
     "reshard_checkpoint",
     "save",
+    "save_hf_folder",
+    "save_training_state",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "verify_checkpoint",

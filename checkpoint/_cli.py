@@ -2,8 +2,8 @@
 
     inspect DIR [--json]                 tensors, layouts, sizes, the world size it came from
     verify DIR                           every box present, sizes and checksums match (exit 1 if not)
-    merge DIR OUT [--prefix P] [--max-shard-size 5GB]
-                                         full tensors as Hugging Face safetensors files
+    merge DIR OUT [--config C] [--prefix P] [--max-shard-size 5GB]
+                                         full tensors; with --config a save_pretrained folder
     reshard DIR OUT --world-size N       a checkpoint laid out for N ranks
 
 Every command works on one machine without torch.distributed. Errors print one message and
@@ -110,9 +110,14 @@ def _progress(args) -> bool:
 
 
 def _merge(args) -> int:
-    names = merge_checkpoint(args.path, args.out, prefix=args.prefix, max_shard_bytes=args.max_shard_size,
-                             progress=_progress(args))
-    print(f"wrote {len(names)} safetensors files and model.safetensors.index.json to {os.path.abspath(args.out)}")
+    names = merge_checkpoint(args.path, args.out, prefix=args.prefix, config=args.config,
+                             max_shard_bytes=args.max_shard_size, progress=_progress(args))
+    out = os.path.abspath(args.out)
+    if args.config:
+        print(f"wrote a Hugging Face folder to {out}: config.json and {len(names)} safetensors files")
+    else:
+        print(f"wrote {len(names)} bare safetensors files (tensors-*) to {out}; no config.json, so from_pretrained "
+              "cannot read it: pass --config for a save_pretrained folder")
     return 0
 
 
@@ -136,8 +141,10 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("merge", help="write full tensors as Hugging Face style safetensors")
     c.add_argument("path")
     c.add_argument("out")
-    c.add_argument("--prefix", default="", help="only tensors whose key starts with this, with it stripped "
-                   "(e.g. 'model/')")
+    c.add_argument("--prefix", default=None, help="only tensors whose key starts with this, with it stripped "
+                   "(default: 'model/' when there are such tensors)")
+    c.add_argument("--config", default=None, help="config.json (or the model folder holding it) to write a "
+                   "complete, checked save_pretrained folder; without it bare tensors-*.safetensors files")
     c.add_argument("--max-shard-size", type=_size, default=5 * 10**9, help="bytes per output file (default 5GB)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar (none when stderr is not a terminal)")
     c.set_defaults(run=_merge)

@@ -8,10 +8,13 @@ from every saved box it meets and appended to the output file. Memory is one sla
 the model size. Outputs are written into a temporary directory and renamed into place as in
 [Note: atomic commit] (``_commit.py``).
 
-* `merge_checkpoint` writes full tensors, Hugging Face style: ``model-0000i-of-0000n
-  .safetensors`` files of at most ``max_shard_bytes`` each (a larger tensor gets a file of
-  its own) and ``model.safetensors.index.json``. ``prefix`` selects the tensors whose flat
-  key starts with it and strips it from their names (``"model/"`` gives a model's own names).
+* `merge_checkpoint` writes full tensors in safetensors files of at most ``max_shard_bytes``
+  each (a larger tensor gets a file of its own). ``prefix`` selects the tensors whose flat
+  key starts with it and strips it from their names (default ``"model/"``: a model's own
+  names, never optimizer state). With a ``config`` the folder is a complete, checked
+  ``save_pretrained`` folder (``_hf_folder.py``); without, the files are named
+  ``tensors-0000i-of-0000n.safetensors`` + ``tensors.safetensors.index.json``, which
+  ``load_safetensors`` reads and ``from_pretrained`` does not mistake for a model.
 * `reshard_checkpoint` writes a checkpoint laid out for ``world_size`` ranks: every tensor
   saved from a DTensor becomes dim-0 shards as ``Shard(0)`` over ``world_size`` ranks would
   hold them (FSDP's layout; HSDP's too, since replicas are saved once), plain and 0-d tensors
@@ -20,7 +23,6 @@ the model size. Outputs are written into a temporary directory and renamed into 
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import sys
@@ -37,7 +39,7 @@ from ._checksums import BoxChecksums
 from ._comm import CheckpointError
 from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, format_index,
                       index_to_json, read_index, write_json)
-from ._hf import HF_INDEX_FILE
+from ._hf_folder import group_shards, index_file_name, model_prefix, read_config, shard_names, write_index
 from ._plan import plan_reads
 from ._safetensors_io import StreamingWriter
 
@@ -127,24 +129,28 @@ def _into_place(out: str, fill: Callable[[str], None]) -> None:
     commit(tmp, out, token)
 
 
-def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix: str = "",
-                     max_shard_bytes: int = 5 << 30, chunk_bytes: int = 64 << 20, progress: bool = False) -> list[str]:
-    """Write the full tensors of the checkpoint at ``path`` as Hugging Face safetensors into the
-    new folder ``out`` (see the module docstring); returns the file names written."""
+def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix: str | None = None,
+                     config=None, max_shard_bytes: int = 5 << 30, chunk_bytes: int = 64 << 20,
+                     progress: bool = False) -> list[str]:
+    """Write the full tensors of the checkpoint at ``path`` into the new folder ``out`` (see the
+    module docstring); returns the file names written. ``prefix`` None: the ``model/`` tensors
+    (`_hf_folder.model_prefix`). With ``config`` (see `_hf_folder.read_config`) ``out`` is a
+    checked, complete ``save_pretrained`` folder; without, bare ``tensors-*`` files."""
     index = read_index(os.fspath(path))
+    prefix = model_prefix(index.tensors, prefix)
     keys = [k for k in index.tensors if k.startswith(prefix)]
     if not keys:
         raise CheckpointError(f"checkpoint {index.root} has no tensor whose key starts with {prefix!r}")
-    shards: list[list[str]] = [[]]
-    size = 0
-    for k in keys:
-        n = index.tensors[k].nbytes
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(k)
-        size += n
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    hf = read_config(config) if config is not None else None
+    if hf is not None:
+        source = _Source(index)
+        full = {k: Box((0,) * len(index.tensors[k].shape), index.tensors[k].shape) for k in keys}
+        names = hf.select({k[len(prefix):]: index.tensors[k].shape for k in keys},
+                          lambda a, b: torch.equal(source.read(prefix + a, full[prefix + a]),
+                                                   source.read(prefix + b, full[prefix + b])))
+        keys = [prefix + n for n in names]
+    shards = group_shards({k: index.tensors[k].nbytes for k in keys}, max_shard_bytes)
+    names = shard_names(len(shards), hf is not None)
     bar = _Progress("merge", sum(index.tensors[k].nbytes for k in keys), progress)
 
     def fill(tmp: str) -> None:
@@ -155,9 +161,10 @@ def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix:
                      for k in group]
             _write(os.path.join(tmp, name), source, parts, chunk_bytes, bar, {"format": "pt"})
             weight_map.update({p[0]: name for p in parts})
-        total = sum(index.tensors[k].nbytes for k in keys)
-        write_json(os.path.join(tmp, HF_INDEX_FILE),
-                   json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+        write_index(tmp, index_file_name(len(names), hf is not None), weight_map,
+                    sum(index.tensors[k].nbytes for k in keys))
+        if hf is not None:
+            hf.write(tmp)
 
     _into_place(out, fill)
     return names

@@ -13,6 +13,7 @@ from ._tp import *  # noqa: F403  tensor parallelism: the names in _tp.__all__
 from ._tp import __all__ as _tp_all
 from ._planner import MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
 from ._wrap import ShardingPolicy, ShardingStrategy, apply_fully_shard, select_units, strategy_mesh
+from ._accelerate import AccelerateConfig, from_accelerate_config
 
 __all__ = [
     "fully_shard",
@@ -29,6 +30,8 @@ __all__ = [
     "apply_fully_shard",
     "select_units",
     "strategy_mesh",
+    "AccelerateConfig",
+    "from_accelerate_config",
     "clip_grad_norm_",
     "plan_memory",
     "suggest_mesh",

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise.mesh import init_mesh
 
 from ._fully_shard import FSDPModule, fully_shard
+from ._policies import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["ShardingStrategy", "ShardingPolicy", "select_units", "strategy_mesh", "apply_fully_shard"]
 
@@ -83,6 +84,8 @@ class ShardingPolicy:
         reshard_after_forward: overrides the strategy's value for every unit except the root:
             an int ``k`` keeps ``1/k`` of the gathered parameters and re-gathers over ``k``
             ranks (ZeRO++ hpZ). None: the strategy's.
+        mp_policy, offload_policy: passed to every ``fully_shard`` call (Accelerate's
+            ``mixed_precision`` and ``fsdp_offload_params``).
 
     Selectors combine by "or". With none, only the root is a unit (Accelerate's ``NO_WRAP``).
     Units are sharded children before parents, then the root, which always keeps its
@@ -94,6 +97,8 @@ class ShardingPolicy:
     min_num_params: int = 0
     no_split_modules: bool = False
     reshard_after_forward: bool | int | None = None
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()
+    offload_policy: OffloadPolicy = OffloadPolicy()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", ShardingStrategy.parse(self.strategy))
@@ -108,30 +113,20 @@ class ShardingPolicy:
         raf = self.reshard_after_forward
         if raf is not None and (not isinstance(raf, int) or (not isinstance(raf, bool) and raf < 1)):
             raise ValueError(f"ShardingPolicy.reshard_after_forward={raf!r}: use None, a bool or an int >= 1")
+        if not isinstance(self.mp_policy, MixedPrecisionPolicy) or not isinstance(self.offload_policy, OffloadPolicy):
+            raise TypeError("ShardingPolicy: mp_policy must be a MixedPrecisionPolicy and offload_policy an "
+                            "OffloadPolicy")
 
     @classmethod
     def from_accelerate(cls, config: dict) -> "ShardingPolicy":
-        """A policy from Accelerate's FSDP config keys (``fsdp_config`` of its YAML, with or
-        without the ``fsdp_`` prefix): ``sharding_strategy``, ``reshard_after_forward``
-        (FSDP2's true = FULL_SHARD, false = SHARD_GRAD_OP; or a strategy name), ``auto_wrap_policy``
-        (``TRANSFORMER_BASED_WRAP``, ``SIZE_BASED_WRAP``, ``NO_WRAP``),
-        ``transformer_layer_cls_to_wrap`` and ``min_num_params``. Other keys are ignored."""
-        cfg = {k[5:] if k.startswith("fsdp_") else k: v for k, v in config.items()}
-        strategy = cfg.get("sharding_strategy", "FULL_SHARD")
-        flag = str(cfg.get("reshard_after_forward", strategy)).strip().lower()  # FSDP2: a bool
-        strategy = {"true": "FULL_SHARD", "false": "SHARD_GRAD_OP"}.get(flag, flag)
-        wrap = str(cfg.get("auto_wrap_policy", "NO_WRAP")).upper()
-        if wrap == "TRANSFORMER_BASED_WRAP":
-            layers = cfg.get("transformer_layer_cls_to_wrap") or ()
-            return cls(strategy=strategy, layer_cls=layers, no_split_modules=not layers)
-        if wrap == "SIZE_BASED_WRAP":
-            if "min_num_params" not in cfg:
-                raise ValueError("from_accelerate: SIZE_BASED_WRAP needs fsdp_min_num_params")
-            return cls(strategy=strategy, min_num_params=int(cfg["min_num_params"]))
-        if wrap != "NO_WRAP":
-            raise ValueError(f"from_accelerate: auto_wrap_policy={wrap!r}; use TRANSFORMER_BASED_WRAP, "
-                             "SIZE_BASED_WRAP or NO_WRAP")
-        return cls(strategy=strategy)
+        """A policy from Accelerate's FSDP config (its ``fsdp_config`` keys, with or without the
+        ``fsdp_`` prefix, or the whole YAML as a dict). Keys that a policy cannot carry
+        (``sync_module_states``, activation checkpointing, ...) are refused unless they ask for
+        the default: use ``from_accelerate_config(config).apply(model)`` for those. See
+        docs/accelerate.md for every key."""
+        from ._accelerate import from_accelerate_config
+
+        return from_accelerate_config(config).policy_only()
 
 
 def _class_names(model: nn.Module, policy: ShardingPolicy) -> set[str]:
@@ -278,22 +273,27 @@ def strategy_mesh(strategy: ShardingStrategy | str, mesh: DeviceMesh | None = No
 
 def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None,
                       policy: ShardingPolicy = ShardingPolicy(), *,
-                      ignored_params: Iterable[nn.Parameter] | None = None) -> nn.Module:
+                      ignored_params: Iterable[nn.Parameter] | None = None,
+                      mp_policy: MixedPrecisionPolicy | None = None,
+                      offload_policy: OffloadPolicy | None = None) -> nn.Module:
     """Shard ``model``: ``fully_shard`` every unit `select_units` picks (children first), then
     the root, on ``strategy_mesh(policy.strategy, mesh)``.
 
     Units get the strategy's ``reshard_after_forward`` (or ``policy.reshard_after_forward``);
     the root gets None (keeps its parameters until backward), or False under a strategy that
-    never reshards. ``ignored_params`` go to every call. Returns ``model``. Call it on every
-    rank; build the optimizer afterwards.
+    never reshards. ``ignored_params``, and ``mp_policy`` / ``offload_policy`` (default: the
+    policy's), go to every call. Returns ``model``. Call it on every rank; build the optimizer
+    afterwards.
     """
     if not isinstance(policy, ShardingPolicy):
         raise TypeError(f"apply_fully_shard: policy must be a ShardingPolicy, got {type(policy).__name__}")
     dp_mesh = strategy_mesh(policy.strategy, mesh)
     raf = policy.strategy.reshard_after_forward if policy.reshard_after_forward is None else policy.reshard_after_forward
-    ignored = list(ignored_params or ())
+    kw = dict(ignored_params=list(ignored_params or ()),
+              mp_policy=policy.mp_policy if mp_policy is None else mp_policy,
+              offload_policy=policy.offload_policy if offload_policy is None else offload_policy)
     modules = dict(model.named_modules())
     for name in select_units(model, policy):
-        fully_shard(modules[name], mesh=dp_mesh, reshard_after_forward=raf, ignored_params=ignored)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False if raf is False else None, ignored_params=ignored)
+        fully_shard(modules[name], mesh=dp_mesh, reshard_after_forward=raf, **kw)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False if raf is False else None, **kw)
     return model

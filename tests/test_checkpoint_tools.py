@@ -69,9 +69,9 @@ def test_merge_to_hugging_face_files_matches_the_full_state(fsdp4, tmp_path):
     path, want = fsdp4
     out = tmp_path / "hf"
     assert main(["merge", path, str(out), "--prefix", "model/", "--max-shard-size", "300B", "--no-progress"]) == 0
-    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index = json.loads((out / "tensors.safetensors.index.json").read_text())  # no --config: bare tensors
     files = sorted(set(index["weight_map"].values()))
-    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert len(files) > 1 and files[0] == f"tensors-00001-of-{len(files):05d}.safetensors"
     merged = {}
     for f in files:
         merged.update(load_file(out / f))
@@ -83,7 +83,7 @@ def test_merge_keeps_0d_int_bool_bf16_and_empty_tensors_exact(tmp_path):
     """What a consolidating tool most easily gets wrong: saved from 4 ranks with every placement."""
     run_ranks(_save_mixed, 4, str(tmp_path / "mixed"), timeout=60)
     assert main(["merge", str(tmp_path / "mixed"), str(tmp_path / "hf"), "--prefix", "tensors/", "--no-progress"]) == 0
-    assert_equal_states(load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors"), mixed_full(), "merged")
+    assert_equal_states(load_file(tmp_path / "hf" / "tensors-00001-of-00001.safetensors"), mixed_full(), "merged")
 
 
 def _load_fsdp3(rank, world_size, source, hf):

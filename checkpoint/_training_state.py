@@ -1,0 +1,185 @@
+"""Training-state checkpoints: what Accelerate's ``save_state`` / ``load_state`` keep, resharded.
+
+    save_training_state("ckpt/step-100", model, optim, scheduler=sched, step=100, extra={"epoch": 3})
+    ...
+    ts = load_training_state("ckpt/step-100", model, optim, scheduler=sched)   # any world size
+    for step in range(ts.step, total_steps): ...
+
+One ordinary shardwise checkpoint (`save` / `load`, so atomic, verified and reshardable)
+holding ``{"model", "optim", "scheduler", "step", "extra", "rng"}``: the model and optimizer
+by parameter name (`get_model_state_dict` / `get_optimizer_state_dict`), the LR scheduler's
+``state_dict()`` and ``extra`` as JSON text, and every rank's random number generator states.
+
+[Note: random states per rank]
+Each rank draws its own random numbers (dropout masks on its own micro-batch, data
+shuffling), so the states are saved per rank: ``rng/torch`` is a ``[W, n]`` uint8 tensor
+whose row ``r`` is rank ``r``'s ``torch.get_rng_state()``; likewise ``rng/cuda`` (the current
+device's generator), ``rng/python`` (``random``'s Mersenne Twister words; its cached Gaussian
+goes in ``rng/python_gauss``) and, when the saving job had imported numpy, ``rng/numpy``.
+On load:
+
+* the same world size: rank ``r`` gets row ``r`` back, so training continues exactly as if
+  it had not stopped (dropout masks included);
+* another world size, all rows of a generator equal (e.g. torch's, when every rank was
+  seeded alike and drew alike): every rank gets that state, as if the job had run at the
+  new size from the start;
+* another world size, rows differ (python's ``random`` is seeded from the OS in each
+  process unless you seed it): rank ``r`` gets row ``r mod W``. The data each rank sees
+  changes with the world size anyway, so no per-rank stream can continue exactly; this
+  keeps the streams the saved job had (ranks ``>= W`` repeat those of ranks ``r mod W``;
+  reseed them, e.g. ``torch.manual_seed(seed + rank)``, if they must differ).
+
+`TrainingState.rng` says, per generator, which happened (``"per-rank"``, ``"shared"``,
+``"wrapped"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._comm import CheckpointError, all_gather_json, collective_device, is_distributed, rank_and_world
+from ._format import read_index
+from ._reader import load
+from ._state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+                          set_optimizer_state_dict)
+from ._writer import save
+
+__all__ = ["TrainingState", "save_training_state", "load_training_state"]
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What `load_training_state` restored besides the tensors: the saved ``step`` and
+    ``extra``, the world size it was saved by, and how each generator's state was restored
+    (``{"torch": "per-rank", "python": "wrapped", ...}``, empty with ``rng=False``; see
+    [Note: random states per rank])."""
+
+    step: int | None
+    extra: Any
+    saved_world_size: int
+    rng: dict
+
+
+def _gather_rows(row: torch.Tensor) -> torch.Tensor:
+    """``[W, n]``: every rank's ``row`` (all rows the same length), on every rank."""
+    if not is_distributed():
+        return row.unsqueeze(0).clone()
+    dev = collective_device()
+    parts = [torch.empty_like(row, device=dev) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, row.to(dev))
+    return torch.stack(parts).cpu()
+
+
+def _rng_rows() -> dict[str, torch.Tensor]:
+    version, words, gauss = random.getstate()
+    rows = {"torch": torch.get_rng_state(),
+            "python": torch.tensor([version, *words], dtype=torch.int64),
+            "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rows["cuda"] = torch.cuda.get_rng_state()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        rows["numpy"] = torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64)
+        rows["numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
+    return rows
+
+
+def _gathered_rng() -> dict[str, torch.Tensor]:
+    """``{kind: [W, n]}`` of the generators every rank has (numpy only if all imported it)."""
+    rows = _rng_rows()
+    common = set(rows)
+    for kinds in all_gather_json(sorted(rows)) if is_distributed() else []:
+        common &= set(kinds)
+    return {k: _gather_rows(rows[k]) for k in sorted(common)}
+
+
+def _set_rng(rows: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(rows["torch"].clone())
+    words = rows["python"].tolist()
+    has_gauss, gauss = rows["python_gauss"].tolist()
+    random.setstate((int(words[0]), tuple(int(w) for w in words[1:]), gauss if has_gauss else None))
+    if "cuda" in rows and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rows["cuda"].clone())
+    if "numpy" in rows:
+        import numpy as np  # saved by a job that used it; restored only where it is installed
+
+        keys = rows["numpy"].tolist()
+        np.random.set_state(("MT19937", np.array(keys[:-2], dtype=np.uint32), int(keys[-2]), int(keys[-1]),
+                             float(rows["numpy_gauss"][0])))
+
+
+def _json(value: Any, what: str) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"save_training_state: {what} must be JSON-serialisable ({e}); keep tensors in the "
+                              "model or optimizer, or convert them with .tolist()") from None
+
+
+def save_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.optim.Optimizer, *,
+                        scheduler: Any = None, step: int | None = None, extra: Any = None,
+                        keep_last: int | None = None) -> None:
+    """Save model, optimizer, LR ``scheduler`` (anything with ``state_dict()``), ``step``,
+    ``extra`` (JSON: epoch, data position...) and every rank's RNG states to ``path``;
+    collective, atomic (see `save`). ``keep_last`` as in `save`."""
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optim),
+        "scheduler": _json(scheduler.state_dict() if scheduler is not None else None, "the scheduler's state_dict()"),
+        "step": step,
+        "extra": _json(extra, "extra"),
+        "rng": _gathered_rng(),
+    }
+    save(state, path, keep_last=keep_last)
+
+
+def load_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.optim.Optimizer, *,
+                        scheduler: Any = None, rng: bool = True) -> TrainingState:
+    """Restore what `save_training_state` saved into ``model``, ``optim`` and ``scheduler``,
+    at this or another world size and layout; collective. ``rng=False`` leaves the random
+    states alone. Returns the step, extra and how the RNG states were restored."""
+    index = read_index(os.fspath(path))
+    rng_keys = sorted(k[4:] for k in index.tensors if k.startswith("rng/"))
+    if "torch" not in rng_keys or "step" not in index.values:
+        raise CheckpointError(f"{path} is a checkpoint but not a training state (no rng/torch or step); load it "
+                              "with shardwise.checkpoint.load")
+    saved_world = index.tensors["rng/torch"].shape[0]
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optim),
+        "scheduler": "", "step": None, "extra": "",
+        "rng": {k: torch.empty(index.tensors[f"rng/{k}"].shape, dtype=index.tensors[f"rng/{k}"].dtype)
+                for k in rng_keys},
+    }
+    load(state, path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    sched = json.loads(state["scheduler"])
+    if scheduler is not None:
+        if sched is None:
+            raise CheckpointError(f"{path} holds no scheduler state, but a scheduler was passed")
+        scheduler.load_state_dict(sched)
+    rank, world = rank_and_world()
+    rows, how = state["rng"], {}
+    pick: dict[str, int] = {}
+    for gen in sorted({k.split("_")[0] for k in rows}):  # python + python_gauss are one generator
+        mine = [t for k, t in rows.items() if k.split("_")[0] == gen]
+        if world == saved_world:
+            how[gen], pick[gen] = "per-rank", rank
+        elif all(torch.equal(t[0], t[i]) for t in mine for i in range(1, saved_world)):
+            how[gen], pick[gen] = "shared", 0
+        else:
+            how[gen], pick[gen] = "wrapped", rank % saved_world
+    if rng:
+        _set_rng({k: t[pick[k.split("_")[0]]] for k, t in rows.items()})
+    return TrainingState(state["step"], json.loads(state["extra"]), saved_world, how if rng else {})
