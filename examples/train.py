@@ -11,6 +11,10 @@ the root; each data-parallel rank trains on its contiguous slice of the global
 batch of :mod:`examples.data`. Rank 0 prints the mesh, the parameter bytes each
 rank holds against the full model, the loss every ``--log-every`` steps (the
 mean over the data-parallel ranks) and finally the first and last loss.
+
+``--steps`` is the total: ``--resume DIR`` continues from the saved step up to ``--steps``,
+and ``--save DIR`` prints the exact command that does so. Arguments are checked before
+anything is built (:mod:`examples.preflight`); see docs/example.md.
 """
 
 from __future__ import annotations
