@@ -121,6 +121,12 @@ def test_stop_on_four_ranks_and_resume_on_two(tmp_path, monkeypatch):
     again = shlex.split(text.split("run: ", 1)[1])
     assert again[again.index("--steps") + 1] == "6" and again[again.index("--resume") + 1] == ckpt, again
 
+    # other model shapes than the checkpoint's: refused before building, naming the value
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        train.main(["--steps", "6", "--resume", ckpt] + first + ["--dim", "64"])  # the last --dim wins
+    assert exc.value.code == 2 and "holds a model with --dim 32, not 64; pass --dim 32" in err.getvalue(), err.getvalue()
+
 
 def _must_not_run(*args, **kwargs):
     raise AssertionError("built something before the arguments were checked")
