@@ -179,13 +179,14 @@ def test_bad_arguments_one_line_before_building(argv, make, expect, tmp_path, mo
 def test_bad_argument_in_a_real_process_is_one_line_on_rank_0_only():
     """As torchrun starts it: rank 0 prints one line and no traceback, rank 1 prints nothing;
     both exit 2."""
-    for rank, lines in ((0, 1), (1, 0)):
-        env = dict(os.environ, WORLD_SIZE="4", RANK=str(rank), LOCAL_RANK=str(rank))
-        done = subprocess.run([sys.executable, "examples/train.py", "--tp", "3"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2, (rank, done.returncode, done.stderr)
-        assert done.stdout == "" and done.stderr.count("\n") == lines, (rank, done.stderr)
-        assert "Traceback" not in done.stderr
+    procs = [subprocess.Popen([sys.executable, "examples/train.py", "--tp", "3"], cwd=ROOT, text=True,
+                              env=dict(os.environ, WORLD_SIZE="4", RANK=str(rank), LOCAL_RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    for rank, (proc, lines) in enumerate(zip(procs, (1, 0))):
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (rank, proc.returncode, err)
+        assert out == "" and err.count("\n") == lines, (rank, err)
+        assert "Traceback" not in err
 
 
 def test_help_shows_every_option_with_help_and_default():
