@@ -125,7 +125,8 @@ def test_stop_on_four_ranks_and_resume_on_two(tmp_path, monkeypatch):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
         train.main(["--steps", "6", "--resume", ckpt] + first + ["--dim", "64"])  # the last --dim wins
-    assert exc.value.code == 2 and "holds a model with --dim 32, not 64; pass --dim 32" in err.getvalue(), err.getvalue()
+    assert exc.value.code == 2, exc.value.code
+    assert "holds a model with --dim 32, not 64; pass --dim 32" in err.getvalue(), err.getvalue()
 
 
 def _must_not_run(*args, **kwargs):
