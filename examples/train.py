@@ -11,12 +11,17 @@ the root; each data-parallel rank trains on its contiguous slice of the global
 batch of :mod:`examples.data`. Rank 0 prints the mesh, the parameter bytes each
 rank holds against the full model, the loss every ``--log-every`` steps (the
 mean over the data-parallel ranks) and finally the first and last loss.
+
+``--steps`` is the total: ``--resume DIR`` continues from the saved step up to ``--steps``,
+and ``--save DIR`` prints the exact command that does so. Arguments are checked before
+anything is built (:mod:`examples.preflight`); see docs/example.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -33,11 +38,13 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from examples.data import global_batch, inputs_and_targets, local_slice, loss_floor  # noqa: E402
 from examples.model import Llama, LlamaConfig  # noqa: E402
 from examples.parallel import apply_fsdp, apply_tp  # noqa: E402
+from examples.preflight import MODEL_ARGS, UsageError, preflight  # noqa: E402
 import shardwise.checkpoint as ckpt  # noqa: E402
 from shardwise.composable import loss_parallel  # noqa: E402
 from shardwise.mesh import data_parallel_mesh, init_distributed, init_mesh  # noqa: E402
 
 DP_DIMS = ("dp_replicate", "dp_shard")
+FAIL_WAIT_S = 2.0
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -89,21 +96,22 @@ def build_and_shard(
     return apply_fsdp(model, dp_mesh, **shard_kwargs)
 
 
-def app_state(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int) -> dict:
+def app_state(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, model_args: dict | None = None) -> dict:
     """What a checkpoint holds: the model and optimizer state keyed by parameter name (so it
-    reshards like the parameters), and the step."""
+    reshards like the parameters), the step and the arguments that fix the model's shapes
+    (``MODEL_ARGS``, checked before a resume builds anything)."""
     return {"model": ckpt.get_model_state_dict(model), "optim": ckpt.get_optimizer_state_dict(model, optim),
-            "trainer": {"step": step}}
+            "trainer": {"step": step, "model_args": dict(model_args or {})}}
 
 
-def resume(model: torch.nn.Module, optim: torch.optim.Optimizer, path: str) -> int:
+def resume(model: torch.nn.Module, optim: torch.optim.Optimizer, path: str) -> tuple[int, int]:
     """Load ``path`` into ``model`` and ``optim`` (resharding to this job's layout); return the
-    step it was saved at."""
+    step it was saved at and the bytes this rank read."""
     state = app_state(model, optim, 0)
-    ckpt.load(state, path)
+    stats = ckpt.load(state, path)
     ckpt.set_model_state_dict(model, state["model"])
     ckpt.set_optimizer_state_dict(model, optim, state["optim"])
-    return int(state["trainer"]["step"])
+    return int(state["trainer"]["step"]), stats.bytes_read
 
 
 def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -163,45 +171,87 @@ def train(
     return losses
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dp-replicate", type=int, default=1, help="replica groups (HSDP outer axis)")
     p.add_argument("--dp-shard", type=int, default=-1, help="ranks one copy is sharded over; -1 = the rest")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (consecutive, within a host)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=None, help="grouped-query attention; default = --heads")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=30,
+                   help="total steps: a run resumed at step s trains steps s+1 .. STEPS")
+    p.add_argument("--dim", type=int, default=64, help="model width")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (divide --dim into an even head width)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query attention); "
+                   "None = --heads")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
     p.add_argument("--batch-size", type=int, default=16, help="global batch, split over the dp ranks")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data")
+    p.add_argument("--log-every", type=int, default=5, help="print the loss every N steps (and first, last)")
     p.add_argument("--save", metavar="DIR", help="save model + optimizer + step to DIR at the end")
-    p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint saved by --save (any world size)")
+    p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint saved by --save (any world size); "
+                   "training continues up to --steps")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs only)")
-    return p.parse_args(argv)
+    return p
 
 
-def resolve_dp_shard(world_size: int, dp_replicate: int, dp_shard: int, tp: int = 1) -> int:
-    """Fill in ``dp_shard=-1`` and check that the mesh covers exactly ``world_size`` ranks."""
-    if dp_replicate < 1 or tp < 1:
-        raise ValueError("dp_replicate and tp must be >= 1")
-    if dp_shard == -1:
-        if world_size % (dp_replicate * tp):
-            raise ValueError(f"world size {world_size} is not divisible by dp_replicate*tp={dp_replicate * tp}")
-        dp_shard = world_size // (dp_replicate * tp)
-    if dp_replicate * dp_shard * tp != world_size:
-        raise ValueError(
-            f"dp_replicate*dp_shard*tp = {dp_replicate}*{dp_shard}*{tp} != world size {world_size}"
-        )
-    return dp_shard
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def resume_command(args: argparse.Namespace, world_size: int, path: str, steps: int) -> str:
+    """The command line that resumes from ``path`` up to ``steps``: this job's non-default
+    arguments, without ``--save``/``--resume``/``--steps``."""
+    parts = ["torchrun", "--nproc-per-node", str(world_size), _script(), "--resume", path, "--steps", str(steps)]
+    for action in build_parser()._actions:
+        value = getattr(args, action.dest, None)
+        if action.option_strings and action.dest not in ("help", "save", "resume", "steps") \
+                and value != action.default:
+            parts += [action.option_strings[0], str(value)]
+    return " ".join(shlex.quote(x) for x in parts)
+
+
+def _script() -> str:
+    rel = os.path.relpath(__file__)
+    return __file__ if rel.startswith("..") else rel
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of the files in ``path`` (a checkpoint folder)."""
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+
+
+def _fail(message: str) -> None:
+    """One line on rank 0 (stderr), nothing on the others; exit status 2 like argparse.
+
+    The other ranks wait ``FAIL_WAIT_S`` first: torchrun stops every worker as soon as one
+    exits non-zero, so a rank exiting before rank 0 has printed could swallow the message."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{os.path.basename(_script())}: error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(FAIL_WAIT_S)
+    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
+    """Run the job; return the loss of each step trained (empty when the ``--resume``
+    checkpoint already reached ``--steps``). Bad arguments exit with status 2 before
+    anything is built (`examples.preflight`)."""
     args = parse_args(argv)
+    world_env = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        checked = preflight(args, world_env)
+    except UsageError as e:
+        _fail(str(e))
+    if checked.resume_step is not None and checked.resume_step >= args.steps:
+        if os.environ.get("RANK", "0") == "0":
+            more = args.steps if checked.resume_step == args.steps else checked.resume_step
+            print(f"--resume {args.resume} is at step {checked.resume_step} and --steps {args.steps} is the total: "
+                  f"nothing left to train. To train {more} more steps run: "
+                  f"{resume_command(args, world_env, args.resume, checked.resume_step + more)}", flush=True)
+        return []
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
@@ -210,12 +260,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     rank, world_size = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    dp_shard = resolve_dp_shard(world_size, args.dp_replicate, args.dp_shard, args.tp)
-    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=dp_shard, tp=args.tp)
+    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=checked.dp_shard, tp=args.tp)
     dp_mesh = data_parallel_mesh(mesh)
     _, dp_size = data_parallel_rank(mesh)
-    if args.batch_size % dp_size:
-        raise ValueError(f"--batch-size {args.batch_size} is not divisible by the dp size {dp_size}")
     say(f"world={world_size} device={mesh.device_type}")
     say(f"mesh: shape={tuple(mesh.shape)} names={mesh.mesh_dim_names} ranks={mesh.mesh.tolist()}")
     say(f"dp mesh: shape={tuple(dp_mesh.shape)} names={dp_mesh.mesh_dim_names} (dp size {dp_size})")
@@ -242,13 +289,20 @@ def main(argv: list[str] | None = None) -> list[float]:
         say(f"  rank {r}: {b} bytes sharded ({b / full:.1%} of full)")
     say(f"  sum over ranks {sum(per_rank)} bytes = {sum(per_rank) / full:.2f} x full")
 
-    say(f"training {args.steps} steps, global batch {args.batch_size} x {args.seq_len} tokens, "
-        f"{args.batch_size // dp_size} rows per dp rank; loss floor ln(branching) = {loss_floor():.3f}")
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = 1
     if args.resume:
-        start = resume(model, optim, args.resume) + 1
-        say(f"resumed from {args.resume}: continuing at step {start} on {world_size} ranks")
+        say(f"loading {args.resume} (step {checked.resume_step}) ...", flush=True)
+        tl = time.perf_counter()
+        step, read = resume(model, optim, args.resume)
+        read_all = torch.tensor([read], dtype=torch.int64, device=device)
+        dist.all_reduce(read_all)
+        start = step + 1
+        say(f"loaded step {step} from {args.resume}: {int(read_all.item())} bytes read by {world_size} ranks "
+            f"in {time.perf_counter() - tl:.2f}s")
+    say(f"training steps {start}..{args.steps} ({args.steps - start + 1} steps), global batch {args.batch_size} x "
+        f"{args.seq_len} tokens, {args.batch_size // dp_size} rows per dp rank; "
+        f"loss floor ln(branching) = {loss_floor():.3f}")
     t1 = time.perf_counter()
     losses = train(
         model, dp_mesh, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -256,12 +310,20 @@ def main(argv: list[str] | None = None) -> list[float]:
         log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"), optim=optim, start_step=start,
     )
     t2 = time.perf_counter()
-    if args.save:
-        ckpt.save(app_state(model, optim, args.steps), args.save)
-        say(f"saved step {args.steps} to {args.save} (resume with --resume {args.save}, on any world size)")
     if losses:
         say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
-    say(f"time: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s ({(t2 - t1) / max(args.steps, 1) * 1e3:.0f} ms/step)")
+    say(f"time: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s "
+        f"({len(losses)} steps, {(t2 - t1) / max(len(losses), 1) * 1e3:.0f} ms/step)")
+    if args.save:
+        say(f"saving step {args.steps} to {args.save} ...", flush=True)
+        ts = time.perf_counter()
+        model_args = {name: getattr(args, name) for name in MODEL_ARGS}
+        ckpt.save(app_state(model, optim, args.steps, model_args), args.save)
+        if rank == 0:
+            say(f"saved step {args.steps} to {args.save}: {dir_bytes(args.save)} bytes in "
+                f"{time.perf_counter() - ts:.2f}s")
+            say(f"resume (on any world size) with: "
+                f"{resume_command(args, world_size, args.save, 2 * args.steps)}")
     dist.barrier()  # nobody tears down its connections while a peer still uses them
     dist.destroy_process_group()
     return losses
