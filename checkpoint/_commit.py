@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+from collections.abc import Callable
 
 from ._comm import CheckpointError
 from ._format import FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, parse_json_strict, plain_file_name
@@ -86,14 +87,16 @@ def own_files(path: str) -> set[str]:
     return names
 
 
-def check_target(path: str) -> None:
-    """Raise if ``path`` exists and is neither a checkpoint nor an empty directory."""
+def check_target(path: str, replaceable: Callable[[str], bool] | None = None) -> None:
+    """Raise if ``path`` exists and is neither a checkpoint (``replaceable``, default
+    `is_checkpoint`) nor an empty directory."""
+    replaceable = replaceable or is_checkpoint
     if not os.path.lexists(path):
         return
     if os.path.islink(path):
         raise CheckpointError(f"{path} is a symbolic link; refusing to replace it. Save to the directory it points to, "
                               "or to a new path")
-    if os.path.isdir(path) and (is_checkpoint(path) or not os.listdir(path)):
+    if os.path.isdir(path) and (replaceable(path) or not os.listdir(path)):
         return
     raise CheckpointError(
         f"{path} exists and is not a shardwise checkpoint; refusing to replace it. Save to a new path or "
@@ -101,10 +104,10 @@ def check_target(path: str) -> None:
     )
 
 
-def _move_user_files(old: str, new: str) -> list[str]:
+def _move_user_files(old: str, new: str, own: Callable[[str], set[str]]) -> list[str]:
     """Move what the format did not write from checkpoint ``old`` into ``new``; returns names
     that could not be moved (a name the new checkpoint uses itself)."""
-    ours, left = own_files(old), []
+    ours, left = own(old), []
     for name in sorted(os.listdir(old)):
         if name in ours:
             continue
@@ -115,38 +118,40 @@ def _move_user_files(old: str, new: str) -> list[str]:
     return left
 
 
-def delete_own_files(path: str) -> list[str]:
-    """Delete checkpoint ``path``'s own files (index first) and the directory when nothing else
-    is in it; returns the names of other entries left in place."""
-    ours = own_files(path)
-    for name in [INDEX_FILE] + sorted(ours - {INDEX_FILE}):
+def delete_own_files(path: str, own: Callable[[str], set[str]] | None = None) -> list[str]:
+    """Delete checkpoint ``path``'s own files (``own``, default `own_files`; the index first) and
+    the directory when nothing else is in it; returns the names of other entries left in place."""
+    ours = (own or own_files)(path)
+    for name in [n for n in ours if n == INDEX_FILE] + sorted(ours - {INDEX_FILE}):
         try:
             os.unlink(os.path.join(path, name))
-        except FileNotFoundError:
-            pass
+        except OSError:
+            pass  # already gone, or not a file: then it is listed as left in place
     left = sorted(os.listdir(path))
     if not left:
         os.rmdir(path)
     return left
 
 
-def _finish_replace(old: str, path: str) -> list[str]:
+def _finish_replace(old: str, path: str, own: Callable[[str], set[str]] | None = None) -> list[str]:
     """After the swap: move the user's files from ``old`` into ``path``, delete the rest of
     ``old`` (only if nothing but our files is left). Returns what stayed in ``old``."""
-    left = _move_user_files(old, path)
+    own = own or own_files
+    left = _move_user_files(old, path, own)
     if left:
         return left
-    return delete_own_files(old)
+    return delete_own_files(old, own)
 
 
-def commit(tmp: str, path: str, token: str) -> list[str]:
+def commit(tmp: str, path: str, token: str, replaceable: Callable[[str], bool] | None = None,
+           own: Callable[[str], set[str]] | None = None) -> list[str]:
     """Move the finished ``tmp`` directory to ``path`` (see [Note: atomic commit]). Returns
     entries of a replaced checkpoint that could not be moved over (left in its
     ``.replaced-`` directory)."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     fsync_dir(tmp)
-    check_target(path)
+    check_target(path, replaceable)
     old = None
     if os.path.isdir(path) and not os.listdir(path):
         os.rmdir(path)
@@ -157,7 +162,7 @@ def commit(tmp: str, path: str, token: str) -> list[str]:
     fsync_dir(parent)
     if old is None:
         return []
-    left = _finish_replace(old, path)
+    left = _finish_replace(old, path, own)
     fsync_dir(parent)
     return [os.path.join(old, n) for n in left]
 
