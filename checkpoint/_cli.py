@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 
 from ._comm import CheckpointError
 from ._format import Index, dtype_name, read_index
-from ._safetensors_io import data_file_size, read_header
+from ._safetensors_io import DTYPE_CODES, data_file_size, read_header
 from ._tiling import distinct_boxes, tiling_problem
 from ._offline import merge_checkpoint, reshard_checkpoint
 from ._verify import verify_checkpoint
@@ -79,8 +79,10 @@ def _summary(index: Index) -> dict:
 
 
 def _index_problems(index: Index) -> list[str]:
-    """What the index and the data files' sizes and headers show, without reading any data."""
-    problems, root = [], index.root
+    """What the index and the data files' sizes and headers show, without reading any data:
+    sizes as recorded, headers valid and holding every box's key with its dtype and shape,
+    every tensor tiled exactly, every box with a checksum."""
+    problems, root, headers = [], index.root, {}
     for name, expected in sorted(index.files.items()):
         file = os.path.join(root, name)
         try:
@@ -88,13 +90,22 @@ def _index_problems(index: Index) -> list[str]:
             if expected is not None and size != expected:
                 problems.append(f"data file {file} has {size} bytes, the index records {expected} (truncated?)")
             else:
-                read_header(file)
+                headers[name] = read_header(file)
         except CheckpointError as e:
             problems.append(str(e))
     for key, t in index.tensors.items():
         gap = tiling_problem(t.shape, [t.boxes[i].box for i in distinct_boxes([b.box for b in t.boxes])])
         if gap:
             problems.append(f"{os.path.join(root, 'index.json')}: tensor '{key}': {gap}")
+        for b in t.boxes:
+            e = headers[b.file].entries.get(b.key) if b.file in headers else None
+            where = f"data file {os.path.join(root, b.file)}: tensor '{key}' box at {list(b.box.offsets)}"
+            if b.file in headers and (e is None or e.dtype != DTYPE_CODES[t.dtype] or e.shape != b.box.sizes):
+                problems.append(f"{where}: the file does not hold key '{b.key}' as {DTYPE_CODES[t.dtype]} "
+                                f"{list(b.box.sizes)}")
+            if b.crc32 is None and b.chunk_crc32 is None:
+                problems.append(f"{where}: the index records no checksum for it (crc32 null), which shardwise never "
+                                "writes")
     return problems
 
 
