@@ -86,11 +86,11 @@ def _index_problems(index: Index) -> list[str]:
     for name, expected in sorted(index.files.items()):
         file = os.path.join(root, name)
         try:
-            size = data_file_size(file)
+            size = data_file_size(file, follow=False)
             if expected is not None and size != expected:
                 problems.append(f"data file {file} has {size} bytes, the index records {expected} (truncated?)")
             else:
-                headers[name] = read_header(file)
+                headers[name] = read_header(file, follow=False)
         except CheckpointError as e:
             problems.append(str(e))
     for key, t in index.tensors.items():

@@ -99,6 +99,7 @@ class Index:
     version: int = FORMAT_VERSION
     checksummed: bool = False  # the index carried its own checksum and it matched
     save_id: str | None = None  # the save that wrote it (rotation compares it with the series record)
+    follow_links: bool = True  # False for a shardwise checkpoint: its data files must not be symlinks
 
 
 def _box_to_json(b: SavedBox) -> dict:
@@ -218,14 +219,18 @@ def write_json(path: str, text: str) -> None:
 
 
 def _describe_non_checkpoint(path: str) -> str:
-    if not os.path.exists(path):
+    try:
+        os.stat(path)
+        names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    except PermissionError:
+        return f"{path}: permission denied (it may exist; this user cannot read it)"
+    except OSError:
         return f"{path} does not exist"
     if not os.path.isdir(path):
         return f"{path} is a file, not a checkpoint directory"
     if INCOMPLETE_MARK in os.path.basename(os.path.normpath(path)):
         return (f"{path} is an incomplete save (the saving job stopped before committing it; see the "
                 "checkpoint with the same name without '.incomplete-...'); load the previous checkpoint instead")
-    names = sorted(os.listdir(path))
     if any(n.endswith(".safetensors") for n in names):
         return (f"{path} has safetensors files but no {INDEX_FILE}, so it is not a shardwise checkpoint (an "
                 "incomplete save or a Hugging Face folder? for the latter use load_safetensors)")
@@ -343,7 +348,7 @@ def read_index(path: str) -> Index:
         created, world, save_id = raw.get("created_unix_ns"), raw.get("world_size"), raw.get("save_id")
         return Index(path, tensors, values, files, world if isinstance(world, int) else None,
                      created if isinstance(created, int) else None, version, checksummed,
-                     save_id if isinstance(save_id, str) else None)
+                     save_id if isinstance(save_id, str) else None, follow_links=False)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{file} is damaged: {type(e).__name__}: {e}") from None
 

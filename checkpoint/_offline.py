@@ -76,7 +76,7 @@ class _Source:
     def _file(self, name: str):
         if name not in self._open:
             path = os.path.join(self.index.root, name)
-            data_file_size(path)  # a regular file, not a symbolic link (names were checked by read_index)
+            data_file_size(path, follow=False)  # a regular file, not a symbolic link (names were checked by read_index)
             self._open[name] = safe_open(path, framework="pt", device="cpu")
         return self._open[name]
 

@@ -163,13 +163,13 @@ def _check_headers(index: Index, uses: list[tuple[str, SavedBox]], headers: dict
             try:
                 expected = index.files.get(name)
                 try:
-                    size = data_file_size(path)
+                    size = data_file_size(path, index.follow_links)
                 except CheckpointError as e:
                     raise CheckpointError(f"{e} (it holds tensor '{key}')") from None
                 if expected is not None and size != expected:
                     raise CheckpointError(f"data file {path} has {size} bytes but the index records {expected} "
                                           f"(truncated or replaced; it holds tensor '{key}')")
-                headers[name] = read_header(path)
+                headers[name] = read_header(path, index.follow_links)
             except CheckpointError as e:
                 problems.append(str(e))
         header = headers[name]
@@ -199,7 +199,7 @@ def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | No
     for name, runs in sorted(by_file.items()):
         header = headers[name]
         path = os.path.join(index.root, name)
-        fd = open_for_ranges(path)
+        fd = open_for_ranges(path, index.follow_links)
         try:
             spans = []
             for run in runs:
@@ -242,7 +242,7 @@ def _read(index: Index, reads: list[_Read], headers: dict[str, Header | None],
         for name, items in by_file.items():
             path = os.path.join(index.root, name)
             header = headers[name]
-            fd = open_for_ranges(path)
+            fd = open_for_ranges(path, index.follow_links)
             sliced = None  # safe_open maps the file; opened only for pieces that need it
             direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
             try:

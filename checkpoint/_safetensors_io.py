@@ -160,12 +160,13 @@ class Header:
     metadata: dict[str, str]
 
 
-def data_file_size(path: str) -> int:
+def data_file_size(path: str, follow: bool = True) -> int:
     """The size of the data file ``path``, which must be a regular file: a `CheckpointError`
-    says when it is missing, a symbolic link (refused: it could point anywhere), not a regular
-    file, or unreadable."""
+    says when it is missing, not a regular file, unreadable, or (``follow=False``, as for every
+    file of a shardwise checkpoint) a symbolic link, refused because it could point anywhere.
+    Hugging Face folders (``follow=True``) are often symlinks into a download cache."""
     try:
-        st = os.lstat(path)
+        st = os.stat(path) if follow else os.lstat(path)
     except FileNotFoundError:
         raise CheckpointError(f"data file {path} is missing") from None
     except OSError as e:
@@ -178,12 +179,12 @@ def data_file_size(path: str) -> int:
     return st.st_size
 
 
-def open_for_ranges(path: str) -> int:
-    """An fd for reading byte ranges of the regular file ``path`` (never through a symbolic
-    link): the kernel is told not to read ahead past them (a read ahead of several MiB would
+def open_for_ranges(path: str, follow: bool = True) -> int:
+    """An fd for reading byte ranges of the regular file ``path`` (with ``follow=False`` never
+    through a symbolic link): the kernel is told not to read ahead past them (a read ahead of several MiB would
     otherwise pull in neighbouring boxes this rank does not need)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | (0 if follow else getattr(os, "O_NOFOLLOW", 0)))
     except FileNotFoundError:
         raise CheckpointError(f"data file {path} is missing") from None
     except OSError as e:
@@ -235,11 +236,11 @@ def _entry(path: str, key: Any, e: Any) -> Entry:
     return Entry(dtype, tuple(shape), offsets[0], offsets[1])
 
 
-def read_header(path: str) -> Header:
+def read_header(path: str, follow: bool = True) -> Header:
     """Parse and check a safetensors header; a `CheckpointError` names ``path`` on any problem,
     including a file shorter than its header declares (truncated). Nothing is allocated beyond
     what the file's size allows, and no byte of the file appears in a message."""
-    fd = open_for_ranges(path)
+    fd = open_for_ranges(path, follow)
     try:
         size = os.fstat(fd).st_size
         head = _pread(fd, 8, 0)

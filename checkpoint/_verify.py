@@ -76,14 +76,14 @@ def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
         if name not in index.files:
             problems.append(f"data file {file} is used by boxes but not listed in the index")
         try:
-            size = data_file_size(file)
+            size = data_file_size(file, follow=False)
         except CheckpointError as e:
             problems.append(str(e))
             continue
         if expected is not None and size != expected:
             problems.append(f"data file {file} has {size} bytes, the index records {expected} (truncated?)")
         try:
-            headers[name] = read_header(file)
+            headers[name] = read_header(file, follow=False)
         except CheckpointError as e:
             problems.append(str(e))
     nboxes = checked = 0
@@ -117,7 +117,7 @@ def _check_box(file: str, header: Header, b: SavedBox, itemsize: int) -> list[st
     e = header.entries[b.key]
     row_bytes = box_rows(b.box.sizes)[1] * itemsize
     chunk_bytes = b.chunk_rows * row_bytes if b.chunk_crc32 is not None else None
-    fd = open_for_ranges(file)
+    fd = open_for_ranges(file, follow=False)
     try:
         crc = crcs_of_range(fd, header.data_start + e.begin, header.data_start + e.end, file, chunk_bytes)
     except CheckpointError as err:
