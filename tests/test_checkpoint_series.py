@@ -190,3 +190,23 @@ def test_async_save_never_waited_for_warns_commits_nothing_and_leaves_nothing(tm
     assert "was never waited for" in done.stderr and "NOT committed" in done.stderr, done.stderr
     assert not os.path.exists(path)
     assert [n for n in os.listdir(tmp_path) if "incomplete" in n] == [], os.listdir(tmp_path)
+
+
+# -- Hugging Face folders may be symlinks into a download cache; checkpoint files may not ------
+
+def test_hugging_face_folder_of_symlinks_loads_but_a_symlinked_checkpoint_file_is_refused(tmp_path):
+    from shardwise.checkpoint import load_safetensors
+
+    save(_state(4.0), tmp_path / "ck")
+    merge_checkpoint(tmp_path / "ck", tmp_path / "blobs")
+    os.makedirs(tmp_path / "snapshot")
+    for name in os.listdir(tmp_path / "blobs"):  # the layout of a hub cache snapshot
+        os.symlink(tmp_path / "blobs" / name, tmp_path / "snapshot" / name)
+    target = {"w": torch.zeros(4, 3)}
+    load_safetensors(target, tmp_path / "snapshot")
+    assert torch.equal(target["w"], torch.full((4, 3), 4.0))
+    data = tmp_path / "ck" / "rank-00000.safetensors"
+    os.rename(data, tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", data)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        load(_state(0.0, 0), tmp_path / "ck")
