@@ -210,3 +210,18 @@ def test_hugging_face_folder_of_symlinks_loads_but_a_symlinked_checkpoint_file_i
     os.symlink(tmp_path / "elsewhere.safetensors", data)
     with pytest.raises(CheckpointError, match="symbolic link"):
         load(_state(0.0, 0), tmp_path / "ck")
+
+
+def test_a_permission_error_is_named_as_such(tmp_path, monkeypatch, capsys):
+    """(Tests run as root, where permissions do not stop reads: the error is injected.)"""
+    import shardwise.checkpoint._format as fmt
+
+    save(_state(1.0), tmp_path / "ck")
+
+    def denied(file, limit):
+        raise PermissionError(13, "Permission denied", file)
+
+    monkeypatch.setattr(fmt, "_read_regular", denied)
+    assert main(["merge", str(tmp_path / "ck"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "permission denied" in err and "index.json" in err and "No such file" not in err, err
