@@ -145,6 +145,7 @@ def _duplicate_key(path: str) -> None:
 CASES = {
     "nonexistent": (lambda p, o: __import__("shutil").rmtree(p), False),
     "no_index": (lambda p, o: os.remove(os.path.join(p, "index.json")), False),
+    "empty_dir": (lambda p, o: [os.remove(os.path.join(p, n)) for n in os.listdir(p)], False),
     "index_not_json": (lambda p, o: open(os.path.join(p, "index.json"), "w").write('{"format": "shardw'), False),
     "index_is_list": (lambda p, o: open(os.path.join(p, "index.json"), "w").write("[1, 2]"), False),
     "index_symlink_outside": (lambda p, o: (os.replace(os.path.join(p, "index.json"), os.path.join(o, "index.json")),
