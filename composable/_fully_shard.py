@@ -102,16 +102,27 @@ class FSDPModule:
         [Note: the unshard limit] in ``_state.py``."""
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"set_unshard_limit: limit must be an int >= 1, got {limit!r}")
-        self._fsdp_state().unshard_limit = limit
+        state = self._fsdp_state()
+        if state.root is not None and state.root is not state:
+            raise ValueError(f"set_unshard_limit: {type(self).__name__} is not the root unit (the module whose "
+                             "forward runs first, usually the whole model); call it on the root")
+        state.unshard_limit = limit
+        state._unshard_limit_set = True
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for s in self._units(recurse):
             s.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+        """As ``fully_shard(reshard_after_forward=...)``; takes effect from the next forward,
+        before or after the first step (an int ``k`` makes its subgroup then: collective over
+        the ranks of the unit's shard axis)."""
         for s in self._units(recurse):
-            s.reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, s.mesh)
-            s.user_reshard_after_forward = s.reshard_after_forward
+            value = _check_reshard_after_forward(reshard_after_forward, s.mesh)
+            s.user_reshard_after_forward = value
+            s.reshard_after_forward = (s.root is not s if s.root is not None else True) if value is None else value
+            if s.root is not None:  # lazy init done: it will not look at this again
+                s._setup_post_forward_group()
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Before this unit's forward, also issue the all-gathers of these units."""

@@ -95,6 +95,8 @@ class FSDPState:
         # root-only bookkeeping
         self.all_states: list[FSDPState] = []
         self.unshard_limit = 2
+        self._unshard_limit_set = False
+        self._subgroups: dict[tuple[int, ...], object] = {}  # rank set -> group, for int reshard_after_forward
         self._order: list[FSDPState] = []  # forward order of the previous step
         self._this_order: list[FSDPState] = []
         self._reduces = []  # PendingReduce in flight
@@ -128,14 +130,23 @@ class FSDPState:
         self.all_states = states
         if self.user_reshard_after_forward is None:
             self.reshard_after_forward = False
-        subgroups: dict[tuple[int, ...], object] = {}
+        limits = [s for s in states if s is not self and s._unshard_limit_set]
+        if limits:
+            raise ValueError(
+                f"set_unshard_limit was called on {len(limits)} unit(s) that are not the root (the root is the "
+                "module whose forward runs first, usually the whole model); call it on the root")
         for s in states:
-            s._setup_post_forward_group(subgroups)
+            s._setup_post_forward_group()
 
-    def _setup_post_forward_group(self, cache) -> None:
+    def _setup_post_forward_group(self) -> None:
+        """The subgroup an int ``reshard_after_forward`` reshards onto (none for a bool).
+        Called at lazy init and by ``set_reshard_after_forward`` after it (setters take effect
+        whenever they are called); subgroups are made once per rank set, kept on the root."""
         k = self.reshard_after_forward
+        self._post_forward_target = None
         if self.group is None or isinstance(k, bool):
             return
+        cache = self.root._subgroups
         g = self.group
         shard_ranks = dist.get_process_group_ranks(g.shard_group)
         start = (g.rank // k) * k
