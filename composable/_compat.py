@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-__all__ = ["set_local_tensor", "root_mesh"]
+__all__ = ["set_local_tensor", "root_mesh", "run_eagerly"]
 
 
 def set_local_tensor(param: DTensor, local: torch.Tensor) -> None:
@@ -28,3 +28,13 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
     Relies on: ``DeviceMesh._get_root_mesh()``."""
     return mesh._get_root_mesh()
+
+
+def run_eagerly(fn):
+    """``fn`` wrapped so that ``torch.compile`` never traces it: a compiled caller breaks its
+    graph there and calls ``fn`` as plain Python. Used for the unit's forward hooks, whose
+    collectives, storage resizes and parameter swaps must not enter a graph.
+
+    Relies on: ``torch.compiler.disable`` (public) making dynamo skip the function and
+    everything it calls; outside compilation the wrapper only calls ``fn``."""
+    return torch.compiler.disable(fn, recursive=True)

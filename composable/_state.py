@@ -47,6 +47,8 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ._compat import run_eagerly
+
 __all__ = ["FSDPState", "get_state"]
 
 _STATE_ATTR = "_shardwise_fsdp_state"
@@ -107,10 +109,16 @@ class FSDPState:
         self._pending_post_backward = 0
         self._in_backward = False
         self._handles = []
+        # [Note: hooks under torch.compile] compiling the module (``torch.compile(block)``,
+        # ``block.compile()``) makes dynamo trace ``_call_impl`` and with it these hooks; they
+        # unshard / reshard by storage resizes and parameter swaps that must not be captured in
+        # a graph. They run eagerly: dynamo breaks the graph around them and compiles the
+        # module's forward alone, as torch's FSDP2 does.
+        pre, post = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
         for m in modules:
             m.__dict__[_STATE_ATTR] = self
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post_forward))
+            self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(post))
 
     # -- lazy init ------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
