@@ -19,10 +19,14 @@ from tests._models import Net, batches, loss_fn, make_mesh
 TOL = 1e-6  # fp32 / fp64, relative: sums over ranks reorder additions
 
 
-def _shard(model, mesh):
+def _shard(model, mesh, impl="shardwise"):
+    if impl == "torch":  # the oracle: torch's FSDP2 on the same scenario
+        from torch.distributed.fsdp import fully_shard as shard
+    else:
+        shard = fully_shard
     for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        shard(b, mesh=mesh)
+    shard(model, mesh=mesh)
     return model
 
 
@@ -62,13 +66,13 @@ def _init_reset(model):
         model.scale.fill_(0.75)
 
 
-def _deferred(rank, world, style):
+def _deferred(rank, world, style, impl="shardwise"):
     mesh = make_mesh((world,))
     torch.manual_seed(0)
     ref = Net()
     with torch.device("meta"):
         model = Net()
-    _shard(model, mesh)
+    _shard(model, mesh, impl)
     model.to_empty(device="cpu")
     if style == "reset_parameters":
         # DTensor random ops on CPU draw per rank: the values differ from one process, so the
@@ -97,17 +101,29 @@ def _deferred(rank, world, style):
     return train_compare(ref, model, rank, world)
 
 
-@pytest.mark.parametrize("style", ["reset_parameters", "copy", "assign", "assign_full"])
-def test_meta_to_empty_then_init_trains_like_one_process(style):
-    for rank, (lerr, perr) in enumerate(run_ranks(_deferred, 4, style, timeout=90)):
-        assert lerr <= TOL and perr <= TOL, f"rank {rank}: loss err {lerr:.2e}, param err {perr:.2e}"
+STYLES = ("reset_parameters", "copy", "assign", "assign_full")
 
 
-def _convert(rank, world, how):
+def _styles(rank, world, impl, styles):
+    """Every init style in turn in the same rank processes."""
+    return {style: _deferred(rank, world, style, impl) for style in styles}
+
+
+@pytest.mark.parametrize("impl", ["shardwise", "torch"])
+def test_meta_to_empty_then_init_trains_like_one_process(impl):
+    """shardwise, and torch's FSDP2 as the oracle (full tensors with assign=True are a shardwise
+    extra: FSDP2 takes only DTensors there)."""
+    styles = STYLES if impl == "shardwise" else STYLES[:3]
+    for rank, results in enumerate(run_ranks(_styles, 4, impl, styles, timeout=120)):
+        for style, (lerr, perr) in results.items():
+            assert lerr <= TOL and perr <= TOL, f"{impl} {style} rank {rank}: loss {lerr:.2e}, param {perr:.2e}"
+
+
+def _convert(rank, world, how, impl="shardwise"):
     mesh = make_mesh((world,))
     torch.manual_seed(0)
     ref = Net()
-    model = _shard(copy.deepcopy(ref), mesh)
+    model = _shard(copy.deepcopy(ref), mesh, impl)
     if how == "double":
         model.double()
         ref.double()
@@ -129,10 +145,21 @@ def _convert(rank, world, how):
     return train_compare(ref, model, rank, world, dtype=dtype)
 
 
-@pytest.mark.parametrize("how", ["double", "to_float64_then_float", "to_device"])
-def test_dtype_and_device_conversion_after_fully_shard(how):
-    for rank, (lerr, perr) in enumerate(run_ranks(_convert, 4, how, timeout=90)):
-        assert lerr <= TOL and perr <= TOL, f"rank {rank}: loss err {lerr:.2e}, param err {perr:.2e}"
+def _conversions(rank, world, impl, hows):
+    return {how: _convert(rank, world, how, impl) for how in hows}
+
+
+@pytest.mark.parametrize("impl,hows", [
+    ("shardwise", ("double", "to_float64_then_float", "to_device")),
+    ("torch", ("double", "to_device")),
+    pytest.param("torch", ("to_float64_then_float",), marks=pytest.mark.xfail(
+        strict=False, reason="torch 2.13's FSDP2 keeps the first step's all-gather dtype: "
+        "'Expected out tensor to have dtype float, but got double'")),
+], ids=["shardwise", "torch", "torch-after-a-step"])
+def test_dtype_and_device_conversion_after_fully_shard(impl, hows):
+    for rank, results in enumerate(run_ranks(_conversions, 4, impl, hows, timeout=120)):
+        for how, (lerr, perr) in results.items():
+            assert lerr <= TOL and perr <= TOL, f"{impl} {how} rank {rank}: loss {lerr:.2e}, param {perr:.2e}"
 
 
 def _bf16(rank, world):
