@@ -35,7 +35,8 @@ def _full(model):
 
 
 def train_compare(ref, model, rank, world, dtype=torch.float32, steps=3, batch=8):
-    """Train both (AdamW); return (max relative loss error, max relative param error)."""
+    """Train both (AdamW), ``model`` on slice ``rank`` of ``world`` (its dp rank and size);
+    return (max relative loss error, max relative param error)."""
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per, worst = batch // world, 0.0
@@ -52,7 +53,7 @@ def train_compare(ref, model, rank, world, dtype=torch.float32, steps=3, batch=8
         opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        worst = max(worst, abs(mean.item() / world - rl.item()) / abs(rl.item()))
+        worst = max(worst, abs(mean.item() / dist.get_world_size() - rl.item()) / abs(rl.item()))
     got, want = _full(model), _full(ref)
     perr = max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)).item() for n in want)
     return worst, perr
@@ -215,3 +216,40 @@ def _bad_assign(rank, world):
 def test_assign_of_a_wrong_shape_is_a_clear_error():
     msg = run_ranks(_bad_assign, 2)[0]
     assert "size mismatch" in msg or "full tensor of shape" in msg, msg
+
+
+def _tp_fsdp(model, mesh):
+    from shardwise.composable import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return _shard(model, mesh["dp"])
+
+
+def _deferred_tp(rank, world, assign):
+    """meta -> TP on the blocks -> fully_shard on dp -> to_empty -> load_state_dict of the
+    DTensor state of an equal model (a sharded checkpoint), in place or with assign=True.
+    (On CPU, DTensor random init draws per rank, and distribute_tensor cannot build the
+    FSDP x TP _StridedShard layout: loading DTensor state is how such a model gets values.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = Net()
+    src = _tp_fsdp(copy.deepcopy(ref), mesh)
+    with torch.device("meta"):
+        model = Net()
+    _tp_fsdp(model, mesh)
+    model.to_empty(device="cpu")
+    model.load_state_dict(src.state_dict(), assign=assign)
+    del src
+    got, want = _full(model), _full(ref)
+    assert all(torch.equal(got[n], want[n]) for n in want), "full tensors after loading"
+    return train_compare(ref, model, mesh["dp"].get_local_rank(), 2)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_meta_to_empty_with_tensor_parallel_blocks(assign):
+    for rank, (lerr, perr) in enumerate(run_ranks(_deferred_tp, 4, assign, timeout=120)):
+        # 2e-6 on parameters: as tests/test_fsdp_tp.py, the TP partial sums add in another order
+        assert lerr <= TOL and perr <= 2e-6, f"rank {rank}: loss {lerr:.2e}, param {perr:.2e}"
