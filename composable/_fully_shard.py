@@ -54,6 +54,17 @@ class FSDPModule:
                 out.append(s)
         return out
 
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``to_empty``, ``.to(dtype / device)``, ``.float()``, ...) with
+        the unit resharded first and its parameters re-adopted after: the conversion replaces
+        the sharded parameters' local tensors, which must become the unit's storage again.
+        See [Note: re-adopting parameters] in ``_param_group.py``."""
+        state = self._fsdp_state()
+        _reshard_for_update(state, "module._apply (.to(), to_empty(), .float(), ...)")
+        out = super()._apply(fn, recurse)
+        _readopt(state)
+        return out
+
     def unshard(self, async_op: bool = False):
         """All-gather this unit's parameters now. With ``async_op=True`` return a handle whose
         ``wait()`` finishes it; otherwise return None once done."""
@@ -91,16 +102,27 @@ class FSDPModule:
         [Note: the unshard limit] in ``_state.py``."""
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"set_unshard_limit: limit must be an int >= 1, got {limit!r}")
-        self._fsdp_state().unshard_limit = limit
+        state = self._fsdp_state()
+        if state.root is not None and state.root is not state:
+            raise ValueError(f"set_unshard_limit: {type(self).__name__} is not the root unit (the module whose "
+                             "forward runs first, usually the whole model); call it on the root")
+        state.unshard_limit = limit
+        state._unshard_limit_set = True
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for s in self._units(recurse):
             s.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+        """As ``fully_shard(reshard_after_forward=...)``; takes effect from the next forward,
+        before or after the first step (an int ``k`` makes its subgroup then: collective over
+        the ranks of the unit's shard axis)."""
         for s in self._units(recurse):
-            s.reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, s.mesh)
-            s.user_reshard_after_forward = s.reshard_after_forward
+            value = _check_reshard_after_forward(reshard_after_forward, s.mesh)
+            s.user_reshard_after_forward = value
+            s.reshard_after_forward = (s.root is not s if s.root is not None else True) if value is None else value
+            if s.root is not None:  # lazy init done: it will not look at this again
+                s._setup_post_forward_group()
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """Before this unit's forward, also issue the all-gathers of these units."""
@@ -109,6 +131,32 @@ class FSDPModule:
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         """Before this unit's backward, also issue the all-gathers of these units."""
         self._fsdp_state().backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+
+def _reshard_for_update(state: FSDPState, what: str) -> None:
+    g = state.group
+    if g is None or not (g.is_unsharded or g.unshard_pending):
+        return
+    if state._in_backward:
+        raise RuntimeError(f"fully_shard({g.label}): {what} during backward; call it between steps")
+    g.reshard()
+
+
+def _readopt(state: FSDPState) -> None:
+    if state.group is None:
+        return
+    state.group.readopt()
+    for sp in state.group.params:  # swap_tensors swaps __dict__ too: put the mark back
+        if getattr(sp.sharded, _OWNER_ATTR, None) is None:
+            setattr(sp.sharded, _OWNER_ATTR, sp.owner)
+
+
+def _load_pre_hook(module, *args) -> None:
+    _reshard_for_update(get_state(module), "load_state_dict")
+
+
+def _load_post_hook(module, incompatible_keys) -> None:
+    _readopt(get_state(module))
 
 
 def _state_of(module: nn.Module, where: str) -> FSDPState:
@@ -300,10 +348,15 @@ def fully_shard(
     state = FSDPState(modules, group, mesh, reshard_after_forward, mp_policy)
     if group is not None:
         for (fqn, p, _), sp in zip(entries, group.params):
-            setattr(p, _OWNER_ATTR, f"'{fqn}' of the unit fully_shard({label})")
-            setattr(sp.sharded, _OWNER_ATTR, getattr(p, _OWNER_ATTR))
+            sp.owner = f"'{fqn}' of the unit fully_shard({label})"
+            setattr(p, _OWNER_ATTR, sp.owner)
+            setattr(sp.sharded, _OWNER_ATTR, sp.owner)
             sp.register(unsharded=False)
     for m in modules:
+        # load_state_dict(assign=True) replaces parameters: re-adopt them (the hooks find the
+        # state on the module, so a copied module does not reach back to this one)
+        m.register_load_state_dict_pre_hook(_load_pre_hook)
+        m.register_load_state_dict_post_hook(_load_post_hook)
         m.__class__ = _fsdp_class(type(m))
     return module
 

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["mesh_device", "all_gather_single", "reduce_scatter_single"]
+__all__ = ["mesh_device", "same_mesh", "all_gather_single", "reduce_scatter_single"]
 
 # torch 2.13 names the flat-tensor collectives ``all_gather_single`` / ``reduce_scatter_single``
 # and deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, the names that older
@@ -32,3 +32,14 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = getattr(torch, mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
+
+
+def same_mesh(a: DeviceMesh, b: DeviceMesh) -> bool:
+    """Whether ``a`` and ``b`` are the same mesh *by value*: device type, axis names and rank
+    layout. Never compare meshes by identity: building an equal mesh again (a second model, an
+    evaluation job, a process reused by tests) gives a new object, and DTensor's caches may
+    hand back either."""
+    if a is b:
+        return True
+    return (a.device_type == b.device_type and a.mesh_dim_names == b.mesh_dim_names
+            and tuple(a.mesh.shape) == tuple(b.mesh.shape) and torch.equal(a.mesh, b.mesh))

@@ -32,6 +32,19 @@ all-gathered ``[W, B]`` matrix instead of ``1/W``: rank ``r`` keeps rows
 ``[j * W/k, (j+1) * W/k)`` with ``j = r mod k``, and the backward all-gather runs over the ``k``
 consecutive ranks ``{k * (r // k), ..., k * (r // k) + k - 1}`` (usually one host), which
 reassembles the same ``[W, B]`` matrix in the same order.
+
+[Note: re-adopting parameters]
+What the module holds between steps is the sharded parameter, a DTensor whose local tensor is
+a view of ``sharded_bytes``. ``nn.Module._apply`` (``to_empty``, ``.to(dtype / device)``,
+``.float()``...) swaps a new local tensor into that same Parameter object, and
+``load_state_dict(assign=True)`` registers a new Parameter; either way the unit's buffer, the
+offsets computed from the dtypes and the unsharded parameters would go stale (an all-gather
+of meta or old fp32 bytes). ``FSDPModule._apply`` and a load-state-dict post-hook therefore
+call ``readopt``: it recomputes the byte layout from the new dtypes, takes the new device as
+the storage device, allocates a new buffer, copies each new local tensor (or the rows of a
+full tensor) into it and points the parameter -- the same object when it was swapped, so an
+optimizer built earlier keeps working -- at its segment. Unchanged parameters cost one
+pointer comparison each; this never runs during a step.
 """
 
 from __future__ import annotations
@@ -106,11 +119,7 @@ class ParamGroup:
                    for _, p, _ in entries]
         dtypes = [p.dtype for _, p, _ in entries]
         cdtypes = [mp.param_dtype or d for d in dtypes]
-        sizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, dtypes)]
-        self.master_offsets, self.master_bytes = _byte_layout(sizes, max(d.itemsize for d in dtypes))
-        csizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, cdtypes)]
-        self.ag_offsets, self.ag_bytes = _byte_layout(csizes, max(d.itemsize for d in cdtypes))
-        self.zero_copy = cdtypes == dtypes and self.storage_device == self.compute_device
+        self._plan_bytes(layouts, dtypes, cdtypes)
         alias = self.world == 1 and self.zero_copy  # [Note: a shard of one rank]
         self.sharded_bytes = self._new_storage()
         self.params = [
@@ -123,6 +132,41 @@ class ParamGroup:
         self._post_forward = None  # (bytes, group) kept by reshard(to=...)
 
     # -- storage ---------------------------------------------------------------------------
+    def _plan_bytes(self, layouts, dtypes, cdtypes) -> None:
+        sizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, dtypes)]
+        self.master_offsets, self.master_bytes = _byte_layout(sizes, max(d.itemsize for d in dtypes))
+        csizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, cdtypes)]
+        self.ag_offsets, self.ag_bytes = _byte_layout(csizes, max(d.itemsize for d in cdtypes))
+        self.zero_copy = cdtypes == dtypes and self.storage_device == self.compute_device
+
+    def readopt(self) -> None:
+        """Re-adopt the parameters the modules hold now, after ``nn.Module._apply`` or
+        ``load_state_dict(assign=True)`` replaced them or their local tensors: see
+        [Note: re-adopting parameters]. Nothing to do (and no copy) when they are unchanged.
+        Call it resharded (the sharded parameters registered)."""
+        current = [p.registered() for p in self.params]
+        if all(p.owns(c) for p, c in zip(self.params, current)):
+            return
+        locals_ = [c.to_local() if isinstance(c, DTensor) else c for c in current]
+        devices = {t.device for t in locals_}
+        if len(devices) > 1:
+            raise ValueError(
+                f"fully_shard({self.label}): after .to()/load_state_dict the unit's parameters are on several "
+                f"devices {sorted(map(str, devices))}; move the whole unit (call .to() on its module)")
+        self.storage_device = devices.pop()
+        dtypes = [t.dtype for t in locals_]
+        for p, d in zip(self.params, dtypes):
+            p.orig_dtype, p.compute_dtype = d, self.mp.param_dtype or d
+        self._plan_bytes([p.layout for p in self.params], dtypes, [p.compute_dtype for p in self.params])
+        alias = self.world == 1 and self.zero_copy
+        self.sharded_bytes = self._new_storage()
+        for p, c, o in zip(self.params, current, self.master_offsets):
+            p.alias = alias
+            p.adopt(c, self._segment(o, p.layout, p.orig_dtype))
+            p.register(unsharded=False)
+        self.buckets = self._make_buckets()
+        self._post_forward = None
+
     def _new_storage(self) -> torch.Tensor:
         t = torch.zeros(self.master_bytes, dtype=torch.uint8, device=self.storage_device)
         return t.pin_memory() if self.pin and t.device.type == "cpu" else t

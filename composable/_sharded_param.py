@@ -51,7 +51,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._compat import root_mesh, set_local_tensor
 from ._layout import DimZeroLayout, scatter_rows
+from ._mesh_utils import same_mesh
 
 __all__ = ["ShardedParam"]
 
@@ -78,6 +80,7 @@ class ShardedParam:
         alias: bool = False,
     ) -> None:
         self.alias = alias  # see [Note: a shard of one rank]
+        self.owner: str | None = None  # "'fqn' of the unit ...", set by fully_shard
         self.fqn = fqn
         self.uses = uses
         self.layout = layout
@@ -99,16 +102,20 @@ class ShardedParam:
             self.mesh, self.placements, self.global_shape = mesh, dp, layout.shape
             data = param.detach()
         self.global_stride = torch.empty(self.global_shape, device="meta").stride()
-        local = torch.empty(layout.shape, dtype=compute_dtype, device=compute_device)
+        self.compute_device = compute_device
+        self._new_unsharded()
+        self.set_storage(padded, None if param.device.type == "meta" else data)
+
+    def _new_unsharded(self) -> None:
+        local = torch.empty(self.layout.shape, dtype=self.compute_dtype, device=self.compute_device)
         if self.tp_mesh is not None:
             local = DTensor.from_local(local, self.tp_mesh, self.tp_placements, run_check=False,
                                        shape=torch.Size(self.global_shape), stride=self.global_stride)
-        self.unsharded = nn.Parameter(local, requires_grad=param.requires_grad)
+        self.unsharded = nn.Parameter(local, requires_grad=self.requires_grad)
         self.free_unsharded()
-        self.set_storage(padded, None if param.device.type == "meta" else data)
 
     # -- layouts ---------------------------------------------------------------------------
-    def set_storage(self, padded: torch.Tensor, full: torch.Tensor | None) -> None:
+    def set_storage(self, padded: torch.Tensor, full: torch.Tensor | None, keep_sharded: bool = False) -> None:
         """Point the sharded parameter at ``padded`` (and fill it with this rank's rows of
         ``full`` when given). Used at construction and when materialising from meta."""
         self.padded = padded
@@ -117,12 +124,75 @@ class ShardedParam:
                 scatter_rows(self.layout, full, padded.view(1, -1), self.shard_rank, self.shard_rank + 1)
         n = self.layout.shard_rows(self.shard_rank) * self.layout.row_numel
         local = padded[:n].view(self.layout.shard_shape(self.shard_rank))
-        self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
+        if not keep_sharded:
+            self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
         if self.alias:
             full = local if self.tp_mesh is None else DTensor.from_local(
                 local, self.tp_mesh, self.tp_placements, run_check=False,
                 shape=torch.Size(self.global_shape), stride=self.global_stride)
             self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
+
+    def registered(self):
+        """The tensor the module holds under this parameter's first name now."""
+        module, name = self.uses[0]
+        return module._parameters[name]
+
+    def owns(self, param) -> bool:
+        """Whether ``param`` is the sharded parameter, still a view of ``padded``."""
+        if param is not self.sharded or not isinstance(param, DTensor):
+            return False
+        local = param.to_local()
+        return (local.dtype == self.padded.dtype and local.device == self.padded.device
+                and local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr())
+
+    def adopt(self, param, padded: torch.Tensor) -> None:
+        """Take ``param`` as the sharded parameter, its values copied into ``padded`` (this
+        parameter's new segment of the unit's buffer, in ``param``'s dtype). ``param`` is what
+        the module holds now: the sharded parameter whose local tensor ``nn.Module._apply``
+        replaced (kept as the same object: the optimizer may hold it), or what
+        ``load_state_dict(assign=True)`` put there: a DTensor of this parameter's layout, or
+        the full tensor. See [Note: re-adopting parameters] in ``_param_group.py``."""
+        rank = self.shard_rank
+        n = self.layout.shard_rows(rank) * self.layout.row_numel
+        local = padded[:n].view(self.layout.shard_shape(rank))
+        if isinstance(param, DTensor):
+            self._check_layout(param)
+            src = param.to_local()
+            if padded.device.type != "meta" and src.device.type != "meta":
+                with torch.no_grad():
+                    local.copy_(src)
+                    padded[n:].zero_()
+            set_local_tensor(param, local)
+            self.sharded = param if isinstance(param, nn.Parameter) else nn.Parameter(param, param.requires_grad)
+        else:
+            if self.tp_mesh is not None or tuple(param.shape) != self.global_shape:
+                raise ValueError(
+                    f"fully_shard: '{self.fqn}' was replaced by a {type(param).__name__} of shape {tuple(param.shape)}; "
+                    f"it takes a DTensor like the sharded parameter (distribute_tensor(full, p.device_mesh, "
+                    f"p.placements)) or, without tensor parallelism, the full tensor of shape {self.global_shape}")
+            if padded.device.type != "meta" and param.device.type != "meta":
+                with torch.no_grad():
+                    scatter_rows(self.layout, param, padded.view(1, -1), rank, rank + 1)
+            self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
+        self.padded = padded
+        self.requires_grad = self.sharded.requires_grad
+        self.orig_dtype = padded.dtype
+        if self.alias:
+            self.set_storage(padded, None, keep_sharded=True)
+        elif (self.unsharded_data().dtype, self.unsharded_data().device) != (self.compute_dtype, self.compute_device):
+            self._new_unsharded()
+        elif self.unsharded.requires_grad != self.requires_grad:
+            self.unsharded.requires_grad_(self.requires_grad)
+
+    def _check_layout(self, param: DTensor) -> None:
+        if (tuple(param.shape) != self.global_shape or tuple(param.placements) != tuple(self.placements)
+                or not same_mesh(param.device_mesh, self.mesh)):
+            raise ValueError(
+                f"fully_shard: '{self.fqn}' was replaced by a DTensor of shape {tuple(param.shape)}, placements "
+                f"{tuple(param.placements)} on mesh {param.device_mesh}; the unit shards it as shape "
+                f"{self.global_shape}, placements {tuple(self.placements)} on mesh {self.mesh}. Build the new value "
+                "with distribute_tensor(full, p.device_mesh, p.placements) from the sharded parameter p, or pass "
+                "the full tensor.")
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
@@ -195,8 +265,12 @@ class ShardedParam:
 def _combined_mesh(dp_mesh, tp_mesh):
     """The ``(dp axes..., tp axis)`` mesh of the root mesh both were sliced from."""
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
-    root = dp_mesh._get_root_mesh()
-    if not dp_names or not tp_names or tp_mesh._get_root_mesh() is not root:
+    root = root_mesh(dp_mesh)
+    names = root.mesh_dim_names or ()
+    # by value, never identity: an equal mesh built again (a second model, DTensor's caches
+    # handing back the first mesh's slice) is the same mesh
+    if (not dp_names or not tp_names or not set(tp_names) <= set(names)
+            or not same_mesh(root[tp_names], tp_mesh)):
         raise ValueError(
             "fully_shard: a tensor-parallel parameter needs the data-parallel mesh and its TP mesh to be named "
             "slices of one mesh, e.g. mesh = init_mesh(dp_shard=2, tp=2); parallelize_module(m, mesh['tp'], plan); "

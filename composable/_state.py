@@ -47,6 +47,8 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ._compat import run_eagerly
+
 __all__ = ["FSDPState", "get_state"]
 
 _STATE_ATTR = "_shardwise_fsdp_state"
@@ -95,6 +97,8 @@ class FSDPState:
         # root-only bookkeeping
         self.all_states: list[FSDPState] = []
         self.unshard_limit = 2
+        self._unshard_limit_set = False
+        self._subgroups: dict[tuple[int, ...], object] = {}  # rank set -> group, for int reshard_after_forward
         self._order: list[FSDPState] = []  # forward order of the previous step
         self._this_order: list[FSDPState] = []
         self._reduces = []  # PendingReduce in flight
@@ -105,10 +109,16 @@ class FSDPState:
         self._pending_post_backward = 0
         self._in_backward = False
         self._handles = []
+        # [Note: hooks under torch.compile] compiling the module (``torch.compile(block)``,
+        # ``block.compile()``) makes dynamo trace ``_call_impl`` and with it these hooks; they
+        # unshard / reshard by storage resizes and parameter swaps that must not be captured in
+        # a graph. They run eagerly: dynamo breaks the graph around them and compiles the
+        # module's forward alone, as torch's FSDP2 does.
+        pre, post = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
         for m in modules:
             m.__dict__[_STATE_ATTR] = self
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post_forward))
+            self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(post))
 
     # -- lazy init ------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -128,14 +138,23 @@ class FSDPState:
         self.all_states = states
         if self.user_reshard_after_forward is None:
             self.reshard_after_forward = False
-        subgroups: dict[tuple[int, ...], object] = {}
+        limits = [s for s in states if s is not self and s._unshard_limit_set]
+        if limits:
+            raise ValueError(
+                f"set_unshard_limit was called on {len(limits)} unit(s) that are not the root (the root is the "
+                "module whose forward runs first, usually the whole model); call it on the root")
         for s in states:
-            s._setup_post_forward_group(subgroups)
+            s._setup_post_forward_group()
 
-    def _setup_post_forward_group(self, cache) -> None:
+    def _setup_post_forward_group(self) -> None:
+        """The subgroup an int ``reshard_after_forward`` reshards onto (none for a bool).
+        Called at lazy init and by ``set_reshard_after_forward`` after it (setters take effect
+        whenever they are called); subgroups are made once per rank set, kept on the root."""
         k = self.reshard_after_forward
+        self._post_forward_target = None
         if self.group is None or isinstance(k, bool):
             return
+        cache = self.root._subgroups
         g = self.group
         shard_ranks = dist.get_process_group_ranks(g.shard_group)
         start = (g.rank // k) * k

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from .._mesh_utils import all_gather_single
+from .._mesh_utils import all_gather_single, same_mesh
 
 __all__ = [
     "normalize",
@@ -129,7 +129,7 @@ def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placement: Placement, *,
     No data moves.
     """
     if isinstance(x, DTensor):
-        if x.device_mesh != mesh:
+        if not same_mesh(x.device_mesh, mesh):  # by value, never identity
             raise ValueError(f"input DTensor lives on {x.device_mesh}, the module on {mesh}; "
                              "redistribute it onto the tensor-parallel mesh first")
         return x
