@@ -16,9 +16,8 @@ narrows the list of the dimension it shards (`_RULES`, one function per placemen
 placement adds an entry there). A shard is then the product over dimensions of the maximal
 runs of consecutive indices, each run a box; runs keep their position in the local tensor.
 
-Replicated data is written once: of the ranks holding the same data, the one with coordinate 0
-on every mesh axis that does not shard the tensor writes it (`writes_data`). Plain tensors
-(not DTensors) are written by global rank 0.
+Which rank writes a box is decided over the whole world, not from the DTensor's own mesh:
+see [Note: one writer per box over the world] in ``_owners.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard, _
 
 from ._comm import CheckpointError
 
-__all__ = ["Box", "LocalBox", "boxes_for", "local_boxes", "writes_data", "layout_of"]
+__all__ = ["Box", "LocalBox", "boxes_for", "local_boxes", "layout_of"]
 
 
 @dataclass(frozen=True)
@@ -177,16 +176,6 @@ def local_boxes(t: torch.Tensor) -> list[LocalBox]:
             return []
         return [LocalBox(Box(tuple(offset), tuple(shape)), (0,) * len(shape))]
     return boxes_for(tuple(t.shape), tuple(mesh.shape), coord, placements)
-
-
-def writes_data(t: torch.Tensor, rank: int) -> bool:
-    """Whether this rank writes its part of ``t`` (one writer per distinct piece of data)."""
-    if not isinstance(t, DTensor):
-        return rank == 0
-    coord = t.device_mesh.get_coordinate()
-    if coord is None:
-        return False
-    return all(c == 0 for c, p in zip(coord, t.placements) if not isinstance(p, (Shard, _StridedShard)))
 
 
 def layout_of(t: torch.Tensor) -> dict | None:

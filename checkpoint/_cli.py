@@ -2,12 +2,17 @@
 
     inspect DIR [--json]                 tensors, layouts, sizes, the world size it came from
     verify DIR                           every box present, sizes and checksums match (exit 1 if not)
-    merge DIR OUT [--prefix P] [--max-shard-size 5GB]
+    merge DIR OUT [--prefix P] [--max-shard-size 5GB] [--replace]
                                          full tensors as Hugging Face safetensors files
-    reshard DIR OUT --world-size N       a checkpoint laid out for N ranks
+    reshard DIR OUT --world-size N [--replace]
+                                         a checkpoint laid out for N ranks
 
-Every command works on one machine without torch.distributed. Errors print one message and
-exit with status 1 (2 for wrong usage).
+Every command works on one machine without torch.distributed. Exit status: 0 when all is
+well; 1 on any problem, each printed as one line on stderr that names the file and the
+problem (never a traceback: an unexpected exception is one line too); 2 for wrong usage;
+3 from ``verify`` when no problem was found but something could not be checked (a box or
+an index without a checksum). ``inspect`` reads only the index and the data files' sizes
+and headers (never their data) and exits 1 if those show a problem.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from datetime import datetime, timezone
 
 from ._comm import CheckpointError
 from ._format import Index, dtype_name, read_index
+from ._safetensors_io import DTYPE_CODES, data_file_size, read_header
+from ._tiling import distinct_boxes, tiling_problem
 from ._offline import merge_checkpoint, reshard_checkpoint
 from ._verify import verify_checkpoint
 
@@ -71,8 +78,44 @@ def _summary(index: Index) -> dict:
     }
 
 
+def _index_problems(index: Index) -> list[str]:
+    """What the index and the data files' sizes and headers show, without reading any data:
+    sizes as recorded, headers valid and holding every box's key with its dtype and shape,
+    every tensor tiled exactly, every box with a checksum."""
+    problems, root, headers = [], index.root, {}
+    for name, expected in sorted(index.files.items()):
+        file = os.path.join(root, name)
+        try:
+            size = data_file_size(file, follow=False)
+            if expected is not None and size != expected:
+                problems.append(f"data file {file} has {size} bytes, the index records {expected} (truncated?)")
+            else:
+                headers[name] = read_header(file, follow=False)
+        except CheckpointError as e:
+            problems.append(str(e))
+    for key, t in index.tensors.items():
+        gap = tiling_problem(t.shape, [t.boxes[i].box for i in distinct_boxes([b.box for b in t.boxes])])
+        if gap:
+            problems.append(f"{os.path.join(root, 'index.json')}: tensor '{key}': {gap}")
+        for b in t.boxes:
+            e = headers[b.file].entries.get(b.key) if b.file in headers else None
+            where = f"data file {os.path.join(root, b.file)}: tensor '{key}' box at {list(b.box.offsets)}"
+            if b.file in headers and (e is None or e.dtype != DTYPE_CODES[t.dtype] or e.shape != b.box.sizes):
+                problems.append(f"{where}: the file does not hold key '{b.key}' as {DTYPE_CODES[t.dtype]} "
+                                f"{list(b.box.sizes)}")
+            if b.crc32 is None and b.chunk_crc32 is None:
+                problems.append(f"{where}: the index records no checksum for it (crc32 null), which shardwise never "
+                                "writes")
+    return problems
+
+
 def _inspect(args) -> int:
     index = read_index(os.path.abspath(args.path))
+    problems = _index_problems(index)
+    if problems:
+        for p in problems:
+            _error(p)
+        return 1
     s = _summary(index)
     if args.json:
         print(json.dumps(s, indent=1))
@@ -95,14 +138,19 @@ def _inspect(args) -> int:
 
 def _verify(args) -> int:
     report = verify_checkpoint(args.path)
-    if report.ok:
+    if report.fully_checked:
         print(f"OK {report.path}: {report.tensors} tensors, {report.boxes} boxes, "
               f"{_human(report.bytes_checked)} checksummed")
         return 0
-    print(f"FAILED {report.path}: {len(report.problems)} problems", file=sys.stderr)
     for p in report.problems:
-        print(f"  {p}", file=sys.stderr)
-    return 1
+        _error(p)
+    for u in report.unchecked:
+        _error(f"NOT CHECKED: {u}")
+    if report.problems:
+        return 1
+    print(f"NOT FULLY CHECKED {report.path}: no problem found in what could be checked ({report.tensors} tensors, "
+          f"{_human(report.bytes_checked)} checksummed), but {len(report.unchecked)} parts have no checksum")
+    return 3
 
 
 def _progress(args) -> bool:
@@ -111,13 +159,13 @@ def _progress(args) -> bool:
 
 def _merge(args) -> int:
     names = merge_checkpoint(args.path, args.out, prefix=args.prefix, max_shard_bytes=args.max_shard_size,
-                             progress=_progress(args))
+                             progress=_progress(args), replace=args.replace)
     print(f"wrote {len(names)} safetensors files and model.safetensors.index.json to {os.path.abspath(args.out)}")
     return 0
 
 
 def _reshard(args) -> int:
-    reshard_checkpoint(args.path, args.out, args.world_size, progress=_progress(args))
+    reshard_checkpoint(args.path, args.out, args.world_size, progress=_progress(args), replace=args.replace)
     print(f"wrote a checkpoint for {args.world_size} ranks to {os.path.abspath(args.out)}")
     return 0
 
@@ -140,20 +188,32 @@ def _parser() -> argparse.ArgumentParser:
                    "(e.g. 'model/')")
     c.add_argument("--max-shard-size", type=_size, default=5 * 10**9, help="bytes per output file (default 5GB)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar (none when stderr is not a terminal)")
+    c.add_argument("--replace", action="store_true", help="replace OUT if it is an earlier merge output (files added "
+                   "to it are kept)")
     c.set_defaults(run=_merge)
     c = sub.add_parser("reshard", help="rewrite for another number of ranks (dim-0 shards)")
     c.add_argument("path")
     c.add_argument("out")
     c.add_argument("--world-size", type=int, required=True)
     c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--replace", action="store_true", help="replace OUT if it is a shardwise checkpoint")
     c.set_defaults(run=_reshard)
     return p
+
+
+def _error(message: str) -> None:
+    """One line on stderr (a message of several lines is joined)."""
+    print("error: " + " ".join(part.strip() for part in str(message).splitlines()), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except (CheckpointError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except CheckpointError as e:
+        _error(str(e))
+    except OSError as e:
+        _error(f"{e.filename or args.path}: {e.strerror or type(e).__name__}")
+    except (Exception, RecursionError) as e:  # e.g. MemoryError: still one line, never a traceback
+        _error(f"{args.path}: {type(e).__name__} while running {args.command} (a damaged checkpoint? run verify)")
+    return 1

@@ -15,8 +15,10 @@ do, anything that is not a complete checkpoint of a version this code reads.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ FORMAT_NAME = "shardwise.checkpoint"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 INCOMPLETE_MARK = ".incomplete-"
+CHECKSUM_FIELD = "index_sha256"
 
 
 def data_file_name(rank: int) -> str:
@@ -49,7 +52,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def dtype_from_name(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or dtype not in DTYPE_CODES:
-        raise CheckpointError(f"unknown dtype {name!r} in the checkpoint index")
+        raise CheckpointError(f"unknown dtype {str(name)[:40]!r} in the checkpoint index")
     return dtype
 
 
@@ -94,6 +97,9 @@ class Index:
     world_size: int | None = None
     created_unix_ns: int | None = None
     version: int = FORMAT_VERSION
+    checksummed: bool = False  # the index carried its own checksum and it matched
+    save_id: str | None = None  # the save that wrote it (rotation compares it with the series record)
+    follow_links: bool = True  # False for a shardwise checkpoint: its data files must not be symlinks
 
 
 def _box_to_json(b: SavedBox) -> dict:
@@ -105,29 +111,56 @@ def _box_to_json(b: SavedBox) -> dict:
     return out
 
 
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _ints(v, what: str) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-        raise ValueError(f"{what} must be a list of non-negative integers, got {v!r}")
+        raise ValueError(f"{what} must be a list of non-negative integers, got {_short(v)}")
     return tuple(v)
 
 
+def plain_file_name(name: Any) -> bool:
+    """Whether ``name`` may name a data file: a plain file name inside the checkpoint directory
+    (no directory part, not absolute, not ``.``/``..``, no NUL, not hidden)."""
+    return (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and "\\" not in name
+            and "\0" not in name and not name.startswith("."))
+
+
+def _file_of(b: dict, tensor: str) -> str:
+    name = b.get("file")
+    if not plain_file_name(name):
+        raise CheckpointError(f"tensor '{tensor}': data file name {_short(name)} is not a plain file name inside the "
+                              "checkpoint directory (absolute, '..', a sub-directory or hidden); refusing to read it")
+    return name
+
+
 def _box_from_json(b: dict, tensor: str, file: str) -> SavedBox:
+    if not isinstance(b, dict):
+        raise ValueError(f"tensor '{tensor}': a box must be an object, got {_short(b)}")
     box = Box(_ints(b["offsets"], f"tensor '{tensor}': 'offsets'"), _ints(b["sizes"], f"tensor '{tensor}': 'sizes'"))
-    crc = None if b.get("crc32") is None else int(b["crc32"], 16)
+    name, key, crc = _file_of(b, tensor), b["key"], b.get("crc32")
+    if not isinstance(key, str):
+        raise ValueError(f"tensor '{tensor}': box 'key' must be a string, got {_short(key)}")
+    if crc is not None and not (isinstance(crc, str) and len(crc) == 8 and all(c in "0123456789abcdef" for c in crc)):
+        raise ValueError(f"tensor '{tensor}': box 'crc32' must be 8 lowercase hex digits or null, got {_short(crc)}")
+    crc = None if crc is None else int(crc, 16)
     rows, chunks = b.get("chunk_rows"), b.get("chunk_crc32")
     if rows is None and chunks is None:
-        return SavedBox(box, b["file"], b["key"], crc)
-    where = f"{file} is damaged: tensor '{tensor}' box at {list(box.offsets)} (key '{b['key']}')"
+        return SavedBox(box, name, key, crc)
+    where = f"{file} is damaged: tensor '{tensor}' box at {list(box.offsets)} (key '{key}')"
     if rows is None or chunks is None:
         raise CheckpointError(f"{where} has only one of 'chunk_rows' and 'chunk_crc32'; both or neither are needed")
     total = box_rows(box.sizes)[0]
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
-        raise CheckpointError(f"{where}: 'chunk_rows' must be an integer >= 1, got {rows!r}")
+        raise CheckpointError(f"{where}: 'chunk_rows' must be an integer >= 1, got {_short(rows)}")
     try:
         crcs = crcs_from_hex(chunks, chunk_count(total, rows))
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e} (a box of {total} rows in chunks of {rows} rows)") from None
-    return SavedBox(box, b["file"], b["key"], crc, rows, crcs)
+    return SavedBox(box, name, key, crc, rows, crcs)
 
 
 def index_to_json(index: Index) -> dict:
@@ -139,7 +172,7 @@ def index_to_json(index: Index) -> dict:
             "layout": t.layout,
             "boxes": [_box_to_json(b) for b in t.boxes],
         }
-    return {
+    obj = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "created_unix_ns": index.created_unix_ns,
@@ -147,7 +180,17 @@ def index_to_json(index: Index) -> dict:
         "files": {name: {"bytes": size} for name, size in sorted(index.files.items())},
         "tensors": tensors,
         "values": index.values,
+        **({"save_id": index.save_id} if index.save_id is not None else {}),
     }
+    obj[CHECKSUM_FIELD] = index_checksum(obj)
+    return obj
+
+
+def index_checksum(obj: dict) -> str:
+    """SHA-256 of the index without its own checksum field, as canonical JSON (sorted keys, no
+    spaces, ASCII): it covers every field, plain values included. See checkpoint-format.md."""
+    body = {k: v for k, v in obj.items() if k != CHECKSUM_FIELD}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def format_index(obj: dict) -> str:
@@ -176,45 +219,151 @@ def write_json(path: str, text: str) -> None:
 
 
 def _describe_non_checkpoint(path: str) -> str:
-    if not os.path.exists(path):
+    try:
+        os.stat(path)
+        names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    except PermissionError:
+        return f"{path}: permission denied (it may exist; this user cannot read it)"
+    except OSError:
         return f"{path} does not exist"
     if not os.path.isdir(path):
         return f"{path} is a file, not a checkpoint directory"
     if INCOMPLETE_MARK in os.path.basename(os.path.normpath(path)):
         return (f"{path} is an incomplete save (the saving job stopped before committing it; see the "
                 "checkpoint with the same name without '.incomplete-...'); load the previous checkpoint instead")
-    names = sorted(os.listdir(path))
     if any(n.endswith(".safetensors") for n in names):
         return (f"{path} has safetensors files but no {INDEX_FILE}, so it is not a shardwise checkpoint (an "
                 "incomplete save or a Hugging Face folder? for the latter use load_safetensors)")
     return f"{path} is not a shardwise checkpoint: it has no {INDEX_FILE} (contents: {names[:8]})"
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def parse_json_strict(text: str | bytes) -> Any:
+    """JSON with duplicate object keys refused (``_Duplicate``, a ValueError, names the key)."""
+    return json.loads(text, object_pairs_hook=_no_duplicates)
+
+
+def _read_regular(file: str, limit: int) -> bytes:
+    """The bytes of ``file``, which must be a regular file (not a symlink) of at most ``limit`` bytes."""
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{file} is not a regular file")
+        if st.st_size > limit:
+            raise CheckpointError(f"{file} has {st.st_size} bytes, more than an index can have ({limit})")
+        parts, done = [], 0
+        while done < st.st_size:
+            data = os.read(fd, st.st_size - done)
+            if not data:
+                break
+            parts.append(data)
+            done += len(data)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+_MAX_INDEX_BYTES = 1 << 30
+
+
+def _typed(raw: dict, field: str, kind: type, file: str, default: Any = None) -> Any:
+    v = raw.get(field, default)
+    if not isinstance(v, kind):
+        raise CheckpointError(f"{file} is damaged: '{field}' must be a JSON {'object' if kind is dict else kind.__name__}, "
+                              f"got {type(v).__name__}")
+    return v
+
+
 def read_index(path: str) -> Index:
-    """Read and check ``path/index.json``."""
+    """Read and check ``path/index.json``: a regular file (not a symlink) of valid JSON without
+    duplicate keys, of this format and version, with every field of the right type; data file
+    names plain names inside the directory, every box's file listed in ``files`` and no larger
+    than it; and its own checksum, when it has one, matching (``Index.checksummed``)."""
     file = os.path.join(path, INDEX_FILE)
-    if not os.path.isfile(file) or INCOMPLETE_MARK in os.path.basename(os.path.normpath(path)):
+    if INCOMPLETE_MARK in os.path.basename(os.path.normpath(path)):
         raise CheckpointError(_describe_non_checkpoint(path))
     try:
-        with open(file) as f:
-            raw = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file} is not valid JSON ({e}); the index is damaged") from None
+        if not os.path.lexists(file):
+            raise CheckpointError(_describe_non_checkpoint(path))
+        if os.path.islink(file):
+            raise CheckpointError(f"{file} is a symbolic link; an index must be a regular file inside the checkpoint")
+        text = _read_regular(file, _MAX_INDEX_BYTES)
+    except PermissionError:
+        raise CheckpointError(f"{file}: permission denied (cannot read the index)") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{file} is not a regular file") from None
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read the index ({e.strerror or type(e).__name__})") from None
+    try:
+        raw = parse_json_strict(text.decode("utf-8"))
+    except _Duplicate as e:
+        raise CheckpointError(f"{file} is damaged: the key {_short(str(e))} appears twice in one object") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise CheckpointError(f"{file} is not valid UTF-8 JSON; the index is damaged") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{file} is not a {FORMAT_NAME} index (its 'format' is {raw.get('format')!r})"
+        raise CheckpointError(f"{file} is not a {FORMAT_NAME} index (its 'format' is {_short(raw.get('format'))})"
                               if isinstance(raw, dict) else f"{file} is not a {FORMAT_NAME} index")
     version = raw.get("version")
     if version != FORMAT_VERSION:
-        raise CheckpointError(f"{file} has format version {version!r}; this shardwise reads version "
+        raise CheckpointError(f"{file} has format version {_short(version)}; this shardwise reads version "
                               f"{FORMAT_VERSION}. Use the shardwise release that wrote it")
+    checksummed = CHECKSUM_FIELD in raw
+    if checksummed and raw[CHECKSUM_FIELD] != index_checksum(raw):
+        raise CheckpointError(f"{file} is damaged: its own checksum ({CHECKSUM_FIELD}) does not match its contents; "
+                              "restore it or load another checkpoint")
     try:
+        raw_files = _typed(raw, "files", dict, file, {})
+        files = {}
+        for name, f in raw_files.items():
+            if not plain_file_name(name):
+                raise CheckpointError(f"{file}: data file name {_short(name)} is not a plain file name inside the "
+                                      "checkpoint directory (absolute, '..', a sub-directory or hidden); refusing it")
+            size = f.get("bytes") if isinstance(f, dict) else None
+            if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+                raise ValueError(f"file {name}: 'bytes' must be a non-negative integer, got {_short(size)}")
+            files[name] = size
         tensors = {}
-        for key, t in raw["tensors"].items():
+        for key, t in _typed(raw, "tensors", dict, file).items():
+            if not isinstance(t, dict) or not isinstance(t.get("boxes"), list):
+                raise ValueError(f"tensor '{key}' must be an object with a 'boxes' list")
             boxes = tuple(_box_from_json(b, key, file) for b in t["boxes"])
-            tensors[key] = TensorEntry(dtype_from_name(t["dtype"]), _ints(t["shape"], f"tensor '{key}': 'shape'"), boxes,
-                                       t.get("layout"))
-        files = {name: f.get("bytes") for name, f in raw.get("files", {}).items()}
-        return Index(path, tensors, raw.get("values", {}), files, raw.get("world_size"),
-                     raw.get("created_unix_ns"), version)
+            dtype = dtype_from_name(t["dtype"]) if isinstance(t["dtype"], str) else dtype_from_name("?")
+            entry = TensorEntry(dtype, _ints(t["shape"], f"tensor '{key}': 'shape'"), boxes, t.get("layout"))
+            _check_boxes_fit(entry, key, files, file)
+            tensors[key] = entry
+        values = _typed(raw, "values", dict, file, {})
+        created, world, save_id = raw.get("created_unix_ns"), raw.get("world_size"), raw.get("save_id")
+        return Index(path, tensors, values, files, world if isinstance(world, int) else None,
+                     created if isinstance(created, int) else None, version, checksummed,
+                     save_id if isinstance(save_id, str) else None, follow_links=False)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{file} is damaged: {type(e).__name__}: {e}") from None
+
+
+def _check_boxes_fit(entry: TensorEntry, key: str, files: dict[str, int | None], file: str) -> None:
+    """Every box of ``entry`` sits in a listed file, within the tensor's rank, and its bytes fit in
+    that file's recorded size (so a damaged size is refused before anything is allocated)."""
+    itemsize = torch.empty((), dtype=entry.dtype).element_size()
+    for b in entry.boxes:
+        if b.file not in files:
+            raise CheckpointError(f"{file} is damaged: tensor '{key}' has a box in {b.file}, which 'files' does not list")
+        if len(b.box.sizes) != len(entry.shape):
+            raise CheckpointError(f"{file} is damaged: tensor '{key}' has {len(entry.shape)} dimensions but a box "
+                                  f"with {len(b.box.sizes)}")
+        size = files[b.file]
+        if size is not None and b.box.numel * itemsize > size:
+            raise CheckpointError(f"{file} is damaged: tensor '{key}' has a box of {b.box.numel * itemsize} bytes in "
+                                  f"{b.file}, which has only {size} bytes")

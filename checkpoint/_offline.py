@@ -32,14 +32,16 @@ from safetensors import safe_open
 from torch.distributed.tensor import Shard
 
 from ._boxes import Box, LocalBox, boxes_for
-from ._commit import check_target, commit, temp_dir_for
+from ._commit import commit, is_checkpoint, own_files, remove_temp, temp_dir_for
 from ._checksums import BoxChecksums
 from ._comm import CheckpointError
 from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, format_index,
-                      index_to_json, read_index, write_json)
+                      index_to_json, parse_json_strict, plain_file_name, read_index, write_json)
 from ._hf import HF_INDEX_FILE
 from ._plan import plan_reads
-from ._safetensors_io import StreamingWriter
+from ._safetensors_io import StreamingWriter, data_file_size
+from ._tiling import distinct_boxes
+from ._verify import verify_checkpoint
 
 __all__ = ["merge_checkpoint", "reshard_checkpoint"]
 
@@ -73,19 +75,22 @@ class _Source:
 
     def _file(self, name: str):
         if name not in self._open:
-            self._open[name] = safe_open(os.path.join(self.index.root, name), framework="pt", device="cpu")
+            path = os.path.join(self.index.root, name)
+            data_file_size(path, follow=False)  # a regular file, not a symbolic link (names were checked by read_index)
+            self._open[name] = safe_open(path, framework="pt", device="cpu")
         return self._open[name]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         entry = self.index.tensors[key]
-        out = torch.empty(box.sizes, dtype=entry.dtype)
-        items = plan_reads(LocalBox(box, (0,) * len(box.sizes)), [b.box for b in entry.boxes])
+        saved = [entry.boxes[i] for i in distinct_boxes([b.box for b in entry.boxes])]
+        items = plan_reads(LocalBox(box, (0,) * len(box.sizes)), [b.box for b in saved])
         if sum(it.src.numel for it in items) != box.numel:
             raise CheckpointError(f"checkpoint {self.index.root} lacks part of tensor '{key}' (box at "
                                   f"{list(box.offsets)} of size {list(box.sizes)}); run verify")
+        out = torch.empty(box.sizes, dtype=entry.dtype)
         for it in items:
-            saved = entry.boxes[it.source]
-            out[it.dst.slices()] = self._file(saved.file).get_slice(saved.key)[it.src.slices()]
+            b = saved[it.source]
+            out[it.dst.slices()] = self._file(b.file).get_slice(b.key)[it.src.slices()]
         return out
 
 
@@ -117,21 +122,79 @@ def _write(path: str, source: _Source, parts: list[tuple[str, str, Box]], chunk_
     return writer.close()
 
 
-def _into_place(out: str, fill: Callable[[str], None]) -> None:
+def _verified_index(path: str | os.PathLike) -> Index:
+    """The index of the checkpoint at ``path`` after `verify_checkpoint` found it sound and fully
+    checked (every box's checksum read and matched, every tensor tiled exactly): damage is
+    never passed on into a new file with fresh checksums. An index without its own checksum
+    (an older shardwise) is accepted; a box without a checksum is not."""
+    path = os.path.abspath(os.fspath(path))
+    report = verify_checkpoint(path)
+    if report.problems:
+        more = f" (and {len(report.problems) - 1} more problems; run verify)" if len(report.problems) > 1 else ""
+        raise CheckpointError(f"{report.problems[0]}{more}; nothing was written")
+    boxes = [u for u in report.unchecked if "crc32 null" in u]
+    if boxes:
+        raise CheckpointError(f"{boxes[0]}; refusing to copy data that cannot be checked, nothing was written")
+    return read_index(path)
+
+
+def _refuse_target(source: str, out: str, replace: bool, replaceable: Callable[[str], bool], what: str) -> None:
+    src, dst = os.path.realpath(source), os.path.realpath(out)
+    if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+        raise CheckpointError(f"{out} is the source checkpoint {source}, inside it or contains it; write to another "
+                              "path (it is never replaced)")
+    if not os.path.lexists(out) or (os.path.isdir(out) and not os.path.islink(out) and not os.listdir(out)):
+        return
+    if not replace:
+        raise CheckpointError(f"{out} already exists; refusing to write over it. Choose a new path, or pass "
+                              "replace=True (--replace) to replace an existing " + what)
+    if os.path.islink(out) or not replaceable(out):
+        raise CheckpointError(f"{out} exists and is not {what}; refusing to replace it even with --replace")
+
+
+def _into_place(source: str, out: str, fill: Callable[[str], None], replace: bool,
+                replaceable: Callable[[str], bool] = is_checkpoint, own: Callable[[str], set[str]] = own_files,
+                what: str = "shardwise checkpoint") -> None:
     out = os.path.abspath(os.fspath(out))
-    check_target(out)
+    _refuse_target(source, out, replace, replaceable, what)
     token = secrets.token_hex(4)
     tmp = temp_dir_for(out, token)
     os.makedirs(tmp)
-    fill(tmp)
-    commit(tmp, out, token)
+    try:
+        fill(tmp)
+        commit(tmp, out, token, replaceable=replaceable, own=own)
+    except BaseException:
+        remove_temp(tmp)  # a failed merge or reshard leaves nothing behind
+        raise
+
+
+def _is_hf_export(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, HF_INDEX_FILE)) and not os.path.islink(os.path.join(path, HF_INDEX_FILE))
+
+
+def _hf_own_files(path: str) -> set[str]:
+    """What a merge wrote into ``path``: its index file and the files of its weight map."""
+    names = {HF_INDEX_FILE, HF_INDEX_FILE + ".tmp"}
+    try:
+        with open(os.path.join(path, HF_INDEX_FILE), "rb") as f:
+            weight_map = parse_json_strict(f.read(64 << 20)).get("weight_map", {})
+        names |= {n for n in weight_map.values() if plain_file_name(n)}
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass
+    return names
 
 
 def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix: str = "",
-                     max_shard_bytes: int = 5 << 30, chunk_bytes: int = 64 << 20, progress: bool = False) -> list[str]:
+                     max_shard_bytes: int = 5 << 30, chunk_bytes: int = 64 << 20, progress: bool = False,
+                     replace: bool = False) -> list[str]:
     """Write the full tensors of the checkpoint at ``path`` as Hugging Face safetensors into the
-    new folder ``out`` (see the module docstring); returns the file names written."""
-    index = read_index(os.fspath(path))
+    new folder ``out`` (see the module docstring); returns the file names written.
+
+    The source is verified completely first (`verify_checkpoint`); any problem raises
+    `CheckpointError` and nothing is written. ``out`` must not exist (or be an empty folder)
+    unless ``replace=True``, which replaces an earlier merge output (files a user added to it,
+    such as ``config.json``, are kept); the source itself is never a valid ``out``."""
+    index = _verified_index(path)
     keys = [k for k in index.tensors if k.startswith(prefix)]
     if not keys:
         raise CheckpointError(f"checkpoint {index.root} has no tensor whose key starts with {prefix!r}")
@@ -159,17 +222,20 @@ def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix:
         write_json(os.path.join(tmp, HF_INDEX_FILE),
                    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
 
-    _into_place(out, fill)
+    _into_place(index.root, out, fill, replace, _is_hf_export, _hf_own_files, "a merge output (a folder with "
+                f"{HF_INDEX_FILE})")
     return names
 
 
 def reshard_checkpoint(path: str | os.PathLike, out: str | os.PathLike, world_size: int, *,
-                       chunk_bytes: int = 64 << 20, progress: bool = False) -> None:
+                       chunk_bytes: int = 64 << 20, progress: bool = False, replace: bool = False) -> None:
     """Rewrite the checkpoint at ``path`` into a new checkpoint ``out`` laid out for
-    ``world_size`` ranks (see the module docstring). Plain values are kept."""
-    if not isinstance(world_size, int) or world_size < 1:
+    ``world_size`` ranks (see the module docstring). Plain values are kept. Verification of
+    the source and the rules for ``out`` and ``replace`` are those of `merge_checkpoint`
+    (``replace=True`` replaces an existing shardwise checkpoint)."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    index = read_index(os.fspath(path))
+    index = _verified_index(path)
     per_rank: list[list[tuple[str, str, Box]]] = [[] for _ in range(world_size)]
     layouts = {}
     for key, t in index.tensors.items():
@@ -197,7 +263,8 @@ def reshard_checkpoint(path: str | os.PathLike, out: str | os.PathLike, world_si
                 s = sums[fk]
                 boxes[key].append(SavedBox(box, name, fk, s.crc32, s.chunk_rows, s.chunk_crc32))
         tensors = {k: TensorEntry(t.dtype, t.shape, tuple(boxes[k]), layouts[k]) for k, t in index.tensors.items()}
-        new = Index(os.path.abspath(os.fspath(out)), tensors, index.values, files, world_size, time.time_ns())
+        new = Index(os.path.abspath(os.fspath(out)), tensors, index.values, files, world_size, time.time_ns(),
+                    save_id=os.path.basename(tmp).rsplit("-", 1)[-1])
         write_json(os.path.join(tmp, INDEX_FILE), format_index(index_to_json(new)))
 
-    _into_place(out, fill)
+    _into_place(index.root, out, fill, replace)

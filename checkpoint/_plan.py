@@ -12,7 +12,7 @@ then the next dimension, when a single index is already too large). A piece is r
 into the destination and dropped before the next is read.
 
 `partition_problem` checks what the format promises about a tensor's saved boxes: inside the
-tensor, pairwise disjoint, covering it.
+tensor, pairwise disjoint, covering it (it is ``_tiling.tiling_problem``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._boxes import Box, LocalBox
+from ._tiling import tiling_problem
 
 __all__ = ["ReadItem", "plan_reads", "covered_numel", "split", "partition_problem"]
 
@@ -78,22 +79,5 @@ def split(item: ReadItem, max_numel: int) -> list[ReadItem]:
 
 
 def partition_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
-    """None if ``boxes`` tile a tensor of ``shape`` exactly, else what is wrong."""
-    total = 1
-    for n in shape:
-        total *= n
-    for b in boxes:
-        if not b.within(shape):
-            return f"box at {list(b.offsets)} of size {list(b.sizes)} lies outside the shape {list(shape)}"
-    # sweep along dim 0 so that only boxes whose first-dim ranges meet are compared
-    order = sorted(boxes, key=lambda b: b.offsets[:1])
-    for i, a in enumerate(order):
-        for b in order[i + 1 :]:
-            if a.sizes and b.offsets[0] >= a.ends[0]:
-                break
-            if a.intersect(b) is not None and a.numel and b.numel:
-                return f"boxes at {list(a.offsets)} and {list(b.offsets)} overlap"
-    have = sum(b.numel for b in boxes)
-    if have != total:
-        return f"the boxes hold {have} of the tensor's {total} elements"
-    return None
+    """None if ``boxes`` tile a tensor of ``shape`` exactly, else what is wrong (``_tiling.tiling_problem``)."""
+    return tiling_problem(shape, boxes)

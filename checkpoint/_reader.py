@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass
@@ -47,13 +48,17 @@ from torch.distributed.tensor import DTensor
 from ._boxes import LocalBox, local_boxes
 from ._checksums import Unit, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of, share_of
 from ._comm import all_gather_json, CheckpointError, agree, rank_and_world
+from ._commit import recover_replaced
 from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
 from ._plan import ReadItem, covered_numel, plan_reads, split
+from ._tiling import distinct_boxes, tiling_problem
 from ._safetensors_io import (DTYPE_CODES, Header, adjacent_groups, byte_view, contiguous_run, crcs_of_ranges,
-                              open_for_ranges, pread_into, preadv_into, read_header)
+                              data_file_size, open_for_ranges, pread_into, preadv_into, read_header)
 
 __all__ = ["load", "LoadStats", "load_from_index"]
+
+_log = logging.getLogger("shardwise.checkpoint")
 
 _MAX_PROBLEMS = 20
 
@@ -117,13 +122,28 @@ def _plan_load(index: Index, leaves: list[Leaf], strict: bool, where: str):
             if strict:
                 problems.append(f"tensor '{leaf.key}' is not in {where}" + _similar(leaf.key, index.tensors))
             continue
-        for lb in _check_tensor(leaf.key, t, entry, where, problems):
-            items = plan_reads(lb, [b.box for b in entry.boxes])
-            if covered_numel(items) != lb.box.numel:
+        lbs = _check_tensor(leaf.key, t, entry, where, problems)
+        if not lbs:
+            continue
+        keep = distinct_boxes([b.box for b in entry.boxes])  # exact duplicates: see _tiling.py
+        saved = [entry.boxes[i] for i in keep]
+        problem = tiling_problem(entry.shape, [b.box for b in saved])
+        if problem is not None:
+            problems.append(f"tensor '{leaf.key}' in {where}: {problem}; the index is damaged (run verify)")
+            continue
+        for lb in lbs:
+            items = plan_reads(lb, [b.box for b in saved])
+            if covered_numel(items) != lb.box.numel:  # cannot happen after the tiling check; kept as a guard
                 problems.append(f"{where} lacks part of tensor '{leaf.key}' (box at {list(lb.box.offsets)} of size "
                                 f"{list(lb.box.sizes)} is not fully saved); the index is damaged")
                 continue
-            reads.extend(_Read(leaf.key, _local(t), entry.boxes[it.source], it) for it in items)
+            reads.extend(_Read(leaf.key, _local(t), saved[it.source], it) for it in items)
+    if not strict and leaves and not any(
+            (leaf.key in index.tensors) if isinstance(leaf.value, torch.Tensor) else (leaf.key in index.values)
+            for leaf in leaves):
+        problems.append(f"no key of the target is in {where} (strict=False skips missing keys, but loading nothing at "
+                        f"all is almost certainly a mistake: a different model, or a prefix such as 'model/' missing; "
+                        f"first target keys: {[leaf.key for leaf in leaves[:3]]}, first saved: {list(index.tensors)[:3]})")
     return reads, problems
 
 
@@ -142,13 +162,14 @@ def _check_headers(index: Index, uses: list[tuple[str, SavedBox]], headers: dict
             headers[name] = None
             try:
                 expected = index.files.get(name)
-                if not os.path.isfile(path):
-                    raise CheckpointError(f"data file {path} is missing (it holds tensor '{key}')")
-                size = os.path.getsize(path)
+                try:
+                    size = data_file_size(path, index.follow_links)
+                except CheckpointError as e:
+                    raise CheckpointError(f"{e} (it holds tensor '{key}')") from None
                 if expected is not None and size != expected:
                     raise CheckpointError(f"data file {path} has {size} bytes but the index records {expected} "
                                           f"(truncated or replaced; it holds tensor '{key}')")
-                headers[name] = read_header(path)
+                headers[name] = read_header(path, index.follow_links)
             except CheckpointError as e:
                 problems.append(str(e))
         header = headers[name]
@@ -178,7 +199,7 @@ def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | No
     for name, runs in sorted(by_file.items()):
         header = headers[name]
         path = os.path.join(index.root, name)
-        fd = open_for_ranges(path)
+        fd = open_for_ranges(path, index.follow_links)
         try:
             spans = []
             for run in runs:
@@ -221,7 +242,7 @@ def _read(index: Index, reads: list[_Read], headers: dict[str, Header | None],
         for name, items in by_file.items():
             path = os.path.join(index.root, name)
             header = headers[name]
-            fd = open_for_ranges(path)
+            fd = open_for_ranges(path, index.follow_links)
             sliced = None  # safe_open maps the file; opened only for pieces that need it
             direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
             try:
@@ -335,8 +356,24 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
     """
     path = os.path.abspath(os.fspath(path))
     index, error = None, None
+    if rank_and_world()[0] == 0 and not os.path.lexists(path):
+        try:  # a replace of `path` that stopped between its two renames: restore the old copy
+            restored = recover_replaced(path)
+            if restored:
+                _log.warning("%s", restored)
+        except OSError as e:
+            error = e
+    agree(error, f"loading checkpoint {path}")  # also: no rank reads before rank 0 has restored
     try:
         index = read_index(path)
+        if verify:
+            unchecked = [k for k, t in index.tensors.items()
+                         if any(b.crc32 is None and b.chunk_crc32 is None for b in t.boxes)]
+            if unchecked:
+                raise CheckpointError(f"checkpoint {path}: tensor '{unchecked[0]}' (and {len(unchecked) - 1} more) has "
+                                      "a box without a checksum (crc32 null), which shardwise never writes: the index "
+                                      "is damaged or was edited. Restore it, or load with verify=False to load "
+                                      "unchecked data")
     except CheckpointError as e:
         error = e
     agree(error, f"loading checkpoint {path}")

@@ -18,12 +18,15 @@ them).
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
+import stat
 import struct
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +36,7 @@ from ._comm import CheckpointError
 
 __all__ = [
     "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crcs_of_range", "crcs_of_ranges", "adjacent_groups",
-    "read_pieces", "tensor_bytes", "contiguous_run", "open_for_ranges", "pread_into", "preadv_into", "byte_view",
+    "read_pieces", "tensor_bytes", "contiguous_run", "open_for_ranges", "data_file_size", "pread_into", "preadv_into", "byte_view",
 ]
 
 DTYPE_CODES: dict[torch.dtype, str] = {
@@ -157,10 +160,40 @@ class Header:
     metadata: dict[str, str]
 
 
-def open_for_ranges(path: str) -> int:
-    """An fd for reading byte ranges: the kernel is told not to read ahead past them (a read
-    ahead of several MiB would otherwise pull in neighbouring boxes this rank does not need)."""
-    fd = os.open(path, os.O_RDONLY)
+def data_file_size(path: str, follow: bool = True) -> int:
+    """The size of the data file ``path``, which must be a regular file: a `CheckpointError`
+    says when it is missing, not a regular file, unreadable, or (``follow=False``, as for every
+    file of a shardwise checkpoint) a symbolic link, refused because it could point anywhere.
+    Hugging Face folders (``follow=True``) are often symlinks into a download cache."""
+    try:
+        st = os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"data file {path} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"data file {path}: {e.strerror or type(e).__name__}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"data file {path} is a symbolic link; data files must be regular files inside the "
+                              "checkpoint directory (refusing to follow it)")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"data file {path} is not a regular file")
+    return st.st_size
+
+
+def open_for_ranges(path: str, follow: bool = True) -> int:
+    """An fd for reading byte ranges of the regular file ``path`` (with ``follow=False`` never
+    through a symbolic link): the kernel is told not to read ahead past them (a read ahead of several MiB would
+    otherwise pull in neighbouring boxes this rank does not need)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | (0 if follow else getattr(os, "O_NOFOLLOW", 0)))
+    except FileNotFoundError:
+        raise CheckpointError(f"data file {path} is missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"data file {path} is a symbolic link; refusing to follow it") from None
+        raise CheckpointError(f"data file {path}: {e.strerror or type(e).__name__}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"data file {path} is not a regular file")
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return fd
@@ -177,13 +210,37 @@ def _pread(fd: int, n: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
-def read_header(path: str) -> Header:
+_FROM_CODE_SIZE = {code: _itemsize(dtype) for dtype, code in DTYPE_CODES.items()}
+
+
+def _entry(path: str, key: Any, e: Any) -> Entry:
+    """One header entry, checked: known dtype, shape of non-negative ints, offsets that hold
+    exactly the shape's bytes (no content of the file is echoed in a message)."""
+    where = f"{path}: not a valid safetensors header: entry"
+    if not isinstance(e, dict):
+        raise CheckpointError(f"{where} is not an object")
+    dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+    if dtype not in _FROM_CODE_SIZE:
+        raise CheckpointError(f"{where} has no known dtype")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise CheckpointError(f"{where} has no valid shape")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in offsets)
+            or offsets[0] > offsets[1]):
+        raise CheckpointError(f"{where} has no valid data_offsets")
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * _FROM_CODE_SIZE[dtype] != offsets[1] - offsets[0]:
+        raise CheckpointError(f"{where} has data_offsets that do not match its dtype and shape")
+    return Entry(dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def read_header(path: str, follow: bool = True) -> Header:
     """Parse and check a safetensors header; a `CheckpointError` names ``path`` on any problem,
-    including a file shorter than its header declares (truncated)."""
-    try:
-        fd = open_for_ranges(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
+    including a file shorter than its header declares (truncated). Nothing is allocated beyond
+    what the file's size allows, and no byte of the file appears in a message."""
+    fd = open_for_ranges(path, follow)
     try:
         size = os.fstat(fd).st_size
         head = _pread(fd, 8, 0)
@@ -191,21 +248,34 @@ def read_header(path: str) -> Header:
             raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file (truncated?)")
         (n,) = struct.unpack("<Q", head)
         if n > min(_MAX_HEADER, size - 8):
-            raise CheckpointError(f"{path}: header of {n} bytes does not fit in the {size}-byte file (truncated?)")
-        raw = json.loads(_pread(fd, n, 8))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not a safetensors file ({e})") from None
+            raise CheckpointError(f"{path}: not a safetensors file, or truncated (its header length field does not "
+                                  f"fit in the {size}-byte file)")
+        raw = json.loads(_pread(fd, n, 8).decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not valid JSON, or repeats a key)") from None
     finally:
         os.close(fd)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
     metadata = raw.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: not a valid safetensors header ('__metadata__' is not an object)")
     entries, end = {}, 0
     for key, e in raw.items():
-        begin, stop = e["data_offsets"]
-        entries[key] = Entry(e["dtype"], tuple(e["shape"]), begin, stop)
-        end = max(end, stop)
+        entries[key] = _entry(path, key, e)
+        end = max(end, entries[key].end)
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: truncated: the header declares {8 + n + end} bytes, the file has {size}")
     return Header(entries, 8 + n, end, metadata)
+
+
+def _no_duplicate_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError("duplicate key")
+        out[k] = v
+    return out
 
 
 def read_pieces(fd: int, begin: int, end: int, path: str, piece: int = 4 << 20,

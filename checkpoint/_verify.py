@@ -3,7 +3,8 @@
 Checks, in order, collecting every problem rather than stopping at the first:
 
 1. the directory is a complete checkpoint of a known version (``_format.read_index``);
-2. every tensor's saved boxes lie inside it, are disjoint and cover it (``_plan.partition_problem``);
+2. every tensor's saved boxes lie inside it, are disjoint and cover it (``_tiling.tiling_problem``;
+   exact duplicates, which saves before the one-writer fix wrote, are accepted and all checked);
 3. every data file the index names exists and has the recorded size, and its safetensors
    header parses (a truncated file is reported as such);
 4. every saved box's key is in its file with the tensor's dtype and the box's shape, and the
@@ -12,6 +13,11 @@ Checks, in order, collecting every problem rather than stopping at the first:
    (a mismatch names the chunk's rows), and the chunk CRCs combine into the box's CRC (else
    the index is inconsistent). The chunk layout itself (the number of chunk CRCs against the
    box's rows) is checked when the index is read.
+
+What cannot be checked is listed in ``VerifyReport.unchecked`` rather than passed as OK: a
+box whose index entry has no checksum (``crc32: null``), an index without its own checksum
+(written before indexes had one). ``fully_checked`` is true only when there is neither a
+problem nor anything unchecked.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from dataclasses import dataclass
 from ._checksums import box_rows, combine_chunks
 from ._comm import CheckpointError
 from ._format import SavedBox, read_index
-from ._plan import partition_problem
-from ._safetensors_io import DTYPE_CODES, Header, crcs_of_range, open_for_ranges, read_header
+from ._safetensors_io import DTYPE_CODES, Header, crcs_of_range, data_file_size, open_for_ranges, read_header
+from ._tiling import distinct_boxes, tiling_problem
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 
@@ -37,10 +43,17 @@ class VerifyReport:
     tensors: int = 0
     boxes: int = 0
     bytes_checked: int = 0
+    unchecked: tuple[str, ...] = ()  # what could not be checked (no checksum recorded for it)
 
     @property
     def ok(self) -> bool:
+        """No problem found. Check ``unchecked`` too: see ``fully_checked``."""
         return not self.problems
+
+    @property
+    def fully_checked(self) -> bool:
+        """No problem found and everything checked (every box and the index had a checksum)."""
+        return not self.problems and not self.unchecked
 
 
 def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
@@ -51,35 +64,40 @@ def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
     except CheckpointError as e:
         return VerifyReport(path, (str(e),))
     problems: list[str] = []
+    unchecked: list[str] = []
+    if not index.checksummed:
+        unchecked.append(f"{os.path.join(path, 'index.json')}: the index has no checksum of its own (written by an "
+                         "older shardwise), so its plain values and box list could not be checked")
     headers = {}
     names = set(index.files) | {b.file for t in index.tensors.values() for b in t.boxes}
     for name in sorted(names):
         file = os.path.join(path, name)
         expected = index.files.get(name)
         if name not in index.files:
-            problems.append(f"data file {name} is used by boxes but not listed in the index")
-        if not os.path.isfile(file):
-            problems.append(f"data file {file} is missing")
+            problems.append(f"data file {file} is used by boxes but not listed in the index")
+        try:
+            size = data_file_size(file, follow=False)
+        except CheckpointError as e:
+            problems.append(str(e))
             continue
-        size = os.path.getsize(file)
         if expected is not None and size != expected:
             problems.append(f"data file {file} has {size} bytes, the index records {expected} (truncated?)")
         try:
-            headers[name] = read_header(file)
+            headers[name] = read_header(file, follow=False)
         except CheckpointError as e:
             problems.append(str(e))
     nboxes = checked = 0
     for key, t in index.tensors.items():
-        gap = partition_problem(t.shape, [b.box for b in t.boxes])
+        gap = tiling_problem(t.shape, [t.boxes[i].box for i in distinct_boxes([b.box for b in t.boxes])])
         if gap:
-            problems.append(f"tensor '{key}': {gap}")
+            problems.append(f"{os.path.join(path, 'index.json')}: tensor '{key}': {gap}")
         for b in t.boxes:
             nboxes += 1
             header = headers.get(b.file)
             if header is None:
                 continue
             e = header.entries.get(b.key)
-            where = f"tensor '{key}' box at {list(b.box.offsets)} (file {b.file}, key '{b.key}')"
+            where = f"data file {os.path.join(path, b.file)}: tensor '{key}' box at {list(b.box.offsets)} (key '{b.key}')"
             if e is None:
                 problems.append(f"{where}: the key is not in the file")
             elif e.dtype != DTYPE_CODES[t.dtype] or e.shape != b.box.sizes:
@@ -89,7 +107,9 @@ def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
                 checked += e.end - e.begin
                 problems += [f"{where}: {p}" for p in _check_box(os.path.join(path, b.file), header, b,
                                                                  t.dtype.itemsize)]
-    return VerifyReport(path, tuple(problems), len(index.tensors), nboxes, checked)
+            elif b.box.numel:
+                unchecked.append(f"{where}: not checked: the index records no checksum for it (crc32 null)")
+    return VerifyReport(path, tuple(problems), len(index.tensors), nboxes, checked, tuple(unchecked))
 
 
 def _check_box(file: str, header: Header, b: SavedBox, itemsize: int) -> list[str]:
@@ -97,7 +117,7 @@ def _check_box(file: str, header: Header, b: SavedBox, itemsize: int) -> list[st
     e = header.entries[b.key]
     row_bytes = box_rows(b.box.sizes)[1] * itemsize
     chunk_bytes = b.chunk_rows * row_bytes if b.chunk_crc32 is not None else None
-    fd = open_for_ranges(file)
+    fd = open_for_ranges(file, follow=False)
     try:
         crc = crcs_of_range(fd, header.data_start + e.begin, header.data_start + e.end, file, chunk_bytes)
     except CheckpointError as err:

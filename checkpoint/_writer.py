@@ -21,29 +21,36 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import logging
 import os
 import secrets
-import shutil
+import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._boxes import Box, local_boxes, layout_of, writes_data
+from ._boxes import Box, local_boxes, layout_of
 from ._checksums import crcs_from_hex, crcs_to_hex
 from ._comm import CheckpointError, agree, broadcast_json, gather_json, rank_and_world
-from ._commit import check_target, commit, rotate, temp_dir_for
+from ._commit import check_target, commit, remove_temp, temp_dir_for
+from ._series import abort_save, begin_save, default_series, finish_save
 from ._flatten import flatten, to_json_value
+from ._owners import assign_writers
 from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, dtype_name, format_index,
                       index_to_json, write_json)
 from ._safetensors_io import DTYPE_CODES, StreamingWriter
 
 __all__ = ["save", "async_save", "SaveHandle"]
+
+_log = logging.getLogger("shardwise.checkpoint")
 
 
 @dataclass
@@ -66,6 +73,7 @@ class _Plan:
     meta: dict[str, dict] = field(default_factory=dict)  # key -> dtype, shape, layout
     pieces: list[_Piece] = field(default_factory=list)
     values: dict[str, Any] = field(default_factory=dict)
+    path: str = ""
 
 
 def _plan(state: dict, rank: int) -> _Plan:
@@ -83,11 +91,23 @@ def _plan(state: dict, rank: int) -> _Plan:
                                       "(e.g. module.to_empty(device=...) and initialize) before saving")
             plan.meta[leaf.key] = {"dtype": dtype_name(v.dtype), "shape": list(v.shape), "layout": layout_of(v)}
             boxes = local_boxes(v)  # on every rank: refuses unsupported placements everywhere
-            if not writes_data(v, rank):
-                continue
+            if not isinstance(v, DTensor) and rank != 0:
+                continue  # plain tensors: rank 0's copy is saved
             local = v.to_local() if isinstance(v, DTensor) else v
             plan.pieces += [_Piece(leaf.key, lb.box, local.detach(), lb.local_region()) for lb in boxes]
     return plan
+
+
+def _keep_own_pieces(plan: _Plan, rank: int) -> None:
+    """Collective: keep only the pieces this rank writes ([Note: one writer per box over the
+    world] in ``_owners.py``); raises on every rank if the ranks' boxes do not tile a tensor."""
+    held: dict[str, list[Box]] = {}
+    for p in plan.pieces:
+        held.setdefault(p.key, []).append(p.box)
+    shapes = {k: tuple(m["shape"]) for k, m in plan.meta.items()}
+    mine, problem = assign_writers(list(plan.meta), shapes, held, _meta_digest(plan.meta), rank)
+    agree(problem, f"saving checkpoint {plan.path}")
+    plan.pieces = [p for p in plan.pieces if (p.key, p.box) in mine]
 
 
 def _snapshot(plan: _Plan) -> None:
@@ -125,7 +145,7 @@ def _meta_digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
 
-def _build_index(path: str, plan: _Plan, reports: list[dict], world: int) -> Index:
+def _build_index(path: str, plan: _Plan, reports: list[dict], world: int, token: str) -> Index:
     digest = _meta_digest(plan.meta)
     differ = [r for r, rep in enumerate(reports) if rep["meta"] != digest]
     if differ:
@@ -148,20 +168,28 @@ def _build_index(path: str, plan: _Plan, reports: list[dict], world: int) -> Ind
     for k, m in plan.meta.items():
         dtype = getattr(torch, m["dtype"])
         tensors[k] = TensorEntry(dtype, tuple(m["shape"]), tuple(boxes[k]), m["layout"])
-    return Index(path, tensors, plan.values, files, world, time.time_ns())
+    return Index(path, tensors, plan.values, files, world, time.time_ns(), save_id=token)
 
 
 class SaveHandle:
-    """A save in progress (from `async_save`). ``wait()`` finishes it."""
+    """A save in progress (from `async_save`). ``wait()`` finishes it.
+
+    A handle that is never waited for commits nothing: at interpreter exit this rank warns
+    (naming the checkpoint), waits for its background write to end, and rank 0 deletes the
+    temporary directory (see [Note: an async save never waited for]).
+    """
 
     def __init__(self, path: str, plan: _Plan, tmp: str, token: str, keep_last: int | None, background: bool,
-                 error: BaseException | None = None):
+                 error: BaseException | None = None, series: str = "", said: list[str] | None = None):
         self.path = path
         self._plan, self._tmp, self._token, self._keep_last = plan, tmp, token, keep_last
+        self._series, self._said = series, list(said or [])
         self._report: dict | None = None
         self._error = error  # a failed snapshot: nothing to write, reported by wait()
         self._finished = False
         self._thread = None
+        if background:
+            atexit.register(self._at_exit)
         if error is not None:
             return
         if background:
@@ -176,19 +204,46 @@ class SaveHandle:
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
+    def _at_exit(self) -> None:
+        """[Note: an async save never waited for]
+        ``wait()`` is collective, so it cannot run at interpreter exit (the other ranks may be
+        gone, the process group destroyed). Committing without it would skip the agreement
+        that every rank's files are complete. So the save is abandoned, loudly: a warning names
+        the checkpoint, and rank 0 deletes the temporary directory (the next save of the
+        series would delete it anyway, from the series record)."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            rank = rank_and_world()[0]
+        except Exception:  # the process group is already gone
+            rank = -1
+        msg = (f"shardwise.checkpoint: async_save to {self.path} was never waited for (call handle.wait() on every "
+               "rank); the checkpoint was NOT committed")
+        if rank == 0 and remove_temp(self._tmp):
+            msg += f" and its temporary directory {self._tmp} was deleted"
+        warnings.warn(msg, RuntimeWarning, stacklevel=1)
+        print(f"WARNING: {msg}", file=sys.stderr, flush=True)
+
     def done(self) -> bool:
         """Whether this rank has finished writing its files (``wait()`` still has to commit)."""
         return self._thread is None or not self._thread.is_alive()
 
-    def wait(self) -> None:
+    def wait(self) -> list[str]:
         """Collective: finish writing, commit the checkpoint, rotate old ones.
 
         Raises `CheckpointError` on every rank if any rank failed; the checkpoint is then not
-        committed. Calling it again after it returned does nothing.
+        committed. Returns, on every rank, sentences saying what was removed or restored
+        (leftovers of the series' unfinished saves, checkpoints rotated away by
+        ``keep_last``), also logged at INFO on logger ``shardwise.checkpoint``. Calling it again
+        after it returned does nothing (and returns ``[]``).
         """
         if self._finished:
-            return
+            return []
         self._finished = True
+        atexit.unregister(self._at_exit)
         if self._thread is not None:
             self._thread.join()
         rank, world = rank_and_world()
@@ -197,47 +252,65 @@ class SaveHandle:
             agree(self._error, where)
         except CheckpointError:
             if rank == 0:
-                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._abort()
             raise
         report = dict(self._report or {}, meta=_meta_digest(self._plan.meta))
         reports = gather_json(report, dst=0)
-        error = None
+        out = {"error": None, "said": []}
         if rank == 0:
             committed = False
             try:
-                index = _build_index(self.path, self._plan, reports, world)
+                index = _build_index(self.path, self._plan, reports, world, self._token)
                 write_json(os.path.join(self._tmp, INDEX_FILE), format_index(index_to_json(index)))
-                commit(self._tmp, self.path, self._token)
+                left = commit(self._tmp, self.path, self._token)
                 committed = True
-                if self._keep_last is not None:
-                    rotate(self.path, self._keep_last, self._token)
+                said = self._said + [f"kept {p} of the replaced checkpoint (the new one has an entry of that name)"
+                                     for p in left]
+                said += finish_save(self.path, self._series, self._token, index.created_unix_ns, self._keep_last)
+                out["said"] = said
             except Exception as e:
                 error = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
                 if committed:
                     error = f"the checkpoint was committed, but deleting old ones (keep_last) failed: {error}"
                 else:
-                    shutil.rmtree(self._tmp, ignore_errors=True)
-        error = broadcast_json(error, src=0)
-        if error is not None:
-            raise CheckpointError(f"{where} failed on rank 0: {error}")
+                    self._abort()
+                out["error"] = error
+        out = broadcast_json(out, src=0)
+        if out["error"] is not None:
+            raise CheckpointError(f"{where} failed on rank 0: {out['error']}")
+        for line in out["said"]:
+            _log.info("%s", line)
+        return out["said"]
+
+    def _abort(self) -> None:
+        remove_temp(self._tmp)
+        try:
+            abort_save(self.path, self._series, self._token)
+        except (OSError, CheckpointError):
+            pass  # the record keeps it pending; the next save of the series cleans it up
 
 
-def _start(state: dict, path: str, keep_last: int | None, background: bool) -> SaveHandle:
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+def _start(state: dict, path: str, keep_last: int | None, background: bool, series: str | None) -> SaveHandle:
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
     path = os.path.abspath(os.fspath(path))
+    series = default_series(path) if series is None else series
+    if not isinstance(series, str) or not series:
+        raise ValueError(f"series must be a non-empty str, got {series!r}")
     rank, _ = rank_and_world()
     plan, error = None, None
     try:
         plan = _plan(state, rank)
+        plan.path = path
     except Exception as e:
         error = e
     agree(error, f"saving checkpoint {path}")
-    setup = {"token": secrets.token_hex(4), "error": None}
+    _keep_own_pieces(plan, rank)
+    setup = {"token": secrets.token_hex(4), "error": None, "said": []}
     if rank == 0:
         try:
             check_target(path)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            setup["said"] = begin_save(path, series, setup["token"])
             os.mkdir(temp_dir_for(path, setup["token"]))
         except Exception as e:
             setup["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
@@ -251,24 +324,31 @@ def _start(state: dict, path: str, keep_last: int | None, background: bool) -> S
         except Exception as e:  # e.g. out of CPU memory on this rank: every rank learns it in wait()
             snapshot_error = e
     return SaveHandle(path, plan, temp_dir_for(path, setup["token"]), setup["token"], keep_last, background,
-                      snapshot_error)
+                      snapshot_error, series, setup["said"])
 
 
-def save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None) -> None:
+def save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None, series: str | None = None) -> list[str]:
     """Save ``state`` to the checkpoint directory ``path``; collective over the default group.
 
     ``state`` is a dict tree of tensors, DTensors and plain (JSON) values, the same structure on
-    every rank. Each piece of tensor data is written once, by the rank that owns it; the
-    checkpoint appears at ``path`` atomically when complete (an existing checkpoint there is
-    replaced). ``keep_last=N`` then deletes all but the ``N`` newest checkpoints in the same
-    parent directory. Raises `CheckpointError` on every rank on failure.
+    every rank. Each piece of tensor data is written once, by one rank holding it (agreed over
+    the whole world); before anything is written the ranks check that their pieces tile every
+    tensor exactly. The checkpoint appears at ``path`` atomically when complete (an existing
+    checkpoint there is replaced; files a user added to it are kept). The save belongs to the
+    *series* ``series`` (default: ``path``'s name without trailing digits), recorded in the
+    parent folder ([Note: series] in ``_series.py``): it first cleans up the series' unfinished
+    saves, and ``keep_last=N`` then deletes all but the ``N`` newest checkpoints of the series.
+    Returns sentences saying what was removed or restored. Raises `CheckpointError` on every
+    rank on failure.
     """
-    _start(state, path, keep_last, background=False).wait()
+    return _start(state, path, keep_last, False, series).wait()
 
 
-def async_save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None) -> SaveHandle:
+def async_save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None,
+               series: str | None = None) -> SaveHandle:
     """Like `save`, but return once the state is copied to CPU memory; files are written in a
     background thread. Collective. Call ``handle.wait()`` (collective, on every rank) before
     the next save: it commits the checkpoint and raises any error from the background write.
+    A handle never waited for commits nothing and warns at exit (`SaveHandle`).
     """
-    return _start(state, path, keep_last, background=True)
+    return _start(state, path, keep_last, True, series)

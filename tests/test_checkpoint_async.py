@@ -77,11 +77,11 @@ def test_keep_last_and_replacing_a_checkpoint_single_process(tmp_path):
         with torch.no_grad():
             model.weight.fill_(step)
         save({"model": model.state_dict(), "step": step}, tmp_path / f"step-{step}", keep_last=2)
-    assert sorted(os.listdir(tmp_path)) == ["step-3", "step-4"]
+    assert sorted(os.listdir(tmp_path)) == [".shardwise-series.json", "step-3", "step-4"]
     with torch.no_grad():
         model.weight.fill_(7)
     save({"model": model.state_dict(), "step": 7}, tmp_path / "step-3")  # replace an existing one
-    assert sorted(os.listdir(tmp_path)) == ["step-3", "step-4"] and verify_checkpoint(tmp_path / "step-3").ok
+    assert sorted(os.listdir(tmp_path)) == [".shardwise-series.json", "step-3", "step-4"] and verify_checkpoint(tmp_path / "step-3").ok
     state = {"model": torch.nn.Linear(3, 2).state_dict(), "step": 0}
     load(state, tmp_path / "step-3")
     assert state["step"] == 7 and torch.equal(state["model"]["weight"], torch.full((2, 3), 7.0))

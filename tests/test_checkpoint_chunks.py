@@ -122,6 +122,7 @@ def _copy(src: str, dst: str, edit=None) -> str:
     if edit is not None:
         raw = json.load(open(os.path.join(dst, "index.json")))
         edit(raw)
+        raw.pop("index_sha256")  # as an index written before indexes had their own checksum
         with open(os.path.join(dst, "index.json"), "w") as f:
             f.write(format_index(raw))
     return dst
