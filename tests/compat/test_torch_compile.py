@@ -18,7 +18,7 @@ from tests.compat._adapter import (
 )
 
 TOL = 1e-6
-WORLD = 2  # two blocks compiled on 2 ranks keep the compile time low
+WORLD = 4
 BACKEND = "aot_eager"
 
 
