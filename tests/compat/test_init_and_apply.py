@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from tests._dist import run_on_workers
 from tests.compat._adapter import (
-    IMPLS, TinyLM, assert_close, assert_losses, batches, build, full_params, impl, reference, shard, train,
+    IMPLS, TinyLM, assert_close, assert_losses, batches, build, full_params, impl, shard, train,
 )
 
 TOL = 1e-6  # fp32, sums over 4 ranks in another order
