@@ -23,9 +23,15 @@ TOL = 1e-6
 WORLD = 4
 
 
+def _numel(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel()
+    return sum(_numel(y) for y in x) if isinstance(x, (list, tuple)) else 0
+
+
 class AllGathers(TorchDispatchMode):
-    """Records the group size of every all-gather op (c10d ops, whatever Python API issued them):
-    output elements / input elements."""
+    """Records the group size of every all-gather (the c10d ops, whichever Python API issued
+    them): elements of the output(s) / elements of the input(s)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,11 +39,7 @@ class AllGathers(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if "allgather" in func.__name__:
-            tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])
-                       if isinstance(t, torch.Tensor)]
-            flat = [t for a in args[:2] for t in (a if isinstance(a, (list, tuple)) else [a])]
-            out_n = sum(t.numel() for t in flat[:-1]) if len(flat) > 2 else flat[0].numel()
-            self.sizes.append(round(out_n / max(1, flat[-1].numel())) if tensors else -1)
+            self.sizes.append(round(_numel(args[0]) / max(1, _numel(args[1]))))
         return func(*args, **(kwargs or {}))
 
 
