@@ -104,6 +104,8 @@ def _train_and_generate(rank, world_size, arch, checkpointing):
     if checkpointing:
         ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = _shard(copy.deepcopy(ref), policy, world_size, generative)
+    on = any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+    assert on == checkpointing, f"{arch}: gradient checkpointing is {on} in the sharded model"
     ref.train(), model.train()
     opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
     noise: dict[str, torch.Tensor] = {}

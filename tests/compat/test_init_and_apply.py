@@ -9,7 +9,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from tests._dist import run_on_workers
+from tests._dist import RankFailure, run_on_workers
 from tests.compat._adapter import (
     IMPLS, TinyLM, assert_close, assert_losses, batches, build, full_params, impl, shard, train,
 )
@@ -106,9 +106,9 @@ def _to_after_fully_shard(rank, world_size, name, what):
     return got
 
 
-TORCH_FP64_AFTER_STEP = pytest.mark.xfail(strict=True, reason=(
-    "torch 2.13 FSDP2: .to(float64) after the first step keeps the fp32 gradient dtype fixed at lazy "
-    "init; backward fails assigning a float gradient to a Double parameter"))
+TORCH_FP64_AFTER_STEP = pytest.mark.xfail(strict=True, raises=RankFailure, reason=(
+    "torch 2.13 FSDP2: the all-gather dtype is fixed at the first step; after .to(float64) its forward "
+    "fails with 'Expected out tensor to have dtype double, but got float instead'"))
 
 
 @pytest.mark.parametrize("name,what", [
