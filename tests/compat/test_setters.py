@@ -31,15 +31,17 @@ def _numel(x) -> int:
 
 class AllGathers(TorchDispatchMode):
     """Records the group size of every all-gather (the c10d ops, whichever Python API issued
-    them): elements of the output(s) / elements of the input(s)."""
+    them): elements of the output(s) / elements of the input(s); and counts all-reduces."""
 
     def __init__(self) -> None:
         super().__init__()
         self.sizes: list[int] = []
+        self.all_reduces = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if "allgather" in func.__name__:
             self.sizes.append(round(_numel(args[0]) / max(1, _numel(args[1]))))
+        self.all_reduces += "allreduce" in func.__name__
         return func(*args, **(kwargs or {}))
 
 
@@ -49,7 +51,7 @@ def _step(model, opt, tokens, rank, world_size, micro: int = 1, between=None, la
     whether block 0 held DTensor (sharded) parameters after forward and after backward."""
     rows = dp_slice(tokens, rank, world_size)
     per = rows.shape[0] // micro
-    seen = {"gathers": [], "sharded_after_forward": [], "sharded_after_backward": []}
+    seen = {"gathers": [], "sharded_after_forward": [], "sharded_after_backward": [], "all_reduces": []}
     total = 0.0
     for k in range(micro):
         if between is not None:
@@ -60,6 +62,7 @@ def _step(model, opt, tokens, rank, world_size, micro: int = 1, between=None, la
         with mode:
             loss.backward()
         seen["gathers"].append(sorted(set(mode.sizes)))
+        seen["all_reduces"].append(mode.all_reduces)
         seen["sharded_after_backward"].append(isinstance(model.blocks[0].mlp.w1.weight, DTensor))
         total += loss.item()
     opt.step()
@@ -78,9 +81,12 @@ def _ref_step(ref, ropt, tokens) -> float:
     return loss.item()
 
 
-def _setters(rank, world_size, name, when):
+def _setters(rank, world_size, name, when, hsdp=False):
     i = impl(name)
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     model = shard(i, build(0), mesh)
     ref = build(0)
     opt, ropt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
@@ -97,6 +103,12 @@ def _setters(rank, world_size, name, when):
 
     if when == "after":
         run(data.pop(0), "default")
+    if hsdp:  # accumulate the reduce-scattered shards; one all-reduce across replicas at the end
+        seen = run(data.pop(0), "requires_all_reduce", micro=2, between=lambda k: model.set_requires_all_reduce(k == 1))
+        assert seen["all_reduces"][0] == 0 < seen["all_reduces"][1], f"{name} {when}: {seen}"
+        assert_losses(got, want, TOL, f"{name} {when} HSDP")
+        assert_close(full_params(model), full_params(ref), TOL, f"{name} {when} HSDP: parameters")
+        return log
     # prefetch: block k's forward also gathers block k+1, its backward block k-1
     for k, b in enumerate(blocks):
         b.set_modules_to_forward_prefetch(blocks[k + 1:k + 2])
@@ -125,6 +137,14 @@ def test_setters_before_and_after_the_first_step(name, when):
     with set_requires_gradient_sync + set_reshard_after_backward: each one's effect is seen and
     the steps equal one process's."""
     run_on_workers(_setters, WORLD, name, when, timeout=120)
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_set_requires_all_reduce(name, when):
+    """HSDP (2 replicas x 2 shards) accumulation over 2 micro-batches: the first backward
+    reduce-scatters without all-reducing across replicas, the second all-reduces."""
+    run_on_workers(_setters, WORLD, name, when, True, timeout=120)
 
 
 def _reshard_to_int(rank, world_size, name, when):
