@@ -24,7 +24,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import _StridedShard  # FSDP x TP dim-0 layout
+
+from ._compat import _StridedShard  # FSDP x TP dim-0 layout
 
 __all__ = ["clip_grad_norm_"]
 

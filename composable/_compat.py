@@ -9,8 +9,13 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["set_local_tensor", "root_mesh", "run_eagerly"]
+__all__ = ["set_local_tensor", "root_mesh", "run_eagerly", "_StridedShard"]
+
+# ``_StridedShard(dim, split_factor=s)``: the placement of a mesh axis that shards ``dim`` *within*
+# each of ``s`` chunks made by a later axis (FSDP over a TP-sharded dim 0). Relied on: its
+# constructor, ``isinstance`` checks, and ``full_tensor()`` / redistribute honouring it.
 
 
 def set_local_tensor(param: DTensor, local: torch.Tensor) -> None:

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from ._compat import _StridedShard
 from ._mesh_utils import mesh_device
 from ._param_group import ParamGroup
 from ._policies import MixedPrecisionPolicy, OffloadPolicy

@@ -49,9 +49,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from ._compat import root_mesh, set_local_tensor
+from ._compat import _StridedShard, root_mesh, set_local_tensor
 from ._layout import DimZeroLayout, scatter_rows
 from ._mesh_utils import same_mesh
 

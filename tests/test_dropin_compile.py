@@ -1,5 +1,6 @@
 """``torch.compile`` on sharded blocks, the three ways FSDP2 users write it: compile the module
-(``torch.compile(block)``), ``block.compile()``, compile only ``block.forward``. The unit's
+(``torch.compile(block)``), ``block.compile()``, compile only ``block.forward`` -- and the
+whole model (``torch.compile(model)`` after sharding). The unit's
 hooks and collectives run eagerly around the compiled compute; training equals one process.
 
 ``aot_eager`` (tracing + autograd graphs, no code generation) keeps the test fast on a small CPU
@@ -44,8 +45,11 @@ def _train(rank, world, how, backend, impl, steps=3):
         shard = fully_shard
     for i, b in enumerate(model.blocks):
         shard(b, mesh=mesh)
-        model.blocks[i] = _compile(b, how, backend)
+        if how != "root":
+            model.blocks[i] = _compile(b, how, backend)
     shard(model, mesh=mesh)
+    if how == "root":  # the whole model: graph breaks at every unit's hooks
+        model = torch.compile(model, backend=backend)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per, worst = 8 // world, 0.0
@@ -68,7 +72,7 @@ def _train(rank, world, how, backend, impl, steps=3):
     return worst, perr
 
 
-HOWS = ("module", "method", "forward")
+HOWS = ("module", "method", "forward", "root")
 
 
 def _variants(rank, world, backend, impl):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardwise.composable import fully_shard
+from shardwise.composable import fully_shard, materialize
 from tests._dist import run_ranks
 from tests._models import Net, batches, loss_fn, make_mesh
 
@@ -67,8 +67,8 @@ def _init_reset(model):
         model.scale.fill_(0.75)
 
 
-def _deferred(rank, world, style, impl="shardwise"):
-    mesh = make_mesh((world,))
+def _deferred(rank, world, style, impl="shardwise", mesh_shape=None):
+    mesh = make_mesh(mesh_shape or (world,))
     torch.manual_seed(0)
     ref = Net()
     with torch.device("meta"):
@@ -77,8 +77,9 @@ def _deferred(rank, world, style, impl="shardwise"):
     model.to_empty(device="cpu")
     if style == "reset_parameters":
         # DTensor random ops on CPU draw per rank: the values differ from one process, so the
-        # reference takes whatever the init produced (checked to be an init, not garbage)
-        torch.manual_seed(rank)
+        # reference takes whatever the init produced (checked to be an init, not garbage);
+        # HSDP replicas must agree: seed by the shard coordinate
+        torch.manual_seed(mesh.get_local_rank(mesh.ndim - 1))
         _init_reset(model)
         full = _full(model)
         assert torch.equal(full["blocks.0.norm.weight"], torch.ones(6)), "LayerNorm weight reset to 1"
@@ -96,26 +97,32 @@ def _deferred(rank, world, style, impl="shardwise"):
         model.load_state_dict(sd, assign=True)
     elif style == "assign_full":
         model.load_state_dict(copy.deepcopy(ref.state_dict()), assign=True)
+    elif style == "materialize":  # shardwise's own path, after to_empty: equal to one process
+        torch.manual_seed(0)
+        materialize(model, _init_reset)
+        with torch.no_grad():
+            ref.scale.fill_(0.75)
     got, want = _full(model), _full(ref)
     bad = [n for n in want if not torch.equal(got[n], want[n])]
     assert not bad, f"after init the full parameters differ from the reference: {bad}"
     return train_compare(ref, model, rank, world)
 
 
-STYLES = ("reset_parameters", "copy", "assign", "assign_full")
+STYLES = ("reset_parameters", "copy", "assign", "assign_full", "materialize")
 
 
-def _styles(rank, world, impl, styles):
+def _styles(rank, world, impl, styles, mesh_shape):
     """Every init style in turn in the same rank processes."""
-    return {style: _deferred(rank, world, style, impl) for style in styles}
+    return {style: _deferred(rank, world, style, impl, mesh_shape) for style in styles}
 
 
-@pytest.mark.parametrize("impl", ["shardwise", "torch"])
-def test_meta_to_empty_then_init_trains_like_one_process(impl):
-    """shardwise, and torch's FSDP2 as the oracle (full tensors with assign=True are a shardwise
-    extra: FSDP2 takes only DTensors there)."""
+@pytest.mark.parametrize("impl,mesh_shape", [("shardwise", (4,)), ("shardwise", (2, 2)), ("torch", (4,))],
+                         ids=["shardwise-fsdp", "shardwise-hsdp", "torch-fsdp"])
+def test_meta_to_empty_then_init_trains_like_one_process(impl, mesh_shape):
+    """shardwise, and torch's FSDP2 as the oracle (full tensors with assign=True and
+    ``materialize`` are shardwise extras)."""
     styles = STYLES if impl == "shardwise" else STYLES[:3]
-    for rank, results in enumerate(run_ranks(_styles, 4, impl, styles, timeout=120)):
+    for rank, results in enumerate(run_ranks(_styles, 4, impl, styles, mesh_shape, timeout=120)):
         for style, (lerr, perr) in results.items():
             assert lerr <= TOL and perr <= TOL, f"{impl} {style} rank {rank}: loss {lerr:.2e}, param {perr:.2e}"
 
