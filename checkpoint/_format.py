@@ -10,7 +10,11 @@ each data file's size in bytes, so a truncated or missing file is found before a
 read.
 
 `read_index` refuses, with a `CheckpointError` that says what the directory is and what to
-do, anything that is not a complete checkpoint of a version this code reads.
+do, anything that is not a complete checkpoint of a version this code reads, and any index
+that is damaged or hostile: its own checksum (``index_sha256``, over every field) not
+matching, a repeated JSON key, a field of the wrong type, a data file name that is not a plain
+name inside the directory, an ``index.json`` that is a symbolic link, a box larger than its
+file. No message echoes the content of a file beyond short excerpts of the index's own fields.
 """
 
 from __future__ import annotations

@@ -6,7 +6,13 @@ chunks as a save does), one *slab* at a time: a slab is a run of
 dim-0 rows of one output box of at most ``chunk_bytes`` (one row when a row is larger), read
 from every saved box it meets and appended to the output file. Memory is one slab, whatever
 the model size. Outputs are written into a temporary directory and renamed into place as in
-[Note: atomic commit] (``_commit.py``).
+[Note: atomic commit] (``_commit.py``); a failed run deletes it.
+
+Both first verify the whole source (``verify_checkpoint``: sizes, headers, tiling, every
+checksum; a box without a checksum is refused), so damage is never copied into a new file
+under fresh checksums, and both refuse an ``out`` that is the source, lies inside it or holds
+it, or already exists (unless ``replace=True``, and then only an earlier output of the same
+kind, whose user-added files are kept).
 
 * `merge_checkpoint` writes full tensors, Hugging Face style: ``model-0000i-of-0000n
   .safetensors`` files of at most ``max_shard_bytes`` each (a larger tensor gets a file of

@@ -3,7 +3,8 @@
 [Note: the steps of a load]
 1. Check (every rank, reads only ``index.json``, file sizes and safetensors headers, plus the
    checksummed bytes when ``verify``): each target tensor is in the checkpoint with the same
-   dtype and global shape; for each of this rank's boxes (``_boxes.local_boxes``) the saved
+   dtype and global shape; its saved boxes tile it exactly (``_tiling.tiling_problem``, exact
+   duplicates dropped first); for each of this rank's boxes (``_boxes.local_boxes``) the saved
    boxes that meet it cover it (``_plan.plan_reads``); each data file to be read exists, has
    the size the index records and holds the expected keys, dtypes and shapes; with ``verify``
    the CRC-32 of each checksum unit in this rank's share matches the index. All problems are

@@ -11,9 +11,11 @@ name and token, so their ``.incomplete-<token>``/``.replaced-<token>`` directori
 
 Only what is recorded is ever removed, never something guessed from a name:
 
-* at the start of a save, every pending save of the same series is cleaned up: its
-  ``.incomplete-`` directory deleted, a ``.replaced-`` copy renamed back when its checkpoint
-  is missing (a crash between the two renames of a replace) or else finished;
+* at the start of a save, every pending save of the same series whose process is gone (or ran
+  on another host) is cleaned up: its ``.incomplete-`` directory deleted, a ``.replaced-``
+  copy renamed back when its checkpoint is missing (a crash between the two renames of a
+  replace) or else finished. A pending save of a live process on this host (an
+  ``async_save`` not yet waited for) is left alone;
 * ``keep_last=N`` deletes the series' recorded checkpoints beyond the ``N`` newest, each only
   if it still is the checkpoint the series wrote (a real directory whose index has the
   recorded ``save_id``), and of it only its own files (``_commit.delete_own_files``): files a
@@ -32,6 +34,7 @@ import fcntl
 import json
 import os
 import re
+import socket
 
 from ._commit import _index_of, delete_own_files, fsync_dir, recover_replaced, remove_temp, temp_dir_for
 from ._comm import CheckpointError
@@ -90,11 +93,29 @@ def _entry(record: dict, series: str) -> dict:
     return s
 
 
+def _running(p: dict) -> bool:
+    """Whether the save of pending entry ``p`` may still be running: its process is alive on this
+    host (an ``async_save`` not yet waited for, another job). Saves of other hosts are taken as
+    finished: one series is saved by one job at a time."""
+    if p.get("host") != socket.gethostname() or not isinstance(p.get("pid"), int):
+        return False
+    try:
+        os.kill(p["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def _clean_pending(parent: str, entry: dict) -> list[str]:
-    said = []
+    said, still = [], []
     for p in entry["pending"]:
         name, token = p.get("name"), p.get("token")
         if not isinstance(name, str) or not isinstance(token, str) or "/" in name or "/" in token:
+            continue
+        if _running(p):
+            still.append(p)
             continue
         path = os.path.join(parent, name)
         tmp = temp_dir_for(path, token)
@@ -103,7 +124,7 @@ def _clean_pending(parent: str, entry: dict) -> list[str]:
         done = recover_replaced(path, token)
         if done:
             said.append(done)
-    entry["pending"] = []
+    entry["pending"] = still
     return said
 
 
@@ -116,7 +137,8 @@ def begin_save(path: str, series: str, token: str) -> list[str]:
         record = _load(parent)
         entry = _entry(record, series)
         said = _clean_pending(parent, entry)
-        entry["pending"].append({"name": os.path.basename(path), "token": token})
+        entry["pending"].append({"name": os.path.basename(path), "token": token, "host": socket.gethostname(),
+                                 "pid": os.getpid()})
         _store(parent, record)
     return said
 

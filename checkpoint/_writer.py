@@ -44,6 +44,7 @@ from ._commit import check_target, commit, remove_temp, temp_dir_for
 from ._series import abort_save, begin_save, default_series, finish_save
 from ._flatten import flatten, to_json_value
 from ._owners import assign_writers
+from ._tiling import tiling_problem
 from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, dtype_name, format_index,
                       index_to_json, write_json)
 from ._safetensors_io import DTYPE_CODES, StreamingWriter
@@ -168,6 +169,9 @@ def _build_index(path: str, plan: _Plan, reports: list[dict], world: int, token:
     for k, m in plan.meta.items():
         dtype = getattr(torch, m["dtype"])
         tensors[k] = TensorEntry(dtype, tuple(m["shape"]), tuple(boxes[k]), m["layout"])
+        problem = tiling_problem(tensors[k].shape, [b.box for b in boxes[k]])
+        if problem is not None:  # the written boxes themselves, checked once more before the commit
+            raise CheckpointError(f"the boxes written for tensor '{k}' do not tile it: {problem}; nothing was committed")
     return Index(path, tensors, plan.values, files, world, time.time_ns(), save_id=token)
 
 

@@ -123,7 +123,7 @@ def _point_at(index: dict, name: str) -> None:
 
 def _old_index_crc_null(path: str) -> None:
     def fn(index):
-        index.pop(CHECKSUM_FIELD)
+        index.pop(CHECKSUM_FIELD, None)
         for b in _w(index)["boxes"]:
             b["crc32"] = None
             b.pop("chunk_rows", None)
@@ -145,6 +145,7 @@ def _duplicate_key(path: str) -> None:
 CASES = {
     "nonexistent": (lambda p, o: __import__("shutil").rmtree(p), False),
     "no_index": (lambda p, o: os.remove(os.path.join(p, "index.json")), False),
+    "empty_dir": (lambda p, o: [os.remove(os.path.join(p, n)) for n in os.listdir(p)], False),
     "index_not_json": (lambda p, o: open(os.path.join(p, "index.json"), "w").write('{"format": "shardw'), False),
     "index_is_list": (lambda p, o: open(os.path.join(p, "index.json"), "w").write("[1, 2]"), False),
     "index_symlink_outside": (lambda p, o: (os.replace(os.path.join(p, "index.json"), os.path.join(o, "index.json")),

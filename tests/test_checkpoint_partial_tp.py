@@ -169,3 +169,18 @@ def test_overlapping_boxes_are_refused_as_overlapping(tmp_path):
         load(target, path, verify=False)
     assert torch.equal(target["w"], torch.zeros(6, 3))
     assert any("overlapping" in p for p in verify_checkpoint(path).problems)
+
+
+def test_the_written_boxes_are_checked_again_before_the_commit(tmp_path, monkeypatch):
+    """Second line of defence: should the owner agreement let overlapping pieces through, rank 0
+    still refuses to commit (checked on the boxes the ranks report having written)."""
+    import shardwise.checkpoint._writer as writer
+    from shardwise.checkpoint._boxes import Box, LocalBox
+
+    monkeypatch.setattr(writer, "assign_writers", lambda keys, shapes, held, digest, rank: (
+        {(k, b) for k, boxes in held.items() for b in boxes}, None))
+    monkeypatch.setattr(writer, "local_boxes", lambda v: [LocalBox(Box((0,), (3,)), (0,)),
+                                                          LocalBox(Box((2,), (2,)), (2,))])
+    with pytest.raises(CheckpointError, match="overlapping"):
+        save({"t": torch.arange(4.0)}, tmp_path / "c")
+    assert os.listdir(tmp_path) == []

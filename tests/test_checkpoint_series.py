@@ -31,6 +31,18 @@ def _loaded(path) -> dict:
     return state
 
 
+def _as_if_dead(folder) -> None:
+    """The series record's pending saves, as if their process had died (a pid that has exited)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    file = os.path.join(folder, RECORD_FILE)
+    record = json.loads(open(file).read())
+    for series in record["series"].values():
+        for p in series["pending"]:
+            p["pid"] = gone.pid
+    open(file, "w").write(json.dumps(record))
+
+
 def _kill_at_rename(monkeypatch, nth: int) -> None:
     """Make the ``nth`` os.rename of the commit (1-based) kill the save."""
     real, calls = os.rename, []
@@ -52,6 +64,9 @@ def test_a_killed_save_leaves_an_incomplete_dir_that_the_next_save_removes(tmp_p
             save(_state(2.0), tmp_path / "step-2")
     left = [n for n in os.listdir(tmp_path) if ".incomplete-" in n]
     assert len(left) == 1, os.listdir(tmp_path)
+    save(_state(3.0), tmp_path / "step-3")
+    assert os.path.exists(tmp_path / left[0]), "a pending save of a live process is left alone"
+    _as_if_dead(tmp_path)
     said = save(_state(3.0), tmp_path / "step-3")
     assert any("removed" in s and left[0] in s for s in said), said
     assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".shardwise")) == ["step-1", "step-3"]
@@ -78,7 +93,8 @@ def test_a_crash_between_the_two_renames_is_recovered_by_the_next_save(tmp_path,
         _kill_at_rename(m, 2)
         with pytest.raises(_Killed):
             save(_state(2.0), path)
-    said = save(_state(3.0), tmp_path / "other")  # another checkpoint of the same series ("latest"/"other" differ)
+    _as_if_dead(tmp_path)
+    save(_state(3.0), tmp_path / "other")  # another series ("latest" and "other" differ)
     assert not os.path.exists(path), "a save of another series does not touch it"
     said = save(_state(3.0), path)
     assert any("restored" in s for s in said), said
@@ -131,6 +147,15 @@ def test_rotation_leaves_a_recorded_name_alone_once_it_is_something_else(tmp_pat
     said = save(_state(2.0), tmp_path / "step-2", keep_last=1)
     assert any("left" in s and "step-1" in s for s in said), said
     assert os.path.exists(tmp_path / "step-1") and os.path.exists(tmp_path / "moved")
+
+
+def test_a_second_save_leaves_an_async_save_in_progress_alone(tmp_path):
+    from shardwise.checkpoint import async_save
+
+    handle = async_save(_state(1.0), tmp_path / "step-1")
+    save(_state(2.0), tmp_path / "step-2", keep_last=5)
+    handle.wait()
+    assert _loaded(tmp_path / "step-1")["w"][0, 0] == 1.0 and _loaded(tmp_path / "step-2")["w"][0, 0] == 2.0
 
 
 # -- merge and reshard: never onto their source or an existing path without --replace -----------
@@ -190,3 +215,38 @@ def test_async_save_never_waited_for_warns_commits_nothing_and_leaves_nothing(tm
     assert "was never waited for" in done.stderr and "NOT committed" in done.stderr, done.stderr
     assert not os.path.exists(path)
     assert [n for n in os.listdir(tmp_path) if "incomplete" in n] == [], os.listdir(tmp_path)
+
+
+# -- Hugging Face folders may be symlinks into a download cache; checkpoint files may not ------
+
+def test_hugging_face_folder_of_symlinks_loads_but_a_symlinked_checkpoint_file_is_refused(tmp_path):
+    from shardwise.checkpoint import load_safetensors
+
+    save(_state(4.0), tmp_path / "ck")
+    merge_checkpoint(tmp_path / "ck", tmp_path / "blobs")
+    os.makedirs(tmp_path / "snapshot")
+    for name in os.listdir(tmp_path / "blobs"):  # the layout of a hub cache snapshot
+        os.symlink(tmp_path / "blobs" / name, tmp_path / "snapshot" / name)
+    target = {"w": torch.zeros(4, 3)}
+    load_safetensors(target, tmp_path / "snapshot")
+    assert torch.equal(target["w"], torch.full((4, 3), 4.0))
+    data = tmp_path / "ck" / "rank-00000.safetensors"
+    os.rename(data, tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", data)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        load(_state(0.0, 0), tmp_path / "ck")
+
+
+def test_a_permission_error_is_named_as_such(tmp_path, monkeypatch, capsys):
+    """(Tests run as root, where permissions do not stop reads: the error is injected.)"""
+    import shardwise.checkpoint._format as fmt
+
+    save(_state(1.0), tmp_path / "ck")
+
+    def denied(file, limit):
+        raise PermissionError(13, "Permission denied", file)
+
+    monkeypatch.setattr(fmt, "_read_regular", denied)
+    assert main(["merge", str(tmp_path / "ck"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "permission denied" in err and "index.json" in err and "No such file" not in err, err
