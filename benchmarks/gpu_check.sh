@@ -4,6 +4,7 @@
 # machine's torch image already has):
 #
 #   bash benchmarks/gpu_check.sh                 # CUDA/NCCL facts, then benchmarks/gpu_step.py
+#                                                # (its CPU-offload check first: grads must end on cpu)
 #   GPU_CHECK_ARGS="--device cpu --dim 64 --layers 2 --seq-len 32 --steps 2" bash benchmarks/gpu_check.sh
 #                                                # the same on CPU (a smoke run of this script)
 #

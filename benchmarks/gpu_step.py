@@ -21,6 +21,12 @@ master weights and AdamW state; the default on CUDA). Two phases:
 
 With a one-rank group both implementations shard over one rank, which measures their per-step
 overhead around the same compute (copies, hooks, casts) rather than communication.
+
+Before the two phases, a correctness check that only a GPU can make: with ``CPUOffloadPolicy``,
+after a step's backward every sharded parameter and gradient must be on the CPU (the optimizer
+steps there), for both implementations; the model's output on the device. On a CPU-only host
+"offloaded" and "on the device" are the same place, so the check runs its code path in the smoke
+mode but proves nothing there. A failure prints ``offload check FAILED`` and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -78,6 +84,37 @@ def build(impl: str, cfg: LlamaConfig, args, mesh, device: torch.device):
         fully_shard(block, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=None if raf else False, mp_policy=mp)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def offload_check(cfg: LlamaConfig, device: torch.device, mesh, tokens: torch.Tensor) -> list[str]:
+    """Problems found with CPU offload after one step's backward, per implementation (none: [])."""
+    problems = []
+    for impl in IMPLS:
+        if impl == "shardwise":
+            from shardwise.composable import CPUOffloadPolicy, fully_shard
+        else:
+            from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        with torch.device(device):
+            model = Llama(cfg, generator=torch.Generator(device=device).manual_seed(0))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, offload_policy=policy)
+        fully_shard(model, mesh=mesh, offload_policy=policy)
+        logits = model(tokens[:, :-1])
+        if logits.device != tokens.device:
+            problems.append(f"{impl}: output on {logits.device}, input on {tokens.device}")
+        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if local.device.type != "cpu":
+                problems.append(f"{impl}: parameter {name} on {local.device}, offload keeps it on cpu")
+            if grad is None or grad.device.type != "cpu":
+                problems.append(f"{impl}: gradient of {name} on {None if grad is None else grad.device}, "
+                                "offload moves it to cpu for the optimizer")
+        del model, logits
+        gc.collect()
+    return problems
 
 
 def step(model, optim, tokens) -> torch.Tensor:
@@ -174,6 +211,11 @@ def main(argv=None) -> int:
     say(f"{name} x {world}; torch {torch.__version__}; mp={args.mp}; reshard_after_forward="
         f"{args.reshard_after_forward}\nmodel: {cfg}\n{n / 1e6:,.1f} M params; {args.batch_per_rank} x "
         f"{args.seq_len} tokens per rank")
+    small = LlamaConfig(vocab_size=args.vocab, dim=64, n_layers=2, n_heads=4, max_seq_len=cfg.max_seq_len)
+    problems = offload_check(small, device, mesh, batches[0][:1])  # where tensors live, not speed: small
+    say(f"offload check ({'meaningful' if device.type == 'cuda' else 'code path only, cpu host'}): "
+        + ("ok, parameters and gradients on cpu after backward for " + " and ".join(IMPLS) if not problems
+           else "FAILED\n  " + "\n  ".join(problems[:20])))
     mem = memory_phase(cfg, args, mesh, device, batches)
     times, diff = time_phase(cfg, args, mesh, device, batches)
     ratios = [a / b for a, b in zip(times[IMPLS[0]], times[IMPLS[1]])]
@@ -190,7 +232,7 @@ def main(argv=None) -> int:
     say(f"largest relative loss difference between the two at equal steps: {diff:.1e}")
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

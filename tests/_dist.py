@@ -27,6 +27,9 @@ Ranks inherit the environment the forkserver started with, not later changes
 of ``os.environ`` (``monkeypatch.setenv`` does not reach them): pass ``env``.
 Bodies run without pytest's assertion rewriting, so give asserts messages.
 Needs pytest's default ``prepend`` import mode (tests import as ``tests.*``).
+
+`run_on_workers` (``tests/_workers.py``, re-exported here) runs bodies the same way on
+persistent workers reused from call to call, as a long job or a notebook reuses its processes.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class _Rank:
     proc: Any  # multiprocessing Process of the forkserver context
     conn: Any  # parent end of the rank's pipe: outcome in; closing it releases the rank
     stack_path: str
+    stack_offset: int = 0  # where this call's stack dump starts in stack_path (persistent workers)
 
 
 def _pickle_body(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
@@ -285,16 +289,17 @@ def _dump_stacks(hung: list[_Rank]) -> str:
         if r.proc.is_alive():
             os.kill(r.proc.pid, _STACK_SIGNAL)
     end = time.monotonic() + _STACK_DUMP_WAIT_S
-    while time.monotonic() < end and not all(_read(r.stack_path) for r in hung):
+    while time.monotonic() < end and not all(_read(r.stack_path, r.stack_offset) for r in hung):
         time.sleep(0.02)
     time.sleep(0.05)  # let the last lines land
-    return "\n".join(f"--- rank {r.rank} ---\n{_read(r.stack_path).rstrip() or '(no dump)'}"
+    return "\n".join(f"--- rank {r.rank} ---\n{_read(r.stack_path, r.stack_offset).rstrip() or '(no dump)'}"
                      for r in hung)
 
 
-def _read(path: str) -> str:
+def _read(path: str, offset: int = 0) -> str:
     try:
         with open(path) as f:
+            f.seek(offset)
             return f.read()
     except OSError:
         return ""
@@ -311,3 +316,6 @@ def _stop(ranks: list[_Rank]) -> None:
         if r.proc.is_alive():
             r.proc.kill()
             r.proc.join(5.0)
+
+
+from tests._workers import MAX_WORKERS, run_on_workers, shutdown_workers, worker_pool_info  # noqa: E402,F401

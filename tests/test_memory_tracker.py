@@ -94,6 +94,7 @@ def test_gpu_step_benchmark_runs_its_code_path_on_cpu():
     assert rc0 == rc1 == 0
     assert out1 == ""
     assert "| shardwise |" in out0 and "| torch FSDP2 |" in out0, out0
+    assert "offload check (code path only, cpu host): ok" in out0, out0
     diff = float(out0.rsplit("at equal steps:", 1)[1].split()[0])
     assert diff < 1e-5, out0
 
