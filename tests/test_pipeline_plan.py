@@ -1,0 +1,86 @@
+"""Pure tests of pipeline partitioning and schedules (no processes)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardwise.composable._pipeline._partition import (balanced_bounds, balanced_plan, plan_from_bounds,
+                                                       uniform_bounds)
+from shardwise.composable._pipeline._schedule import (SCHEDULES, Action, build_schedule, simulate,
+                                                      theoretical_bubble)
+
+COSTS = st.lists(st.integers(0, 50), min_size=1, max_size=9)
+
+
+def _brute(costs, stages, pre, post):
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        b = (0, *cuts, n)
+        stage = [sum(costs[b[k]:b[k + 1]]) for k in range(stages)]
+        stage[0] += pre
+        stage[-1] += post
+        best = max(stage) if best is None else min(best, max(stage))
+    return best
+
+
+@settings(deadline=None, max_examples=300)
+@given(costs=COSTS, data=st.data(), pre=st.integers(0, 100), post=st.integers(0, 100))
+def test_balanced_matches_brute_force(costs, data, pre, post) -> None:
+    stages = data.draw(st.integers(1, len(costs)))
+    b = balanced_bounds(costs, stages, pre=pre, post=post)
+    assert len(b) == stages + 1 and b[0] == 0 and b[-1] == len(costs)
+    assert all(b[k + 1] > b[k] for k in range(stages)), f"empty stage in {b}"
+    plan = plan_from_bounds(costs, b, pre=pre, post=post)
+    assert max(plan.costs) == _brute(costs, stages, pre, post), (costs, stages, pre, post, b)
+
+
+def test_heavy_head_moves_blocks_off_the_last_stage() -> None:
+    plan = balanced_plan([1.0] * 8, 2, pre=0.5, post=3.0)
+    assert plan.bounds == (0, 5, 8) and plan.costs == (5.5, 6.0)
+    assert uniform_bounds(8, 2) == (0, 4, 8) and uniform_bounds(7, 3) == (0, 3, 5, 7)
+    assert "stage 1 rank 1: blocks 5..7 + post" in plan.describe(pp=2)
+
+
+def test_bad_plans_are_refused() -> None:
+    with pytest.raises(ValueError, match="4 stages but the model has only 3 blocks"):
+        balanced_bounds([1, 1, 1], 4)
+    with pytest.raises(ValueError, match="do not cut 4 blocks into non-empty contiguous stages"):
+        plan_from_bounds([1, 1, 1, 1], [2, 2])
+    assert plan_from_bounds([1, 2, 3, 4], [1, 3]).bounds == (0, 1, 3, 4)
+
+
+@settings(deadline=None, max_examples=60)
+@given(schedule=st.sampled_from(SCHEDULES), pp=st.integers(1, 5), mult=st.integers(1, 4), v=st.integers(2, 3),
+       extra=st.integers(0, 3))
+def test_schedules_are_complete_deadlock_free_and_hit_the_theory(schedule, pp, mult, v, extra) -> None:
+    if schedule != "interleaved_1f1b":
+        v = 1
+        m = mult + extra
+    else:
+        m = pp * mult
+    acts = build_schedule(schedule, pp, m, v)
+    makespan, busy = simulate(acts, pp * v, m)
+    for r, a in enumerate(acts):
+        assert all(x.stage % pp == r for x in a), f"rank {r} runs a stage it does not hold: {a}"
+        alive = peak = 0
+        for x in a:
+            alive += 1 if x.kind == "F" else -1
+            peak = max(peak, alive)
+        if schedule == "1f1b":
+            assert peak <= min(pp - r, m), f"1f1b keeps {peak} microbatches alive on rank {r}"
+    bubble = 1 - busy[0] / makespan
+    assert abs(bubble - theoretical_bubble(pp, m, v)) < 1e-9, (bubble, theoretical_bubble(pp, m, v))
+
+
+def test_schedule_errors_and_a_bad_order() -> None:
+    with pytest.raises(ValueError, match="multiple of pp"):
+        build_schedule("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match="unknown"):
+        build_schedule("zb", 2, 4)
+    bad = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 1, 0), Action("B", 1, 0)]]
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate(bad, 2, 1)
