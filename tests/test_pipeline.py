@@ -21,6 +21,7 @@ from tests._dist import run_ranks
 
 TOL = 1e-6
 CFG = LlamaConfig(vocab_size=17, dim=16, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=24, max_seq_len=16)
+CFG6 = LlamaConfig(vocab_size=17, dim=16, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=24, max_seq_len=16)
 
 
 def _ce(logits, targets):
@@ -90,7 +91,21 @@ def _run(rank, world_size, opts):
                              loss_fn=_ce_parallel if tp > 1 else _ce,
                              loss_context=sw.loss_parallel if tp > 1 else None,
                              reduce_every_microbatch=opts.get("every", False))
-    losses = sched.step(inputs[sl], targets[sl])
+    import shardwise.composable._param_group as pg
+    calls = [0]
+    real = pg.reduce_scatter_single
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    pg.reduce_scatter_single = counting
+    try:
+        losses = sched.step(inputs[sl], targets[sl])
+    finally:
+        pg.reduce_scatter_single = real
+    units = sum(1 for st in split.stages for m in st.module.modules()
+                if isinstance(m, sw.FSDPModule) and m._fsdp_state().group is not None)
     loss = losses.mean()
     if dp_size > 1:
         t = torch.tensor([float(loss)], dtype=torch.float64)
@@ -104,16 +119,17 @@ def _run(rank, world_size, opts):
         worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
         names.append(n)
     return {"loss_err": abs(float(loss) - ref_loss.item()) / ref_loss.item(), "grad_err": worst, "names": names,
-            "bounds": split.plan.bounds}
+            "bounds": split.plan.bounds, "reduce_scatters": calls[0], "units": units}
 
 
-def _check(results, n_layers=4):
+def _check(results, per_step=1, cfg=CFG):
     names = set()
     for r in results:
+        assert r["reduce_scatters"] == per_step * r["units"], f"{r['reduce_scatters']} reduce-scatters for {r['units']} units"
         assert r["loss_err"] <= TOL, r
         assert r["grad_err"] <= TOL, r
         names |= set(r["names"])
-    ref = {n for n, _ in Llama(CFG).named_parameters()}
+    ref = {n for n, _ in Llama(cfg).named_parameters()}
     assert names == ref, f"the stages together hold {sorted(names ^ ref)} differently from the unsplit model"
 
 
@@ -124,3 +140,78 @@ def test_pp2_matches_one_process(schedule):
 
 def test_pp2_interleaved_matches_one_process():
     _check(run_ranks(_run, 2, {"schedule": "interleaved_1f1b", "v": 2}, timeout=90))
+
+
+def test_pp4_1f1b_uneven_split():
+    res = run_ranks(_run, 4, {"pp": 4, "cfg": CFG6, "split_points": [1, 2, 5]}, timeout=90)
+    assert res[0]["bounds"] == (0, 1, 2, 5, 6)
+    _check(res, cfg=CFG6)
+
+
+def test_pp4_gpipe_measured_split():
+    _check(run_ranks(_run, 4, {"pp": 4, "schedule": "gpipe", "cost": "time"}, timeout=90))
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_pp2_x_fsdp_one_reduce_scatter_per_unit_per_step(every):
+    res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "every": every}, timeout=90)
+    assert all(r["units"] == 3 for r in res), res
+    _check(res, per_step=4 if every else 1)
+
+
+def test_pp2_x_tp2():
+    _check(run_ranks(_run, 4, {"pp": 2, "tp": 2, "schedule": "interleaved_1f1b", "v": 2}, timeout=90))
+
+
+def test_pp2_x_dp2_x_tp2_on_8_ranks():
+    _check(run_ranks(_run, 8, {"pp": 2, "dp_shard": 2, "tp": 2, "schedule": "1f1b"}, timeout=150))
+
+
+class Chain(torch.nn.Module):
+    """``head(layers(inp(x)))`` with Linear blocks of the given (in, out) widths."""
+
+    def __init__(self, widths, splittable=True):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, widths[0][0])
+        blocks = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in widths)
+        if splittable:
+            self.layers = blocks
+        else:
+            self.body = torch.nn.Sequential(*blocks)
+        self.head = torch.nn.Linear(widths[-1][1], 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for blk in (self.layers if hasattr(self, "layers") else self.body):
+            h = torch.tanh(blk(h))
+        return self.head(h)
+
+
+def _bad(rank, world_size, case):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    try:
+        if case == "stages":
+            split = pipeline_split(Chain([(8, 8)] * 3), virtual_stages=1, cost="params", verbose=False)
+        elif case == "nolist":
+            split = pipeline_split(Chain([(8, 8)] * 4, splittable=False), cost="params", verbose=False)
+        else:
+            widths = [(8, 8), (8, 8), (6, 8), (8, 8)] if case == "shapes" else [(8, 8)] * 4
+            split = pipeline_split(Chain(widths), cost="params", verbose=False)
+            sched = PipelineSchedule(split, schedule="1f1b", microbatches=4, loss_fn=F.mse_loss)
+            sched.step(x[:6] if case == "microbatches" else x, y[:6] if case == "microbatches" else y)
+    except (ValueError, PipelineError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case,text", [
+    ("stages", "4 stages but the model has only 3 blocks to split"),
+    ("nolist", "Chain has no splittable list of blocks"),
+    ("microbatches", "inputs has batch size 6, not divisible by microbatches=4"),
+    ("shapes", "pipeline stage 2 (pp rank 2) failed in forward of microbatch 0: RuntimeError: mat1 and mat2 shapes"),
+])
+def test_bad_input_is_one_error_on_every_rank(case, text):
+    got = run_ranks(_bad, 4, case, timeout=60)
+    assert len(set(got)) == 1, f"ranks disagree: {got}"
+    assert text in got[0] and "\n" not in got[0], got[0]

@@ -188,6 +188,7 @@ class PipelineSchedule:
         compute = 0.0
         t_start = time.perf_counter()
         for idx, a in enumerate(self.actions):
+            x = None
             try:
                 t0 = None
                 st = self.stages[a.stage]
@@ -248,6 +249,9 @@ class PipelineSchedule:
                 error = (f"pipeline stage {a.stage} (pp rank {self.split.pp_rank}) failed in "
                          f"{'forward' if a.kind == 'F' else 'backward'} of microbatch {a.microbatch}: "
                          f"{type(exc).__name__}: {first}")
+                if a.kind == "F" and isinstance(x, torch.Tensor):
+                    error += (f" (its input, from stage {a.stage - 1}, has shape {tuple(x.shape)} and dtype "
+                              f"{x.dtype}: check that stage boundaries carry what the next block takes)")
                 self._notify(error, skip=None)
                 break
         for st in self.split.stages:
