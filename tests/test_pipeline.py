@@ -111,6 +111,11 @@ def _run(rank, world_size, opts):
         t = torch.tensor([float(loss)], dtype=torch.float64)
         dist.all_reduce(t, group=mesh["dp_shard"].get_group())
         loss = t[0] / dp_size
+    norm_err = 0.0
+    if opts.get("clip"):
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        norm = sw.clip_grad_norm_(split.module.parameters(), 0.05, pp_mesh=split.pp_group)
+        norm_err = abs(norm.item() - ref_norm.item()) / ref_norm.item()
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     worst, names = 0.0, []
     for n, p in split.module.named_parameters():
@@ -119,7 +124,8 @@ def _run(rank, world_size, opts):
         worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
         names.append(n)
     return {"loss_err": abs(float(loss) - ref_loss.item()) / ref_loss.item(), "grad_err": worst, "names": names,
-            "bounds": split.plan.bounds, "reduce_scatters": calls[0], "units": units}
+            "bounds": split.plan.bounds, "reduce_scatters": calls[0], "units": units,
+            "norm_err": norm_err}
 
 
 def _check(results, per_step=1, cfg=CFG):
@@ -128,6 +134,7 @@ def _check(results, per_step=1, cfg=CFG):
         assert r["reduce_scatters"] == per_step * r["units"], f"{r['reduce_scatters']} reduce-scatters for {r['units']} units"
         assert r["loss_err"] <= TOL, r
         assert r["grad_err"] <= TOL, r
+        assert r["norm_err"] <= TOL, r
         names |= set(r["names"])
     ref = {n for n, _ in Llama(cfg).named_parameters()}
     assert names == ref, f"the stages together hold {sorted(names ^ ref)} differently from the unsplit model"
@@ -142,8 +149,8 @@ def test_pp2_interleaved_matches_one_process():
     _check(run_ranks(_run, 2, {"schedule": "interleaved_1f1b", "v": 2}, timeout=90))
 
 
-def test_pp4_1f1b_uneven_split():
-    res = run_ranks(_run, 4, {"pp": 4, "cfg": CFG6, "split_points": [1, 2, 5]}, timeout=90)
+def test_pp4_1f1b_uneven_split_and_clip():
+    res = run_ranks(_run, 4, {"pp": 4, "cfg": CFG6, "split_points": [1, 2, 5], "clip": True}, timeout=90)
     assert res[0]["bounds"] == (0, 1, 2, 5, 6)
     _check(res, cfg=CFG6)
 
@@ -154,7 +161,7 @@ def test_pp4_gpipe_measured_split():
 
 @pytest.mark.parametrize("every", [False, True])
 def test_pp2_x_fsdp_one_reduce_scatter_per_unit_per_step(every):
-    res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "every": every}, timeout=90)
+    res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "every": every, "clip": not every}, timeout=90)
     assert all(r["units"] == 3 for r in res), res
     _check(res, per_step=4 if every else 1)
 
@@ -164,7 +171,7 @@ def test_pp2_x_tp2():
 
 
 def test_pp2_x_dp2_x_tp2_on_8_ranks():
-    _check(run_ranks(_run, 8, {"pp": 2, "dp_shard": 2, "tp": 2, "schedule": "1f1b"}, timeout=150))
+    _check(run_ranks(_run, 8, {"pp": 2, "dp_shard": 2, "tp": 2, "schedule": "1f1b", "clip": True}, timeout=150))
 
 
 class Chain(torch.nn.Module):
