@@ -84,3 +84,37 @@ def test_schedule_errors_and_a_bad_order() -> None:
     bad = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 1, 0), Action("B", 1, 0)]]
     with pytest.raises(ValueError, match="deadlocks"):
         simulate(bad, 2, 1)
+
+
+def _meta_llama(**kw):
+    import torch
+
+    from examples.model import Llama, LlamaConfig
+    with torch.device("meta"):
+        return Llama(LlamaConfig(**kw))
+
+
+def test_plan_memory_per_stage_and_schedule_activations() -> None:
+    from shardwise.composable import plan_memory
+    model = _meta_llama(vocab_size=1000, dim=64, n_layers=8, n_heads=4)
+    A = 64 * 2**20
+    flat = plan_memory(model, (1, 2), "FULL_SHARD", activation_bytes=A)
+    one = plan_memory(model, (1, 2), "FULL_SHARD", activation_bytes=A, pp=2, microbatches=8)
+    gp = plan_memory(model, (1, 2), "FULL_SHARD", activation_bytes=A, pp=2, microbatches=8, schedule="gpipe")
+    share = [len(range(one.bounds[s], one.bounds[s + 1])) / 8 for s in range(2)]
+    assert [p.activations for p in one.stages] == [int(A * share[0] * 2 / 8), int(A * share[1] * 1 / 8)]
+    assert [p.activations for p in gp.stages] == [int(A * share[0]), int(A * share[1])]
+    assert sum(p.params for p in one.stages) <= flat.params * 1.01 + 4096  # each stage holds only its part
+    assert one.peak < flat.peak and "stage 0 blocks" in str(one)
+
+
+def test_suggest_mesh_uses_a_pipeline_only_when_needed() -> None:
+    from shardwise.composable import suggest_mesh
+    model = _meta_llama(vocab_size=1000, dim=256, n_layers=8, n_heads=4)
+    roomy = suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, pp_sizes=(1, 2))
+    assert roomy.pp == 1
+    tight = suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, activation_bytes=2 * 2**30,
+                         pp_sizes=(1, 2), microbatches=8)
+    assert tight.pp == 2 and "pp=2" in str(tight), str(tight)
+    with pytest.raises(ValueError, match="must divide hosts"):
+        suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, pp_sizes=(3,))
