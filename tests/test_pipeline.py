@@ -222,3 +222,7 @@ def test_bad_input_is_one_error_on_every_rank(case, text):
     got = run_ranks(_bad, 4, case, timeout=60)
     assert len(set(got)) == 1, f"ranks disagree: {got}"
     assert text in got[0] and "\n" not in got[0], got[0]
+
+
+def test_one_rank_two_virtual_stages_hand_off_locally():
+    _check(run_ranks(_run, 1, {"schedule": "interleaved_1f1b", "v": 2, "m": 2}, timeout=60))

@@ -8,7 +8,8 @@ the first block is ``pre`` (embedding), what runs after the last block, loss inc
 to it is complete, i.e. when that block's backward is done; block ``i``'s backward time is the
 gap between the hooks of blocks ``i + 1`` and ``i`` (backward runs last block first), ``post``'s is from the start of backward to
 the last block's output hook, ``pre``'s from block 0's input hook to the end. On CUDA each hook
-synchronizes first. One warm-up pass, then the median of ``repeats`` passes. Activation bytes
+synchronizes first and reads the wall clock; on CPU the clock is the process CPU time, which
+other load on a shared machine disturbs far less than wall time. One warm-up pass, then the median of ``repeats`` passes. Activation bytes
 are the bytes autograd saves for backward in each part (``saved_tensors_hooks``), parameters
 excluded; parameter bytes need no pass at all.
 """
@@ -45,7 +46,7 @@ def _first_tensor(x):
     return None
 
 
-def _one_pass(model, blocks, run: Callable[[], torch.Tensor], kind: str, sync):
+def _one_pass(model, blocks, run: Callable[[], torch.Tensor], kind: str, sync, clock):
     n = len(blocks)
     region = ["pre"]
     act = {"pre": 0.0, "post": 0.0, **{i: 0.0 for i in range(n)}}
@@ -56,7 +57,7 @@ def _one_pass(model, blocks, run: Callable[[], torch.Tensor], kind: str, sync):
 
     def now():
         sync()
-        return time.perf_counter()
+        return clock()
 
     for i, b in enumerate(blocks):
         def pre_hook(mod, args, i=i):
@@ -110,10 +111,11 @@ def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[
     default group when it is initialized, so every rank plans the same split."""
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    clock = time.perf_counter if dev.type == "cuda" else time.process_time
     passes = 1 if kind == "activations" else repeats
     if kind == "time":
-        _one_pass(model, blocks, run, kind, sync)  # warm-up
-    results = [_one_pass(model, blocks, run, kind, sync) for _ in range(passes)]
+        _one_pass(model, blocks, run, kind, sync, clock)  # warm-up
+    results = [_one_pass(model, blocks, run, kind, sync, clock) for _ in range(passes)]
     model.zero_grad(set_to_none=True)
     pre = statistics.median(r[0] for r in results)
     post = statistics.median(r[2] for r in results)
