@@ -63,28 +63,30 @@ def _tp_stage(stage, tp_mesh, tp):
 def _run(rank, world_size, opts):
     pp = opts.get("pp", world_size)
     dp_shard, tp, v = opts.get("dp_shard", 1), opts.get("tp", 1), opts.get("v", 1)
+    dp_rep = opts.get("dp_replicate", 1)
     cfg = opts.get("cfg", CFG)
     ref = Llama(cfg, generator=torch.Generator().manual_seed(0))
     model = copy.deepcopy(ref)
     inputs, targets = _batch(opts.get("batch", 8))
     ref_loss = _ce(ref(inputs), targets)
     ref_loss.backward()
-    mesh = init_mesh(pp=pp, dp_shard=dp_shard, tp=tp, device_type="cpu") if pp > 1 else None
+    mesh = init_mesh(pp=pp, dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, device_type="cpu") if pp > 1 else None
     split = pipeline_split(model, pipeline_mesh(mesh) if mesh is not None else None, virtual_stages=v,
                            cost=opts.get("cost", "params"), split_points=opts.get("split_points"),
                            sample=(lambda m: _ce(m(inputs), targets)) if opts.get("cost") == "time" else None,
                            verbose=False)
     dp_rank, dp_size = 0, 1
-    if mesh is not None and (dp_shard > 1 or tp > 1):
+    if mesh is not None and (dp_shard > 1 or tp > 1 or dp_rep > 1):
         for st in split.stages:
             if tp > 1:
                 _tp_stage(st, mesh["tp"], tp)
-            if dp_shard > 1:
+            if dp_shard > 1 or dp_rep > 1:
                 dp_mesh = data_parallel_mesh(mesh)
                 for b in st.blocks:
                     sw.fully_shard(b, mesh=dp_mesh)
                 sw.fully_shard(st.module, mesh=dp_mesh)
-        dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), dp_shard
+        dp_rank = mesh["dp_replicate"].get_local_rank() * dp_shard + mesh["dp_shard"].get_local_rank()
+        dp_size = dp_shard * dp_rep
     per = inputs.shape[0] // dp_size
     sl = slice(dp_rank * per, (dp_rank + 1) * per)
     sched = PipelineSchedule(split, schedule=opts.get("schedule", "1f1b"), microbatches=opts.get("m", 4),
@@ -99,17 +101,29 @@ def _run(rank, world_size, opts):
         calls[0] += 1
         return real(*a, **k)
 
+    rep_calls = [0]
+    real_ar = dist.all_reduce
+    rep_group = mesh["dp_replicate"].get_group() if mesh is not None and dp_rep > 1 else None
+
+    def counting_ar(*a, **k):
+        if rep_group is not None and k.get("group") is rep_group:
+            rep_calls[0] += 1
+        return real_ar(*a, **k)
+
     pg.reduce_scatter_single = counting
+    dist.all_reduce = counting_ar
     try:
         losses = sched.step(inputs[sl], targets[sl])
     finally:
         pg.reduce_scatter_single = real
+        dist.all_reduce = real_ar
     units = sum(1 for st in split.stages for m in st.module.modules()
                 if isinstance(m, sw.FSDPModule) and m._fsdp_state().group is not None)
     loss = losses.mean()
     if dp_size > 1:
         t = torch.tensor([float(loss)], dtype=torch.float64)
-        dist.all_reduce(t, group=mesh["dp_shard"].get_group())
+        for axis in ("dp_replicate", "dp_shard"):
+            dist.all_reduce(t, group=mesh[axis].get_group())
         loss = t[0] / dp_size
     norm_err = 0.0
     if opts.get("clip"):
@@ -124,7 +138,7 @@ def _run(rank, world_size, opts):
         worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
         names.append(n)
     return {"loss_err": abs(float(loss) - ref_loss.item()) / ref_loss.item(), "grad_err": worst, "names": names,
-            "bounds": split.plan.bounds, "reduce_scatters": calls[0], "units": units,
+            "bounds": split.plan.bounds, "reduce_scatters": calls[0], "units": units, "replica_all_reduces": rep_calls[0],
             "norm_err": norm_err}
 
 
@@ -226,3 +240,10 @@ def test_bad_input_is_one_error_on_every_rank(case, text):
 
 def test_one_rank_two_virtual_stages_hand_off_locally():
     _check(run_ranks(_run, 1, {"schedule": "interleaved_1f1b", "v": 2, "m": 2}, timeout=60))
+
+
+def test_pp2_x_hsdp_one_replica_all_reduce_per_unit_per_step():
+    res = run_ranks(_run, 4, {"pp": 2, "dp_replicate": 2, "schedule": "gpipe"}, timeout=90)
+    for r in res:
+        assert r["units"] == 3 and r["replica_all_reduces"] == r["units"], r
+    _check(res, per_step=0)  # a shard axis of one rank has nothing to reduce-scatter
