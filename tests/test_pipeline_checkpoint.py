@@ -1,6 +1,6 @@
 """Checkpoints of a pipelined model carry the unsplit model's names: saved at pp=2 (x dp_shard=2),
-loaded at pp=1 bit-exact, and training resumed there equals uninterrupted pp=2 training; and a
-pp=1 checkpoint loads into pp=2."""
+loaded at pp=1 and at pp=4 bit-exact, and training resumed at pp=1 equals uninterrupted pp=2
+training; and a pp=1 checkpoint loads into pp=2."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
-def _pp_model(dp_shard):
-    mesh = init_mesh(pp=2, dp_shard=dp_shard, device_type="cpu")
+def _pp_model(dp_shard, pp=2):
+    mesh = init_mesh(pp=pp, dp_shard=dp_shard, device_type="cpu")
     split = pipeline_split(Llama(CFG, generator=torch.Generator().manual_seed(0)), pipeline_mesh(mesh),
                            cost="params", verbose=False)
     if dp_shard > 1:
@@ -91,6 +91,10 @@ def test_pp2_checkpoint_loads_at_pp1_and_resumes(tmp_path):
     (loaded, loss1), = run_ranks(_load_pp1, 1, path, timeout=60)
     for n, t in saved.items():
         assert torch.equal(loaded[n], t), f"{n} differs after the pp=2 -> pp=1 round trip"
+    at_pp4 = {}
+    for part in run_ranks(_load_pp2, 4, path, timeout=60):  # and at pp=4, one block per stage
+        at_pp4.update(part)
+    assert set(at_pp4) == set(saved) and all(torch.equal(at_pp4[n], saved[n]) for n in saved), "pp=2 -> pp=4"
     # step 3: ranks 0 and 1 are the two dp ranks of stage 0; each returns its half's microbatch losses
     cont = (sum(pp2[0][1]) / 2 + sum(pp2[1][1]) / 2) / 2
     assert abs(loss1 - cont) <= 1e-6 * abs(cont), (loss1, cont)
@@ -107,7 +111,7 @@ def _save_pp1(rank, world_size, path):
 
 
 def _load_pp2(rank, world_size, path):
-    mesh, split, sched, opt = _pp_model(1)
+    mesh, split, sched, opt = _pp_model(1, pp=world_size)
     state = {"model": pipeline_state_dict(split), "optim": pipeline_optimizer_state_dict(split, opt)}
     ckpt.load(state, path)
     set_pipeline_state_dict(split, state["model"])
