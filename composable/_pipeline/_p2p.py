@@ -6,9 +6,15 @@ error), dtype code, ndim, sizes. An error header is followed by the length of a 
 the text itself; a rank that receives one re-raises that text, so a failure on one stage ends
 every stage's step with the same one-line message instead of leaving them waiting.
 
-Sends are asynchronous (``isend``) and waited for at the end of the step; receives are
-blocking and, from each peer, taken in the order that peer sends (no tags: order is what NCCL
-matches on too). A rank knows every rank's action list, so it knows which message comes next
+Sends are asynchronous and waited for at the end of the step; receives are blocking and, from
+each peer, taken in the order that peer sends (no tags: order is what NCCL matches on too).
+A send is not issued on its own right away: it waits in an outbox until the start of the next
+action, and if that action receives, the sends and the receive go out as one
+``batch_isend_irecv`` group. On NCCL the point-to-point operations of a pair of ranks run in
+order on one stream, so a lone send followed by a receive, mirrored on the peer (1F1B: rank 0
+sends an activation then waits for a gradient while rank 1 sends that gradient then waits for
+the activation), would wait on each other forever; grouped, they progress together (as torch's
+own schedules do). On gloo the grouping changes nothing. A rank knows every rank's action list, so it knows which message comes next
 from each peer; a message that arrives before it is needed waits in a buffer. That adds no
 waiting a tag-matched receive would not have: a peer's later message is always produced
 after its earlier ones.
@@ -40,6 +46,7 @@ class P2P:
         self.group = group
         self.device = device
         self._pending: list = []  # (work, tensor) of sends in flight
+        self._outbox: list = []  # (peer, tensor) of sends not issued yet
         self._expected: dict[int, deque] = {}  # peer -> keys still to come, in its send order
         self._buffer: dict[tuple, torch.Tensor] = {}
 
@@ -56,26 +63,44 @@ class P2P:
         header[1], header[2] = _CODE[t.dtype], t.dim()
         if t.dim():
             header[3:3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        for x in (header, t):
-            self._pending.append((dist.isend(x, group=self.group, group_dst=peer), x))
+        self._outbox += [(peer, header), (peer, t)]
+
+    def _ops(self) -> list:
+        ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=peer) for peer, x in self._outbox]
+        return ops
+
+    def flush(self) -> None:
+        """Issue the sends waiting in the outbox."""
+        if self._outbox:
+            works = dist.batch_isend_irecv(self._ops())
+            self._pending += list(zip(works, [x for _, x in self._outbox]))
+            self._outbox.clear()
+
+    def _recv_into(self, t: torch.Tensor, peer: int) -> None:
+        """Receive ``t`` from ``peer``, issuing the outbox's sends in the same group."""
+        ops = self._ops() + [dist.P2POp(dist.irecv, t, group=self.group, group_peer=peer)]
+        works = dist.batch_isend_irecv(ops)
+        self._pending += list(zip(works[:-1], [x for _, x in self._outbox]))
+        self._outbox.clear()
+        works[-1].wait()
 
     def send_error(self, peer: int, text: str) -> None:
         data = torch.tensor(list(text.encode()[:4000]), dtype=torch.uint8, device=self.device)
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         header[0], header[1] = 1, data.numel()
-        for x in (header, data):
-            self._pending.append((dist.isend(x, group=self.group, group_dst=peer), x))
+        self._outbox += [(peer, header), (peer, data)]
+        self.flush()
 
     def _recv_one(self, peer: int) -> torch.Tensor:
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, group=self.group, group_src=peer)
+        self._recv_into(header, peer)
         h = header.tolist()
         if h[0] == 1:
             data = torch.empty(h[1], dtype=torch.uint8, device=self.device)
-            dist.recv(data, group=self.group, group_src=peer)
+            self._recv_into(data, peer)
             raise PeerFailed(bytes(data.cpu().tolist()).decode(errors="replace"))
         out = torch.empty(h[3:3 + h[2]], dtype=_DTYPES[h[1]], device=self.device)
-        dist.recv(out, group=self.group, group_src=peer)
+        self._recv_into(out, peer)
         return out
 
     def recv(self, peer: int, key: tuple) -> torch.Tensor:
@@ -89,6 +114,7 @@ class P2P:
         return self._buffer.pop(key)
 
     def wait_sends(self) -> None:
+        self.flush()
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
@@ -96,4 +122,5 @@ class P2P:
     def drop(self) -> None:
         """Forget sends and buffers after a failed step (the peers will not take them)."""
         self._pending.clear()
+        self._outbox.clear()
         self._buffer.clear()

@@ -129,6 +129,10 @@ class PipelineSchedule:
         param = next((p for p in split.module.parameters()), None)
         self.device = _device_of(param)
         self.p2p = P2P(split.pp_group, self.device) if pp > 1 else None
+        if self.p2p is not None:
+            # NCCL needs every rank of a group in its first batched point-to-point call; a
+            # collective first sets up the group's communicator on all of them
+            dist.barrier(group=split.pp_group)
 
     @staticmethod
     def _make_inject(st):
@@ -162,6 +166,12 @@ class PipelineSchedule:
                     keys.append(("grad", a.stage - 1, a.microbatch))
             self.p2p.expect(peer, keys)
 
+    def _receives(self, a: Action) -> bool:
+        """Whether action ``a`` takes a message from another rank."""
+        if a.kind == "F":
+            return a.stage > 0 and self._rank_of(a.stage - 1) != self.split.pp_rank
+        return a.stage < self.S - 1 and self._rank_of(a.stage + 1) != self.split.pp_rank
+
     def _get(self, key, from_stage, local):
         if self._rank_of(from_stage) == self.split.pp_rank:
             return local.pop(key)
@@ -193,6 +203,8 @@ class PipelineSchedule:
             try:
                 t0 = None
                 st = self.stages[a.stage]
+                if self.p2p is not None and not self._receives(a):
+                    self.p2p.flush()  # see [Note: messages between stages]
                 if a.kind == "F":
                     x = None
                     if not st.is_first:
@@ -277,6 +289,8 @@ class PipelineSchedule:
             self.last_timing = {"compute_s": compute[0], "compute_cpu_s": compute[1],
                                 "step_s": time.perf_counter() - t_start}
             return losses
+        if not error:
+            self.p2p.flush()  # the step's last sends, before anyone waits in the all-reduce
         status = torch.cat([torch.tensor([1.0 if error else 0.0], dtype=torch.float64), losses]).to(self.device)
         if not self.stages.get(self.S - 1):
             status[1:] = 0
