@@ -118,3 +118,33 @@ def test_suggest_mesh_uses_a_pipeline_only_when_needed() -> None:
     assert tight.pp == 2 and "pp=2" in str(tight), str(tight)
     with pytest.raises(ValueError, match="must divide hosts"):
         suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, pp_sizes=(3,))
+
+
+class _Tied(__import__("torch").nn.Module):
+    def __init__(self, tie: bool):
+        import torch
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        for blk in self.layers:
+            h = blk(h)
+        return self.head(h)
+
+
+def test_split_refusals_without_processes() -> None:
+    from shardwise.composable import pipeline_split
+    with pytest.raises(ValueError, match="shared between modules that land on different stages"):
+        pipeline_split(_Tied(True), cost="params", verbose=False)
+    with pytest.raises(ValueError, match=r"split_points \[1\] make 2 stages, but pp \(1\) x virtual_stages \(1\) = 1"):
+        pipeline_split(_Tied(False), cost="params", split_points=[1], verbose=False)
+    with pytest.raises(ValueError, match="needs sample="):
+        pipeline_split(_Tied(False), cost="time", verbose=False)
+    split = pipeline_split(_Tied(False), virtual_stages=3, cost="params", verbose=False)
+    assert split.plan.bounds == (0, 1, 2, 3) and [s.is_first for s in split.stages] == [True, False, False]
+    assert {n for n, _ in split.module.named_parameters()} == {n for n, _ in _Tied(False).named_parameters()}

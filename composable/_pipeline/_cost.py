@@ -121,8 +121,10 @@ def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[
     post = statistics.median(r[2] for r in results)
     per = [statistics.median(r[1][i] for r in results) for i in range(len(blocks))]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([pre, post, *per], dtype=torch.float64, device=dev)
+        where = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([pre, post, *per], dtype=torch.float64, device=where)
         dist.all_reduce(t)
         t /= dist.get_world_size()
-        pre, post, per = float(t[0]), float(t[1]), [float(x) for x in t[2:]]
+        vals = t.tolist()
+        pre, post, per = vals[0], vals[1], vals[2:]
     return pre, per, post

@@ -258,7 +258,7 @@ class PipelineSchedule:
                     cpu += time.thread_time() - c0
             except PeerFailed as exc:
                 error = str(exc)
-                self._notify(error, skip=None)
+                self._notify(error)
                 break
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 first = (str(exc).strip().splitlines() or [""])[0]
@@ -268,13 +268,13 @@ class PipelineSchedule:
                 if a.kind == "F" and isinstance(x, torch.Tensor):
                     error += (f" (its input, from stage {a.stage - 1}, has shape {tuple(x.shape)} and dtype "
                               f"{x.dtype}: check that stage boundaries carry what the next block takes)")
-                self._notify(error, skip=None)
+                self._notify(error)
                 break
         for st in self.split.stages:
             st.slot.value = st.slot.out = None
         return self._finish(losses, error, (compute, cpu), t_start)
 
-    def _notify(self, text: str, skip) -> None:
+    def _notify(self, text: str) -> None:
         if self.p2p is None:
             return
         me, pp = self.split.pp_rank, self.split.pp_size

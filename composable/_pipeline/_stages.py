@@ -136,7 +136,7 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtu
     plan, path, names, pre, post = plan_stages(model, num_stages, layers=layers, cost=cost,
                                                split_points=split_points, sample=sample, repeats=repeats)
     if plan.num_stages != num_stages:
-        raise ValueError(f"pipeline: {len(split_points)} split points make {plan.num_stages} stages, but pp "
+        raise ValueError(f"pipeline: split_points {list(split_points)} make {plan.num_stages} stages, but pp "
                          f"({pp}) x virtual_stages ({virtual_stages}) = {num_stages}; give {num_stages - 1} points")
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print(plan.describe(pp), flush=True)
