@@ -143,7 +143,7 @@ def bench(rank, world, args):
                                        "cpu_ratio": statistics.median(p / q for p, q in zip(ca, cb))}
         out[f"bubble_{schedule}"] = {"measured": statistics.median(bubbles),
                                      "theory": sw.theoretical_bubble(2, m)}
-        split.module.zero_grad(set_to_none=True)
+        ours.close()
     # memory per stage, gpipe vs 1f1b
     from benchmarks.tracker import AllocationTracker
     for schedule in ("gpipe", "1f1b") if "memory" in args.parts else ():

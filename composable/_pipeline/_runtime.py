@@ -134,6 +134,13 @@ class PipelineSchedule:
             # collective first sets up the group's communicator on all of them
             dist.barrier(group=split.pp_group)
 
+    def close(self) -> None:
+        """Remove the hooks this schedule put on the stages' first and last blocks (to build
+        another schedule on the same split)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
     @staticmethod
     def _make_inject(st):
         def hook(mod, args, kwargs):
