@@ -36,10 +36,14 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
 
 
-def _pp_model(dp_shard, pp=2):
-    mesh = init_mesh(pp=pp, dp_shard=dp_shard, device_type="cpu")
+def _pp_model(dp_shard, pp=2, tp=1):
+    mesh = init_mesh(pp=pp, dp_shard=dp_shard, tp=tp, device_type="cpu")
     split = pipeline_split(Llama(CFG, generator=torch.Generator().manual_seed(0)), pipeline_mesh(mesh),
                            cost="params", verbose=False)
+    if tp > 1:
+        from examples.pipeline_setup import tp_stage
+        for st in split.stages:
+            tp_stage(st, mesh["tp"])
     if dp_shard > 1:
         for st in split.stages:
             for b in st.blocks:
@@ -128,3 +132,20 @@ def test_pp1_checkpoint_loads_at_pp2(tmp_path):
     assert set(got) == set(ref)
     for n in ref:
         assert torch.equal(got[n], ref[n]), n
+
+
+def _save_pp2_tp2(rank, world_size, path):
+    mesh, split, sched, opt = _pp_model(1, tp=2)
+    ckpt.save({"model": pipeline_state_dict(split), "optim": pipeline_optimizer_state_dict(split, opt)}, path)
+    return {n: _full(p) for n, p in split.module.named_parameters()}
+
+
+def test_pp2_x_tp2_checkpoint_loads_at_pp1(tmp_path):
+    path = str(tmp_path / "cktp")
+    saved = {}
+    for part in run_ranks(_save_pp2_tp2, 4, path, timeout=90):
+        saved.update(part)
+    (loaded, _), = run_ranks(_load_pp1, 1, path, timeout=60)
+    assert set(loaded) == set(saved)
+    for n, t in saved.items():
+        assert torch.equal(loaded[n], t), f"{n} differs after the pp=2 x tp=2 -> pp=1 round trip"
