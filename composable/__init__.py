@@ -12,6 +12,8 @@ from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._tp import *  # noqa: F403  tensor parallelism: the names in _tp.__all__
 from ._tp import __all__ as _tp_all
 from ._planner import MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
+from ._pipeline import *  # noqa: F403  pipeline parallelism: the names in _pipeline.__all__
+from ._pipeline import __all__ as _pipeline_all
 from ._wrap import ShardingPolicy, ShardingStrategy, apply_fully_shard, select_units, strategy_mesh
 from ._accelerate import AccelerateConfig, from_accelerate_config
 
@@ -40,3 +42,4 @@ __all__ = [
     "UnitPlan",
 ]
 __all__ += _tp_all
+__all__ += _pipeline_all

@@ -86,6 +86,8 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    pp_mesh=None,
 ) -> torch.Tensor:
     """Scale the gradients of ``parameters`` in place so that their global norm is at most
     ``max_norm``; return that norm (before clipping) as a plain 0-d tensor, equal on every rank.
@@ -105,6 +107,10 @@ def clip_grad_norm_(
         error_if_nonfinite: raise ``RuntimeError`` if the norm is nan or inf (on every rank,
             since the norm is global); otherwise clipping with a nonfinite norm makes nans.
         foreach: use the fused ``torch._foreach_*`` kernels; None: on accelerators only.
+        pp_mesh: under pipeline parallelism, the ``pp`` mesh (``shardwise.mesh.pipeline_mesh``)
+            or its process group: each rank holds only its stages' gradients, so the per-rank
+            sums (max for ``inf``) are also reduced over it, giving the norm over all stages.
+            Every rank of the pipeline must call it (a rank with no gradients too).
 
     The norm is computed in fp32 (fp64 if a gradient is fp64) on the device of the first
     gradient; with no gradients it is 0.
@@ -114,10 +120,19 @@ def clip_grad_norm_(
         raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r}; use a positive number or float('inf')")
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     entries = _local_grads(params)
-    if not entries:
+    pp_group = None
+    if pp_mesh is not None:
+        pp_group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
+    if not entries and pp_group is None:
         return torch.tensor(0.0)
-    device = entries[0][0].device
+    if not entries:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pp_group) == "nccl" \
+            else torch.device("cpu")
+    else:
+        device = entries[0][0].device
     dtype = torch.float64 if any(t.dtype == torch.float64 for t, _ in entries) else torch.float32
+    if pp_group is not None:
+        dtype = torch.float64  # every rank of the pipeline must reduce the same dtype
     norms = _norms([t for t, _ in entries], p, foreach)
     inf = math.isinf(p)
     by_key: dict[tuple, list[torch.Tensor]] = {}
@@ -128,8 +143,11 @@ def clip_grad_norm_(
         stacked = torch.stack(ns)
         local = stacked.max() if inf else stacked.pow(p).sum()
         parts.append(_reduce(local, key, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM))
-    stacked = torch.stack(parts)
-    total = stacked.max() if inf else stacked.sum().pow(1.0 / p)
+    stacked = torch.stack(parts) if parts else torch.zeros(1, dtype=dtype, device=device)
+    local_total = stacked.max() if inf else stacked.sum()
+    if pp_group is not None:
+        local_total = _reduce(local_total.clone(), (pp_group,), dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    total = local_total if inf else local_total.pow(1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is {total.item()}, so they "

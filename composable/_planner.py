@@ -156,7 +156,8 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 policy: ShardingPolicy | ShardingStrategy | str = ShardingStrategy.FULL_SHARD, *,
                 units: list[str] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
                 optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
-                prefetch: int = 2, activation_bytes: int = 0) -> MemoryPlan:
+                prefetch: int = 2, activation_bytes: int = 0, pp: int = 1, microbatches: int = 1,
+                schedule: str = "1f1b", stage_bounds=None) -> MemoryPlan:
     """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
     devices (the model may be on the meta device). See [Note: the memory model].
 
@@ -171,9 +172,21 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
         optimizer_states, optimizer_dtype: values per trainable element (AdamW: 2) and their dtype
             (None: the parameter's, as ``torch.optim`` does).
         prefetch: units gathered at once when resharding (``set_unshard_limit``, default 2).
+        pp, microbatches, schedule, stage_bounds: with ``pp > 1`` the model is planned as a
+            pipeline (``mesh_shape`` is then one stage's): each stage by itself, activations
+            scaled by the microbatches it keeps alive; the result is the `PipelineMemoryPlan`
+            of all stages (``.peak``: the worst). See [Note: the memory of a pipeline stage] in
+            ``_pipeline/_memory.py``.
 
     Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names.
     """
+    if pp != 1:
+        from ._pipeline._memory import plan_pipeline_memory
+
+        return plan_pipeline_memory(model, pp, mesh_shape, policy, microbatches=microbatches, schedule=schedule,
+                                    stage_bounds=stage_bounds, units=units, mp_policy=mp_policy,
+                                    optimizer_states=optimizer_states, optimizer_dtype=optimizer_dtype,
+                                    prefetch=prefetch, activation_bytes=activation_bytes)
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=_declares_units(model))
     strategy = policy.strategy
@@ -221,6 +234,7 @@ class MeshSuggestion:
     comm_seconds: float
     cross_host_bytes: float
     reasoning: tuple[str, ...]
+    pp: int = 1  # pipeline stages; with pp > 1, ``plan`` is the worst stage's and the mesh is per stage
 
     def __str__(self) -> str:
         return "\n".join(self.reasoning)
@@ -246,7 +260,9 @@ def _comm(plan: MemoryPlan, gpus_per_host: int, hosts: int, intra: float, inter:
 def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu: int, *,
                  policy: ShardingPolicy | None = None, mp_policy: MixedPrecisionPolicy | None = None,
                  activation_bytes: int = 0, optimizer_states: int = 2, headroom: float = 0.9,
-                 intra_host_bandwidth: float = 200e9, inter_host_bandwidth: float = 25e9) -> MeshSuggestion:
+                 intra_host_bandwidth: float = 200e9, inter_host_bandwidth: float = 25e9,
+                 pp_sizes: tuple[int, ...] = (1,), microbatches: int = 8,
+                 schedule: str = "1f1b") -> MeshSuggestion:
     """The mesh ``(dp_replicate, dp_shard, tp)`` and strategy that fit ``bytes_per_gpu`` with the
     least estimated data-parallel communication time.
 
@@ -260,21 +276,37 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
     favours sharding inside a host and replicating across hosts. ``activation_bytes`` (per rank
     at tp 1) is divided by ``tp``, as with sequence parallelism. Raises ValueError naming the
     smallest candidate when nothing fits.
+
+    ``pp_sizes``: pipeline sizes to consider too (each dividing ``hosts``: whole hosts per
+    stage, so only activations cross hosts); each stage is planned with `plan_memory`'s ``pp``
+    (``microbatches``, ``schedule``) and the worst stage must fit. The smallest fitting ``pp``
+    is used (a pipeline adds a bubble of ``(pp - 1) / (m + pp - 1)``), then the rule above.
     """
     if min(hosts, gpus_per_host) < 1 or bytes_per_gpu <= 0:
         raise ValueError("suggest_mesh: hosts, gpus_per_host and bytes_per_gpu must be positive")
     base = policy or ShardingPolicy(no_split_modules=_declares_units(model))
     world, budget, candidates = hosts * gpus_per_host, headroom * bytes_per_gpu, []
-    shapes = [(world // tp // S, S, tp) for tp in range(1, gpus_per_host + 1) if gpus_per_host % tp == 0
-              for S in range(1, world // tp + 1) if world // tp % S == 0]
-    for R, S, tp in shapes:
-        for name in (["NO_SHARD"] if S == 1 else ["SHARD_GRAD_OP", "FULL_SHARD"] if R == 1
-                     else ["HYBRID_SHARD_ZERO2", "HYBRID_SHARD"]):
-            plan = plan_memory(model, (R, S, tp), replace(base, strategy=name, reshard_after_forward=None),
-                               mp_policy=mp_policy, optimizer_states=optimizer_states,
-                               activation_bytes=activation_bytes // tp)
-            secs, cross = _comm(plan, gpus_per_host, hosts, intra_host_bandwidth, inter_host_bandwidth)
-            candidates.append((tp, secs, plan.peak, plan, cross))
+    bad_pp = [p for p in pp_sizes if not isinstance(p, int) or p < 1 or hosts % p]
+    if bad_pp:
+        raise ValueError(f"suggest_mesh: pp_sizes {bad_pp} must divide hosts={hosts} (whole hosts per stage)")
+    by_pp: dict[int, list] = {}
+    for pp in sorted(set(pp_sizes)):
+        sw_ = world // pp  # ranks per stage
+        shapes = [(sw_ // tp // S, S, tp) for tp in range(1, gpus_per_host + 1) if gpus_per_host % tp == 0
+                  for S in range(1, sw_ // tp + 1) if sw_ // tp % S == 0]
+        for R, S, tp in shapes:
+            for name in (["NO_SHARD"] if S == 1 else ["SHARD_GRAD_OP", "FULL_SHARD"] if R == 1
+                         else ["HYBRID_SHARD_ZERO2", "HYBRID_SHARD"]):
+                pol = replace(base, strategy=name, reshard_after_forward=None)
+                plan = plan_memory(model, (R, S, tp), pol, mp_policy=mp_policy, optimizer_states=optimizer_states,
+                                   activation_bytes=activation_bytes // tp, pp=pp, microbatches=microbatches,
+                                   schedule=schedule)
+                if pp > 1:
+                    plan = plan.stages[plan.worst_stage]
+                secs, cross = _comm(plan, gpus_per_host, hosts // pp, intra_host_bandwidth, inter_host_bandwidth)
+                by_pp.setdefault(pp, []).append((tp, secs, plan.peak, plan, cross))
+    pp = next((p for p in sorted(by_pp) if any(c[2] <= budget for c in by_pp[p])), min(by_pp))
+    candidates = by_pp[pp]
     fitting = [c for c in candidates if c[2] <= budget]
     lines = [f"world {world} = {hosts} host(s) x {gpus_per_host} GPUs; budget {fmt_bytes(budget)} per GPU "
              f"({headroom:.0%} of {fmt_bytes(bytes_per_gpu)}); bandwidth per GPU {intra_host_bandwidth / 1e9:g} GB/s "
@@ -294,7 +326,10 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
     tp, secs, peak, plan, cross = min((c for c in fitting if c[0] == tp and c[1] <= 1.01 * fastest),
                                       key=lambda c: c[2])
     (R, S, _), why = plan.mesh_shape, "no tp=1 layout fits, so tensor parallelism is needed; " if tp > 1 else ""
-    lines.append(f"chose tp={tp}, {plan.strategy} on dp_replicate={R} x dp_shard={S}: {why}it fits "
+    if pp > 1:
+        why = f"no layout with fewer pipeline stages fits, so pp={pp} (per stage: {R * S * tp} ranks); " + why
+    lines.append(f"chose {f'pp={pp}, ' if pp > 1 else ''}tp={tp}, {plan.strategy} on dp_replicate={R} x "
+                 f"dp_shard={S}: {why}it fits "
                  f"({fmt_bytes(peak)}) with the least estimated communication ({secs * 1e3:.1f} ms/step, "
                  f"{fmt_bytes(cross)} per rank across hosts)")
-    return MeshSuggestion(R, S, tp, plan.strategy, plan, secs, cross, tuple(lines))
+    return MeshSuggestion(R, S, tp, plan.strategy, plan, secs, cross, tuple(lines), pp)

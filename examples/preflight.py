@@ -150,17 +150,30 @@ def resume_step(path: str, args: argparse.Namespace) -> int:
 def preflight(args: argparse.Namespace, world_size: int) -> Preflight:
     """Check ``args`` for a job of ``world_size`` ranks; raise `UsageError` on the first problem."""
     _check_model(args)
-    dp_shard = _check_layout(world_size, args.dp_replicate, args.dp_shard, args.tp)
+    pp = getattr(args, "pp", 1)  # pipeline stages: the outermost axis; each stage has world/pp ranks
+    if pp < 1 or world_size % pp:
+        raise UsageError(f"--pp {pp} does not divide the world size {world_size}; valid --pp values: "
+                         f"{', '.join(map(str, divisors(world_size)))}")
+    stage_world = world_size // pp
+    dp_shard = _check_layout(stage_world, args.dp_replicate, args.dp_shard, args.tp)
     kv = args.heads if args.kv_heads is None else args.kv_heads
     if kv % args.tp:  # tensor parallelism splits the heads
-        ok = [d for d in divisors(world_size) if kv % d == 0]
+        ok = [d for d in divisors(stage_world) if kv % d == 0]
         raise UsageError(f"--tp {args.tp} does not divide the {kv} key/value heads (--kv-heads, default --heads); "
-                         f"valid --tp values on {world_size} ranks: {', '.join(map(str, ok))}")
+                         f"valid --tp values on {stage_world} ranks: {', '.join(map(str, ok))}")
     dp_size = args.dp_replicate * dp_shard
-    if args.batch_size % dp_size:
-        raise UsageError(f"--batch-size {args.batch_size} is not divisible by the data-parallel size {dp_size} "
-                         f"(--dp-replicate {args.dp_replicate} x --dp-shard {dp_shard}); valid --batch-size values: "
-                         f"multiples of {dp_size}, e.g. {dp_size * max(1, args.batch_size // dp_size)} or "
-                         f"{dp_size * (args.batch_size // dp_size + 1)}")
+    per_step = dp_size
+    if pp > 1:
+        virtual = args.virtual_stages or (2 if args.schedule == "interleaved_1f1b" else 1)
+        if args.layers < pp * virtual:
+            raise UsageError(f"--layers {args.layers} is fewer than the {pp * virtual} pipeline stages (--pp {pp} x "
+                             f"{virtual} per rank); use --layers >= {pp * virtual} or a smaller --pp")
+        per_step = dp_size * (args.microbatches or 2 * pp)  # every dp rank splits its rows into microbatches
+    if args.batch_size % per_step:
+        what = (f"the data-parallel size {dp_size} (--dp-replicate {args.dp_replicate} x --dp-shard {dp_shard})"
+                if per_step == dp_size else f"data-parallel size {dp_size} x microbatches {per_step // dp_size}")
+        raise UsageError(f"--batch-size {args.batch_size} is not divisible by {what}; valid --batch-size values: "
+                         f"multiples of {per_step}, e.g. {per_step * max(1, args.batch_size // per_step)} or "
+                         f"{per_step * (args.batch_size // per_step + 1)}")
     step = resume_step(args.resume, args) if args.resume else None
     return Preflight(world_size, dp_shard, dp_size, step)

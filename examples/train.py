@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint saved by --save (any world size); "
                    "training continues up to --steps")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs only)")
+    from examples.pipeline_setup import add_pipeline_args  # pipeline flags: --pp, --schedule, --microbatches
+
+    add_pipeline_args(p)
     return p
 
 
@@ -256,6 +259,10 @@ def main(argv: list[str] | None = None) -> list[float]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         torch.set_num_threads(args.threads)
+    if args.pp > 1:  # pipeline parallelism: its own loop, same data, losses and checkpoints
+        from examples.pipeline_setup import run_pipeline
+
+        return run_pipeline(args)
     t0 = time.perf_counter()
     rank, world_size = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)

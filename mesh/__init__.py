@@ -1,4 +1,4 @@
-"""Device meshes for sharded training: ``dp_replicate`` x ``dp_shard`` x ``tp``.
+"""Device meshes for sharded training: ``[pp x] dp_replicate`` x ``dp_shard`` x ``tp``.
 
 Typical script (launched with ``torchrun --nproc-per-node=N train.py``)::
 
@@ -9,13 +9,14 @@ Typical script (launched with ``torchrun --nproc-per-node=N train.py``)::
     dp_mesh = data_parallel_mesh(mesh)      # what fully_shard takes
     tp_mesh = mesh["tp"]                    # what tensor parallelism takes
 
-Meshes are always 3-D with the axis names ``("dp_replicate", "dp_shard",
-"tp")``, ``tp`` innermost (consecutive ranks). `ParallelDims` holds the sizes
+Meshes are 3-D with the axis names ``("dp_replicate", "dp_shard",
+"tp")``, ``tp`` innermost (consecutive ranks); with ``init_mesh(pp=N)``, N > 1,
+a ``"pp"`` axis comes first (outermost; `pipeline_mesh` slices it). `ParallelDims` holds the sizes
 and their validation; `host_fit_problem` is the pure check behind
 `HostLayoutWarning`.
 """
 
-from ._dims import AXIS_NAMES, ParallelDims
+from ._dims import AXIS_NAMES, PP_AXIS, ParallelDims
 from ._hosts import HostLayoutWarning, host_fit_problem
 from ._init import (
     data_parallel_mesh,
@@ -23,10 +24,12 @@ from ._init import (
     default_device_type,
     init_distributed,
     init_mesh,
+    pipeline_mesh,
 )
 
 __all__ = [
     "AXIS_NAMES",
+    "PP_AXIS",
     "HostLayoutWarning",
     "ParallelDims",
     "data_parallel_mesh",
@@ -35,4 +38,5 @@ __all__ = [
     "host_fit_problem",
     "init_distributed",
     "init_mesh",
+    "pipeline_mesh",
 ]

@@ -1,4 +1,4 @@
-"""`ParallelDims`: the sizes of the three parallelism axes, validated.
+"""`ParallelDims`: the sizes of the parallelism axes (``pp`` optional), validated.
 
 Pure arithmetic, no torch.distributed: safe to build and test anywhere.
 """
@@ -11,12 +11,15 @@ from math import prod
 AXIS_NAMES: tuple[str, str, str] = ("dp_replicate", "dp_shard", "tp")
 """Mesh axis names, outermost first. ``tp`` is innermost (consecutive ranks)."""
 
+PP_AXIS = "pp"
+"""Name of the pipeline axis; outermost when present (``pp > 1``)."""
+
 _SIZE_FIELDS = AXIS_NAMES
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """Sizes of the ``dp_replicate`` x ``dp_shard`` x ``tp`` device mesh.
+    """Sizes of the ``[pp x] dp_replicate`` x ``dp_shard`` x ``tp`` device mesh.
 
     All fields are keyword-only::
 
@@ -26,6 +29,8 @@ class ParallelDims:
         dp_replicate: data-parallel replicas (the HSDP outer axis). Default 1.
         dp_shard: data-parallel ranks that shard parameters (FSDP). Default -1.
         tp: tensor-parallel ranks. Default 1.
+        pp: pipeline stages (ranks per pipeline), outermost. Default 1. A positive
+            int, never -1 (``dp_shard`` is the one inferred by default).
         world_size: total number of ranks. Required.
 
     Rules, checked in ``__post_init__`` (``ValueError`` otherwise, with the
@@ -37,7 +42,12 @@ class ParallelDims:
     * A -1 is resolved to ``world_size // (product of the other two)``, which
       must divide evenly; the resolved value is what the field holds afterwards
       (``ParallelDims(world_size=8).dp_shard == 8``).
-    * ``dp_replicate * dp_shard * tp == world_size``.
+    * ``pp * dp_replicate * dp_shard * tp == world_size``.
+
+    With ``pp == 1`` (the default) the mesh is the 3-D one of before: `axis_names`
+    and `mesh_shape` have no ``pp`` entry. With ``pp > 1`` the ``pp`` axis comes
+    first (outermost): each pipeline stage is a block of
+    ``dp_replicate * dp_shard * tp`` consecutive ranks.
 
     ``bool`` is rejected even though it is an ``int`` subclass.
     """
@@ -45,6 +55,7 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
+    pp: int = 1
     world_size: int
 
     def __post_init__(self) -> None:
@@ -62,6 +73,12 @@ class ParallelDims:
                     f"ParallelDims: {name}={size} is invalid; each size must be a "
                     "positive int, or -1 for 'the rest of world_size'"
                 )
+        _check_int("pp", self.pp)
+        if self.pp < 1:
+            raise ValueError(
+                f"ParallelDims: pp={self.pp} is invalid; the number of pipeline stages "
+                "must be a positive int (-1 is not accepted for pp)"
+            )
         inferred = [name for name, size in sizes.items() if size == -1]
         if len(inferred) > 1:
             listed = " and ".join(f"{name}=-1" for name in inferred)
@@ -72,7 +89,10 @@ class ParallelDims:
         if inferred:
             (name,) = inferred
             others = [n for n in _SIZE_FIELDS if n != name]
-            known = prod(sizes[n] for n in others)
+            known = prod(sizes[n] for n in others) * self.pp
+            if self.pp > 1:
+                sizes["pp"] = self.pp
+                others = ["pp", *others]
             if self.world_size % known != 0:
                 formula = " * ".join(f"{n}({sizes[n]})" for n in others)
                 raise ValueError(
@@ -81,9 +101,12 @@ class ParallelDims:
                 )
             sizes[name] = self.world_size // known
             object.__setattr__(self, name, sizes[name])
-        total = prod(sizes.values())
+        sizes.pop("pp", None)
+        total = prod(sizes.values()) * self.pp
         if total != self.world_size:
-            formula = " * ".join(f"{n}({sizes[n]})" for n in _SIZE_FIELDS)
+            fields = (("pp",) if self.pp > 1 else ()) + _SIZE_FIELDS
+            sizes["pp"] = self.pp
+            formula = " * ".join(f"{n}({sizes[n]})" for n in fields)
             raise ValueError(
                 f"{formula} = {total} != world_size({self.world_size}); choose sizes "
                 "whose product is world_size, or pass -1 for one of them to infer it"
@@ -95,14 +118,22 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        """``(dp_replicate, dp_shard, tp)``, in the order of `axis_names`."""
-        return (self.dp_replicate, self.dp_shard, self.tp)
+    def stage_size(self) -> int:
+        """Ranks per pipeline stage: ``dp_replicate * dp_shard * tp``."""
+        return self.dp_replicate * self.dp_shard * self.tp
 
     @property
-    def axis_names(self) -> tuple[str, str, str]:
-        """Always ``("dp_replicate", "dp_shard", "tp")``, size-1 axes included."""
-        return AXIS_NAMES
+    def mesh_shape(self) -> tuple[int, ...]:
+        """``(dp_replicate, dp_shard, tp)``, with ``pp`` first when ``pp > 1``; in the
+        order of `axis_names`."""
+        inner = (self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, *inner) if self.pp > 1 else inner
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """``("dp_replicate", "dp_shard", "tp")``, size-1 axes included; with ``pp > 1``
+        ``("pp", "dp_replicate", "dp_shard", "tp")``."""
+        return (PP_AXIS, *AXIS_NAMES) if self.pp > 1 else AXIS_NAMES
 
     @property
     def dp_axis_names(self) -> tuple[str, ...]:

@@ -8,6 +8,11 @@ host by host (``local_world_size`` consecutive ranks per host). A block stays
 inside one host exactly when ``local_world_size % (dp_shard * tp) == 0``;
 otherwise the shard (all-gather / reduce-scatter every step) and TP
 collectives of some blocks cross hosts.
+
+With a ``pp`` axis (outermost) the rule is the same: stages are blocks of
+``stage_size`` consecutive ranks, so a ``dp_shard * tp`` block lies inside one
+stage, and the pipeline's point-to-point sends (activations only, between
+neighbouring stages) are the ones meant to cross hosts.
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ def host_fit_problem(dims: ParallelDims, local_world_size: int | None) -> str | 
     if local % block == 0:
         return None
     hosts = world // local
+    # hosts holding one pipeline stage (pp outermost): the replicas to suggest per stage
+    per_stage = hosts // dims.pp if hosts % dims.pp == 0 and hosts >= dims.pp else 1
+    pp_text = f"pp={dims.pp}, " if dims.pp > 1 else ""
     head = (
         f"dp_shard({dims.dp_shard}) * tp({dims.tp}) = {block} consecutive ranks do not "
         f"fit in one host of local_world_size({local}) ranks (world_size({world}) = "
@@ -68,10 +76,11 @@ def host_fit_problem(dims: ParallelDims, local_world_size: int | None) -> str | 
         return (
             f"{head} tp({dims.tp}) does not divide local_world_size({local}), so even "
             f"the TP groups cross hosts: choose tp from {divisors}, then "
-            f"dp_shard = {local} // tp and dp_replicate = {hosts}."
+            f"dp_shard = {local} // tp and dp_replicate = {per_stage if dims.pp > 1 else hosts}."
         )
     return (
-        f"{head} Consider dp_replicate={hosts}, dp_shard={local // dims.tp}, "
+        f"{head} Consider {pp_text}dp_replicate={per_stage if dims.pp > 1 else hosts}, "
+        f"dp_shard={local // dims.tp}, "
         f"tp={dims.tp} (shard within a host, replicate across hosts), or filter "
         "HostLayoutWarning if cross-host sharding is intended."
     )

@@ -93,10 +93,12 @@ def init_mesh(
     dp_replicate: int = 1,
     dp_shard: int = -1,
     tp: int = 1,
+    pp: int = 1,
     device_type: str | None = None,
     world_size: int | None = None,
 ) -> DeviceMesh:
-    """Build the 3-D ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh.
+    """Build the 3-D ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh, or with
+    ``pp > 1`` the 4-D ``("pp", "dp_replicate", "dp_shard", "tp")`` one.
 
     Call on every rank, after the default process group is initialized
     (torchrun + ``torch.distributed.init_process_group()``, or
@@ -104,10 +106,15 @@ def init_mesh(
     so code can slice any of them. Ranks are laid out row-major: ``tp`` is
     innermost (consecutive ranks), ``dp_replicate`` outermost. For example
     world 8 with ``dp_replicate=2, tp=2`` gives ``[[[0,1],[2,3]],[[4,5],[6,7]]]``.
+    With ``pp > 1`` the ``pp`` axis is outermost: stage ``s`` is ranks
+    ``s * stage_size .. (s + 1) * stage_size - 1`` (by default whole hosts per
+    stage, so only the pipeline's activations cross hosts). ``pp == 1`` gives
+    exactly the 3-D mesh of a call without ``pp``.
 
     Args:
         dp_replicate, dp_shard, tp: axis sizes as in `ParallelDims` (one may
             be -1; ``dp_shard`` is by default).
+        pp: pipeline stages, a positive int (default 1: no ``pp`` axis).
         device_type: defaults to `default_device_type()`.
         world_size: defaults to the default group's size; when given, it must
             equal it (a check that the launch matches the intended size).
@@ -139,7 +146,7 @@ def init_mesh(
             f"{group_size} ranks; launch {world_size} ranks or drop world_size="
         )
     dims = ParallelDims(
-        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, world_size=world_size
+        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, world_size=world_size
     )
     # Checked on every rank so a bad LOCAL_WORLD_SIZE fails everywhere (no hang).
     problem = host_fit_problem(dims, _local_world_size_from_env())
@@ -164,7 +171,7 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
         raise ValueError(
             f"data_parallel_mesh(): the mesh has axes {tuple(names)} but lacks "
             f"{missing}; build it with shardwise.mesh.init_mesh(), which always "
-            "names ('dp_replicate', 'dp_shard', 'tp')"
+            "names ('dp_replicate', 'dp_shard', 'tp') (with 'pp' first when pp > 1)"
         )
     if mesh.shape[names.index("dp_replicate")] == 1:
         return mesh["dp_shard"]
@@ -182,3 +189,12 @@ def _local_world_size_from_env() -> int | None:
             f"LOCAL_WORLD_SIZE={value!r} in the environment is not an int; "
             "unset it or launch with torchrun, which sets it"
         ) from None
+
+
+def pipeline_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The 1-D ``pp`` sub-mesh of an `init_mesh` mesh (the ranks of this rank's pipeline,
+    one per stage), or None when the mesh has no ``pp`` axis (``pp == 1``)."""
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names:
+        return None
+    return mesh["pp"]

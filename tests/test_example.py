@@ -155,8 +155,12 @@ def _incomplete(path: Path) -> Path:
     (["--resume", "{d}/hf"], _hf_folder, "is a Hugging Face folder"),
     (["--resume", "{d}/.ck.incomplete-0a1b"], lambda p: _incomplete(p.parent / "ck"), "is an incomplete save"),
     (["--resume", "{d}/ck"], lambda p: _incomplete(p), "a save to it stopped before committing (.ck.incomplete-0a1b"),
+    (["--pp", "3"], None, "--pp 3 does not divide the world size 4; valid --pp values: 1, 2, 4"),
+    (["--pp", "4", "--layers", "2"], None, "--layers 2 is fewer than the 4 pipeline stages"),
+    (["--pp", "2", "--batch-size", "12"], None, "data-parallel size 2 x microbatches 4; valid --batch-size values: "
+                                                "multiples of 8, e.g. 8 or 16"),
 ], ids=["batch", "tp3", "dp-shard", "resume-missing", "resume-empty", "resume-hf", "resume-incomplete",
-        "resume-uncommitted"])
+        "resume-uncommitted", "pp3", "pp-layers", "pp-microbatches"])
 def test_bad_arguments_one_line_before_building(argv, make, expect, tmp_path, monkeypatch, capsys):
     """Each mistake: one line on stderr naming the valid values, exit status 2, checked with the
     world size torchrun announces (WORLD_SIZE) before any process group or model exists."""

@@ -1,0 +1,130 @@
+"""What each part of a model costs, for balancing: measured time, parameter bytes, activation bytes.
+
+[Note: measuring block costs]
+One instrumented forward + backward of the whole (unsplit) model on a sample batch gives every
+part's cost at once. Forward hooks on the blocks time each block's forward; what runs before
+the first block is ``pre`` (embedding), what runs after the last block, loss included, is
+``post``. In backward, a hook on each block's input tensor fires when the gradient with respect
+to it is complete, i.e. when that block's backward is done; block ``i``'s backward time is the
+gap between the hooks of blocks ``i + 1`` and ``i`` (backward runs last block first), ``post``'s is from the start of backward to
+the last block's output hook, ``pre``'s from block 0's input hook to the end. On CUDA each hook
+synchronizes first and reads the wall clock; on CPU the clock is the process CPU time, which
+other load on a shared machine disturbs far less than wall time. One warm-up pass, then the median of ``repeats`` passes. Activation bytes
+are the bytes autograd saves for backward in each part (``saved_tensors_hooks``), parameters
+excluded; parameter bytes need no pass at all.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["COST_KINDS", "measure_costs", "param_costs"]
+
+COST_KINDS = ("time", "params", "activations")
+
+
+def _bytes(module: nn.Module) -> float:
+    return float(sum(p.numel() * p.element_size() for p in module.parameters()))
+
+
+def param_costs(blocks: Sequence[nn.Module], pre: Sequence[nn.Module], post: Sequence[nn.Module]):
+    """``(pre, per block, post)`` parameter bytes."""
+    return sum(map(_bytes, pre)), [_bytes(b) for b in blocks], sum(map(_bytes, post))
+
+
+def _first_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
+        return x[0]
+    return None
+
+
+def _one_pass(model, blocks, run: Callable[[], torch.Tensor], kind: str, sync, clock):
+    n = len(blocks)
+    region = ["pre"]
+    act = {"pre": 0.0, "post": 0.0, **{i: 0.0 for i in range(n)}}
+    f_start, f_end, g_in = [0.0] * n, [0.0] * n, [None] * n
+    g_out = [None]
+    param_ptrs = {p.data_ptr() for p in model.parameters()}
+    handles = []
+
+    def now():
+        sync()
+        return clock()
+
+    for i, b in enumerate(blocks):
+        def pre_hook(mod, args, i=i):
+            f_start[i] = now()
+            region[0] = i
+            x = _first_tensor(args)
+            if x is not None and x.requires_grad:
+                x.register_hook(lambda g, i=i: g_in.__setitem__(i, now()))
+
+        def post_hook(mod, args, out, i=i):
+            f_end[i] = now()
+            region[0] = "post" if i == n - 1 else "between"
+            y = _first_tensor(out)
+            if i == n - 1 and y is not None and y.requires_grad:
+                y.register_hook(lambda g: g_out.__setitem__(0, now()))
+
+        handles.append(b.register_forward_pre_hook(pre_hook))
+        handles.append(b.register_forward_hook(post_hook))
+
+    def pack(t):
+        if region[0] != "between" and t.data_ptr() not in param_ptrs:
+            act[region[0]] += t.numel() * t.element_size()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            t0 = now()
+            loss = run()
+            t1 = now()
+        loss.backward()
+        t2 = now()
+    finally:
+        for h in handles:
+            h.remove()
+    if kind == "activations":
+        return act["pre"], [act[i] for i in range(n)], act["post"]
+    if any(g is None for g in g_in) or g_out[0] is None:
+        raise ValueError("pipeline: cost='time' could not time every block's backward (a block input or output "
+                         "needs no grad); use cost='params' or pass split_points=")
+    bwd = [g_in[i] - (g_out[0] if i == n - 1 else g_in[i + 1]) for i in range(n)]
+    fwd = [f_end[i] - f_start[i] for i in range(n)]
+    pre = (f_start[0] - t0) + (t2 - g_in[0])
+    post = (t1 - f_end[-1]) + (g_out[0] - t1)
+    return pre, [f + b for f, b in zip(fwd, bwd)], post
+
+
+def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[], torch.Tensor], kind: str,
+                  repeats: int = 3):
+    """``(pre, per block, post)`` measured on ``run()`` (forward + loss of a sample batch, returning the
+    loss) as described in [Note: measuring block costs]. Times are averaged over all ranks of the
+    default group when it is initialized, so every rank plans the same split."""
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    clock = time.perf_counter if dev.type == "cuda" else time.process_time
+    passes = 1 if kind == "activations" else repeats
+    if kind == "time":
+        _one_pass(model, blocks, run, kind, sync, clock)  # warm-up
+    results = [_one_pass(model, blocks, run, kind, sync, clock) for _ in range(passes)]
+    model.zero_grad(set_to_none=True)
+    pre = statistics.median(r[0] for r in results)
+    post = statistics.median(r[2] for r in results)
+    per = [statistics.median(r[1][i] for r in results) for i in range(len(blocks))]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        where = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([pre, post, *per], dtype=torch.float64, device=where)
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+        vals = t.tolist()
+        pre, post, per = vals[0], vals[1], vals[2:]
+    return pre, per, post

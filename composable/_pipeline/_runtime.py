@@ -1,0 +1,333 @@
+"""``PipelineSchedule``: run one training step of a split model over microbatches.
+
+[Note: one pipeline step]
+``step(inputs, targets)`` cuts the batch into ``m`` equal microbatches along dim 0 and runs this
+rank's action list (`build_schedule`). ``F(s, i)``: take the activation of microbatch ``i`` from
+stage ``s - 1`` (or, on stage 0, nothing), call stage ``s``'s shell on the microbatch's model
+inputs, and send the output of its last block on; the last stage computes
+``loss_fn(output, targets_i)`` instead. ``B(s, i)``: the last stage backpropagates
+``loss_i / m``, the others the received gradient of their output; then the gradient of the
+stage's input goes back. With mean-reduced losses over equal microbatches the accumulated
+gradients are those of the whole batch on one process.
+
+Gradient reduction: for ``fully_shard`` units, every backward of a stage but its last in the
+step runs with ``set_requires_gradient_sync(False)`` (gradients accumulate unsharded, no
+collective), the last with True: one reduce-scatter (+ one replica all-reduce for HSDP) per
+unit per step. ``reduce_every_microbatch=True`` reduces after every backward instead (less
+memory, ``m`` times the traffic).
+
+End of step: one small all-reduce on the ``pp`` group carries a failure flag and the
+microbatch losses (so every rank returns them). A rank whose action raised first sends the
+error to its pipeline neighbours ([Note: messages between stages]), then joins that
+all-reduce, so every rank raises the same ``PipelineError`` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._fully_shard import FSDPModule
+from ._p2p import P2P, PeerFailed
+from ._schedule import Action, build_schedule
+from ._stages import PipelineSplit
+
+__all__ = ["PipelineError", "PipelineSchedule"]
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step failed on some rank; raised on every rank with the same message."""
+
+
+def _split_batch(x, m: int, what: str):
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0 or x.shape[0] % m:
+            n = x.shape[0] if x.dim() else 0
+            raise ValueError(f"pipeline: {what} has batch size {n}, not divisible by microbatches={m}; use a batch "
+                             f"size that is a multiple of {m}, or another number of microbatches")
+        return list(x.chunk(m, dim=0))
+    if isinstance(x, (tuple, list)):
+        parts = [_split_batch(t, m, what) if isinstance(t, torch.Tensor) else [t] * m for t in x]
+        return [tuple(p[i] for p in parts) for i in range(m)]
+    if x is None:
+        return [None] * m
+    raise TypeError(f"pipeline: {what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
+
+
+def _first_tensor(out):
+    """The tensor a block hands on: itself, or the first tensor of a tuple/list/dict output."""
+    if isinstance(out, torch.Tensor):
+        return out
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for x in items:
+        t = _first_tensor(x)
+        if t is not None:
+            return t
+    return None
+
+
+def _set_sync(module: nn.Module, flag: bool) -> None:
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(flag, recurse=False)
+
+
+class PipelineSchedule:
+    """Runs training steps of a `PipelineSplit` with a schedule.
+
+    Args:
+        split: from `pipeline_split` (after TP / ``fully_shard`` of its stages).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (needs
+            ``virtual_stages > 1`` and ``microbatches % pp == 0``).
+        microbatches: ``m``; the batch size must be a multiple of it.
+        loss_fn: ``loss_fn(output, targets) -> scalar`` on the last stage, mean-reduced over the
+            microbatch (the step backpropagates ``loss / m``).
+        loss_context: a context manager factory entered around the loss and its backward
+            (e.g. ``shardwise.composable.loss_parallel`` for class-sharded logits).
+        reduce_every_microbatch: reduce gradients after every microbatch's backward instead of
+            once per step; see [Note: one pipeline step].
+
+    ``step(inputs, targets)`` returns the ``m`` microbatch losses (a float64 CPU tensor, the
+    same on every rank); ``last_timing`` then holds this rank's ``compute_s`` (wall time inside
+    forward/backward), ``compute_cpu_s`` (the CPU time of this thread in them, which other load
+    on the machine disturbs less) and ``step_s``.
+    """
+
+    def __init__(self, split: PipelineSplit, *, schedule: str = "1f1b", microbatches: int,
+                 loss_fn: Callable, loss_context: Callable | None = None,
+                 reduce_every_microbatch: bool = False) -> None:
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"pipeline: microbatches={microbatches!r}; it must be a positive int")
+        self.split = split
+        self.m = microbatches
+        self.loss_fn = loss_fn
+        self.loss_context = loss_context
+        self.reduce_every_microbatch = reduce_every_microbatch
+        pp, v = split.pp_size, split.virtual_stages
+        self.all_actions = build_schedule(schedule, pp, microbatches, v)
+        self.actions = self.all_actions[split.pp_rank]
+        self.stages = {st.index: st for st in split.stages}
+        self.S = split.num_stages
+        self.broken: str | None = None
+        self.last_timing: dict[str, float] = {}
+        self._hooks = []
+        for st in split.stages:
+            blocks = list(st.blocks)
+            if not st.is_first:
+                self._hooks.append(blocks[0].register_forward_pre_hook(
+                    self._make_inject(st), prepend=True, with_kwargs=True))
+            if not st.is_last:
+                self._hooks.append(blocks[-1].register_forward_hook(self._make_capture(st)))
+        self.last_b = {}
+        for i, a in enumerate(self.actions):
+            if a.kind == "B":
+                self.last_b[a.stage] = i
+        param = next((p for p in split.module.parameters()), None)
+        self.device = _device_of(param)
+        self.p2p = P2P(split.pp_group, self.device) if pp > 1 else None
+        if self.p2p is not None:
+            # NCCL needs every rank of a group in its first batched point-to-point call; a
+            # collective first sets up the group's communicator on all of them
+            dist.barrier(group=split.pp_group)
+
+    def close(self) -> None:
+        """Remove the hooks this schedule put on the stages' first and last blocks (to build
+        another schedule on the same split)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    @staticmethod
+    def _make_inject(st):
+        def hook(mod, args, kwargs):
+            if st.slot.value is None:
+                return None
+            if not args:
+                raise RuntimeError(f"pipeline: the first block of stage {st.index} got no positional argument to "
+                                   "take the previous stage's activation")
+            return (st.slot.value, *args[1:]), kwargs
+        return hook
+
+    @staticmethod
+    def _make_capture(st):
+        def hook(mod, args, out):
+            st.slot.out = _first_tensor(out)
+        return hook
+
+    def _rank_of(self, stage: int) -> int:
+        return stage % self.split.pp_size
+
+    def _expect(self) -> None:
+        """Tell the transport what each peer will send us, in its order."""
+        me, pp = self.split.pp_rank, self.split.pp_size
+        for peer in {(me - 1) % pp, (me + 1) % pp} - {me}:
+            keys = []
+            for a in self.all_actions[peer]:
+                if a.kind == "F" and a.stage + 1 < self.S and self._rank_of(a.stage + 1) == me:
+                    keys.append(("act", a.stage + 1, a.microbatch))
+                if a.kind == "B" and a.stage > 0 and self._rank_of(a.stage - 1) == me:
+                    keys.append(("grad", a.stage - 1, a.microbatch))
+            self.p2p.expect(peer, keys)
+
+    def _receives(self, a: Action) -> bool:
+        """Whether action ``a`` takes a message from another rank."""
+        if a.kind == "F":
+            return a.stage > 0 and self._rank_of(a.stage - 1) != self.split.pp_rank
+        return a.stage < self.S - 1 and self._rank_of(a.stage + 1) != self.split.pp_rank
+
+    def _get(self, key, from_stage, local):
+        if self._rank_of(from_stage) == self.split.pp_rank:
+            return local.pop(key)
+        return self.p2p.recv(self._rank_of(from_stage), key)
+
+    def _put(self, key, to_stage, tensor, local):
+        if self._rank_of(to_stage) == self.split.pp_rank:
+            local[key] = tensor.detach()
+        else:
+            self.p2p.send(self._rank_of(to_stage), tensor)
+
+    def step(self, inputs, targets=None) -> torch.Tensor:
+        """One training step (forward and backward of every microbatch); gradients accumulate into
+        ``.grad`` as ``loss.backward()`` would. See [Note: one pipeline step]."""
+        if self.broken:
+            raise PipelineError(f"pipeline: a previous step failed ({self.broken}); build a new PipelineSchedule")
+        mb_in = _split_batch(inputs, self.m, "inputs")
+        mb_tg = _split_batch(targets, self.m, "targets")
+        if self.p2p is not None:
+            self._expect()
+        losses = torch.zeros(self.m, dtype=torch.float64)
+        local: dict = {}
+        saved: dict = {}
+        error = None
+        compute = cpu = 0.0
+        t_start = time.perf_counter()
+        for idx, a in enumerate(self.actions):
+            x = None
+            try:
+                t0 = None
+                st = self.stages[a.stage]
+                if self.p2p is not None and not self._receives(a):
+                    self.p2p.flush()  # see [Note: messages between stages]
+                if a.kind == "F":
+                    x = None
+                    if not st.is_first:
+                        x = self._get(("act", a.stage, a.microbatch), a.stage - 1, local)
+                        x = x.detach().requires_grad_(x.is_floating_point())
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    st.slot.value, st.slot.out = x, None
+                    args = mb_in[a.microbatch]
+                    out = st.module(*(args if isinstance(args, tuple) else (args,)))
+                    st.slot.value = None
+                    if st.is_last:
+                        ctx = self.loss_context() if self.loss_context else _null()
+                        with ctx:
+                            loss = self.loss_fn(out, mb_tg[a.microbatch])
+                        saved[(a.stage, a.microbatch)] = (x, loss)
+                        value = loss.detach()
+                        value = value.full_tensor() if hasattr(value, "full_tensor") else value
+                        losses[a.microbatch] = float(value)
+                    else:
+                        y = st.slot.out
+                        if not isinstance(y, torch.Tensor):
+                            raise TypeError(f"the last block of stage {a.stage} returned no tensor; a pipeline "
+                                            "boundary carries one tensor (the hidden state)")
+                        saved[(a.stage, a.microbatch)] = (x, y)
+                        compute += time.perf_counter() - t0
+                        cpu += time.thread_time() - c0
+                        t0 = None
+                        self._put(("act", a.stage + 1, a.microbatch), a.stage + 1, y, local)
+                else:
+                    x, y = saved.pop((a.stage, a.microbatch))
+                    g = None
+                    if not st.is_last:
+                        g = self._get(("grad", a.stage, a.microbatch), a.stage + 1, local)
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    _set_sync(st.module, self.reduce_every_microbatch or self.last_b[a.stage] == idx)
+                    if st.is_last:
+                        ctx = self.loss_context() if self.loss_context else _null()
+                        with ctx:
+                            torch.autograd.backward(y / self.m)
+                    else:
+                        torch.autograd.backward(y, g)
+                    compute += time.perf_counter() - t0
+                    cpu += time.thread_time() - c0
+                    t0 = None
+                    if not st.is_first:
+                        if x is None or x.grad is None:
+                            raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
+                        self._put(("grad", a.stage - 1, a.microbatch), a.stage - 1, x.grad, local)
+                if t0 is not None:
+                    compute += time.perf_counter() - t0
+                    cpu += time.thread_time() - c0
+            except PeerFailed as exc:
+                error = str(exc)
+                self._notify(error)
+                break
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                first = (str(exc).strip().splitlines() or [""])[0]
+                error = (f"pipeline stage {a.stage} (pp rank {self.split.pp_rank}) failed in "
+                         f"{'forward' if a.kind == 'F' else 'backward'} of microbatch {a.microbatch}: "
+                         f"{type(exc).__name__}: {first}")
+                if a.kind == "F" and isinstance(x, torch.Tensor):
+                    error += (f" (its input, from stage {a.stage - 1}, has shape {tuple(x.shape)} and dtype "
+                              f"{x.dtype}: check that stage boundaries carry what the next block takes)")
+                self._notify(error)
+                break
+        for st in self.split.stages:
+            st.slot.value = st.slot.out = None
+        return self._finish(losses, error, (compute, cpu), t_start)
+
+    def _notify(self, text: str) -> None:
+        if self.p2p is None:
+            return
+        me, pp = self.split.pp_rank, self.split.pp_size
+        for peer in {(me - 1) % pp, (me + 1) % pp} - {me}:
+            self.p2p.send_error(peer, text)
+
+    def _finish(self, losses, error, compute, t_start) -> torch.Tensor:
+        if self.p2p is None:
+            if error:
+                self.broken = error
+                raise PipelineError(error)
+            self.last_timing = {"compute_s": compute[0], "compute_cpu_s": compute[1],
+                                "step_s": time.perf_counter() - t_start}
+            return losses
+        if not error:
+            self.p2p.flush()  # the step's last sends, before anyone waits in the all-reduce
+        status = torch.cat([torch.tensor([1.0 if error else 0.0], dtype=torch.float64), losses]).to(self.device)
+        if not self.stages.get(self.S - 1):
+            status[1:] = 0
+        dist.all_reduce(status, group=self.split.pp_group)
+        status = status.cpu()
+        if status[0] > 0:
+            texts = [None] * self.split.pp_size
+            dist.all_gather_object(texts, error, group=self.split.pp_group)
+            self.p2p.drop()
+            message = next(t for t in texts if t)
+            self.broken = message
+            raise PipelineError(message)
+        self.p2p.wait_sends()
+        self.last_timing = {"compute_s": compute[0], "compute_cpu_s": compute[1],
+                            "step_s": time.perf_counter() - t_start}
+        return status[1:].clone()
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _device_of(param) -> torch.device:
+    if param is None:
+        return torch.device("cpu")
+    local = param.to_local() if hasattr(param, "to_local") else param
+    if local.device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return local.device

@@ -1,0 +1,144 @@
+"""``pipeline_split``: plan the stages of a model and keep this rank's; `PipelineSplit` holds them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ._cost import COST_KINDS, measure_costs, param_costs
+from ._partition import StagePlan, balanced_plan, plan_from_bounds
+from ._split import StageShell, classify, find_layers, split_model
+
+__all__ = ["PipelineSplit", "pipeline_split", "plan_stages"]
+
+
+@dataclass
+class PipelineSplit:
+    """This rank's part of a pipelined model.
+
+    ``module``: the rank model (the object passed in, now holding only this rank's blocks and,
+    on the first/last stage, the pre/post-modules; names as in the unsplit model): build the
+    optimizer on ``module.parameters()``, checkpoint ``module``. ``stages``: this rank's
+    `StageShell`s (one, or ``virtual_stages`` for interleaved schedules), to tensor-parallelise
+    and ``fully_shard`` (each ``stage.blocks``, then ``stage.module``). ``plan``: the
+    `StagePlan` of all stages. ``pp_group``/``pp_rank``/``pp_size``: the pipeline group.
+    """
+
+    module: nn.Module
+    stages: list[StageShell]
+    plan: StagePlan
+    pp_group: object
+    pp_rank: int
+    pp_size: int
+    virtual_stages: int
+    fqns: tuple[str, ...]  # parameter names of the unsplit model, in order
+
+    @property
+    def num_stages(self) -> int:
+        return self.plan.num_stages
+
+
+def _pp_group(pp_mesh: DeviceMesh | None):
+    if pp_mesh is None:
+        if not dist.is_initialized():
+            return None, 0, 1
+        return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    if pp_mesh.ndim != 1:
+        names = pp_mesh.mesh_dim_names
+        if names and "pp" in names:
+            pp_mesh = pp_mesh["pp"]
+        else:
+            raise ValueError(f"pipeline: pp_mesh must be the 1-D 'pp' mesh (shardwise.mesh.pipeline_mesh(mesh)), got "
+                             f"a {pp_mesh.ndim}-D mesh with axes {names}")
+    return pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
+
+
+def plan_stages(model: nn.Module, num_stages: int, *, layers: str | None = None, cost: str = "time",
+                split_points: Sequence[int] | None = None, sample: Callable[[nn.Module], torch.Tensor] | None = None,
+                repeats: int = 3) -> tuple[StagePlan, list, list, list, list]:
+    """Plan ``num_stages`` stages of the unsplit ``model`` without changing it; returns
+    ``(plan, path, names, pre, post)`` (see `pipeline_split` for the arguments)."""
+    if cost not in COST_KINDS:
+        raise ValueError(f"pipeline: cost={cost!r}; choose one of {COST_KINDS}")
+    path, names = find_layers(model, layers)
+    blocks = list(path[-1]._modules[names[-1]])
+    if num_stages > len(blocks):
+        raise ValueError(
+            f"pipeline: {num_stages} stages but the model has only {len(blocks)} blocks to split; every stage needs "
+            f"at least one block: use at most {len(blocks)} stages (pp x virtual stages), or a model with more blocks")
+    order = None
+    if sample is not None:
+        seen: list[nn.Module] = []
+        hooks = [m.register_forward_pre_hook(lambda mod, a, seen=seen: seen.append(mod) if mod not in seen else None)
+                 for node in path for m in node._modules.values() if m is not None]
+        hooks += [blocks[0].register_forward_pre_hook(lambda mod, a: seen.append(mod) if mod not in seen else None)]
+        try:
+            with torch.no_grad():
+                sample(model)
+        finally:
+            for h in hooks:
+                h.remove()
+        order = seen
+    pre, post = classify(path, names, order)
+    pre_mods = [path[d]._modules[n] for d, n in pre]
+    post_mods = [path[d]._modules[n] for d, n in post]
+    if split_points is not None:
+        costs = param_costs(blocks, pre_mods, post_mods)
+        return plan_from_bounds(costs[1], split_points, pre=costs[0], post=costs[2], cost_kind="params"), \
+            path, names, pre, post
+    if cost == "params":
+        c = param_costs(blocks, pre_mods, post_mods)
+    else:
+        if sample is None:
+            raise ValueError(f"pipeline: cost={cost!r} measures a forward+backward, so it needs sample=: a function "
+                             "that runs the unsplit model on a sample batch and returns the loss; or use "
+                             "cost='params', or give split_points=")
+        c = measure_costs(model, blocks, lambda: sample(model), cost, repeats)
+    return balanced_plan(c[1], num_stages, pre=c[0], post=c[2], cost_kind=cost), path, names, pre, post
+
+
+def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtual_stages: int = 1,
+                   layers: str | None = None, cost: str = "time", split_points: Sequence[int] | None = None,
+                   sample: Callable[[nn.Module], torch.Tensor] | None = None, repeats: int = 3,
+                   verbose: bool = True) -> PipelineSplit:
+    """Split ``model`` into ``pp * virtual_stages`` contiguous stages and keep this rank's.
+
+    Call on every rank with the same unsplit model (same seed), before tensor parallelism and
+    ``fully_shard``. Stage ``s`` goes to rank ``s % pp`` of ``pp_mesh`` (the 1-D ``pp`` mesh,
+    ``shardwise.mesh.pipeline_mesh(mesh)``, or the 4-D mesh itself; None: every rank of the
+    default group is one stage).
+
+    Args:
+        virtual_stages: stages per rank (``> 1`` for the interleaved schedule).
+        layers: dotted path of the blocks list; default ``layers`` or ``model.layers``.
+        cost: what to balance: ``"time"`` (measured forward+backward of each block, the
+            embedding and the head+loss on ``sample``; averaged over ranks), ``"params"``
+            (parameter bytes) or ``"activations"`` (bytes saved for backward on ``sample``).
+        split_points: explicit block indices where stages 1.. start (or full bounds); then
+            nothing is measured.
+        sample: ``sample(model) -> loss`` on a sample batch (needed for time/activations; also
+            used to tell pre- from post-modules by when they run).
+        verbose: print the plan on global rank 0.
+
+    Errors (``ValueError``, the same on every rank): more stages than blocks, no blocks list,
+    bad split points, parameters tied across stages.
+    """
+    group, pp_rank, pp = _pp_group(pp_mesh)
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"pipeline: virtual_stages={virtual_stages!r}; it must be a positive int")
+    fqns = tuple(n for n, _ in model.named_parameters())
+    num_stages = pp * virtual_stages
+    plan, path, names, pre, post = plan_stages(model, num_stages, layers=layers, cost=cost,
+                                               split_points=split_points, sample=sample, repeats=repeats)
+    if plan.num_stages != num_stages:
+        raise ValueError(f"pipeline: split_points {list(split_points)} make {plan.num_stages} stages, but pp "
+                         f"({pp}) x virtual_stages ({virtual_stages}) = {num_stages}; give {num_stages - 1} points")
+    if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(plan.describe(pp), flush=True)
+    shells = split_model(model, path, names, pre, post, plan.bounds, pp, pp_rank)
+    return PipelineSplit(model, shells, plan, group, pp_rank, pp, virtual_stages, fqns)

@@ -1,0 +1,249 @@
+"""Pipeline parallelism against one process on the whole batch: every schedule, uneven splits,
+pp x fully_shard, pp x TP, and bad input (one error on every rank, no hang)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  preloaded into the forkserver (DTensor imports it lazily)
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import shardwise.composable as sw
+from examples.model import Llama, LlamaConfig
+from examples.parallel import block_tp_plan
+from shardwise.composable._pipeline import PipelineError, PipelineSchedule, pipeline_split
+from shardwise.mesh import data_parallel_mesh, init_mesh, pipeline_mesh
+from tests._dist import run_ranks
+
+TOL = 1e-6
+CFG = LlamaConfig(vocab_size=17, dim=16, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=24, max_seq_len=16)
+CFG6 = LlamaConfig(vocab_size=17, dim=16, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=24, max_seq_len=16)
+
+
+def _ce(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _ce_parallel(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _batch(n=8, t=7, seed=1):
+    tokens = torch.randint(0, CFG.vocab_size, (n, t + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _tp_stage(stage, tp_mesh, tp):
+    """TP the blocks of a stage (and the embedding / head where it holds them)."""
+    from torch.distributed.tensor import Replicate, Shard
+    plan = {f"layers.{i}.{k}": v for i in stage.block_ids for k, v in block_tp_plan(sw, True).items()}
+    if stage.is_first:
+        plan["tok_embeddings"] = sw.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    else:
+        # later stages get a sequence-sharded activation already
+        pass
+    if stage.is_last:
+        plan["norm"] = sw.SequenceParallel()
+        plan["output"] = sw.ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+    sw.parallelize_module(stage.module, tp_mesh, plan)
+    for i in stage.block_ids:
+        att = stage.module.layers._modules[str(i)].attention
+        att.n_heads //= tp
+        att.n_kv_heads //= tp
+
+
+def _run(rank, world_size, opts):
+    pp = opts.get("pp", world_size)
+    dp_shard, tp, v = opts.get("dp_shard", 1), opts.get("tp", 1), opts.get("v", 1)
+    dp_rep = opts.get("dp_replicate", 1)
+    cfg = opts.get("cfg", CFG)
+    ref = Llama(cfg, generator=torch.Generator().manual_seed(0))
+    model = copy.deepcopy(ref)
+    inputs, targets = _batch(opts.get("batch", 8))
+    ref_loss = _ce(ref(inputs), targets)
+    ref_loss.backward()
+    mesh = init_mesh(pp=pp, dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, device_type="cpu") if pp > 1 else None
+    split = pipeline_split(model, pipeline_mesh(mesh) if mesh is not None else None, virtual_stages=v,
+                           cost=opts.get("cost", "params"), split_points=opts.get("split_points"),
+                           sample=(lambda m: _ce(m(inputs), targets)) if opts.get("cost") == "time" else None,
+                           verbose=False)
+    dp_rank, dp_size = 0, 1
+    if mesh is not None and (dp_shard > 1 or tp > 1 or dp_rep > 1):
+        for st in split.stages:
+            if tp > 1:
+                _tp_stage(st, mesh["tp"], tp)
+            if dp_shard > 1 or dp_rep > 1:
+                dp_mesh = data_parallel_mesh(mesh)
+                for b in st.blocks:
+                    sw.fully_shard(b, mesh=dp_mesh)
+                sw.fully_shard(st.module, mesh=dp_mesh)
+        dp_rank = mesh["dp_replicate"].get_local_rank() * dp_shard + mesh["dp_shard"].get_local_rank()
+        dp_size = dp_shard * dp_rep
+    per = inputs.shape[0] // dp_size
+    sl = slice(dp_rank * per, (dp_rank + 1) * per)
+    sched = PipelineSchedule(split, schedule=opts.get("schedule", "1f1b"), microbatches=opts.get("m", 4),
+                             loss_fn=_ce_parallel if tp > 1 else _ce,
+                             loss_context=sw.loss_parallel if tp > 1 else None,
+                             reduce_every_microbatch=opts.get("every", False))
+    import shardwise.composable._param_group as pg
+    calls = [0]
+    real = pg.reduce_scatter_single
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    rep_calls = [0]
+    real_ar = dist.all_reduce
+    rep_group = mesh["dp_replicate"].get_group() if mesh is not None and dp_rep > 1 else None
+
+    def counting_ar(*a, **k):
+        if rep_group is not None and k.get("group") is rep_group:
+            rep_calls[0] += 1
+        return real_ar(*a, **k)
+
+    pg.reduce_scatter_single = counting
+    dist.all_reduce = counting_ar
+    try:
+        losses = sched.step(inputs[sl], targets[sl])
+    finally:
+        pg.reduce_scatter_single = real
+        dist.all_reduce = real_ar
+    units = sum(1 for st in split.stages for m in st.module.modules()
+                if isinstance(m, sw.FSDPModule) and m._fsdp_state().group is not None)
+    loss = losses.mean()
+    if dp_size > 1:
+        t = torch.tensor([float(loss)], dtype=torch.float64)
+        for axis in ("dp_replicate", "dp_shard"):
+            dist.all_reduce(t, group=mesh[axis].get_group())
+        loss = t[0] / dp_size
+    norm_err = 0.0
+    if opts.get("clip"):
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        norm = sw.clip_grad_norm_(split.module.parameters(), 0.05, pp_mesh=split.pp_group)
+        norm_err = abs(norm.item() - ref_norm.item()) / ref_norm.item()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    worst, names = 0.0, []
+    for n, p in split.module.named_parameters():
+        g = _full(p.grad)
+        r = ref_grads[n]
+        worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+        names.append(n)
+    return {"loss_err": abs(float(loss) - ref_loss.item()) / ref_loss.item(), "grad_err": worst, "names": names,
+            "bounds": split.plan.bounds, "reduce_scatters": calls[0], "units": units, "replica_all_reduces": rep_calls[0],
+            "norm_err": norm_err}
+
+
+def _check(results, per_step=1, cfg=CFG):
+    names = set()
+    for r in results:
+        assert r["reduce_scatters"] == per_step * r["units"], f"{r['reduce_scatters']} reduce-scatters for {r['units']} units"
+        assert r["loss_err"] <= TOL, r
+        assert r["grad_err"] <= TOL, r
+        assert r["norm_err"] <= TOL, r
+        names |= set(r["names"])
+    ref = {n for n, _ in Llama(cfg).named_parameters()}
+    assert names == ref, f"the stages together hold {sorted(names ^ ref)} differently from the unsplit model"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_matches_one_process(schedule):
+    _check(run_ranks(_run, 2, {"schedule": schedule}, timeout=90))
+
+
+def test_pp2_interleaved_matches_one_process():
+    _check(run_ranks(_run, 2, {"schedule": "interleaved_1f1b", "v": 2}, timeout=90))
+
+
+def test_pp4_1f1b_uneven_split_and_clip():
+    res = run_ranks(_run, 4, {"pp": 4, "cfg": CFG6, "split_points": [1, 2, 5], "clip": True}, timeout=90)
+    assert res[0]["bounds"] == (0, 1, 2, 5, 6)
+    _check(res, cfg=CFG6)
+
+
+def test_pp4_gpipe_measured_split():
+    _check(run_ranks(_run, 4, {"pp": 4, "schedule": "gpipe", "cost": "time"}, timeout=90))
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_pp2_x_fsdp_one_reduce_scatter_per_unit_per_step(every):
+    res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "every": every, "clip": not every}, timeout=90)
+    assert all(r["units"] == 3 for r in res), res
+    _check(res, per_step=4 if every else 1)
+
+
+def test_pp2_x_tp2():
+    _check(run_ranks(_run, 4, {"pp": 2, "tp": 2, "schedule": "interleaved_1f1b", "v": 2}, timeout=90))
+
+
+def test_pp2_x_dp2_x_tp2_on_8_ranks():
+    _check(run_ranks(_run, 8, {"pp": 2, "dp_shard": 2, "tp": 2, "schedule": "1f1b", "clip": True}, timeout=150))
+
+
+class Chain(torch.nn.Module):
+    """``head(layers(inp(x)))`` with Linear blocks of the given (in, out) widths."""
+
+    def __init__(self, widths, splittable=True):
+        super().__init__()
+        self.inp = torch.nn.Linear(4, widths[0][0])
+        blocks = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in widths)
+        if splittable:
+            self.layers = blocks
+        else:
+            self.body = torch.nn.Sequential(*blocks)
+        self.head = torch.nn.Linear(widths[-1][1], 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for blk in (self.layers if hasattr(self, "layers") else self.body):
+            h = torch.tanh(blk(h))
+        return self.head(h)
+
+
+def _bad(rank, world_size, case):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    try:
+        if case == "stages":
+            split = pipeline_split(Chain([(8, 8)] * 3), virtual_stages=1, cost="params", verbose=False)
+        elif case == "nolist":
+            split = pipeline_split(Chain([(8, 8)] * 4, splittable=False), cost="params", verbose=False)
+        else:
+            widths = [(8, 8), (8, 8), (6, 8), (8, 8)] if case == "shapes" else [(8, 8)] * 4
+            split = pipeline_split(Chain(widths), cost="params", verbose=False)
+            sched = PipelineSchedule(split, schedule="1f1b", microbatches=4, loss_fn=F.mse_loss)
+            sched.step(x[:6] if case == "microbatches" else x, y[:6] if case == "microbatches" else y)
+    except (ValueError, PipelineError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case,text", [
+    ("stages", "4 stages but the model has only 3 blocks to split"),
+    ("nolist", "Chain has no splittable list of blocks"),
+    ("microbatches", "inputs has batch size 6, not divisible by microbatches=4"),
+    ("shapes", "pipeline stage 2 (pp rank 2) failed in forward of microbatch 0: RuntimeError: mat1 and mat2 shapes"),
+])
+def test_bad_input_is_one_error_on_every_rank(case, text):
+    got = run_ranks(_bad, 4, case, timeout=60)
+    assert len(set(got)) == 1, f"ranks disagree: {got}"
+    assert text in got[0] and "\n" not in got[0], got[0]
+
+
+def test_one_rank_two_virtual_stages_hand_off_locally():
+    _check(run_ranks(_run, 1, {"schedule": "interleaved_1f1b", "v": 2, "m": 2}, timeout=60))
+
+
+def test_pp2_x_hsdp_one_replica_all_reduce_per_unit_per_step():
+    res = run_ranks(_run, 4, {"pp": 2, "dp_replicate": 2, "schedule": "gpipe"}, timeout=90)
+    for r in res:
+        assert r["units"] == 3 and r["replica_all_reduces"] == r["units"], r
+    _check(res, per_step=0)  # a shard axis of one rank has nothing to reduce-scatter

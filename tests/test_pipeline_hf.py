@@ -1,0 +1,57 @@
+"""Hugging Face ``LlamaForCausalLM`` (blocks in ``model.model.layers``) at pp=2 against one process."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  preloaded into the forkserver
+import torch.nn.functional as F
+
+from shardwise.composable._pipeline import PipelineSchedule, pipeline_split
+from tests._dist import run_ranks
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional; pip install "
+                                   "transformers to run the Hugging Face pipeline test)")
+
+
+def _hf_ce(out, targets):
+    return F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _hf(rank, world_size, schedule):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    tok = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(1))
+    x, y = tok[:, :-1], tok[:, 1:]
+    ref_loss = _hf_ce(ref(x), y)
+    ref_loss.backward()
+    split = pipeline_split(model, cost="time", sample=lambda m: _hf_ce(m(x), y), repeats=1, verbose=False)
+    sched = PipelineSchedule(split, schedule=schedule, microbatches=2, loss_fn=_hf_ce)
+    losses = sched.step(x, y)
+    ref_grads = dict(ref.named_parameters())
+    worst = 0.0
+    names = []
+    for n, p in split.module.named_parameters():
+        r = ref_grads[n].grad
+        worst = max(worst, ((p.grad - r).abs().max() / r.abs().max()).item())
+        names.append(n)
+    return abs(losses.mean().item() - ref_loss.item()) / ref_loss.item(), worst, names
+
+
+@pytest.mark.parametrize("schedule", ["1f1b"])
+def test_hf_llama_pp2(schedule):
+    res = run_ranks(_hf, 2, schedule, timeout=120)
+    names = set()
+    for loss_err, grad_err, n in res:
+        assert loss_err <= 1e-6 and grad_err <= 1e-6, (loss_err, grad_err)
+        names |= set(n)
+    assert "model.embed_tokens.weight" in res[0][2] and "lm_head.weight" in res[1][2], res
+    assert any(n.startswith("model.layers.3.") for n in names)

@@ -1,0 +1,150 @@
+"""Pure tests of pipeline partitioning and schedules (no processes)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardwise.composable._pipeline._partition import (balanced_bounds, balanced_plan, plan_from_bounds,
+                                                       uniform_bounds)
+from shardwise.composable._pipeline._schedule import (SCHEDULES, Action, build_schedule, simulate,
+                                                      theoretical_bubble)
+
+COSTS = st.lists(st.integers(0, 50), min_size=1, max_size=9)
+
+
+def _brute(costs, stages, pre, post):
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        b = (0, *cuts, n)
+        stage = [sum(costs[b[k]:b[k + 1]]) for k in range(stages)]
+        stage[0] += pre
+        stage[-1] += post
+        best = max(stage) if best is None else min(best, max(stage))
+    return best
+
+
+@settings(deadline=None, max_examples=300)
+@given(costs=COSTS, data=st.data(), pre=st.integers(0, 100), post=st.integers(0, 100))
+def test_balanced_matches_brute_force(costs, data, pre, post) -> None:
+    stages = data.draw(st.integers(1, len(costs)))
+    b = balanced_bounds(costs, stages, pre=pre, post=post)
+    assert len(b) == stages + 1 and b[0] == 0 and b[-1] == len(costs)
+    assert all(b[k + 1] > b[k] for k in range(stages)), f"empty stage in {b}"
+    plan = plan_from_bounds(costs, b, pre=pre, post=post)
+    assert max(plan.costs) == _brute(costs, stages, pre, post), (costs, stages, pre, post, b)
+
+
+def test_heavy_head_moves_blocks_off_the_last_stage() -> None:
+    plan = balanced_plan([1.0] * 8, 2, pre=0.5, post=3.0)
+    assert plan.bounds == (0, 5, 8) and plan.costs == (5.5, 6.0)
+    assert uniform_bounds(8, 2) == (0, 4, 8) and uniform_bounds(7, 3) == (0, 3, 5, 7)
+    assert "stage 1 rank 1: blocks 5..7 + post" in plan.describe(pp=2)
+
+
+def test_bad_plans_are_refused() -> None:
+    with pytest.raises(ValueError, match="4 stages but the model has only 3 blocks"):
+        balanced_bounds([1, 1, 1], 4)
+    with pytest.raises(ValueError, match="do not cut 4 blocks into non-empty contiguous stages"):
+        plan_from_bounds([1, 1, 1, 1], [2, 2])
+    assert plan_from_bounds([1, 2, 3, 4], [1, 3]).bounds == (0, 1, 3, 4)
+
+
+@settings(deadline=None, max_examples=60)
+@given(schedule=st.sampled_from(SCHEDULES), pp=st.integers(1, 5), mult=st.integers(1, 4), v=st.integers(2, 3),
+       extra=st.integers(0, 3))
+def test_schedules_are_complete_deadlock_free_and_hit_the_theory(schedule, pp, mult, v, extra) -> None:
+    if schedule != "interleaved_1f1b":
+        v = 1
+        m = mult + extra
+    else:
+        m = pp * mult
+    acts = build_schedule(schedule, pp, m, v)
+    makespan, busy = simulate(acts, pp * v, m)
+    for r, a in enumerate(acts):
+        assert all(x.stage % pp == r for x in a), f"rank {r} runs a stage it does not hold: {a}"
+        alive = peak = 0
+        for x in a:
+            alive += 1 if x.kind == "F" else -1
+            peak = max(peak, alive)
+        if schedule == "1f1b":
+            assert peak <= min(pp - r, m), f"1f1b keeps {peak} microbatches alive on rank {r}"
+    bubble = 1 - busy[0] / makespan
+    assert abs(bubble - theoretical_bubble(pp, m, v)) < 1e-9, (bubble, theoretical_bubble(pp, m, v))
+
+
+def test_schedule_errors_and_a_bad_order() -> None:
+    with pytest.raises(ValueError, match="multiple of pp"):
+        build_schedule("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ValueError, match="unknown"):
+        build_schedule("zb", 2, 4)
+    bad = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 1, 0), Action("B", 1, 0)]]
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate(bad, 2, 1)
+
+
+def _meta_llama(**kw):
+    import torch
+
+    from examples.model import Llama, LlamaConfig
+    with torch.device("meta"):
+        return Llama(LlamaConfig(**kw))
+
+
+def test_plan_memory_per_stage_and_schedule_activations() -> None:
+    from shardwise.composable import plan_memory
+    model = _meta_llama(vocab_size=1000, dim=64, n_layers=8, n_heads=4)
+    A = 64 * 2**20
+    flat = plan_memory(model, (1, 2), "FULL_SHARD", activation_bytes=A)
+    one = plan_memory(model, (1, 2), "FULL_SHARD", activation_bytes=A, pp=2, microbatches=8)
+    gp = plan_memory(model, (1, 2), "FULL_SHARD", activation_bytes=A, pp=2, microbatches=8, schedule="gpipe")
+    share = [len(range(one.bounds[s], one.bounds[s + 1])) / 8 for s in range(2)]
+    assert [p.activations for p in one.stages] == [int(A * share[0] * 2 / 8), int(A * share[1] * 1 / 8)]
+    assert [p.activations for p in gp.stages] == [int(A * share[0]), int(A * share[1])]
+    assert sum(p.params for p in one.stages) <= flat.params * 1.01 + 4096  # each stage holds only its part
+    assert one.peak < flat.peak and "stage 0 blocks" in str(one)
+
+
+def test_suggest_mesh_uses_a_pipeline_only_when_needed() -> None:
+    from shardwise.composable import suggest_mesh
+    model = _meta_llama(vocab_size=1000, dim=256, n_layers=8, n_heads=4)
+    roomy = suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, pp_sizes=(1, 2))
+    assert roomy.pp == 1
+    tight = suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, activation_bytes=2 * 2**30,
+                         pp_sizes=(1, 2), microbatches=8)
+    assert tight.pp == 2 and "pp=2" in str(tight), str(tight)
+    with pytest.raises(ValueError, match="must divide hosts"):
+        suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, pp_sizes=(3,))
+
+
+class _Tied(__import__("torch").nn.Module):
+    def __init__(self, tie: bool):
+        import torch
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        for blk in self.layers:
+            h = blk(h)
+        return self.head(h)
+
+
+def test_split_refusals_without_processes() -> None:
+    from shardwise.composable import pipeline_split
+    with pytest.raises(ValueError, match="shared between modules that land on different stages"):
+        pipeline_split(_Tied(True), cost="params", verbose=False)
+    with pytest.raises(ValueError, match=r"split_points \[1\] make 2 stages, but pp \(1\) x virtual_stages \(1\) = 1"):
+        pipeline_split(_Tied(False), cost="params", split_points=[1], verbose=False)
+    with pytest.raises(ValueError, match="needs sample="):
+        pipeline_split(_Tied(False), cost="time", verbose=False)
+    split = pipeline_split(_Tied(False), virtual_stages=3, cost="params", verbose=False)
+    assert split.plan.bounds == (0, 1, 2, 3) and [s.is_first for s in split.stages] == [True, False, False]
+    assert {n for n, _ in split.module.named_parameters()} == {n for n, _ in _Tied(False).named_parameters()}
