@@ -30,7 +30,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     """The pipeline flags of ``examples/train.py``."""
     g = p.add_argument_group("pipeline parallelism")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (outermost mesh axis)")
-    g.add_argument("--schedule", default="1f1b", choices=list(sw.SCHEDULES))
+    g.add_argument("--schedule", default="1f1b", choices=list(sw.SCHEDULES), help="pipeline schedule")
     g.add_argument("--microbatches", type=int, default=None, help="per step; default 2 x pp")
     g.add_argument("--virtual-stages", type=int, default=None,
                    help="stages per rank (interleaved_1f1b; default 2 there, else 1)")
