@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard, _StridedShardOffsetMode
 
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 
 __all__ = ["Box", "LocalBox", "boxes_for", "local_boxes", "layout_of"]
 

@@ -25,7 +25,7 @@ import sys
 from collections import Counter
 from datetime import datetime, timezone
 
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 from ._format import Index, dtype_name, read_index
 from ._safetensors_io import DTYPE_CODES, data_file_size, read_header
 from ._tiling import distinct_boxes, tiling_problem

@@ -31,7 +31,7 @@ import os
 import shutil
 from collections.abc import Callable
 
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 from ._format import FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, parse_json_strict, plain_file_name
 
 __all__ = ["temp_dir_for", "replaced_dir_for", "fsync_dir", "check_target", "commit", "own_files", "delete_own_files",

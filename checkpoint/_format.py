@@ -30,7 +30,7 @@ import torch
 
 from ._boxes import Box
 from ._checksums import box_rows, chunk_count, crcs_from_hex, crcs_to_hex
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 from ._safetensors_io import DTYPE_CODES
 
 __all__ = [

@@ -42,7 +42,7 @@ from torch.distributed.tensor import Shard
 from ._boxes import Box, LocalBox, boxes_for
 from ._commit import commit, is_checkpoint, own_files, remove_temp, temp_dir_for
 from ._checksums import BoxChecksums
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, format_index,
                       index_to_json, parse_json_strict, plain_file_name, read_index, write_json)
 from ._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE

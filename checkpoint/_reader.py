@@ -26,7 +26,7 @@ chunks for it (a single-chunk box, or a checkpoint written before chunks existed
 ``verify`` (the default) every unit of the target's tensors is checksummed in step 1 by exactly
 one rank, before any rank writes: one all-gather of the row ranges each rank reads from each
 saved box, then every rank computes the same assignment, each unit to the rank that reads most
-of it anyway ([Note: verification shares] in ``_checksums.py``). What a rank checksums is
+of it anyway ([Note: verification shares] in ``_verify_shares.py``). What a rank checksums is
 then mostly what it loads (step 2 finds those pages in the page cache); the extra reads are the
 parts of chunks that straddle its shard's boundaries, less than one chunk per boundary and
 saved box. ``LoadStats.bytes_verified`` counts the bytes it checksummed. ``verify=False``
@@ -47,13 +47,14 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from ._boxes import LocalBox, local_boxes
-from ._checksums import Unit, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of, share_of
-from ._comm import all_gather_json, CheckpointError, agree, rank_and_world
+from ._comm import all_gather_json, agree, rank_and_world
+from ._errors import CheckpointError
 from ._commit import recover_replaced
 from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
 from ._plan import ReadItem, covered_numel, plan_reads, split
 from ._tiling import distinct_boxes, tiling_problem
+from ._verify_shares import Unit, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of, share_of
 from ._safetensors_io import (DTYPE_CODES, Header, adjacent_groups, byte_view, contiguous_run, crcs_of_ranges,
                               data_file_size, open_for_ranges, pread_into, preadv_into, read_header)
 

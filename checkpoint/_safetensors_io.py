@@ -32,7 +32,7 @@ import torch
 
 from . import _checksums
 from ._checksums import BoxChecksums, ChunkedCrc, ChunkRule, box_rows
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 
 __all__ = [
     "DTYPE_CODES", "StreamingWriter", "Header", "read_header", "crcs_of_range", "crcs_of_ranges", "adjacent_groups",

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 from ._checksums import box_rows, combine_chunks
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 from ._format import SavedBox, read_index
 from ._safetensors_io import DTYPE_CODES, Header, crcs_of_range, data_file_size, open_for_ranges, read_header
 from ._tiling import distinct_boxes, tiling_problem

@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor
 
 from ._boxes import Box, local_boxes, layout_of
 from ._checksums import crcs_from_hex, crcs_to_hex
-from ._comm import CheckpointError, agree, broadcast_json, gather_json, rank_and_world
+from ._comm import agree, broadcast_json, gather_json, rank_and_world
+from ._errors import CheckpointError
 from ._commit import check_target, commit, remove_temp, temp_dir_for
 from ._series import abort_save, begin_save, default_series, finish_save
 from ._flatten import flatten, to_json_value
