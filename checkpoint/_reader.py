@@ -54,6 +54,7 @@ from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
 from ._plan import ReadItem, covered_numel, plan_reads, split
 from ._tiling import distinct_boxes, tiling_problem
+from ._trace import phase
 from ._verify_shares import Unit, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of, share_of
 from ._safetensors_io import (DTYPE_CODES, Header, adjacent_groups, byte_view, contiguous_run, crcs_of_ranges,
                               data_file_size, open_for_ranges, pread_into, preadv_into, read_header)
@@ -281,20 +282,14 @@ def _similar(key: str, names) -> str:
     return f" (similar names there: {close})" if close else ""
 
 
-def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: bool = True,
-                    max_read_bytes: int = 64 << 20, where: str | None = None) -> LoadStats:
-    """`load` from an already built `Index` (a checkpoint's, or one describing other files)."""
-    where = where or f"checkpoint {index.root}"
-    what = f"loading {where}"
-    reads, leaves, problems, verified = [], [], [], 0
-    headers: dict[str, Header | None] = {}
-    error: BaseException | None = None
-    try:
-        leaves = flatten(state)
-        with torch.no_grad():
-            reads, problems = _plan_load(index, leaves, strict, where)
-    except Exception as e:
-        error = e
+def _check_files(index: Index, leaves: list[Leaf], reads: list[_Read], verify: bool, headers: dict[str, Header | None],
+                 problems: list[str], error: BaseException | None) -> tuple[int, BaseException | str | None]:
+    """The file checks of step 1 of [Note: the steps of a load]: sizes and headers of the files
+    read, and with ``verify`` the checksums of this rank's share (collective: one all-gather,
+    taken part in even by a rank whose planning failed, so no rank hangs). Fills ``headers``;
+    returns the bytes checksummed and the error to agree on (``error``, or one listing the
+    problems)."""
+    verified = 0
     share: list[Unit] = []
     if verify:  # every rank takes part, even one whose planning failed (no hang)
         mine: dict = {"keys": "0", "needs": []}
@@ -325,14 +320,35 @@ def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: b
         more = len(problems) - _MAX_PROBLEMS
         shown = problems[:_MAX_PROBLEMS] + ([f"... and {more} more problems"] if more > 0 else [])
         error = "\n    ".join(shown) + "\n  The target was not modified."
-    agree(error, what)
-    read_bytes, files = 0, 0
-    try:
-        read_bytes, files = _read(index, reads, headers, max_read_bytes)
-        set_values(leaves, index.values)
-    except Exception as e:
-        error = e
-    agree(error, what)
+    return verified, error
+
+
+def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: bool = True,
+                    max_read_bytes: int = 64 << 20, where: str | None = None) -> LoadStats:
+    """`load` from an already built `Index` (a checkpoint's, or one describing other files)."""
+    where = where or f"checkpoint {index.root}"
+    what = f"loading {where}"
+    reads, leaves, problems, verified = [], [], [], 0
+    headers: dict[str, Header | None] = {}
+    error: BaseException | None = None
+    with phase("load/plan"):
+        try:
+            leaves = flatten(state)
+            with torch.no_grad():
+                reads, problems = _plan_load(index, leaves, strict, where)
+        except Exception as e:
+            error = e
+    with phase("load/verify"):  # sizes and headers always; checksums of this rank's share with verify
+        verified, error = _check_files(index, leaves, reads, verify, headers, problems, error)
+        agree(error, what)
+    with phase("load/read"):  # straight into the targets where it can (see _read)
+        read_bytes, files = 0, 0
+        try:
+            read_bytes, files = _read(index, reads, headers, max_read_bytes)
+            set_values(leaves, index.values)
+        except Exception as e:
+            error = e
+        agree(error, what)
     needed = sum(r.item.dst.numel * r.local.element_size() for r in reads)
     ntensors = sum(1 for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors)
     return LoadStats(ntensors, needed, read_bytes, verified, files)
@@ -367,7 +383,8 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
             error = e
     agree(error, f"loading checkpoint {path}")  # also: no rank reads before rank 0 has restored
     try:
-        index = read_index(path)
+        with phase("load/index"):
+            index = read_index(path)
         if verify:
             unchecked = [k for k, t in index.tensors.items()
                          if any(b.crc32 is None and b.chunk_crc32 is None for b in t.boxes)]
