@@ -49,7 +49,8 @@ from ._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE
 from ._hf_folder import (group_shards, index_file_name, model_prefix, read_config, shard_names,
                          write_index)
 from ._plan import plan_reads
-from ._safetensors_io import StreamingWriter, data_file_size
+from ._file_io import data_file_size
+from ._safetensors_io import StreamingWriter
 from ._tiling import distinct_boxes
 from ._verify import verify_checkpoint
 

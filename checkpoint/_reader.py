@@ -56,8 +56,9 @@ from ._plan import ReadItem, covered_numel, plan_reads, split
 from ._tiling import distinct_boxes, tiling_problem
 from ._trace import phase
 from ._verify_shares import Unit, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of, share_of
-from ._safetensors_io import (DTYPE_CODES, Header, adjacent_groups, byte_view, contiguous_run, crcs_of_ranges,
-                              data_file_size, open_for_ranges, pread_into, preadv_into, read_header)
+from ._file_io import (adjacent_groups, byte_view, contiguous_run, crcs_of_ranges, data_file_size, open_for_ranges,
+                       pread_into, preadv_into)
+from ._safetensors_io import DTYPE_CODES, Header, read_header
 
 __all__ = ["load", "LoadStats", "load_from_index"]
 
