@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from ._checksums import box_rows, combine_chunks
 from ._errors import CheckpointError
-from ._format import SavedBox, read_index
 from ._file_io import crcs_of_range, data_file_size, open_for_ranges
+from ._format import SavedBox, read_index
 from ._safetensors_io import DTYPE_CODES, Header, read_header
 from ._tiling import saved_tiling_problem
 
