@@ -6,7 +6,7 @@ Builds an in-memory index of ``--tensors`` tensors, each saved as ``--save-ranks
 ``--chunks`` checksum chunks (a 70B-parameter model with AdamW state saved from 64 ranks has
 about 2,200 tensors and 8 chunks per box), lets ``--load-ranks`` ranks each load an even dim-0
 slab of every tensor, and times what every rank of a verified `load` computes before reading:
-the box ids, the union of the loaded tensors, its own share (`_checksums.share_of`). Also
+the box ids, the union of the loaded tensors, its own share (`_verify_shares.share_of`). Also
 checks, on a few ranks, that the shares are disjoint.
 """
 
@@ -18,7 +18,7 @@ import time
 import torch
 
 from shardwise.checkpoint._boxes import Box
-from shardwise.checkpoint._checksums import box_ids, keys_to_mask, mask_to_keys, needs_of, share_of
+from shardwise.checkpoint._verify_shares import box_ids, keys_to_mask, mask_to_keys, needs_of, share_of
 from shardwise.checkpoint._format import Index, SavedBox, TensorEntry
 
 

@@ -14,7 +14,7 @@ See ``docs/checkpoint.md`` (usage and API) and ``docs/checkpoint-format.md`` (th
 """
 
 from ._cli import main
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 from ._hf import load_safetensors
 from ._hf_folder import save_hf_folder
 from ._offline import merge_checkpoint, reshard_checkpoint

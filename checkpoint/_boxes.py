@@ -7,14 +7,20 @@ cover it, and a rank's local shard is described as a list of `LocalBox`: a globa
 where that box starts inside the rank's local tensor.
 
 [Note: boxes of a placement]
-For placements made only of ``Shard`` and ``Replicate`` a rank's shard is one box, which
-``compute_local_shape_and_global_offset`` gives. Other placements (``_StridedShard``, which
-FSDP over a tensor-parallel shard produces) give a rank a set of rows that is not contiguous,
-so its shard is several boxes. In general we follow, per tensor dimension, the sorted list of
-global indices that the rank holds: it starts as every index, and each mesh axis's placement
-narrows the list of the dimension it shards (`_RULES`, one function per placement type; a new
-placement adds an entry there). A shard is then the product over dimensions of the maximal
-runs of consecutive indices, each run a box; runs keep their position in the local tensor.
+Every split is ``torch.chunk``'s, as DTensor's: ``n`` indices cut into ``k`` pieces of
+``c = ceil(n / k)``, piece ``i`` being ``[min(i c, n), min((i + 1) c, n))`` (`chunk_span`).
+For placements made only of ``Shard`` and ``Replicate`` a rank's shard is one box: the mesh
+axes, left to right, each cut the current range of the dimension they shard and keep piece
+``coord[axis]``. ``_StridedShard(dim, split_factor=k)`` (which FSDP over a tensor-parallel
+shard produces) gives a rank a set of rows that is not contiguous: the held indices are cut
+into ``k`` pieces, each piece into ``axis_size``, and the rank holds piece ``coord`` of each
+(`strided_positions`), so its shard is several boxes. In general we follow, per tensor
+dimension, the sorted list of global indices that the rank holds: it starts as every index,
+and each mesh axis's placement narrows the list of the dimension it shards (`_RULES`, one
+function per placement type; a new placement adds an entry there). A shard is then the
+product over dimensions of the maximal runs of consecutive indices, each run a box; runs keep
+their position in the local tensor. The only torch private name used, to recognise a
+``_StridedShard``, lives in ``_compat.py``; the arithmetic is shardwise's own.
 
 Which rank writes a box is decided over the whole world, not from the DTensor's own mesh:
 see [Note: one writer per box over the world] in ``_owners.py``.
@@ -29,12 +35,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Placement, _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor.placement_types import Placement
 
-from ._comm import CheckpointError
+from ._compat import is_strided_shard, strided_split_factor
+from ._errors import CheckpointError
 
-__all__ = ["Box", "LocalBox", "boxes_for", "local_boxes", "layout_of"]
+__all__ = ["Box", "LocalBox", "boxes_for", "chunk_span", "local_boxes", "layout_of", "strided_positions"]
 
 
 @dataclass(frozen=True)
@@ -94,32 +100,60 @@ class LocalBox:
 Indices = list[int]
 
 
+def chunk_span(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``(start, size)`` of piece ``i`` of ``n`` indices cut into ``parts`` pieces as
+    ``torch.chunk`` cuts them: ``c = ceil(n / parts)``, piece ``i`` is ``[min(i c, n),
+    min((i + 1) c, n))`` (trailing pieces may be empty)."""
+    c = -(-n // parts)
+    start = min(i * c, n)
+    return start, min(start + c, n) - start
+
+
+def strided_positions(n: int, split_factor: int, axis_size: int, coord: int) -> list[int]:
+    """The positions (among ``n`` held indices) that ``coord`` holds under a ``_StridedShard``
+    of ``split_factor`` on a mesh axis of ``axis_size``: the ``n`` indices cut into
+    ``split_factor`` pieces, each of those into ``axis_size``, piece ``coord`` of each, in order."""
+    out: list[int] = []
+    for j in range(split_factor):
+        start, size = chunk_span(n, split_factor, j)
+        sub, sub_size = chunk_span(size, axis_size, coord)
+        out.extend(range(start + sub, start + sub + sub_size))
+    return out
+
+
 def _shard_rule(p: Shard, held: Indices, axis_size: int, coord: int) -> Indices:
-    size, start = Shard.local_shard_size_and_offset(len(held), axis_size, coord)
+    start, size = chunk_span(len(held), axis_size, coord)
     return held[start : start + size]
 
 
-def _strided_rule(p: _StridedShard, held: Indices, axis_size: int, coord: int) -> Indices:
-    _, positions = p._local_shard_size_and_offset(len(held), axis_size, coord, _StridedShardOffsetMode.ALL)
-    return [held[i] for i in (positions or [])]
+def _strided_rule(p: Placement, held: Indices, axis_size: int, coord: int) -> Indices:
+    return [held[i] for i in strided_positions(len(held), strided_split_factor(p), axis_size, coord)]
 
 
 def _replicate_rule(p: Replicate, held: Indices, axis_size: int, coord: int) -> Indices:
     return held
 
 
-# Placement type -> how it narrows the indices of the dimension it shards. _StridedShard is
-# checked before Shard; a placement type missing here cannot be saved (e.g. Partial: reduce it).
-_RULES: tuple[tuple[type, Callable[..., Indices]], ...] = (
-    (_StridedShard, _strided_rule),
-    (Shard, _shard_rule),
-    (Replicate, _replicate_rule),
+def _is_shard(p: Placement) -> bool:
+    return isinstance(p, Shard)
+
+
+def _is_replicate(p: Placement) -> bool:
+    return isinstance(p, Replicate)
+
+
+# Which placements -> how it narrows the indices of the dimension it shards. _StridedShard is
+# checked first; a placement missing here cannot be saved (e.g. Partial: reduce it).
+_RULES: tuple[tuple[Callable[[Placement], bool], Callable[..., Indices]], ...] = (
+    (is_strided_shard, _strided_rule),
+    (_is_shard, _shard_rule),
+    (_is_replicate, _replicate_rule),
 )
 
 
 def _rule(p: Placement) -> Callable[..., Indices]:
-    for kind, rule in _RULES:
-        if isinstance(p, kind):
+    for matches, rule in _RULES:
+        if matches(p):
             return rule
     raise CheckpointError(
         f"placement {p!r} cannot be saved or loaded: only Shard, Replicate and _StridedShard are supported. "
@@ -145,7 +179,7 @@ def boxes_for(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[i
     held: list[Indices] = [list(range(n)) for n in shape]
     for axis, p in enumerate(placements):
         rule = _rule(p)
-        if isinstance(p, Shard) or isinstance(p, _StridedShard):
+        if is_strided_shard(p) or isinstance(p, Shard):
             held[p.dim] = rule(p, held[p.dim], mesh_shape[axis], coord[axis])
     if any(len(h) == 0 for h in held):
         return []
@@ -171,11 +205,21 @@ def local_boxes(t: torch.Tensor) -> list[LocalBox]:
     for p in placements:
         _rule(p)  # refuse unsupported placements with a clear message
     if all(type(p) in (Shard, Replicate) for p in placements):
-        shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-        if math.prod(shape) == 0:
-            return []
-        return [LocalBox(Box(tuple(offset), tuple(shape)), (0,) * len(shape))]
+        return _contiguous_box(tuple(t.shape), tuple(mesh.shape), coord, placements)
     return boxes_for(tuple(t.shape), tuple(mesh.shape), coord, placements)
+
+
+def _contiguous_box(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int],
+                    placements: Sequence[Placement]) -> list[LocalBox]:
+    """`boxes_for` of ``Shard``/``Replicate`` placements, without index lists: one box or none."""
+    offsets, sizes = [0] * len(shape), list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            start, sizes[p.dim] = chunk_span(sizes[p.dim], mesh_shape[axis], coord[axis])
+            offsets[p.dim] += start
+    if math.prod(sizes) == 0:
+        return []
+    return [LocalBox(Box(tuple(offsets), tuple(sizes)), (0,) * len(sizes))]
 
 
 def layout_of(t: torch.Tensor) -> dict | None:

@@ -25,12 +25,12 @@ import sys
 from collections import Counter
 from datetime import datetime, timezone
 
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 from ._format import Index, dtype_name, read_index
-from ._safetensors_io import DTYPE_CODES, data_file_size, read_header
-from ._tiling import distinct_boxes, tiling_problem
+from ._safetensors_io import DTYPE_CODES, read_header
+from ._tiling import saved_tiling_problem
 from ._offline import merge_checkpoint, reshard_checkpoint
-from ._verify import verify_checkpoint
+from ._verify import data_file_size_problem, verify_checkpoint
 
 __all__ = ["main"]
 
@@ -86,15 +86,15 @@ def _index_problems(index: Index) -> list[str]:
     for name, expected in sorted(index.files.items()):
         file = os.path.join(root, name)
         try:
-            size = data_file_size(file, follow=False)
-            if expected is not None and size != expected:
-                problems.append(f"data file {file} has {size} bytes, the index records {expected} (truncated?)")
+            size_problem = data_file_size_problem(file, expected)
+            if size_problem:
+                problems.append(size_problem)
             else:
                 headers[name] = read_header(file, follow=False)
         except CheckpointError as e:
             problems.append(str(e))
     for key, t in index.tensors.items():
-        gap = tiling_problem(t.shape, [t.boxes[i].box for i in distinct_boxes([b.box for b in t.boxes])])
+        gap = saved_tiling_problem(t.shape, [b.box for b in t.boxes])
         if gap:
             problems.append(f"{os.path.join(root, 'index.json')}: tensor '{key}': {gap}")
         for b in t.boxes:

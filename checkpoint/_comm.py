@@ -22,18 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._errors import CheckpointError
+
 __all__ = [
-    "CheckpointError", "agree", "all_gather_json", "broadcast_json", "collective_device", "gather_json",
+    "agree", "all_gather_json", "broadcast_json", "collective_device", "gather_json",
     "is_distributed", "rank_and_world",
 ]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved, loaded or read.
-
-    In collective calls it is raised on every rank with the same message, which names the
-    ranks that found a problem, the tensor and the file concerned, and what to do about it.
-    """
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -31,8 +31,9 @@ import os
 import shutil
 from collections.abc import Callable
 
-from ._comm import CheckpointError
-from ._format import FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, parse_json_strict, plain_file_name
+from ._errors import CheckpointError
+from ._format import FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, plain_file_name
+from ._json_strict import parse_json_strict
 
 __all__ = ["temp_dir_for", "replaced_dir_for", "fsync_dir", "check_target", "commit", "own_files", "delete_own_files",
            "recover_replaced", "is_checkpoint"]

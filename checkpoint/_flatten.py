@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._comm import CheckpointError
+from ._errors import CheckpointError
 
 __all__ = ["Leaf", "flatten", "join_key", "set_values", "to_json_value"]
 

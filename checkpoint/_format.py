@@ -30,7 +30,9 @@ import torch
 
 from ._boxes import Box
 from ._checksums import box_rows, chunk_count, crcs_from_hex, crcs_to_hex
-from ._comm import CheckpointError
+from ._errors import CheckpointError
+from ._file_io import pread_exact
+from ._json_strict import DuplicateKey, parse_json_strict
 from ._safetensors_io import DTYPE_CODES
 
 __all__ = [
@@ -241,24 +243,6 @@ def _describe_non_checkpoint(path: str) -> str:
     return f"{path} is not a shardwise checkpoint: it has no {INDEX_FILE} (contents: {names[:8]})"
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    out = {}
-    for k, v in pairs:
-        if k in out:
-            raise _Duplicate(k)
-        out[k] = v
-    return out
-
-
-class _Duplicate(ValueError):
-    pass
-
-
-def parse_json_strict(text: str | bytes) -> Any:
-    """JSON with duplicate object keys refused (``_Duplicate``, a ValueError, names the key)."""
-    return json.loads(text, object_pairs_hook=_no_duplicates)
-
-
 def _read_regular(file: str, limit: int) -> bytes:
     """The bytes of ``file``, which must be a regular file (not a symlink) of at most ``limit`` bytes."""
     fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -268,14 +252,7 @@ def _read_regular(file: str, limit: int) -> bytes:
             raise CheckpointError(f"{file} is not a regular file")
         if st.st_size > limit:
             raise CheckpointError(f"{file} has {st.st_size} bytes, more than an index can have ({limit})")
-        parts, done = [], 0
-        while done < st.st_size:
-            data = os.read(fd, st.st_size - done)
-            if not data:
-                break
-            parts.append(data)
-            done += len(data)
-        return b"".join(parts)
+        return pread_exact(fd, st.st_size, 0)
     finally:
         os.close(fd)
 
@@ -313,7 +290,7 @@ def read_index(path: str) -> Index:
         raise CheckpointError(f"{file}: cannot read the index ({e.strerror or type(e).__name__})") from None
     try:
         raw = parse_json_strict(text.decode("utf-8"))
-    except _Duplicate as e:
+    except DuplicateKey as e:
         raise CheckpointError(f"{file} is damaged: the key {_short(str(e))} appears twice in one object") from None
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{file} is not valid UTF-8 JSON; the index is damaged") from None

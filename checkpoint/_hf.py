@@ -31,7 +31,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._boxes import Box
-from ._comm import CheckpointError, agree
+from ._comm import agree
+from ._errors import CheckpointError
 from ._flatten import flatten, join_key
 from ._format import Index, SavedBox, TensorEntry
 from ._reader import LoadStats, load_from_index

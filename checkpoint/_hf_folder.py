@@ -38,8 +38,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ._comm import CheckpointError, agree, broadcast_json, collective_device, is_distributed, rank_and_world
+from ._comm import agree, broadcast_json, collective_device, is_distributed, rank_and_world
 from ._commit import check_target, commit, temp_dir_for
+from ._errors import CheckpointError
 from ._format import write_json
 from ._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE
 from ._safetensors_io import StreamingWriter

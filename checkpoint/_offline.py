@@ -40,16 +40,18 @@ from safetensors import safe_open
 from torch.distributed.tensor import Shard
 
 from ._boxes import Box, LocalBox, boxes_for
-from ._commit import commit, is_checkpoint, own_files, remove_temp, temp_dir_for
 from ._checksums import BoxChecksums
-from ._comm import CheckpointError
+from ._commit import commit, is_checkpoint, own_files, remove_temp, temp_dir_for
+from ._errors import CheckpointError
+from ._file_io import data_file_size
 from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, format_index,
-                      index_to_json, parse_json_strict, plain_file_name, read_index, write_json)
+                      index_to_json, plain_file_name, read_index, write_json)
 from ._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE
 from ._hf_folder import (group_shards, index_file_name, model_prefix, read_config, shard_names,
                          write_index)
+from ._json_strict import parse_json_strict
 from ._plan import plan_reads
-from ._safetensors_io import StreamingWriter, data_file_size
+from ._safetensors_io import StreamingWriter
 from ._tiling import distinct_boxes
 from ._verify import verify_checkpoint
 

@@ -7,7 +7,8 @@
    duplicates dropped first); for each of this rank's boxes (``_boxes.local_boxes``) the saved
    boxes that meet it cover it (``_plan.plan_reads``); each data file to be read exists, has
    the size the index records and holds the expected keys, dtypes and shapes; with ``verify``
-   the CRC-32 of each checksum unit in this rank's share matches the index. All problems are
+   the CRC-32 of each checksum unit in this rank's share matches the index (these file checks
+   are ``_load_checks.check_files``). All problems are
    agreed on (``_comm.agree``): if any rank found one, every rank raises before any target
    tensor is written, so a failed load leaves the target untouched.
 2. Read (every rank, no collective): per data file, per item, exactly the overlapping region
@@ -26,7 +27,7 @@ chunks for it (a single-chunk box, or a checkpoint written before chunks existed
 ``verify`` (the default) every unit of the target's tensors is checksummed in step 1 by exactly
 one rank, before any rank writes: one all-gather of the row ranges each rank reads from each
 saved box, then every rank computes the same assignment, each unit to the rank that reads most
-of it anyway ([Note: verification shares] in ``_checksums.py``). What a rank checksums is
+of it anyway ([Note: verification shares] in ``_verify_shares.py``). What a rank checksums is
 then mostly what it loads (step 2 finds those pages in the page cache); the extra reads are the
 parts of chunks that straddle its shard's boundaries, less than one chunk per boundary and
 saved box. ``LoadStats.bytes_verified`` counts the bytes it checksummed. ``verify=False``
@@ -47,21 +48,21 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
 from ._boxes import LocalBox, local_boxes
-from ._checksums import Unit, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of, share_of
-from ._comm import all_gather_json, CheckpointError, agree, rank_and_world
+from ._comm import agree, rank_and_world
 from ._commit import recover_replaced
+from ._errors import CheckpointError
+from ._file_io import adjacent_groups, byte_view, contiguous_run, open_for_ranges, pread_into, preadv_into
 from ._flatten import Leaf, flatten, set_values
 from ._format import Index, SavedBox, TensorEntry, read_index
+from ._load_checks import check_files
 from ._plan import ReadItem, covered_numel, plan_reads, split
+from ._safetensors_io import Header
 from ._tiling import distinct_boxes, tiling_problem
-from ._safetensors_io import (DTYPE_CODES, Header, adjacent_groups, byte_view, contiguous_run, crcs_of_ranges,
-                              data_file_size, open_for_ranges, pread_into, preadv_into, read_header)
+from ._trace import phase
 
 __all__ = ["load", "LoadStats", "load_from_index"]
 
 _log = logging.getLogger("shardwise.checkpoint")
-
-_MAX_PROBLEMS = 20
 
 
 @dataclass(frozen=True)
@@ -148,81 +149,6 @@ def _plan_load(index: Index, leaves: list[Leaf], strict: bool, where: str):
     return reads, problems
 
 
-def _check_headers(index: Index, uses: list[tuple[str, SavedBox]], headers: dict[str, Header | None],
-                   problems: list[str]) -> set[tuple[str, str]]:
-    """Check the data files of ``uses`` (``(tensor key, saved box)``): present, of the recorded
-    size, holding each box's key with the tensor's dtype and the box's shape. Fills ``headers``
-    (file name -> header, None for a file with a problem); returns the boxes (``(file, key)``)
-    found as expected."""
-    checked: set[tuple[str, str]] = set()
-    good: set[tuple[str, str]] = set()
-    for key, box in uses:
-        name = box.file
-        path = os.path.join(index.root, name)
-        if name not in headers:
-            headers[name] = None
-            try:
-                expected = index.files.get(name)
-                try:
-                    size = data_file_size(path, index.follow_links)
-                except CheckpointError as e:
-                    raise CheckpointError(f"{e} (it holds tensor '{key}')") from None
-                if expected is not None and size != expected:
-                    raise CheckpointError(f"data file {path} has {size} bytes but the index records {expected} "
-                                          f"(truncated or replaced; it holds tensor '{key}')")
-                headers[name] = read_header(path, index.follow_links)
-            except CheckpointError as e:
-                problems.append(str(e))
-        header = headers[name]
-        if header is None or (name, box.key) in checked:
-            continue
-        checked.add((name, box.key))
-        e = header.entries.get(box.key)
-        want = DTYPE_CODES[index.tensors[key].dtype]
-        if e is None or e.dtype != want or e.shape != box.box.sizes:
-            problems.append(f"data file {path} does not hold key '{box.key}' as {want} {list(box.box.sizes)} "
-                            f"(tensor '{key}'); the file does not belong to this index")
-        else:
-            good.add((name, box.key))
-    return good
-
-
-def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | None], good: set[tuple[str, str]],
-                 problems: list[str]) -> int:
-    """Check the CRC-32 of every unit of ``share`` whose box passed `_check_headers` (is in
-    ``good``); returns the bytes checksummed. Each data file is opened once; consecutive
-    chunks of one box, and runs of chunks that follow one another in the file, are read as one
-    range (4 MiB at a time)."""
-    by_file: dict[str, list[list[Unit]]] = defaultdict(list)
-    for run in contiguous_runs(u for u in share if (u.saved.file, u.saved.key) in good):
-        by_file[run[0].saved.file].append(run)
-    verified = 0
-    for name, runs in sorted(by_file.items()):
-        header = headers[name]
-        path = os.path.join(index.root, name)
-        fd = open_for_ranges(path, index.follow_links)
-        try:
-            spans = []
-            for run in runs:
-                first, last = run[0], run[-1]
-                start = header.data_start + header.entries[first.saved.key].begin
-                # a run starts at a chunk boundary, so its first chunk is full-sized (only a
-                # box's last chunk can be shorter): first.nbytes is the run's chunk size
-                spans.append((start + first.lo * first.row_bytes, start + last.hi * first.row_bytes, first.nbytes))
-            for run, crc in zip(runs, crcs_of_ranges(fd, spans, path)):
-                verified += crc.total
-                for u, got in zip(run, crc.chunks()):
-                    if got != u.crc32:
-                        problems.append(f"checksum mismatch in data file {path}, key '{u.saved.key}' (tensor "
-                                        f"'{u.tensor}', {u.where()}): the file is corrupted; restore it or load "
-                                        "another checkpoint")
-        except CheckpointError as e:
-            problems.append(str(e))
-        finally:
-            os.close(fd)
-    return verified
-
-
 def _read(index: Index, reads: list[_Read], headers: dict[str, Header | None],
           max_read_bytes: int) -> tuple[int, int]:
     """Step 2 of [Note: the steps of a load]; returns (bytes read, files opened).
@@ -288,50 +214,26 @@ def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: b
     reads, leaves, problems, verified = [], [], [], 0
     headers: dict[str, Header | None] = {}
     error: BaseException | None = None
-    try:
-        leaves = flatten(state)
-        with torch.no_grad():
-            reads, problems = _plan_load(index, leaves, strict, where)
-    except Exception as e:
-        error = e
-    share: list[Unit] = []
-    if verify:  # every rank takes part, even one whose planning failed (no hang)
-        mine: dict = {"keys": "0", "needs": []}
+    with phase("load/plan"):
         try:
-            if error is None:
-                ids = box_ids(index)
-                keys = [leaf.key for leaf in leaves if isinstance(leaf.value, torch.Tensor)
-                        and leaf.key in index.tensors]
-                mine = {"keys": keys_to_mask(index, keys),
-                        "needs": needs_of(((r.saved.file, r.saved.key, r.item.src, r.local.element_size())
-                                           for r in reads), ids)}
+            leaves = flatten(state)
+            with torch.no_grad():
+                reads, problems = _plan_load(index, leaves, strict, where)
         except Exception as e:
             error = e
-        gathered = all_gather_json(mine)
-    try:
-        if verify and error is None:
-            # every rank loads its own tensors; the units are those of every tensor any rank
-            # loads, numbered the same way everywhere, so each is checked by exactly one rank
-            share = share_of(index, mask_to_keys(index, [g["keys"] for g in gathered]), ids,
-                             [g["needs"] for g in gathered], *rank_and_world())
-        if error is None:
-            good = _check_headers(index, [(r.key, r.saved) for r in reads] + [(u.tensor, u.saved) for u in share],
-                                  headers, problems)
-            verified = _check_share(index, share, headers, good, problems)
-    except Exception as e:
-        error = e
-    if problems and error is None:
-        more = len(problems) - _MAX_PROBLEMS
-        shown = problems[:_MAX_PROBLEMS] + ([f"... and {more} more problems"] if more > 0 else [])
-        error = "\n    ".join(shown) + "\n  The target was not modified."
-    agree(error, what)
-    read_bytes, files = 0, 0
-    try:
-        read_bytes, files = _read(index, reads, headers, max_read_bytes)
-        set_values(leaves, index.values)
-    except Exception as e:
-        error = e
-    agree(error, what)
+    with phase("load/verify"):  # sizes and headers always; checksums of this rank's share with verify
+        keys = [leaf.key for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors]
+        planned = [(r.key, r.saved, r.item.src, r.local.element_size()) for r in reads]
+        verified, error = check_files(index, keys, planned, verify, headers, problems, error)
+        agree(error, what)
+    with phase("load/read"):  # straight into the targets where it can (see _read)
+        read_bytes, files = 0, 0
+        try:
+            read_bytes, files = _read(index, reads, headers, max_read_bytes)
+            set_values(leaves, index.values)
+        except Exception as e:
+            error = e
+        agree(error, what)
     needed = sum(r.item.dst.numel * r.local.element_size() for r in reads)
     ntensors = sum(1 for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors)
     return LoadStats(ntensors, needed, read_bytes, verified, files)
@@ -366,7 +268,8 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
             error = e
     agree(error, f"loading checkpoint {path}")  # also: no rank reads before rank 0 has restored
     try:
-        index = read_index(path)
+        with phase("load/index"):
+            index = read_index(path)
         if verify:
             unchecked = [k for k, t in index.tensors.items()
                          if any(b.crc32 is None and b.chunk_crc32 is None for b in t.boxes)]

@@ -37,8 +37,9 @@ import re
 import socket
 
 from ._commit import _index_of, delete_own_files, fsync_dir, recover_replaced, remove_temp, temp_dir_for
-from ._comm import CheckpointError
-from ._format import parse_json_strict, write_json
+from ._errors import CheckpointError
+from ._format import write_json
+from ._json_strict import parse_json_strict
 
 __all__ = ["RECORD_FILE", "default_series", "begin_save", "finish_save", "abort_save"]
 

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._comm import CheckpointError, broadcast_json, rank_and_world
+from ._comm import broadcast_json, rank_and_world
+from ._errors import CheckpointError
 from ._flatten import to_json_value
 from ._full_state import gather_full, scatter_full
 

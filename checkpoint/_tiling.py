@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from ._boxes import Box
 
-__all__ = ["tiling_problem", "distinct_boxes"]
+__all__ = ["tiling_problem", "distinct_boxes", "saved_tiling_problem"]
 
 
 def distinct_boxes(boxes: Sequence[Box]) -> list[int]:
@@ -74,3 +74,9 @@ def tiling_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     if have != total:
         return f"the boxes hold {have} of the tensor's {total} elements (a hole of {total - have})"
     return None
+
+
+def saved_tiling_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
+    """`tiling_problem` of a tensor's saved ``boxes`` with exact duplicates left out
+    (`distinct_boxes`): what ``load``, ``verify`` and ``inspect`` check of an index."""
+    return tiling_problem(shape, [boxes[i] for i in distinct_boxes(boxes)])

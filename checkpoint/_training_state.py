@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._comm import CheckpointError, all_gather_json, collective_device, is_distributed, rank_and_world
+from ._comm import all_gather_json, collective_device, is_distributed, rank_and_world
+from ._errors import CheckpointError
 from ._format import read_index
 from ._reader import load
 from ._state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,

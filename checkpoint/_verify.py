@@ -26,12 +26,23 @@ import os
 from dataclasses import dataclass
 
 from ._checksums import box_rows, combine_chunks
-from ._comm import CheckpointError
+from ._errors import CheckpointError
+from ._file_io import crcs_of_range, data_file_size, open_for_ranges
 from ._format import SavedBox, read_index
-from ._safetensors_io import DTYPE_CODES, Header, crcs_of_range, data_file_size, open_for_ranges, read_header
-from ._tiling import distinct_boxes, tiling_problem
+from ._safetensors_io import DTYPE_CODES, Header, read_header
+from ._tiling import saved_tiling_problem
 
-__all__ = ["VerifyReport", "verify_checkpoint"]
+__all__ = ["VerifyReport", "data_file_size_problem", "verify_checkpoint"]
+
+
+def data_file_size_problem(file: str, expected: int | None) -> str | None:
+    """None when the data file ``file`` (of a shardwise checkpoint: a regular file, not a
+    symbolic link) has ``expected`` bytes (None: any), else the sentence saying it has not;
+    a `CheckpointError` when it is missing or not a regular file."""
+    size = data_file_size(file, follow=False)
+    if expected is not None and size != expected:
+        return f"data file {file} has {size} bytes, the index records {expected} (truncated?)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -76,19 +87,19 @@ def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
         if name not in index.files:
             problems.append(f"data file {file} is used by boxes but not listed in the index")
         try:
-            size = data_file_size(file, follow=False)
+            size_problem = data_file_size_problem(file, expected)
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        if expected is not None and size != expected:
-            problems.append(f"data file {file} has {size} bytes, the index records {expected} (truncated?)")
+        if size_problem:
+            problems.append(size_problem)
         try:
             headers[name] = read_header(file, follow=False)
         except CheckpointError as e:
             problems.append(str(e))
     nboxes = checked = 0
     for key, t in index.tensors.items():
-        gap = tiling_problem(t.shape, [t.boxes[i].box for i in distinct_boxes([b.box for b in t.boxes])])
+        gap = saved_tiling_problem(t.shape, [b.box for b in t.boxes])
         if gap:
             problems.append(f"{os.path.join(path, 'index.json')}: tensor '{key}': {gap}")
         for b in t.boxes:

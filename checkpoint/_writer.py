@@ -39,12 +39,14 @@ from torch.distributed.tensor import DTensor
 
 from ._boxes import Box, local_boxes, layout_of
 from ._checksums import crcs_from_hex, crcs_to_hex
-from ._comm import CheckpointError, agree, broadcast_json, gather_json, rank_and_world
+from ._comm import agree, broadcast_json, gather_json, rank_and_world
+from ._errors import CheckpointError
 from ._commit import check_target, commit, remove_temp, temp_dir_for
 from ._series import abort_save, begin_save, default_series, finish_save
 from ._flatten import flatten, to_json_value
 from ._owners import assign_writers
 from ._tiling import tiling_problem
+from ._trace import phase
 from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, dtype_name, format_index,
                       index_to_json, write_json)
 from ._safetensors_io import DTYPE_CODES, StreamingWriter
@@ -204,7 +206,8 @@ class SaveHandle:
 
     def _write(self) -> None:
         try:
-            self._report = _write_file(self._plan, self._tmp, rank_and_world()[0])
+            with phase("save/write"):
+                self._report = _write_file(self._plan, self._tmp, rank_and_world()[0])
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
@@ -250,6 +253,15 @@ class SaveHandle:
         atexit.unregister(self._at_exit)
         if self._thread is not None:
             self._thread.join()
+        with phase("save/commit"):
+            out = self._commit()
+        for line in out["said"]:
+            _log.info("%s", line)
+        return out["said"]
+
+    def _commit(self) -> dict:
+        """The commit of `wait` (step 5 of [Note: the steps of a save]); returns rank 0's
+        ``{"error", "said"}`` after raising it on every rank if it is an error."""
         rank, world = rank_and_world()
         where = f"saving checkpoint {self.path}"
         try:
@@ -282,9 +294,7 @@ class SaveHandle:
         out = broadcast_json(out, src=0)
         if out["error"] is not None:
             raise CheckpointError(f"{where} failed on rank 0: {out['error']}")
-        for line in out["said"]:
-            _log.info("%s", line)
-        return out["said"]
+        return out
 
     def _abort(self) -> None:
         remove_temp(self._tmp)
@@ -294,22 +304,9 @@ class SaveHandle:
             pass  # the record keeps it pending; the next save of the series cleans it up
 
 
-def _start(state: dict, path: str, keep_last: int | None, background: bool, series: str | None) -> SaveHandle:
-    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-    path = os.path.abspath(os.fspath(path))
-    series = default_series(path) if series is None else series
-    if not isinstance(series, str) or not series:
-        raise ValueError(f"series must be a non-empty str, got {series!r}")
-    rank, _ = rank_and_world()
-    plan, error = None, None
-    try:
-        plan = _plan(state, rank)
-        plan.path = path
-    except Exception as e:
-        error = e
-    agree(error, f"saving checkpoint {path}")
-    _keep_own_pieces(plan, rank)
+def _prepare(path: str, series: str, rank: int) -> dict:
+    """Step 2 of [Note: the steps of a save] (collective): rank 0 checks the target, cleans up
+    the series and creates the temporary directory; every rank gets ``{"token", "said"}``."""
     setup = {"token": secrets.token_hex(4), "error": None, "said": []}
     if rank == 0:
         try:
@@ -321,12 +318,36 @@ def _start(state: dict, path: str, keep_last: int | None, background: bool, seri
     setup = broadcast_json(setup, src=0)
     if setup["error"] is not None:
         raise CheckpointError(f"saving checkpoint {path} failed on rank 0: {setup['error']}")
+    return setup
+
+
+def _start(state: dict, path: str, keep_last: int | None, background: bool, series: str | None) -> SaveHandle:
+    if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+        raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+    path = os.path.abspath(os.fspath(path))
+    series = default_series(path) if series is None else series
+    if not isinstance(series, str) or not series:
+        raise ValueError(f"series must be a non-empty str, got {series!r}")
+    rank, _ = rank_and_world()
+    plan, error = None, None
+    with phase("save/plan"):
+        try:
+            plan = _plan(state, rank)
+            plan.path = path
+        except Exception as e:
+            error = e
+        agree(error, f"saving checkpoint {path}")
+    with phase("save/owners"):
+        _keep_own_pieces(plan, rank)
+    with phase("save/prepare"):
+        setup = _prepare(path, series, rank)
     snapshot_error = None
     if background:
-        try:
-            _snapshot(plan)
-        except Exception as e:  # e.g. out of CPU memory on this rank: every rank learns it in wait()
-            snapshot_error = e
+        with phase("save/snapshot"):
+            try:
+                _snapshot(plan)
+            except Exception as e:  # e.g. out of CPU memory on this rank: every rank learns it in wait()
+                snapshot_error = e
     return SaveHandle(path, plan, temp_dir_for(path, setup["token"]), setup["token"], keep_last, background,
                       snapshot_error, series, setup["said"])
 

@@ -1,6 +1,6 @@
 """Checksum chunks: per-chunk CRC-32s in the index, and a resharded verify load that checksums
-little more than each rank loads (see [Note: checksum chunks] and [Note: verification shares]
-in ``checkpoint/_checksums.py``).
+little more than each rank loads (see [Note: checksum chunks] in
+``checkpoint/_checksums.py`` and [Note: verification shares] in ``checkpoint/_verify_shares.py``).
 
 Test tensors are small, so the rank functions install a tiny `ChunkRule` first (ranks are
 fresh processes, so this never leaks into other tests); single-process tests use monkeypatch.
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardwise.checkpoint import CheckpointError, load, main, reshard_checkpoint, save, verify_checkpoint
-from shardwise.checkpoint import _checksums, _reader
+from shardwise.checkpoint import _checksums, _load_checks, _reader, _verify_shares
 from shardwise.checkpoint._checksums import ChunkedCrc, ChunkRule, chunk_bounds, crc32_combine
 from shardwise.checkpoint._format import format_index, index_to_json, read_index
 from shardwise.checkpoint._safetensors_io import StreamingWriter, read_header, tensor_bytes
@@ -61,7 +61,7 @@ def _save4(rank, world_size, path):
 def _load_recording(rank, world_size, path):
     """Load into ``world_size`` ranks with verify, recording the byte ranges this rank checksums."""
     calls, gathers = [], []
-    real_read, real_gather = _reader.crcs_of_ranges, _reader.all_gather_json
+    real_read, real_gather = _load_checks.crcs_of_ranges, _load_checks.all_gather_json
 
     def spy(fd, spans, file):
         calls.extend((os.path.basename(file), begin, end) for begin, end, _ in spans)
@@ -71,7 +71,7 @@ def _load_recording(rank, world_size, path):
         gathers.append(len(json.dumps(obj)))
         return real_gather(obj)
 
-    _reader.crcs_of_ranges, _reader.all_gather_json = spy, gather
+    _load_checks.crcs_of_ranges, _load_checks.all_gather_json = spy, gather
     state = _state(world_size, zeros=True)
     before = full(state)
     try:
@@ -466,7 +466,7 @@ def test_owned_chunks_give_each_chunk_to_one_rank_that_reads_most_of_it(rows, si
             readers.append((r, lo, hi, per_row))
     owners: dict[int, list[int]] = {}
     for rank in range(world):
-        for p, q in _checksums.owned_chunks(readers, rows, size, salt, rank, world):
+        for p, q in _verify_shares.owned_chunks(readers, rows, size, salt, rank, world):
             for i in range(p, q):
                 owners.setdefault(i, []).append(rank)
     assert sorted(owners) == list(range(len(chunk_bounds(rows, size)))), owners

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from shardwise.checkpoint import CheckpointError, load, save
 from shardwise.checkpoint import _safetensors_io as sio
-from shardwise.checkpoint._safetensors_io import crcs_of_range, crcs_of_ranges, open_for_ranges, preadv_into
+from shardwise.checkpoint._file_io import crcs_of_range, crcs_of_ranges, open_for_ranges, preadv_into
 
 
 def _file(tmp_path, data: bytes) -> str:

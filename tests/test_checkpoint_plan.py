@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
-from shardwise.checkpoint._boxes import Box, LocalBox, boxes_for
+from shardwise.checkpoint._boxes import Box, LocalBox, _contiguous_box, boxes_for, chunk_span, strided_positions
 from shardwise.checkpoint._flatten import flatten, join_key
 from shardwise.checkpoint._plan import covered_numel, partition_problem, plan_reads, split
-from shardwise.checkpoint._safetensors_io import contiguous_run
+from shardwise.checkpoint._file_io import contiguous_run
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 
@@ -114,6 +114,49 @@ def test_boxes_of_placements_tile_the_tensor_once_and_match_torch(shape, mesh_sh
         if all(c == 0 for c, p in zip(coord, plc) if isinstance(p, Replicate)):
             written += [lb.box for lb in boxes]
     assert partition_problem(shape, written) is None, (plc, written)
+
+
+@given(st.integers(0, 40), st.integers(1, 9), st.data())
+@settings(max_examples=200, deadline=None)
+def test_chunk_span_is_torch_chunk(n, parts, data):
+    """Oracle: ``torch.chunk`` of ``arange(n)`` (missing trailing pieces are empty)."""
+    pieces = list(torch.arange(n).chunk(parts)) if n else []
+    i = data.draw(st.integers(0, parts - 1))
+    start, size = chunk_span(n, parts, i)
+    want = pieces[i].tolist() if i < len(pieces) else []
+    assert list(range(start, start + size)) == want, (n, parts, i, want)
+    assert sum(chunk_span(n, parts, j)[1] for j in range(parts)) == n
+
+
+@given(st.integers(0, 40), st.integers(1, 5), st.integers(1, 5), st.data())
+@settings(max_examples=200, deadline=None)
+def test_strided_positions_match_torch_strided_shard(n, split_factor, axis_size, data):
+    """Oracle: torch's own offsets of a ``_StridedShard`` (``ALL`` mode); and every position is held once."""
+    coord = data.draw(st.integers(0, axis_size - 1))
+    size, want = _StridedShard(0, split_factor=split_factor).local_shard_size_and_offset(
+        n, axis_size, coord, _StridedShardOffsetMode.ALL)
+    got = strided_positions(n, split_factor, axis_size, coord)
+    assert got == list(want or []) and len(got) == size, (n, split_factor, axis_size, coord, got, want)
+    every = sorted(i for c in range(axis_size) for i in strided_positions(n, split_factor, axis_size, c))
+    assert every == list(range(n))
+
+
+@given(shapes, st.lists(st.integers(1, 4), min_size=1, max_size=3), st.data())
+@settings(max_examples=150, deadline=None)
+def test_contiguous_box_matches_torch_local_shape_and_offset(shape, mesh_shape, data):
+    """Oracle: torch's ``compute_local_shape_and_global_offset`` for Shard/Replicate placements."""
+    plc = []
+    for _ in mesh_shape:
+        dim = data.draw(st.integers(-1, len(shape) - 1))
+        plc.append(Replicate() if dim < 0 else Shard(dim))
+    coord = [data.draw(st.integers(0, n - 1)) for n in mesh_shape]
+    want_shape, want_offset = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, plc)
+    got = _contiguous_box(shape, mesh_shape, coord, plc)
+    if math.prod(want_shape) == 0:
+        assert got == [], (shape, mesh_shape, coord, plc, got)
+    else:
+        assert got == [LocalBox(Box(tuple(want_offset), tuple(want_shape)), (0,) * len(shape))], (got, want_offset)
+    assert boxes_for(shape, mesh_shape, coord, plc) == got
 
 
 def test_flat_keys_escape_slashes_and_tildes():

