@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._compat import _StridedShard
+from ._compat import is_strided_shard
 from ._mesh_utils import mesh_device
 from ._param_group import ParamGroup
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
@@ -249,7 +249,7 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]):
 def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
     for fqn, p, _ in entries:
         if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or not all(
-                isinstance(x, (Shard, Replicate)) and not isinstance(x, _StridedShard) for x in p.placements)):
+                isinstance(x, (Shard, Replicate)) and not is_strided_shard(x) for x in p.placements)):
             raise ValueError(
                 f"fully_shard({label}): parameter '{fqn}' is a DTensor with placements {tuple(p.placements)} on a "
                 f"{p.device_mesh.ndim}-D mesh; fully_shard composes with tensor parallelism on a 1-D 'tp' mesh "

@@ -27,9 +27,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from ._compat import TorchDispatchMode, storage_key, tree_flatten
 from ._layout import gather_rows, scatter_rows
 from ._mesh_utils import all_gather_single
 from ._state import get_state
@@ -84,7 +83,7 @@ class _Placeholders:
     def __init__(self, groups) -> None:
         self.groups = groups
         self.full = {}  # id(ShardedParam) -> placeholder
-        self.owner = {}  # storage _cdata -> (group, ShardedParam)
+        self.owner = {}  # storage_key -> (group, ShardedParam)
         self.touched: set[int] = set()
         self.ever_active: set[int] = set()
         self.current = None
@@ -94,7 +93,7 @@ class _Placeholders:
                                  requires_grad=p.requires_grad)
                 t.data.untyped_storage().resize_(0)
                 self.full[id(p)] = t
-                self.owner[t.untyped_storage()._cdata] = (g, p)
+                self.owner[storage_key(t)] = (g, p)
                 for module, name in p.uses:
                     module._parameters[name] = t
 
@@ -148,7 +147,7 @@ class _TouchMode(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs or {}))
         for t in flat:
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                key = t.untyped_storage()._cdata
+                key = storage_key(t)
                 if key in self.ph.owner:
                     self.ph.touch(key)
                 elif key in self.buffers:
@@ -176,7 +175,7 @@ def materialize(model: nn.Module, init_fn=None) -> None:
     meta_buffers = _materialize_storage(model)
     groups = _groups(model)
     ph = _Placeholders(groups)
-    buffer_keys = {m._buffers[n].untyped_storage()._cdata: n for m, n in meta_buffers}
+    buffer_keys = {storage_key(m._buffers[n]): n for m, n in meta_buffers}
     mode = _TouchMode(ph, buffer_keys)
     try:
         with torch.no_grad(), mode:

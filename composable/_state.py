@@ -44,10 +44,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-
-from ._compat import run_eagerly
+from ._compat import queue_backward_callback, run_eagerly, tree_flatten, tree_map, tree_unflatten
 
 __all__ = ["FSDPState", "get_state"]
 
@@ -246,7 +243,7 @@ class FSDPState:
         if not root._callback_queued:
             root._callback_queued = True
             root._order = list(root._this_order)
-            Variable._execution_engine.queue_callback(root._final_callback)
+            queue_backward_callback(root._final_callback)
         self._in_backward = True
         if self.group is not None:
             self.group.unshard()
