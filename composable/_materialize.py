@@ -31,19 +31,13 @@ import torch.nn as nn
 from ._compat import TorchDispatchMode, storage_key, tree_flatten
 from ._layout import gather_rows, scatter_rows
 from ._mesh_utils import all_gather_single
-from ._state import get_state
+from ._state import get_state, units_under
 
 __all__ = ["materialize", "broadcast_from_rank0"]
 
 
 def _groups(model: nn.Module):
-    seen, out = set(), []
-    for m in model.modules():
-        s = get_state(m)
-        if s is not None and s.group is not None and id(s.group) not in seen:
-            seen.add(id(s.group))
-            out.append(s.group)
-    return out
+    return [s.group for s in units_under([model]) if s.group is not None]
 
 
 def _refuse_tp(model: nn.Module, what: str) -> None:
