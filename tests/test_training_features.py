@@ -144,8 +144,10 @@ def _frozen_and_mixed_dtypes(rank, world_size):
         m.blocks[0].up.weight.requires_grad_(False)
         m.scale = nn.Parameter(m.scale.detach().double())  # fp64 next to fp32 in the root unit
     _shard(model, mesh)
-    assert model.scale.dtype == torch.float64 and model.head.weight.dtype == torch.float32
-    assert not model.emb.weight.requires_grad and not model.blocks[0].up.weight.requires_grad
+    assert model.scale.dtype == torch.float64 and model.head.weight.dtype == torch.float32, \
+        f"sharding changed dtypes: scale {model.scale.dtype}, head.weight {model.head.weight.dtype}"
+    assert not model.emb.weight.requires_grad and not model.blocks[0].up.weight.requires_grad, \
+        "sharding made frozen parameters trainable"
     loss_err = train_pair(ref, model, rank, world_size)
     assert model.emb.weight.grad is None and model.blocks[0].up.weight.grad is None, "frozen: no grad"
     return loss_err, max_param_error(ref, model)
