@@ -53,12 +53,14 @@ from enum import Enum
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from ._layout import DimZeroLayout, gather_rows, scatter_rows
 from ._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
 from ._sharded_param import ShardedParam
+from ._trace import TraceNames
 
 __all__ = ["ParamGroup", "ShardState"]
 
@@ -100,6 +102,7 @@ class ParamGroup:
 
     def __init__(self, entries, mesh, *, mp: MixedPrecisionPolicy, offload: OffloadPolicy, label: str) -> None:
         self.mesh, self.mp, self.label = mesh, mp, label
+        self.trace = TraceNames.for_unit(label)  # the root renames it by module path at lazy init
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.world = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
@@ -221,12 +224,13 @@ class ParamGroup:
             self._pending = (None, self.sharded_bytes if self.zero_copy else self._all_gather_input())
             self._to(ShardState.GATHERING)
         else:
-            gathered = torch.empty(self.world * self.ag_bytes, dtype=torch.uint8, device=self.compute_device)
-            if self._post_forward is not None:
-                src, group = self._post_forward
-            else:
-                src, group = self._all_gather_input(), self.shard_group
-            work = all_gather_single(gathered, src, group=group, async_op=True)
+            with record_function(self.trace.all_gather):
+                gathered = torch.empty(self.world * self.ag_bytes, dtype=torch.uint8, device=self.compute_device)
+                if self._post_forward is not None:
+                    src, group = self._post_forward
+                else:
+                    src, group = self._all_gather_input(), self.shard_group
+                work = all_gather_single(gathered, src, group=group, async_op=True)
             self._pending = (work, gathered)
             self._to(ShardState.GATHERING)
         if not async_op:
@@ -240,10 +244,11 @@ class ParamGroup:
         work, gathered = self._pending
         self._pending = None
         if work is not None:
-            work.wait()
+            with record_function(self.trace.all_gather_wait):
+                work.wait()
         self._post_forward = None
         rows = gathered.view(self.world, self.ag_bytes)
-        with torch.no_grad():
+        with torch.no_grad(), record_function(self.trace.copy_out):
             for i, p in enumerate(self.params):
                 if not p.alias:
                     gather_rows(p.layout, self._ag_block(rows, i), p.alloc_unsharded())

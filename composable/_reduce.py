@@ -28,6 +28,7 @@ from enum import Enum
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ._layout import scatter_rows
 from ._mesh_utils import reduce_scatter_single
@@ -112,7 +113,8 @@ class PendingReduce:
                 _store(g, b, out)
                 b.partial_over_replicas = True
             elif not b.partial_over_replicas:
-                self.work = dist.all_reduce(out, group=g.replicate_group, async_op=True)
+                with record_function(g.trace.all_reduce):
+                    self.work = dist.all_reduce(out, group=g.replicate_group, async_op=True)
                 self._to(ReduceStage.ALL_REDUCE)
                 return False
             else:  # last micro-batch: add it, then all-reduce the accumulated shards once
@@ -133,7 +135,7 @@ def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
     bucket, async) and free them; frozen parameters never have one."""
     W = g.world
     pending = []
-    with torch.no_grad():
+    with torch.no_grad(), record_function(g.trace.reduce_scatter):
         for b in g.buckets:
             send = torch.empty(W * b.numel, dtype=b.dtype, device=g.compute_device)
             rows = send.view(W, b.numel)
@@ -162,6 +164,7 @@ def _store(g, b: Bucket, out: torch.Tensor) -> None:
 def _all_reduce_sharded_grads(g, b: Bucket) -> None:
     locals_ = [p.sharded.grad.to_local() for p in b.params]
     flat = torch.cat([t.reshape(-1).to(b.dtype) for t in locals_]).to(g.compute_device)
-    dist.all_reduce(flat, group=g.replicate_group)
+    with record_function(g.trace.all_reduce):
+        dist.all_reduce(flat, group=g.replicate_group)
     for t, chunk in zip(locals_, flat.split([t.numel() for t in locals_])):
         t.copy_(chunk.view_as(t))

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from ._compat import run_eagerly, tree_flatten, tree_map, tree_unflatten
 from ._root import DEFAULT_UNSHARD_LIMIT, RootContext
+from ._trace import TraceNames, unit_name
 
 __all__ = ["FSDPState", "TrainingState", "get_state", "units_under"]
 
@@ -171,8 +172,14 @@ class FSDPState:
                 f"set_unshard_limit was called on {len(limits)} unit(s) that are not the root (the root is the "
                 "module whose forward runs first, usually the whole model); call it on the root")
         ctx = RootContext(self, states, self.requested_unshard_limit or DEFAULT_UNSHARD_LIMIT)
+        paths: dict[int, str] = {}
+        for top in self.modules:
+            for path, m in top.named_modules():
+                paths.setdefault(id(m), path)
         for s in states:
             s.ctx = ctx
+            if s.group is not None:
+                s.group.trace = TraceNames.for_unit(unit_name(s.modules, paths))
         if self.user_reshard_after_forward is None:
             self.reshard_after_forward = False
         for s in states:
