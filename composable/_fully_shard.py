@@ -218,9 +218,8 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]):
             fqn = prefix + name
             owner = getattr(p, _OWNER_ATTR, None)
             if owner is not None:
-                where = owner
                 raise ValueError(
-                    f"fully_shard: parameter '{fqn}' is shared with {where}, which is already sharded. A parameter "
+                    f"fully_shard: parameter '{fqn}' is shared with {owner}, which is already sharded. A parameter "
                     "shared between two units (e.g. an embedding tied to the output head) would be all-gathered and "
                     "reduced twice and go stale. Put every module that uses it in one unit: call fully_shard on "
                     "their common ancestor (often the root) instead of on the submodule, or pass both modules "
@@ -338,7 +337,7 @@ def fully_shard(
     _check_params(entries, mesh, label)
     _move_buffers(modules, mesh, mp_policy.buffer_dtype)
     group = ParamGroup(entries, mesh, mp=mp_policy, offload=offload_policy, label=label) if entries else None
-    state = FSDPState(modules, group, mesh, reshard_after_forward, mp_policy)
+    FSDPState(modules, group, mesh, reshard_after_forward, mp_policy)  # registers itself on the modules
     if group is not None:
         for (fqn, p, _), sp in zip(entries, group.params):
             sp.owner = f"'{fqn}' of the unit fully_shard({label})"

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._compat import TorchDispatchMode, storage_key, tree_flatten
-from ._layout import gather_rows, scatter_rows
+from ._layout import byte_columns, gather_rows, scatter_rows
 from ._mesh_utils import all_gather_single
 from ._state import get_state, units_under
 
@@ -110,8 +110,7 @@ class _Placeholders:
             all_gather_single(rows, g.sharded_bytes, group=g.shard_group)
             rows = rows.view(g.world, g.master_bytes)
             for p, o in zip(g.params, g.master_offsets):
-                block = rows[:, o : o + p.layout.padded_numel * p.orig_dtype.itemsize].view(p.orig_dtype)
-                gather_rows(p.layout, block, self.full[id(p)].data)
+                gather_rows(p.layout, byte_columns(rows, o, p.layout, p.orig_dtype), self.full[id(p)].data)
         self.ever_active.add(id(g))
         self.current = g
 
@@ -221,8 +220,7 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
                     if tuple(full.shape) != p.layout.shape:
                         raise ValueError(f"broadcast_from_rank0: '{fqn}' has shape {tuple(full.shape)}, "
                                          f"the model expects {p.layout.shape}")
-                    block = send[:, o : o + p.layout.padded_numel * p.orig_dtype.itemsize].view(p.orig_dtype)
-                    scatter_rows(p.layout, full, block, 0, g.world)
+                    scatter_rows(p.layout, full, byte_columns(send, o, p.layout, p.orig_dtype), 0, g.world)
                 send = list(send.unbind(0))
             dist.scatter(g.sharded_bytes, send, src=src_rank, group=g.shard_group)
         if g.replicate_group is not None:

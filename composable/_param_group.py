@@ -55,7 +55,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from ._layout import DimZeroLayout, gather_rows, scatter_rows
+from ._layout import DimZeroLayout, byte_columns, gather_rows, scatter_rows
 from ._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
@@ -202,8 +202,8 @@ class ParamGroup:
                 p.register(unsharded=False)
 
     def _ag_block(self, rows: torch.Tensor, i: int) -> torch.Tensor:
-        p, o = self.params[i], self.ag_offsets[i]
-        return rows[:, o : o + p.layout.padded_numel * p.compute_dtype.itemsize].view(p.compute_dtype)
+        p = self.params[i]
+        return byte_columns(rows, self.ag_offsets[i], p.layout, p.compute_dtype)
 
     # -- unshard ---------------------------------------------------------------------------
     def _all_gather_input(self) -> torch.Tensor:
