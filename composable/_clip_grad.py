@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ._compat import _StridedShard  # FSDP x TP dim-0 layout
+from ._compat import foreach_mul_, foreach_norm, is_strided_shard
 
 __all__ = ["clip_grad_norm_"]
 
@@ -46,7 +46,7 @@ def _local_grads(parameters: list[torch.Tensor]) -> list[tuple[torch.Tensor, tup
         if any(pl.is_partial() for pl in g.placements):
             g = g.redistribute(mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
         axes = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements)
-                     if (pl.is_shard() or isinstance(pl, _StridedShard)) and mesh.size(i) > 1)
+                     if (pl.is_shard() or is_strided_shard(pl)) and mesh.size(i) > 1)
         out.append((g.to_local().detach(), axes))
     return out
 
@@ -67,7 +67,7 @@ def _norms(tensors: list[torch.Tensor], p: float, foreach: bool | None) -> list[
     for i in todo:
         by_kind.setdefault((tensors[i].device, tensors[i].dtype), []).append(i)
     for idx in by_kind.values():
-        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], p)):
+        for i, n in zip(idx, foreach_norm([tensors[i] for i in idx], p)):
             norms[i] = n.to(wide[i])
     return norms
 
@@ -106,7 +106,7 @@ def clip_grad_norm_(
         norm_type: ``p`` of the p-norm: a positive float, or ``inf`` for the max-abs norm.
         error_if_nonfinite: raise ``RuntimeError`` if the norm is nan or inf (on every rank,
             since the norm is global); otherwise clipping with a nonfinite norm makes nans.
-        foreach: use the fused ``torch._foreach_*`` kernels; None: on accelerators only.
+        foreach: use the fused multi-tensor (foreach) kernels; None: on accelerators only.
         pp_mesh: under pipeline parallelism, the ``pp`` mesh (``shardwise.mesh.pipeline_mesh``)
             or its process group: each rank holds only its stages' gradients, so the per-rank
             sums (max for ``inf``) are also reduced over it, giving the norm over all stages.
@@ -170,7 +170,7 @@ def _scale_(parameters, coef: torch.Tensor, foreach: bool | None) -> None:
     for (device, dtype), tensors in by_device.items():
         c = coef.to(device=device, dtype=dtype)
         if foreach or (foreach is None and device.type not in ("cpu", "meta")):
-            torch._foreach_mul_(tensors, c)
+            foreach_mul_(tensors, c)
         else:
             for t in tensors:
                 t.mul_(c)

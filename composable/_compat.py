@@ -9,13 +9,84 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.autograd import Variable
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["set_local_tensor", "root_mesh", "run_eagerly", "_StridedShard"]
+__all__ = [
+    "set_local_tensor",
+    "root_mesh",
+    "run_eagerly",
+    "strided_shard",
+    "is_strided_shard",
+    "queue_backward_callback",
+    "storage_key",
+    "foreach_norm",
+    "foreach_mul_",
+    "TorchDispatchMode",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
+]
 
-# ``_StridedShard(dim, split_factor=s)``: the placement of a mesh axis that shards ``dim`` *within*
-# each of ``s`` chunks made by a later axis (FSDP over a TP-sharded dim 0). Relied on: its
-# constructor, ``isinstance`` checks, and ``full_tensor()`` / redistribute honouring it.
+# ``TorchDispatchMode`` (``torch.utils._python_dispatch``): a context manager whose
+# ``__torch_dispatch__`` sees every aten op run under it; ``materialize`` uses it to see which
+# placeholder storage the user's init code touches. Relied on: subclassing it, entering it with
+# ``with``, and ``func(*args, **kwargs)`` running the op.
+#
+# ``tree_flatten`` / ``tree_unflatten`` / ``tree_map`` (``torch.utils._pytree``): flattening the
+# nested args / kwargs / outputs of a forward to find their tensors. Relied on: flatten returning
+# ``(leaves, spec)`` with tensors as leaves, unflatten rebuilding the same structure.
+
+
+def strided_shard(dim: int, split_factor: int):
+    """The placement of a mesh axis that shards ``dim`` *within* each of ``split_factor``
+    chunks made by a later axis (FSDP over a tensor-parallel dim 0).
+
+    Relies on: ``_StridedShard(dim, split_factor=s)``, and ``full_tensor()`` / redistribute
+    honouring it."""
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_strided_shard(placement) -> bool:
+    """Whether ``placement`` is a strided shard (see :func:`strided_shard`).
+
+    Relies on: strided placements being instances of ``_StridedShard``."""
+    return isinstance(placement, _StridedShard)
+
+
+def queue_backward_callback(fn) -> None:
+    """Run ``fn()`` once the current ``backward()`` has finished (call it during backward).
+
+    Relies on: ``Variable._execution_engine.queue_callback`` (torch's FSDP2 ends its backward the
+    same way)."""
+    Variable._execution_engine.queue_callback(fn)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An int naming the storage ``t`` views: equal for every view of one storage, different
+    for distinct live storages, stable while the storage is resized (to 0 and back).
+
+    Relies on: ``UntypedStorage._cdata`` (the address of the C++ storage object). The public
+    ``data_ptr()`` is not enough: every storage resized to 0 bytes has data pointer 0."""
+    return t.untyped_storage()._cdata
+
+
+def foreach_norm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
+    """Per-tensor ``p``-norms of same-device, same-dtype tensors, fused.
+
+    Relies on: ``torch._foreach_norm``. The public ``torch.nn.utils.get_total_norm`` returns
+    only the norm of all tensors together; ``clip_grad_norm_`` needs one per tensor to reduce
+    each over its own mesh axes."""
+    return torch._foreach_norm(tensors, p)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """``t.mul_(scalar)`` for every tensor (same device and dtype), fused.
+
+    Relies on: ``torch._foreach_mul_`` with a 0-d tensor scalar."""
+    torch._foreach_mul_(tensors, scalar)
 
 
 def set_local_tensor(param: DTensor, local: torch.Tensor) -> None:

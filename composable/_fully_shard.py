@@ -10,11 +10,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._compat import _StridedShard
+from ._compat import is_strided_shard
 from ._mesh_utils import mesh_device
 from ._param_group import ParamGroup
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
-from ._state import FSDPState, get_state
+from ._state import FSDPState, TrainingState, get_state, units_under
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -44,15 +44,7 @@ class FSDPModule:
         return get_state(self)
 
     def _units(self, recurse: bool):
-        if not recurse:
-            return [self._fsdp_state()]
-        seen, out = set(), []
-        for m in self.modules():
-            s = get_state(m)
-            if s is not None and id(s) not in seen:
-                seen.add(id(s))
-                out.append(s)
-        return out
+        return units_under([self]) if recurse else [self._fsdp_state()]
 
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module._apply`` (``to_empty``, ``.to(dtype / device)``, ``.float()``, ...) with
@@ -103,11 +95,12 @@ class FSDPModule:
         if not isinstance(limit, int) or limit < 1:
             raise ValueError(f"set_unshard_limit: limit must be an int >= 1, got {limit!r}")
         state = self._fsdp_state()
-        if state.root is not None and state.root is not state:
+        if state.ctx is not None and not state.is_root:
             raise ValueError(f"set_unshard_limit: {type(self).__name__} is not the root unit (the module whose "
                              "forward runs first, usually the whole model); call it on the root")
-        state.unshard_limit = limit
-        state._unshard_limit_set = True
+        state.requested_unshard_limit = limit
+        if state.ctx is not None:
+            state.ctx.unshard_limit = limit
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for s in self._units(recurse):
@@ -120,8 +113,8 @@ class FSDPModule:
         for s in self._units(recurse):
             value = _check_reshard_after_forward(reshard_after_forward, s.mesh)
             s.user_reshard_after_forward = value
-            s.reshard_after_forward = (s.root is not s if s.root is not None else True) if value is None else value
-            if s.root is not None:  # lazy init done: it will not look at this again
+            s.reshard_after_forward = (not s.is_root if s.ctx is not None else True) if value is None else value
+            if s.ctx is not None:  # lazy init done: it will not look at this again
                 s._setup_post_forward_group()
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
@@ -137,7 +130,7 @@ def _reshard_for_update(state: FSDPState, what: str) -> None:
     g = state.group
     if g is None or not (g.is_unsharded or g.unshard_pending):
         return
-    if state._in_backward:
+    if state.training is TrainingState.BACKWARD:
         raise RuntimeError(f"fully_shard({g.label}): {what} during backward; call it between steps")
     g.reshard()
 
@@ -225,9 +218,8 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]):
             fqn = prefix + name
             owner = getattr(p, _OWNER_ATTR, None)
             if owner is not None:
-                where = owner
                 raise ValueError(
-                    f"fully_shard: parameter '{fqn}' is shared with {where}, which is already sharded. A parameter "
+                    f"fully_shard: parameter '{fqn}' is shared with {owner}, which is already sharded. A parameter "
                     "shared between two units (e.g. an embedding tied to the output head) would be all-gathered and "
                     "reduced twice and go stale. Put every module that uses it in one unit: call fully_shard on "
                     "their common ancestor (often the root) instead of on the submodule, or pass both modules "
@@ -249,7 +241,7 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]):
 def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
     for fqn, p, _ in entries:
         if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or not all(
-                isinstance(x, (Shard, Replicate)) and not isinstance(x, _StridedShard) for x in p.placements)):
+                isinstance(x, (Shard, Replicate)) and not is_strided_shard(x) for x in p.placements)):
             raise ValueError(
                 f"fully_shard({label}): parameter '{fqn}' is a DTensor with placements {tuple(p.placements)} on a "
                 f"{p.device_mesh.ndim}-D mesh; fully_shard composes with tensor parallelism on a 1-D 'tp' mesh "
@@ -345,7 +337,7 @@ def fully_shard(
     _check_params(entries, mesh, label)
     _move_buffers(modules, mesh, mp_policy.buffer_dtype)
     group = ParamGroup(entries, mesh, mp=mp_policy, offload=offload_policy, label=label) if entries else None
-    state = FSDPState(modules, group, mesh, reshard_after_forward, mp_policy)
+    FSDPState(modules, group, mesh, reshard_after_forward, mp_policy)  # registers itself on the modules
     if group is not None:
         for (fqn, p, _), sp in zip(entries, group.params):
             sp.owner = f"'{fqn}' of the unit fully_shard({label})"

@@ -23,7 +23,32 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["DimZeroLayout"]
+__all__ = ["DimZeroLayout", "chunk_rows", "chunk_range", "chunk_sizes", "byte_columns"]
+
+
+def chunk_rows(n: int, parts: int) -> int:
+    """``c = ceil(n / parts)``: the length of every non-trailing ``torch.chunk`` piece."""
+    return -(-n // parts)
+
+
+def chunk_range(n: int, parts: int, rank: int) -> tuple[int, int]:
+    """``[start, stop)`` of piece ``rank`` when ``n`` rows are split into ``parts`` with
+    ``torch.chunk`` semantics (empty, at ``n``, for trailing ranks past the end)."""
+    c = chunk_rows(n, parts)
+    return min(rank * c, n), min((rank + 1) * c, n)
+
+
+def chunk_sizes(n: int, parts: int) -> list[int]:
+    """Lengths of ``torch.chunk(range(n), parts)`` padded with zeros to ``parts`` entries."""
+    return [stop - start for start, stop in (chunk_range(n, parts, r) for r in range(parts))]
+
+
+def byte_columns(rows, offset: int, layout: "DimZeroLayout", dtype):
+    """One tensor's column block of a rank-major ``[W, B]`` byte matrix, viewed as ``dtype``:
+    bytes ``[offset, offset + padded_numel * itemsize)`` of every row, i.e. a ``[W, padded_numel]``
+    view whose row ``r`` is rank ``r``'s padded shard. See [Note: flat buffers] in
+    ``_param_group.py``."""
+    return rows[:, offset : offset + layout.padded_numel * dtype.itemsize].view(dtype)
 
 
 @dataclass(frozen=True)
@@ -54,17 +79,18 @@ class DimZeroLayout:
     @property
     def chunk_rows(self) -> int:
         """``c = ceil(n / W)``: the rows of every non-trailing shard, padding included."""
-        return -(-self.rows // self.world)
+        return chunk_rows(self.rows, self.world)
 
     @property
     def padded_numel(self) -> int:
         return self.chunk_rows * self.row_numel
 
     def shard_start(self, rank: int) -> int:
-        return min(rank * self.chunk_rows, self.rows)
+        return chunk_range(self.rows, self.world, rank)[0]
 
     def shard_rows(self, rank: int) -> int:
-        return max(0, min(self.chunk_rows, self.rows - rank * self.chunk_rows))
+        start, stop = chunk_range(self.rows, self.world, rank)
+        return stop - start
 
     def shard_shape(self, rank: int) -> tuple[int, ...]:
         return (self.shard_rows(rank), *self.shape[1:])

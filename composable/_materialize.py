@@ -27,24 +27,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from ._layout import gather_rows, scatter_rows
+from ._compat import TorchDispatchMode, storage_key, tree_flatten
+from ._layout import byte_columns, gather_rows, scatter_rows
 from ._mesh_utils import all_gather_single
-from ._state import get_state
+from ._state import get_state, units_under
 
 __all__ = ["materialize", "broadcast_from_rank0"]
 
 
 def _groups(model: nn.Module):
-    seen, out = set(), []
-    for m in model.modules():
-        s = get_state(m)
-        if s is not None and s.group is not None and id(s.group) not in seen:
-            seen.add(id(s.group))
-            out.append(s.group)
-    return out
+    return [s.group for s in units_under([model]) if s.group is not None]
 
 
 def _refuse_tp(model: nn.Module, what: str) -> None:
@@ -84,7 +77,7 @@ class _Placeholders:
     def __init__(self, groups) -> None:
         self.groups = groups
         self.full = {}  # id(ShardedParam) -> placeholder
-        self.owner = {}  # storage _cdata -> (group, ShardedParam)
+        self.owner = {}  # storage_key -> (group, ShardedParam)
         self.touched: set[int] = set()
         self.ever_active: set[int] = set()
         self.current = None
@@ -94,7 +87,7 @@ class _Placeholders:
                                  requires_grad=p.requires_grad)
                 t.data.untyped_storage().resize_(0)
                 self.full[id(p)] = t
-                self.owner[t.untyped_storage()._cdata] = (g, p)
+                self.owner[storage_key(t)] = (g, p)
                 for module, name in p.uses:
                     module._parameters[name] = t
 
@@ -117,8 +110,7 @@ class _Placeholders:
             all_gather_single(rows, g.sharded_bytes, group=g.shard_group)
             rows = rows.view(g.world, g.master_bytes)
             for p, o in zip(g.params, g.master_offsets):
-                block = rows[:, o : o + p.layout.padded_numel * p.orig_dtype.itemsize].view(p.orig_dtype)
-                gather_rows(p.layout, block, self.full[id(p)].data)
+                gather_rows(p.layout, byte_columns(rows, o, p.layout, p.orig_dtype), self.full[id(p)].data)
         self.ever_active.add(id(g))
         self.current = g
 
@@ -148,7 +140,7 @@ class _TouchMode(TorchDispatchMode):
         flat, _ = tree_flatten((args, kwargs or {}))
         for t in flat:
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
-                key = t.untyped_storage()._cdata
+                key = storage_key(t)
                 if key in self.ph.owner:
                     self.ph.touch(key)
                 elif key in self.buffers:
@@ -176,7 +168,7 @@ def materialize(model: nn.Module, init_fn=None) -> None:
     meta_buffers = _materialize_storage(model)
     groups = _groups(model)
     ph = _Placeholders(groups)
-    buffer_keys = {m._buffers[n].untyped_storage()._cdata: n for m, n in meta_buffers}
+    buffer_keys = {storage_key(m._buffers[n]): n for m, n in meta_buffers}
     mode = _TouchMode(ph, buffer_keys)
     try:
         with torch.no_grad(), mode:
@@ -228,8 +220,7 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
                     if tuple(full.shape) != p.layout.shape:
                         raise ValueError(f"broadcast_from_rank0: '{fqn}' has shape {tuple(full.shape)}, "
                                          f"the model expects {p.layout.shape}")
-                    block = send[:, o : o + p.layout.padded_numel * p.orig_dtype.itemsize].view(p.orig_dtype)
-                    scatter_rows(p.layout, full, block, 0, g.world)
+                    scatter_rows(p.layout, full, byte_columns(send, o, p.layout, p.orig_dtype), 0, g.world)
                 send = list(send.unbind(0))
             dist.scatter(g.sharded_bytes, send, src=src_rank, group=g.shard_group)
         if g.replicate_group is not None:

@@ -49,18 +49,20 @@ pointer comparison each; this never runs during a step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from enum import Enum
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
-from ._layout import DimZeroLayout, gather_rows, scatter_rows
-from ._mesh_utils import all_gather_single, mesh_device, reduce_scatter_single
+from ._layout import DimZeroLayout, byte_columns, gather_rows, scatter_rows
+from ._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._reduce import PendingReduce, make_buckets, reduce_grads
 from ._sharded_param import ShardedParam
+from ._trace import TraceNames
 
-__all__ = ["ParamGroup", "PendingReduce"]
+__all__ = ["ParamGroup", "ShardState"]
 
 def _byte_layout(sizes: list[int], align: int) -> tuple[list[int], int]:
     """Offsets of consecutive segments of ``sizes`` bytes, each starting at a multiple of
@@ -73,27 +75,25 @@ def _byte_layout(sizes: list[int], align: int) -> tuple[list[int], int]:
     return offsets, total
 
 
-@dataclass
-class _Bucket:
-    """Trainable parameters reduced together in one ``dtype`` reduce-scatter."""
+class ShardState(Enum):
+    """Where a unit's parameters are. Transitions (checked):
 
-    dtype: torch.dtype
-    params: list[ShardedParam]
-    offsets: list[int]
-    numel: int
-    partial_over_replicas: bool = False  # holds reduce-scattered but not yet all-reduced sums
+    SHARDED -> GATHERING (``unshard``: all-gather issued) -> UNSHARDED (``wait_unshard``) ->
+    SHARDED or SHARDED_POST_FORWARD (``reshard``); SHARDED_POST_FORWARD -> GATHERING (the
+    cheaper all-gather over the smaller group) or -> SHARDED (the kept rows dropped)."""
+
+    SHARDED = "sharded"
+    SHARDED_POST_FORWARD = "sharded_post_forward"  # sharded, plus 1/k of the rows kept
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
 
 
-@dataclass
-class PendingReduce:
-    """An issued reduce-scatter whose result still has to be averaged and stored."""
-
-    group: "ParamGroup"
-    bucket: _Bucket
-    work: object
-    out: torch.Tensor
-    all_reduce: bool
-    stage: str = "scatter"
+_NEXT = {
+    ShardState.SHARDED: (ShardState.GATHERING,),
+    ShardState.SHARDED_POST_FORWARD: (ShardState.GATHERING, ShardState.SHARDED),
+    ShardState.GATHERING: (ShardState.UNSHARDED,),
+    ShardState.UNSHARDED: (ShardState.SHARDED, ShardState.SHARDED_POST_FORWARD),
+}
 
 
 class ParamGroup:
@@ -102,6 +102,7 @@ class ParamGroup:
 
     def __init__(self, entries, mesh, *, mp: MixedPrecisionPolicy, offload: OffloadPolicy, label: str) -> None:
         self.mesh, self.mp, self.label = mesh, mp, label
+        self.trace = TraceNames.for_unit(label)  # the root renames it by module path at lazy init
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.world = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
@@ -126,10 +127,23 @@ class ParamGroup:
             ShardedParam(fqn, p, uses, lay, self._segment(o, lay, d), mesh, self.rank, cd, self.compute_device, alias)
             for (fqn, p, uses), lay, o, d, cd in zip(entries, layouts, self.master_offsets, dtypes, cdtypes)
         ]
-        self.buckets = self._make_buckets()
-        self.is_unsharded = False
-        self._pending = None  # (work, gathered bytes) of an issued all-gather
-        self._post_forward = None  # (bytes, group) kept by reshard(to=...)
+        self.buckets = make_buckets(self.params, mp.reduce_dtype)
+        self.state = ShardState.SHARDED
+        self._pending = None  # (work, gathered bytes) of an issued all-gather (GATHERING)
+        self._post_forward = None  # (bytes, group) kept by reshard(to=...) (SHARDED_POST_FORWARD)
+
+    def _to(self, state: ShardState) -> None:
+        if state not in _NEXT[self.state]:
+            raise AssertionError(f"fully_shard({self.label}): parameters {self.state.name} -> {state.name}")
+        self.state = state
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.state is ShardState.UNSHARDED
+
+    @property
+    def unshard_pending(self) -> bool:
+        return self.state is ShardState.GATHERING
 
     # -- storage ---------------------------------------------------------------------------
     def _plan_bytes(self, layouts, dtypes, cdtypes) -> None:
@@ -164,8 +178,8 @@ class ParamGroup:
             p.alias = alias
             p.adopt(c, self._segment(o, p.layout, p.orig_dtype))
             p.register(unsharded=False)
-        self.buckets = self._make_buckets()
-        self._post_forward = None
+        self.buckets = make_buckets(self.params, self.mp.reduce_dtype)
+        self.drop_post_forward()
 
     def _new_storage(self) -> torch.Tensor:
         t = torch.zeros(self.master_bytes, dtype=torch.uint8, device=self.storage_device)
@@ -187,23 +201,9 @@ class ParamGroup:
             if not self.is_unsharded:
                 p.register(unsharded=False)
 
-    def _make_buckets(self) -> list[_Bucket]:
-        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-        for p in self.params:
-            if p.requires_grad:
-                by_dtype.setdefault(self.mp.reduce_dtype or p.compute_dtype, []).append(p)
-        buckets = []
-        for dtype, params in by_dtype.items():
-            offsets, total = [], 0
-            for p in params:
-                offsets.append(total)
-                total += p.layout.padded_numel
-            buckets.append(_Bucket(dtype, params, offsets, total))
-        return buckets
-
     def _ag_block(self, rows: torch.Tensor, i: int) -> torch.Tensor:
-        p, o = self.params[i], self.ag_offsets[i]
-        return rows[:, o : o + p.layout.padded_numel * p.compute_dtype.itemsize].view(p.compute_dtype)
+        p = self.params[i]
+        return byte_columns(rows, self.ag_offsets[i], p.layout, p.compute_dtype)
 
     # -- unshard ---------------------------------------------------------------------------
     def _all_gather_input(self) -> torch.Tensor:
@@ -217,42 +217,44 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (no-op if unsharded or already issued); wait unless async."""
-        if not self.is_unsharded and self._pending is None and self.world == 1:
+        if self.state is ShardState.GATHERING or self.state is ShardState.UNSHARDED:
+            pass
+        elif self.world == 1:
             # one rank: the "gathered" rows are this rank's own (cast) shards; no collective
             self._pending = (None, self.sharded_bytes if self.zero_copy else self._all_gather_input())
-        if not self.is_unsharded and self._pending is None:
-            gathered = torch.empty(self.world * self.ag_bytes, dtype=torch.uint8, device=self.compute_device)
-            if self._post_forward is not None:
-                src, group = self._post_forward
-            else:
-                src, group = self._all_gather_input(), self.shard_group
-            work = all_gather_single(gathered, src, group=group, async_op=True)
+            self._to(ShardState.GATHERING)
+        else:
+            with record_function(self.trace.all_gather):
+                gathered = torch.empty(self.world * self.ag_bytes, dtype=torch.uint8, device=self.compute_device)
+                if self._post_forward is not None:
+                    src, group = self._post_forward
+                else:
+                    src, group = self._all_gather_input(), self.shard_group
+                work = all_gather_single(gathered, src, group=group, async_op=True)
             self._pending = (work, gathered)
+            self._to(ShardState.GATHERING)
         if not async_op:
             self.wait_unshard()
-
-    @property
-    def unshard_pending(self) -> bool:
-        return self._pending is not None
 
     def wait_unshard(self) -> None:
         """Finish an issued all-gather: copy each parameter out and register the unsharded
         parameters on their modules."""
-        if self._pending is None:
+        if self.state is not ShardState.GATHERING:
             return
         work, gathered = self._pending
         self._pending = None
         if work is not None:
-            work.wait()
+            with record_function(self.trace.all_gather_wait):
+                work.wait()
         self._post_forward = None
         rows = gathered.view(self.world, self.ag_bytes)
-        with torch.no_grad():
+        with torch.no_grad(), record_function(self.trace.copy_out):
             for i, p in enumerate(self.params):
                 if not p.alias:
                     gather_rows(p.layout, self._ag_block(rows, i), p.alloc_unsharded())
         for p in self.params:
             p.register(unsharded=True)
-        self.is_unsharded = True
+        self._to(ShardState.UNSHARDED)
 
     # -- reshard ---------------------------------------------------------------------------
     def reshard(self, to=None) -> None:
@@ -275,10 +277,13 @@ class ParamGroup:
         for p in self.params:
             p.register(unsharded=False)
             p.free_unsharded()
-        self.is_unsharded = False
+        self._to(ShardState.SHARDED if to is None else ShardState.SHARDED_POST_FORWARD)
 
     def drop_post_forward(self) -> None:
+        """Forget the rows ``reshard(to=...)`` kept (the next all-gather is the full one)."""
         self._post_forward = None
+        if self.state is ShardState.SHARDED_POST_FORWARD:
+            self._to(ShardState.SHARDED)
 
     # -- gradients -------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
@@ -286,74 +291,9 @@ class ParamGroup:
 
     def reduce_grads(self, *, all_reduce: bool = True) -> list[PendingReduce]:
         """Issue the reduce-scatter of the unsharded gradients (one per bucket, async) and
-        free them (frozen parameters never have one); ``advance_reduce`` stores the result. ``all_reduce=False`` (HSDP gradient
-        accumulation) skips the replicate all-reduce until a later call asks for it."""
+        free them; ``PendingReduce.advance`` stores the result (see [Note: the reduction
+        pipeline] in ``_reduce.py``). ``all_reduce=False`` (HSDP gradient accumulation) skips
+        the replicate all-reduce until a later call asks for it."""
         if not self.has_unsharded_grads():
             return []
-        W = self.world
-        pending = []
-        with torch.no_grad():
-            for b in self.buckets:
-                send = torch.empty(W * b.numel, dtype=b.dtype, device=self.compute_device)
-                rows = send.view(W, b.numel)
-                for p, o in zip(b.params, b.offsets):
-                    block = rows[:, o : o + p.layout.padded_numel]
-                    g = p.take_unsharded_grad(b.dtype)
-                    if g is None:
-                        block.zero_()
-                    else:
-                        scatter_rows(p.layout, g, block, 0, W)
-                if W == 1:  # nothing to scatter: the sum over one rank is the input
-                    pending.append(PendingReduce(self, b, None, send, all_reduce))
-                    continue
-                out = torch.empty(b.numel, dtype=b.dtype, device=self.compute_device)
-                work = reduce_scatter_single(out, send, group=self.shard_group, async_op=True)
-                pending.append(PendingReduce(self, b, work, out, all_reduce))
-        return pending
-
-    def advance_reduce(self, pr: PendingReduce) -> bool:
-        """Move ``pr`` one stage on; True once its result is stored in the sharded ``.grad``.
-
-        Stage "scatter": wait for the reduce-scatter and average; on a 2-D mesh issue the
-        all-reduce across replicas asynchronously and stay pending (stage "all_reduce"), so it
-        too runs behind the rest of backward. Stage "all_reduce": wait and store."""
-        if pr.work is not None:
-            pr.work.wait()
-            pr.work = None
-        out, b = pr.out, pr.bucket
-        with torch.no_grad():
-            if pr.stage == "all_reduce":
-                self._store(b, out)
-                return True
-            out.div_(self.world * self.replicate_world)
-            if self.replicate_group is None:
-                self._store(b, out)
-            elif not pr.all_reduce:  # HSDP accumulation: keep the replica-partial sum
-                self._store(b, out)
-                b.partial_over_replicas = True
-            elif not b.partial_over_replicas:
-                pr.work = dist.all_reduce(out, group=self.replicate_group, async_op=True)
-                pr.stage = "all_reduce"
-                return False
-            else:  # last micro-batch: add it, then all-reduce the accumulated shards once
-                self._store(b, out)
-                self._all_reduce_sharded_grads(b)
-                b.partial_over_replicas = False
-        return True
-
-    def finish_reduce(self, pr: PendingReduce) -> None:
-        """Run ``pr`` to completion."""
-        while not self.advance_reduce(pr):
-            pass
-
-    def _store(self, b: _Bucket, out: torch.Tensor) -> None:
-        for p, o in zip(b.params, b.offsets):
-            n = p.layout.shard_rows(self.rank) * p.layout.row_numel
-            p.accumulate_sharded_grad(out[o : o + n].view(p.layout.shard_shape(self.rank)))
-
-    def _all_reduce_sharded_grads(self, b: _Bucket) -> None:
-        locals_ = [p.sharded.grad.to_local() for p in b.params]
-        flat = torch.cat([t.reshape(-1).to(b.dtype) for t in locals_]).to(self.compute_device)
-        dist.all_reduce(flat, group=self.replicate_group)
-        for t, chunk in zip(locals_, flat.split([t.numel() for t in locals_])):
-            t.copy_(chunk.view_as(t))
+        return reduce_grads(self, all_reduce=all_reduce)

@@ -28,10 +28,6 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
     buffer_dtype: torch.dtype | None = None
 
-    @property
-    def is_noop(self) -> bool:
-        return (self.param_dtype, self.reduce_dtype, self.output_dtype, self.buffer_dtype) == (None,) * 4
-
 
 @dataclass(frozen=True)
 class OffloadPolicy:

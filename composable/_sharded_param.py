@@ -27,7 +27,7 @@ the data-parallel axes, so the layout arithmetic (``layout``) is on the TP-local
 collectives run within each data-parallel group, whose members hold TP pieces of the same
 shape. The sharded parameter is a DTensor on the combined ``(dp..., tp)`` mesh: if TP split
 dim 0 too (colwise weights), the dim-0 pieces are "TP chunk first, then dp chunk within it",
-which DTensor spells ``_StridedShard(0, split_factor=tp)`` on the dp axis; otherwise the dp
+which DTensor spells as a strided shard (``_compat.strided_shard(0, tp)``) on the dp axis; otherwise the dp
 axis is a plain ``Shard(0)``. ``full_tensor()`` therefore gives the global tensor. The
 unsharded parameter is again a DTensor on the ``tp`` mesh, as the TP module code expects; its
 gradient is redistributed to the parameter's TP placement (the TP all-reduce of a
@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._compat import _StridedShard, root_mesh, set_local_tensor
+from ._compat import root_mesh, set_local_tensor, strided_shard
 from ._layout import DimZeroLayout, scatter_rows
 from ._mesh_utils import same_mesh
 
@@ -91,7 +91,7 @@ class ShardedParam:
         if isinstance(param, DTensor):  # see [Note: sharding a tensor-parallel parameter]
             self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)
             if self.tp_placements[0] == Shard(0):
-                dp = dp[:-1] + (_StridedShard(0, split_factor=self.tp_mesh.size()),)
+                dp = dp[:-1] + (strided_shard(0, self.tp_mesh.size()),)
             self.mesh = _combined_mesh(mesh, self.tp_mesh)
             self.placements = dp + self.tp_placements
             self.global_shape = tuple(param.shape)

@@ -42,20 +42,53 @@ is already in backward and neither reshard nor register new backward hooks then.
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from ._compat import run_eagerly
+from ._compat import run_eagerly, tree_flatten, tree_map, tree_unflatten
+from ._root import DEFAULT_UNSHARD_LIMIT, RootContext
+from ._trace import TraceNames, unit_name
 
-__all__ = ["FSDPState", "get_state"]
+__all__ = ["FSDPState", "TrainingState", "get_state", "units_under"]
 
 _STATE_ATTR = "_shardwise_fsdp_state"
 
 
 def get_state(module) -> "FSDPState | None":
     return module.__dict__.get(_STATE_ATTR)
+
+
+def units_under(modules) -> "list[FSDPState]":
+    """The units of ``modules`` and of every module below them, each once, in module order."""
+    seen, out = set(), []
+    for m in modules:
+        for sub in m.modules():
+            s = get_state(sub)
+            if s is not None and id(s) not in seen:
+                seen.add(id(s))
+                out.append(s)
+    return out
+
+
+class TrainingState(Enum):
+    """What a unit is doing. IDLE -> FORWARD (pre-forward) -> IDLE (post-forward) ...
+    -> BACKWARD (first pre-backward) -> IDLE (the root's end-of-backward callback). A forward
+    in BACKWARD is a recomputation (activation checkpointing) and changes nothing."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+_NEXT = {
+    TrainingState.IDLE: (TrainingState.FORWARD, TrainingState.BACKWARD),
+    # FORWARD -> FORWARD: a unit over several modules, or a module run again before its
+    # post-forward (e.g. after an exception); FORWARD -> BACKWARD: backward inside a forward
+    TrainingState.FORWARD: (TrainingState.FORWARD, TrainingState.IDLE, TrainingState.BACKWARD),
+    TrainingState.BACKWARD: (TrainingState.BACKWARD, TrainingState.IDLE),
+}
 
 
 class _PostBackward(torch.autograd.Function):
@@ -78,7 +111,9 @@ def _cast_floats(tree, dtype):
 
 class FSDPState:
     """Hooks and per-step bookkeeping of one unit over ``modules`` (one module, or the list
-    given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters."""
+    given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters.
+    What spans units (the root's) is in ``ctx``, a ``RootContext`` shared by every unit under
+    the root, set at lazy init."""
 
     def __init__(self, modules, group, mesh, reshard_after_forward, mp) -> None:
         self.modules = modules
@@ -92,22 +127,13 @@ class FSDPState:
         self.requires_all_reduce = True
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (execution order)
         self.backward_prefetch: list[FSDPState] | None = None
-        self.is_root: bool | None = None
-        self.root: FSDPState | None = None
-        # root-only bookkeeping
-        self.all_states: list[FSDPState] = []
-        self.unshard_limit = 2
-        self._unshard_limit_set = False
-        self._subgroups: dict[tuple[int, ...], object] = {}  # rank set -> group, for int reshard_after_forward
-        self._order: list[FSDPState] = []  # forward order of the previous step
-        self._this_order: list[FSDPState] = []
-        self._reduces = []  # PendingReduce in flight
-        self._callback_queued = False
+        self.ctx: RootContext | None = None
+        self.requested_unshard_limit: int | None = None  # set_unshard_limit before lazy init
+        self.training = TrainingState.IDLE
         # per-unit, per-step
         self._post_forward_target = None  # (group, k) for an int reshard_after_forward
         self._forward_seen: set[int] = set()
         self._pending_post_backward = 0
-        self._in_backward = False
         self._handles = []
         # [Note: hooks under torch.compile] compiling the module (``torch.compile(block)``,
         # ``block.compile()``) makes dynamo trace ``_call_impl`` and with it these hooks; they
@@ -120,67 +146,71 @@ class FSDPState:
             self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self._handles.append(m.register_forward_hook(post))
 
+    @property
+    def root(self) -> "FSDPState | None":
+        """The root unit (None before lazy init)."""
+        return None if self.ctx is None else self.ctx.root
+
+    @property
+    def is_root(self) -> bool | None:
+        return None if self.ctx is None else self.ctx.root is self
+
+    def _set_training(self, new: TrainingState) -> None:
+        if new not in _NEXT[self.training]:
+            label = self.group.label if self.group is not None else type(self.modules[0]).__name__
+            raise AssertionError(f"fully_shard({label}): training state {self.training.name} -> {new.name}")
+        self.training = new
+
     # -- lazy init ------------------------------------------------------------------------------
     def _lazy_init(self) -> None:
-        if self.is_root is not None:
+        if self.ctx is not None:
             return
-        self.is_root, self.root = True, self
-        seen, states = set(), []
-        for m in self.modules:
-            for sub in m.modules():
-                s = get_state(sub)
-                if s is not None and id(s) not in seen:
-                    seen.add(id(s))
-                    states.append(s)
-        for s in states:
-            if s is not self:
-                s.is_root, s.root, s.all_states = False, self, []
-        self.all_states = states
-        if self.user_reshard_after_forward is None:
-            self.reshard_after_forward = False
-        limits = [s for s in states if s is not self and s._unshard_limit_set]
+        states = units_under(self.modules)
+        limits = [s for s in states if s is not self and s.requested_unshard_limit is not None]
         if limits:
             raise ValueError(
                 f"set_unshard_limit was called on {len(limits)} unit(s) that are not the root (the root is the "
                 "module whose forward runs first, usually the whole model); call it on the root")
+        ctx = RootContext(self, states, self.requested_unshard_limit or DEFAULT_UNSHARD_LIMIT)
+        paths: dict[int, str] = {}
+        for top in self.modules:
+            for path, m in top.named_modules():
+                paths.setdefault(id(m), path)
+        for s in states:
+            s.ctx = ctx
+            if s.group is not None:
+                s.group.trace = TraceNames.for_unit(unit_name(s.modules, paths))
+        if self.user_reshard_after_forward is None:
+            self.reshard_after_forward = False
         for s in states:
             s._setup_post_forward_group()
 
     def _setup_post_forward_group(self) -> None:
         """The subgroup an int ``reshard_after_forward`` reshards onto (none for a bool).
         Called at lazy init and by ``set_reshard_after_forward`` after it (setters take effect
-        whenever they are called); subgroups are made once per rank set, kept on the root."""
+        whenever they are called); subgroups are made once per rank set, kept by the root."""
         k = self.reshard_after_forward
         self._post_forward_target = None
         if self.group is None or isinstance(k, bool):
             return
-        cache = self.root._subgroups
         g = self.group
         shard_ranks = dist.get_process_group_ranks(g.shard_group)
         start = (g.rank // k) * k
-        ranks = tuple(shard_ranks[start : start + k])
-        if ranks not in cache:
-            cache[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-        self._post_forward_target = (cache[ranks], k)
+        self._post_forward_target = (self.ctx.subgroup(tuple(shard_ranks[start : start + k])), k)
 
     # -- prefetch (see [Note: the unshard limit]) -------------------------------------------------
     def _prefetch(self, states) -> None:
-        root = self.root
+        ctx = self.ctx
         for s in states:
             g = s.group
             if g is None or g.is_unsharded or g.unshard_pending:
                 continue
-            busy = sum(
-                1 for t in root.all_states
-                if t.group is not None and t.reshard_after_forward is not False
-                and (t.group.is_unsharded or t.group.unshard_pending)
-            )
-            if s.reshard_after_forward is not False and busy >= root.unshard_limit:
+            if s.reshard_after_forward is not False and ctx.busy_units() >= ctx.unshard_limit:
                 continue
             g.unshard(async_op=True)
 
     def _neighbour(self, step: int):
-        order = self.root._order
+        order = self.ctx.order
         if self not in order:
             return []
         i = order.index(self) + step
@@ -188,18 +218,19 @@ class FSDPState:
 
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
-        if self.root is None:
+        if self.ctx is None:
             self._lazy_init()
-        root = self.root
-        if self._in_backward:  # recomputation under activation checkpointing
+        ctx = self.ctx
+        if self.training is TrainingState.BACKWARD:  # recomputation under activation checkpointing
             return args, kwargs
-        if self is root and not self._forward_seen:
-            root._this_order = []
-            if not root._callback_queued:  # a new step: forget forwards that saw no backward
-                for s in root.all_states:
+        self._set_training(TrainingState.FORWARD)
+        if self is ctx.root and not self._forward_seen:
+            ctx.this_order = []
+            if not ctx.callback_queued:  # a new step: forget forwards that saw no backward
+                for s in ctx.states:
                     s._pending_post_backward = 0
-        if self not in root._this_order:
-            root._this_order.append(self)
+        if self not in ctx.this_order:
+            ctx.this_order.append(self)
         self._forward_seen.add(id(module))
         if self.group is not None:
             self.group.unshard()
@@ -211,15 +242,16 @@ class FSDPState:
         return args, kwargs
 
     def _post_forward(self, module, args, output):
-        if self._in_backward:
+        if self.training is TrainingState.BACKWARD:
             return output
         if self.group is not None and len(self._forward_seen) == len(self.modules):
             if not torch.is_grad_enabled() or self.reshard_after_forward is True:
                 self.group.reshard()
             elif self._post_forward_target is not None:
                 self.group.reshard(to=self._post_forward_target)
-        if len(self._forward_seen) == len(self.modules):
+        if len(self._forward_seen) == len(self.modules):  # the last of its modules is done
             self._forward_seen.clear()
+            self._set_training(TrainingState.IDLE)
         if self.mp.output_dtype is not None:
             output = _cast_floats(output, self.mp.output_dtype)
         if torch.is_grad_enabled():
@@ -242,12 +274,8 @@ class FSDPState:
 
     # -- backward ---------------------------------------------------------------------------------
     def _pre_backward(self, grad):
-        root = self.root if self.root is not None else self
-        if not root._callback_queued:
-            root._callback_queued = True
-            root._order = list(root._this_order)
-            Variable._execution_engine.queue_callback(root._final_callback)
-        self._in_backward = True
+        self.ctx.start_backward()
+        self._set_training(TrainingState.BACKWARD)
         if self.group is not None:
             self.group.unshard()
         self._prefetch(self.backward_prefetch if self.backward_prefetch is not None else self._neighbour(-1))
@@ -266,33 +294,18 @@ class FSDPState:
     def _reduce(self) -> None:
         if self.group is None or not self.requires_gradient_sync:
             return
-        root = self.root
         issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce)
         if issued:
-            # move the earlier units' reductions one stage on (reduce-scatter -> replica
-            # all-reduce -> stored) and keep the new ones in flight behind the computation
-            earlier, root._reduces = root._reduces, []
-            for pr in earlier:
-                if not pr.group.advance_reduce(pr):
-                    root._reduces.append(pr)
-            root._reduces.extend(issued)
+            self.ctx.keep_in_flight(issued)
 
-    def _final_callback(self) -> None:
-        for s in reversed(self.all_states):
-            if s.group is not None and s.group.has_unsharded_grads():
-                if s.reshard_after_backward:
-                    s.group.reshard()  # as in _post_backward_fired: parameters go first
-                s._reduce()
-        while self._reduces:
-            pr = self._reduces.pop(0)
-            pr.group.finish_reduce(pr)
-        for s in self.all_states:
-            s._pending_post_backward = 0
-            s._forward_seen.clear()
-            s._in_backward = False
-            if s.group is not None:
-                s.group.wait_unshard()
-                if s.reshard_after_backward:
-                    s.group.reshard()
-                s.group.drop_post_forward()
-        self._callback_queued = False
+    def _end_step(self) -> None:
+        """Called by the root's end-of-backward callback on every unit: resharded (unless
+        ``reshard_after_backward=False``), per-step state reset."""
+        self._pending_post_backward = 0
+        self._forward_seen.clear()
+        self.training = TrainingState.IDLE  # from any state: the step is over
+        if self.group is not None:
+            self.group.wait_unshard()
+            if self.reshard_after_backward:
+                self.group.reshard()
+            self.group.drop_post_forward()

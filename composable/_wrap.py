@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from einops import rearrange
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -217,9 +218,9 @@ def _no_shard_mesh(mesh: DeviceMesh, dp: int) -> DeviceMesh:
             "init_mesh(...) mesh, or build the (D, 1) mesh yourself, e.g. "
             "init_device_mesh(device, (D, 1), mesh_dim_names=('dp_replicate', 'dp_shard')).")
     if mesh.ndim == 3:
-        names = mesh.mesh_dim_names
-        tp = mesh.mesh.permute(names.index("dp_replicate"), names.index("dp_shard"), names.index("tp"))
-        full = DeviceMesh(mesh.device_type, tp.reshape(dp, 1, -1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        # every data-parallel rank onto the replicate axis, a shard axis of 1, tp unchanged
+        ranks = rearrange(mesh.mesh, f"{' '.join(mesh.mesh_dim_names)} -> (dp_replicate dp_shard) 1 tp")
+        full = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         return full["dp_replicate", "dp_shard"]
     return DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
 

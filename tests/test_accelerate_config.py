@@ -140,7 +140,7 @@ def _apply_settings(rank, world_size):
     out["offload"] = [s.group.offload for s in states]
     out["fwd"] = [len(s.forward_prefetch or ()) for s in states]
     out["bwd"] = [s.backward_prefetch for s in states]
-    out["limit"] = model._fsdp_state().unshard_limit
+    out["limit"] = model._fsdp_state().ctx.unshard_limit
     # the same by hand: fully_shard with the policies
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     ref = _llama()

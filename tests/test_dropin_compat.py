@@ -6,7 +6,21 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from shardwise.composable._compat import root_mesh, run_eagerly, set_local_tensor
+from shardwise.composable._compat import (
+    TorchDispatchMode,
+    foreach_mul_,
+    foreach_norm,
+    is_strided_shard,
+    queue_backward_callback,
+    root_mesh,
+    run_eagerly,
+    set_local_tensor,
+    storage_key,
+    strided_shard,
+    tree_flatten,
+    tree_map,
+    tree_unflatten,
+)
 from tests._dist import run_ranks
 from tests._models import make_mesh
 
@@ -44,3 +58,91 @@ def test_run_eagerly_is_not_traced():
     assert eager(torch.ones(1)).item() == 2 and seen == [False]
     out = torch.compile(f, backend="eager")(torch.ones(2))
     assert torch.equal(out, torch.full((2,), 9.0)) and seen == [False, False], seen
+
+
+def _strided(rank, world):
+    # FSDP (axis "dp") over a TP-sharded dim 0 (axis "tp"): rows are "tp chunk first, then dp
+    # chunk within it". full_tensor() must reassemble the global tensor from such pieces.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = torch.arange(8.0 * 3).view(8, 3)
+    dp, tp = mesh.get_coordinate()
+    local = full[tp * 4 : tp * 4 + 4][dp * 2 : dp * 2 + 2]
+    placement = strided_shard(0, 2)
+    d = DTensor.from_local(local, mesh, [placement, Shard(0)], run_check=False)
+    return (is_strided_shard(placement), is_strided_shard(Shard(0)), torch.equal(d.full_tensor(), full))
+
+
+def test_strided_shard_places_rows_within_the_later_axis_chunks():
+    for got in run_ranks(_strided, 4):
+        assert got == (True, False, True), f"strided_shard placement / full_tensor changed: {got}"
+
+
+def test_queue_backward_callback_runs_after_backward():
+    events = []
+    x = torch.ones(3, requires_grad=True)
+
+    def hook(g):
+        events.append("hook")
+        queue_backward_callback(lambda: events.append(("callback", x.grad is not None)))
+        return g
+
+    y = (x * 2)
+    y.register_hook(hook)
+    y.sum().backward()
+    # the callback runs once, after every gradient of this backward is accumulated
+    assert events == ["hook", ("callback", True)], events
+
+
+def test_storage_key_names_one_storage_through_views_and_resizes():
+    a = torch.zeros(4, 3)
+    b = torch.zeros(4, 3)
+    view = a[1:].t()
+    assert storage_key(a) == storage_key(view), "views of one storage must share a key"
+    assert storage_key(a) != storage_key(b), "distinct storages must have distinct keys"
+    key = storage_key(a)
+    a.untyped_storage().resize_(0)
+    c = torch.empty(0)
+    c.untyped_storage().resize_(0)
+    # both now have data pointer 0 (why data_ptr() is not enough), the keys still differ
+    assert a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr() == 0
+    assert storage_key(a) == key != storage_key(c), "a resized storage must keep its key"
+    a.untyped_storage().resize_(4 * 3 * 4)
+    assert storage_key(a) == key
+
+
+def test_foreach_norm_and_mul_match_per_tensor_ops():
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(5, generator=g), torch.randn(2, 3, generator=g), torch.randn(1, generator=g)]
+    for p in (1.0, 2.0, 3.0, float("inf")):
+        got = foreach_norm(ts, p)
+        want = [torch.linalg.vector_norm(t, p) for t in ts]
+        assert all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(got, want)), (p, got, want)
+    before = [t.clone() for t in ts]
+    foreach_mul_(ts, torch.tensor(0.5))
+    assert all(torch.equal(t, b * 0.5) for t, b in zip(ts, before)), "foreach_mul_ must scale in place"
+
+
+def test_dispatch_mode_sees_ops_and_pytree_round_trips():
+    seen = []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat, _ = tree_flatten((args, kwargs or {}))
+            seen.extend(storage_key(t) for t in flat if isinstance(t, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    w = torch.empty(3)
+    with torch.no_grad(), Mode():
+        w.normal_()
+        torch.nn.init.zeros_(w)
+    assert storage_key(w) in seen and torch.equal(w, torch.zeros(3)), seen
+
+    tree = ((torch.ones(2), 3), {"k": [torch.zeros(1)]})
+    leaves, spec = tree_flatten(tree)
+    assert [type(x) for x in leaves] == [torch.Tensor, int, torch.Tensor], leaves
+    back = tree_unflatten([x * 2 if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    assert torch.equal(back[0][0], torch.full((2,), 2.0)) and back[0][1] == 3 and back[1]["k"][0].shape == (1,)
+    doubled = tree_map(lambda x: x + 1 if isinstance(x, torch.Tensor) else x, tree)
+    assert torch.equal(doubled[1]["k"][0], torch.ones(1)) and doubled[0][1] == 3

@@ -105,7 +105,8 @@ def _sequence(rank, world, kinds, impl):
     out = []
     for i, kind in enumerate(kinds):
         ref, model, dp_size, dp_rank = _build(kind, world, impl, seed=i)
-        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert all(isinstance(p, DTensor) for p in model.parameters()), \
+            f"{kind}: plain parameters left after sharding: {[n for n, p in model.named_parameters() if not isinstance(p, DTensor)]}"
         out.append(_train(ref, model, dp_size, dp_rank))
     return out
 

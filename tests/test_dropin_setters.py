@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from shardwise.composable import fully_shard
 from shardwise.composable._state import get_state
+from shardwise.composable._param_group import ShardState
 from tests._dist import run_ranks
 from tests._models import Net, batches, loss_fn, make_mesh
 
@@ -56,7 +57,7 @@ class RafInt(Scenario):
 
     def install(self, model, rec):
         def probe(mod, args, out):
-            rec.append(all(_g(b)._post_forward is not None and not _g(b).is_unsharded for b in model.blocks))
+            rec.append(all(_g(b).state is ShardState.SHARDED_POST_FORWARD for b in model.blocks))
         return [model.head.register_forward_hook(probe)]
 
 

@@ -104,7 +104,9 @@ def test_failing_rank_reports_its_traceback_fast() -> None:
     assert "_fail_on_rank_2" in message
     assert list(info.value.errors) == [2]  # the others stay blocked in barrier
     assert "ranks [0, 1, 3] were still running and were killed" in message
-    assert elapsed < 10.0, f"others were not killed promptly: {elapsed:.1f}s"
+    # structural: well under the 30 s timeout, i.e. the failure ended the run, not the timeout
+    # (generous for 2 shared cores)
+    assert elapsed < 20.0, f"others were not killed promptly: {elapsed:.1f}s"
 
 
 @pytest.mark.parametrize("body", [_sleep_on_rank_1, _collective_only_on_rank_0])
@@ -121,7 +123,8 @@ def test_hung_rank_fails_within_timeout(body) -> None:
     assert body.__name__ in message  # from the ranks' stack dumps
     if body is _collective_only_on_rank_0:
         assert "in all_reduce" in message
-    assert elapsed < timeout + 3.0, f"took {elapsed:.1f}s"
+    # the run ends at the timeout plus stack dumps and kills, not never (generous: shared cores)
+    assert elapsed < timeout + 15.0, f"took {elapsed:.1f}s"
 
 
 def test_crashed_rank_is_reported() -> None:
@@ -157,7 +160,7 @@ def test_overhead_of_four_ranks() -> None:
         times.append(time.monotonic() - start)
     print(f"\nrun_ranks overhead, 4 ranks (min/median/max of 5): "
           f"{min(times):.3f}/{sorted(times)[2]:.3f}/{max(times):.3f} s")
-    assert sorted(times)[2] < 5.0
+    assert sorted(times)[2] < 15.0, "run_ranks overhead grew by an order of magnitude"
 
 
 def _return_tensor(rank: int, world_size: int):

@@ -4,7 +4,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.composable._layout import DimZeroLayout, gather_rows, scatter_rows
+from shardwise.composable._layout import (
+    DimZeroLayout,
+    byte_columns,
+    chunk_range,
+    chunk_sizes,
+    gather_rows,
+    scatter_rows,
+)
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple)
 worlds = st.integers(1, 8)
@@ -68,3 +75,24 @@ def test_zero_dim_tensor_is_rejected():
 
     with pytest.raises(ValueError, match="0-d"):
         DimZeroLayout((), 2)
+
+
+@given(st.integers(0, 40), worlds)
+def test_chunk_range_and_sizes_are_torch_chunk(n, parts):
+    # the one torch.chunk arithmetic shared by fully_shard's layout and the TP layouts
+    pieces = torch.arange(n).chunk(parts) if n else ()
+    for r in range(parts):
+        start, stop = chunk_range(n, parts, r)
+        want = pieces[r].tolist() if r < len(pieces) else []
+        assert list(range(start, stop)) == want, (n, parts, r, start, stop)
+    assert chunk_sizes(n, parts) == [len(p) for p in pieces] + [0] * (parts - len(pieces))
+
+
+def test_byte_columns_is_one_tensors_block_of_every_rank_row():
+    lay = DimZeroLayout((3, 2), 2)  # 2 rows of 2 per rank, padded: 4 elements
+    rows = torch.zeros(2, 8 + 16, dtype=torch.uint8)  # 8 bytes of another tensor, then this one
+    block = byte_columns(rows, 8, lay, torch.float32)
+    assert block.shape == (2, 4) and block.dtype == torch.float32
+    block.copy_(torch.arange(8.0).view(2, 4))
+    assert torch.equal(rows[:, 8:24].view(torch.float32), torch.arange(8.0).view(2, 4))
+    assert not rows[:, :8].any(), "bytes before the offset untouched"

@@ -227,8 +227,9 @@ def _moe_parity(rank, world_size, n_experts):
     model = parallelize_module(copy.deepcopy(ref), tp_mesh(world_size),
                                {"up": ColwiseParallel(output_layouts=Replicate()), "moe": ModuleParallel()},
                                registry=registry)
-    assert placements_of(model)["moe.w_in"] == (Shard(0),)
-    assert model.moe.w_in.to_local().shape[0] == len(range(n_experts)[slice(*local_shard_range(model.moe.w_in, 0))])
+    assert placements_of(model)["moe.w_in"] == (Shard(0),), f"moe.w_in placements {placements_of(model)['moe.w_in']}"
+    want = len(range(n_experts)[slice(*local_shard_range(model.moe.w_in, 0))])
+    assert model.moe.w_in.to_local().shape[0] == want, f"rank {rank}: {model.moe.w_in.to_local().shape[0]} experts, want {want}"
     return compare_training(ref, model, _batches(3, (2, 5, 6), (2, 5, 6)), _mse)
 
 

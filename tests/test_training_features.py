@@ -144,8 +144,10 @@ def _frozen_and_mixed_dtypes(rank, world_size):
         m.blocks[0].up.weight.requires_grad_(False)
         m.scale = nn.Parameter(m.scale.detach().double())  # fp64 next to fp32 in the root unit
     _shard(model, mesh)
-    assert model.scale.dtype == torch.float64 and model.head.weight.dtype == torch.float32
-    assert not model.emb.weight.requires_grad and not model.blocks[0].up.weight.requires_grad
+    assert model.scale.dtype == torch.float64 and model.head.weight.dtype == torch.float32, \
+        f"sharding changed dtypes: scale {model.scale.dtype}, head.weight {model.head.weight.dtype}"
+    assert not model.emb.weight.requires_grad and not model.blocks[0].up.weight.requires_grad, \
+        "sharding made frozen parameters trainable"
     loss_err = train_pair(ref, model, rank, world_size)
     assert model.emb.weight.grad is None and model.blocks[0].up.weight.grad is None, "frozen: no grad"
     return loss_err, max_param_error(ref, model)
@@ -263,7 +265,7 @@ def _forward_without_backward(rank, world_size):
 
     fired_early, in_final = [], []
     root, block = get_state(model), get_state(model.blocks[1])
-    real_reduce, real_final = block._reduce, root._final_callback
+    real_reduce, real_final = block._reduce, root.ctx.final_callback
 
     def reduce():
         fired_early.append(not in_final)
@@ -273,7 +275,7 @@ def _forward_without_backward(rank, world_size):
         in_final.append(1)
         return real_final()
 
-    block._reduce, root._final_callback = reduce, final
+    block._reduce, root.ctx.final_callback = reduce, final
     model(tokens).sum().backward()
     return fired_early
 

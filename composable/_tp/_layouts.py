@@ -25,6 +25,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from .._layout import chunk_range, chunk_sizes
 from .._mesh_utils import all_gather_single, same_mesh
 
 __all__ = [
@@ -64,16 +65,9 @@ def same_layout(a: Placement, b: Placement, ndim: int) -> bool:
     return normalize(a, ndim) == normalize(b, ndim)
 
 
-def chunk_sizes(n: int, parts: int) -> list[int]:
-    """Lengths of ``torch.chunk(range(n), parts)`` padded with zeros to ``parts`` entries."""
-    c = -(-n // parts) if n else 0
-    return [max(0, min(c, n - r * c)) for r in range(parts)]
-
-
 def shard_range(n: int, parts: int, rank: int) -> tuple[int, int]:
     """``[start, stop)`` of the rows of a length-``n`` dimension that ``rank`` holds under ``Shard``."""
-    c = -(-n // parts) if n else 0
-    return min(rank * c, n), min((rank + 1) * c, n)
+    return chunk_range(n, parts, rank)
 
 
 def local_shard_range(tensor: DTensor, dim: int) -> tuple[int, int]:

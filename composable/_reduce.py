@@ -1,0 +1,170 @@
+"""The gradient-reduction pipeline of one unit: reduce-scatter, average, replica all-reduce, store.
+
+[Note: the reduction pipeline]
+After a unit's backward, ``reduce_grads`` writes each unsharded gradient (cast to the reduce
+dtype) into its column block of a rank-major ``[W, S]`` send buffer, one per *bucket* (the
+trainable parameters of one reduce dtype; one bucket in the usual case), frees the unsharded
+gradients and issues one asynchronous reduce-scatter per bucket. Each issued reduction is a
+``PendingReduce`` that moves through explicit stages:
+
+    SCATTER    the reduce-scatter is in flight
+      |          wait, divide by R * W (the data-parallel world: the mean over the global batch)
+      |-> DONE        1-D mesh, or HSDP accumulation (``requires_all_reduce=False``): the sum
+      |               over the shard axis is added to the sharded ``.grad``
+      '-> ALL_REDUCE  2-D mesh: the all-reduce over the replicate axis is issued, in flight
+            |-> DONE  wait, add to the sharded ``.grad``
+
+The root keeps reductions in flight behind the computation: issuing one unit's reductions
+advances the earlier ones a stage, and the end-of-backward callback finishes the rest
+(``_root.py``). After HSDP accumulation the bucket holds replica-partial sums
+(``partial_over_replicas``); the next reduction with the all-reduce adds its own shard-axis sum
+and all-reduces the accumulated sharded gradients once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from ._layout import scatter_rows
+from ._mesh_utils import reduce_scatter_single
+
+__all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads"]
+
+
+class ReduceStage(Enum):
+    SCATTER = "scatter"
+    ALL_REDUCE = "all_reduce"
+    DONE = "done"
+
+
+_NEXT = {
+    ReduceStage.SCATTER: (ReduceStage.ALL_REDUCE, ReduceStage.DONE),
+    ReduceStage.ALL_REDUCE: (ReduceStage.DONE,),
+    ReduceStage.DONE: (),
+}
+
+
+@dataclass
+class Bucket:
+    """Trainable parameters reduced together in one ``dtype`` reduce-scatter; parameter ``i``
+    is elements ``[offsets[i], offsets[i] + padded_numel_i)`` of each rank's row."""
+
+    dtype: torch.dtype
+    params: list
+    offsets: list[int]
+    numel: int
+    partial_over_replicas: bool = False  # holds reduce-scattered but not yet all-reduced sums
+
+
+def make_buckets(params, reduce_dtype: torch.dtype | None) -> list[Bucket]:
+    """One bucket per reduce dtype (``reduce_dtype``, else each parameter's compute dtype) over
+    the parameters that require grad, in parameter order."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for p in params:
+        if p.requires_grad:
+            by_dtype.setdefault(reduce_dtype or p.compute_dtype, []).append(p)
+    buckets = []
+    for dtype, ps in by_dtype.items():
+        offsets, total = [], 0
+        for p in ps:
+            offsets.append(total)
+            total += p.layout.padded_numel
+        buckets.append(Bucket(dtype, ps, offsets, total))
+    return buckets
+
+
+@dataclass
+class PendingReduce:
+    """One bucket's issued reduction of one unit (``group``, a ``ParamGroup``); see
+    [Note: the reduction pipeline]. ``work`` is the collective in flight (None: none)."""
+
+    group: object
+    bucket: Bucket
+    work: object
+    out: torch.Tensor
+    all_reduce: bool
+    stage: ReduceStage = field(default=ReduceStage.SCATTER)
+
+    def _to(self, stage: ReduceStage) -> None:
+        if stage not in _NEXT[self.stage]:
+            raise AssertionError(f"fully_shard({self.group.label}): reduction stage {self.stage.name} -> {stage.name}")
+        self.stage = stage
+
+    def advance(self) -> bool:
+        """Move one stage on; True once the result is stored in the sharded ``.grad`` (DONE)."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        g, out, b = self.group, self.out, self.bucket
+        with torch.no_grad():
+            if self.stage is ReduceStage.ALL_REDUCE:
+                _store(g, b, out)
+                self._to(ReduceStage.DONE)
+                return True
+            out.div_(g.world * g.replicate_world)
+            if g.replicate_group is None:
+                _store(g, b, out)
+            elif not self.all_reduce:  # HSDP accumulation: keep the replica-partial sum
+                _store(g, b, out)
+                b.partial_over_replicas = True
+            elif not b.partial_over_replicas:
+                with record_function(g.trace.all_reduce):
+                    self.work = dist.all_reduce(out, group=g.replicate_group, async_op=True)
+                self._to(ReduceStage.ALL_REDUCE)
+                return False
+            else:  # last micro-batch: add it, then all-reduce the accumulated shards once
+                _store(g, b, out)
+                _all_reduce_sharded_grads(g, b)
+                b.partial_over_replicas = False
+        self._to(ReduceStage.DONE)
+        return True
+
+    def finish(self) -> None:
+        """Run to completion."""
+        while not self.advance():
+            pass
+
+
+def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
+    """Issue the reduce-scatter of the unsharded gradients of ``g`` (a ``ParamGroup``; one per
+    bucket, async) and free them; frozen parameters never have one."""
+    W = g.world
+    pending = []
+    with torch.no_grad(), record_function(g.trace.reduce_scatter):
+        for b in g.buckets:
+            send = torch.empty(W * b.numel, dtype=b.dtype, device=g.compute_device)
+            rows = send.view(W, b.numel)
+            for p, o in zip(b.params, b.offsets):
+                block = rows[:, o : o + p.layout.padded_numel]
+                grad = p.take_unsharded_grad(b.dtype)
+                if grad is None:
+                    block.zero_()
+                else:
+                    scatter_rows(p.layout, grad, block, 0, W)
+            if W == 1:  # nothing to scatter: the sum over one rank is the input
+                pending.append(PendingReduce(g, b, None, send, all_reduce))
+                continue
+            out = torch.empty(b.numel, dtype=b.dtype, device=g.compute_device)
+            work = reduce_scatter_single(out, send, group=g.shard_group, async_op=True)
+            pending.append(PendingReduce(g, b, work, out, all_reduce))
+    return pending
+
+
+def _store(g, b: Bucket, out: torch.Tensor) -> None:
+    for p, o in zip(b.params, b.offsets):
+        n = p.layout.shard_rows(g.rank) * p.layout.row_numel
+        p.accumulate_sharded_grad(out[o : o + n].view(p.layout.shard_shape(g.rank)))
+
+
+def _all_reduce_sharded_grads(g, b: Bucket) -> None:
+    locals_ = [p.sharded.grad.to_local() for p in b.params]
+    flat = torch.cat([t.reshape(-1).to(b.dtype) for t in locals_]).to(g.compute_device)
+    with record_function(g.trace.all_reduce):
+        dist.all_reduce(flat, group=g.replicate_group)
+    for t, chunk in zip(locals_, flat.split([t.numel() for t in locals_])):
+        t.copy_(chunk.view_as(t))

@@ -1,0 +1,77 @@
+"""The state only the root unit has: one ``RootContext`` shared by every unit under it.
+
+The root is the first unit whose forward runs (usually the whole model). At its lazy init it
+collects the units under it and gives each one a reference to this context; everything that
+spans units lives here rather than on every ``FSDPState``: the units in forward order, the
+prefetch limit, the reductions in flight, the end-of-backward callback, the subgroups of an
+int ``reshard_after_forward``.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ._compat import queue_backward_callback
+
+__all__ = ["RootContext", "DEFAULT_UNSHARD_LIMIT"]
+
+DEFAULT_UNSHARD_LIMIT = 2  # see [Note: the unshard limit] in _state.py
+
+
+class RootContext:
+    """Bookkeeping of one root and the units under it (``states``, root first)."""
+
+    def __init__(self, root, states: list, unshard_limit: int) -> None:
+        self.root = root
+        self.states = states
+        self.unshard_limit = unshard_limit
+        self.order: list = []  # forward order of the previous step
+        self.this_order: list = []  # forward order of this step so far
+        self.reduces: list = []  # PendingReduce in flight, oldest first
+        self.callback_queued = False  # the end-of-backward callback of this step is queued
+        self._subgroups: dict[tuple[int, ...], object] = {}  # rank set -> group
+
+    def subgroup(self, ranks: tuple[int, ...]):
+        """The process group over ``ranks``, made once (collective over those ranks)."""
+        if ranks not in self._subgroups:
+            self._subgroups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+        return self._subgroups[ranks]
+
+    def busy_units(self) -> int:
+        """Resharding units now unsharded or being all-gathered ([Note: the unshard limit])."""
+        return sum(
+            1 for t in self.states
+            if t.group is not None and t.reshard_after_forward is not False
+            and (t.group.is_unsharded or t.group.unshard_pending)
+        )
+
+    def start_backward(self) -> None:
+        """At the first pre-backward hook of a step: keep this step's forward order for the
+        next step's prefetches and queue the end-of-backward callback (once)."""
+        if not self.callback_queued:
+            self.callback_queued = True
+            self.order = list(self.this_order)
+            queue_backward_callback(self.final_callback)
+
+    def keep_in_flight(self, issued: list) -> None:
+        """Add a unit's newly issued reductions, moving the earlier ones a stage on
+        (reduce-scatter -> replica all-reduce -> stored) so that they run behind the computation."""
+        earlier, self.reduces = self.reduces, []
+        for pr in earlier:
+            if not pr.advance():
+                self.reduces.append(pr)
+        self.reduces.extend(issued)
+
+    def final_callback(self) -> None:
+        """End of ``loss.backward()``: units whose post-backward never fired reshard and reduce;
+        every reduction finishes; every unit is resharded and its per-step state reset."""
+        for s in reversed(self.states):
+            if s.group is not None and s.group.has_unsharded_grads():
+                if s.reshard_after_backward:
+                    s.group.reshard()  # as in the post-backward: parameters go first
+                s._reduce()
+        while self.reduces:
+            self.reduces.pop(0).finish()
+        for s in self.states:
+            s._end_step()
+        self.callback_queued = False
