@@ -11,7 +11,7 @@ Every split is ``torch.chunk``'s, as DTensor's: ``n`` indices cut into ``k`` pie
 ``c = ceil(n / k)``, piece ``i`` being ``[min(i c, n), min((i + 1) c, n))`` (`chunk_span`).
 For placements made only of ``Shard`` and ``Replicate`` a rank's shard is one box: the mesh
 axes, left to right, each cut the current range of the dimension they shard and keep piece
-``coord[axis]``. ``_StridedShard(dim, split_factor=k)`` (which FSDP over a tensor-parallel
+``coord[axis]``. A strided shard of ``split_factor=k`` (DTensor's placement for FSDP over a tensor-parallel
 shard produces) gives a rank a set of rows that is not contiguous: the held indices are cut
 into ``k`` pieces, each piece into ``axis_size``, and the rank holds piece ``coord`` of each
 (`strided_positions`), so its shard is several boxes. In general we follow, per tensor
@@ -20,7 +20,7 @@ and each mesh axis's placement narrows the list of the dimension it shards (`_RU
 function per placement type; a new placement adds an entry there). A shard is then the
 product over dimensions of the maximal runs of consecutive indices, each run a box; runs keep
 their position in the local tensor. The only torch private name used, to recognise a
-``_StridedShard``, lives in ``_compat.py``; the arithmetic is shardwise's own.
+strided shard, lives in ``_compat.py``; the arithmetic is shardwise's own.
 
 Which rank writes a box is decided over the whole world, not from the DTensor's own mesh:
 see [Note: one writer per box over the world] in ``_owners.py``.
@@ -110,7 +110,7 @@ def chunk_span(n: int, parts: int, i: int) -> tuple[int, int]:
 
 
 def strided_positions(n: int, split_factor: int, axis_size: int, coord: int) -> list[int]:
-    """The positions (among ``n`` held indices) that ``coord`` holds under a ``_StridedShard``
+    """The positions (among ``n`` held indices) that ``coord`` holds under a strided shard
     of ``split_factor`` on a mesh axis of ``axis_size``: the ``n`` indices cut into
     ``split_factor`` pieces, each of those into ``axis_size``, piece ``coord`` of each, in order."""
     out: list[int] = []
@@ -142,7 +142,7 @@ def _is_replicate(p: Placement) -> bool:
     return isinstance(p, Replicate)
 
 
-# Which placements -> how it narrows the indices of the dimension it shards. _StridedShard is
+# Which placements -> how it narrows the indices of the dimension it shards. The strided shard is
 # checked first; a placement missing here cannot be saved (e.g. Partial: reduce it).
 _RULES: tuple[tuple[Callable[[Placement], bool], Callable[..., Indices]], ...] = (
     (is_strided_shard, _strided_rule),
@@ -156,7 +156,7 @@ def _rule(p: Placement) -> Callable[..., Indices]:
         if matches(p):
             return rule
     raise CheckpointError(
-        f"placement {p!r} cannot be saved or loaded: only Shard, Replicate and _StridedShard are supported. "
+        f"placement {p!r} cannot be saved or loaded: only Shard, Replicate and the strided shard of FSDP x TP are supported. "
         "Redistribute the DTensor first (e.g. a Partial one to Replicate())"
     )
 
