@@ -93,7 +93,7 @@ def _run(rank, world_size, opts):
                              loss_fn=_ce_parallel if tp > 1 else _ce,
                              loss_context=sw.loss_parallel if tp > 1 else None,
                              reduce_every_microbatch=opts.get("every", False))
-    import shardwise.composable._param_group as pg
+    import shardwise.composable._reduce as pg  # the reduction pipeline calls reduce_scatter_single
     calls = [0]
     real = pg.reduce_scatter_single
 
