@@ -26,7 +26,7 @@ from ._errors import CheckpointError
 
 __all__ = [
     "agree", "all_gather_json", "broadcast_json", "collective_device", "gather_json",
-    "is_distributed", "rank_and_world",
+    "is_distributed", "rank_and_world", "scatter_json",
 ]
 
 
@@ -151,3 +151,28 @@ def agree(error: BaseException | str | None, what: str) -> None:
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks)) if len(ranks) < 8 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)} ranks)"
+
+
+def scatter_json(objs: list[Any] | None, src: int = 0) -> Any:
+    """Rank ``src`` sends ``objs[r]`` to rank ``r`` (``objs`` is ignored on the other ranks).
+
+    Each rank receives its own object, padded to the longest of them, never the whole list:
+    what a rank receives does not grow with the world size when the objects do not.
+    """
+    if not is_distributed():
+        return json.loads(json.dumps(objs[0]))
+    dev, world, rank = collective_device(), dist.get_world_size(), dist.get_rank()
+    datas = [_encode(o) for o in objs] if rank == src else None
+    size = torch.zeros(1, dtype=torch.int64, device=dev)
+    sizes = [torch.tensor([d.numel()], dtype=torch.int64, device=dev) for d in datas] if datas else None
+    dist.scatter(size, sizes, src=src)
+    longest = torch.tensor([max(d.numel() for d in datas) if datas else 0], dtype=torch.int64, device=dev)
+    dist.broadcast(longest, src=src)
+    buf = torch.empty(int(longest.item()), dtype=torch.uint8, device=dev)
+    chunks = None
+    if datas:
+        chunks = [torch.zeros(int(longest.item()), dtype=torch.uint8, device=dev) for _ in range(world)]
+        for c, d in zip(chunks, datas):
+            c[: d.numel()] = d.to(dev)
+    dist.scatter(buf, chunks, src=src)
+    return _decode(buf[: int(size.item())])

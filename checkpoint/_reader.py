@@ -129,12 +129,13 @@ def _plan_load(index: Index, leaves: list[Leaf], strict: bool, where: str):
             continue
         keep = distinct_boxes([b.box for b in entry.boxes])  # exact duplicates: see _tiling.py
         saved = [entry.boxes[i] for i in keep]
-        problem = tiling_problem(entry.shape, [b.box for b in saved])
+        saved_boxes = [b.box for b in saved]  # once per tensor, not once per local box
+        problem = tiling_problem(entry.shape, saved_boxes)
         if problem is not None:
             problems.append(f"tensor '{leaf.key}' in {where}: {problem}; the index is damaged (run verify)")
             continue
         for lb in lbs:
-            items = plan_reads(lb, [b.box for b in saved])
+            items = plan_reads(lb, saved_boxes)
             if covered_numel(items) != lb.box.numel:  # cannot happen after the tiling check; kept as a guard
                 problems.append(f"{where} lacks part of tensor '{leaf.key}' (box at {list(lb.box.offsets)} of size "
                                 f"{list(lb.box.sizes)} is not fully saved); the index is damaged")

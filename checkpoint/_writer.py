@@ -44,7 +44,7 @@ from ._errors import CheckpointError
 from ._commit import check_target, commit, remove_temp, temp_dir_for
 from ._series import abort_save, begin_save, default_series, finish_save
 from ._flatten import flatten, to_json_value
-from ._owners import assign_writers
+from ._owners import assign_writers, is_local_candidate
 from ._tiling import tiling_problem
 from ._trace import phase
 from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, dtype_name, format_index,
@@ -94,8 +94,8 @@ def _plan(state: dict, rank: int) -> _Plan:
                                       "(e.g. module.to_empty(device=...) and initialize) before saving")
             plan.meta[leaf.key] = {"dtype": dtype_name(v.dtype), "shape": list(v.shape), "layout": layout_of(v)}
             boxes = local_boxes(v)  # on every rank: refuses unsupported placements everywhere
-            if not isinstance(v, DTensor) and rank != 0:
-                continue  # plain tensors: rank 0's copy is saved
+            if not is_local_candidate(v, rank):
+                continue  # step 1 of [Note: one writer per box over the world] in _owners.py
             local = v.to_local() if isinstance(v, DTensor) else v
             plan.pieces += [_Piece(leaf.key, lb.box, local.detach(), lb.local_region()) for lb in boxes]
     return plan
