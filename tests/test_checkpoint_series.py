@@ -250,3 +250,30 @@ def test_a_permission_error_is_named_as_such(tmp_path, monkeypatch, capsys):
     assert main(["merge", str(tmp_path / "ck"), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "permission denied" in err and "index.json" in err and "No such file" not in err, err
+
+
+def test_keep_last_keeps_the_new_checkpoint_when_the_clock_stepped_back(tmp_path, monkeypatch):
+    import time
+
+    save(_state(1.0), tmp_path / "step-1", keep_last=1)
+    real = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real() - 3600 * 10**9)  # an hour back (NTP step)
+    said = save(_state(2.0), tmp_path / "step-2", keep_last=1)
+    assert os.path.exists(tmp_path / "step-2") and not os.path.exists(tmp_path / "step-1"), said
+    assert _loaded(tmp_path / "step-2")["w"][0, 0] == 2.0
+    record = json.loads((tmp_path / RECORD_FILE).read_text())
+    assert [c["name"] for c in record["series"]["step-"]["checkpoints"]] == ["step-2"]
+
+
+def test_rotation_orders_records_without_seq_by_their_stored_order(tmp_path):
+    """Records written before ``seq`` existed (newest first) still rotate oldest first."""
+    for step in (1, 2):
+        save(_state(float(step)), tmp_path / f"step-{step}")
+    file = tmp_path / RECORD_FILE
+    record = json.loads(file.read_text())
+    for c in record["series"]["step-"]["checkpoints"]:
+        del c["seq"]
+        c["created_unix_ns"] = 0  # clocks give no order
+    file.write_text(json.dumps(record))
+    save(_state(3.0), tmp_path / "step-3", keep_last=2)
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["step-2", "step-3"]
