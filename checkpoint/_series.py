@@ -46,7 +46,7 @@ import socket
 
 from ._commit import _index_of, delete_own_files, fsync_dir, recover_replaced, remove_temp, temp_dir_for
 from ._errors import CheckpointError
-from ._format import write_json
+from ._format import plain_file_name, write_json
 from ._json_strict import parse_json_strict
 
 __all__ = ["RECORD_FILE", "default_series", "begin_save", "finish_save", "abort_save"]
@@ -102,6 +102,14 @@ def _entry(record: dict, series: str) -> dict:
     return s
 
 
+def _entry_name(name) -> bool:
+    """Whether a recorded ``name`` names an entry of the folder: a plain file name
+    (``plain_file_name``), hidden ones (``.step-1``, which ``save`` accepts) included; never
+    ``""``, ``.`` or ``..``, which would make cleanup and rotation reach the folder itself or
+    the one above it."""
+    return plain_file_name(name) or (isinstance(name, str) and name.startswith(".") and plain_file_name(name[1:]))
+
+
 def _running(p: dict) -> bool:
     """Whether the save of pending entry ``p`` may still be running: its process is alive on this
     host (an ``async_save`` not yet waited for, another job). Saves of other hosts are taken as
@@ -121,7 +129,7 @@ def _clean_pending(parent: str, entry: dict) -> list[str]:
     said, still = [], []
     for p in entry["pending"]:
         name, token = p.get("name"), p.get("token")
-        if not isinstance(name, str) or not isinstance(token, str) or "/" in name or "/" in token:
+        if not _entry_name(name) or not isinstance(token, str) or "/" in token:
             continue
         if _running(p):
             still.append(p)
@@ -201,7 +209,7 @@ def finish_save(path: str, series: str, token: str, created: int, keep_last: int
 
 def _remove(parent: str, c: dict) -> str:
     name = c.get("name")
-    full = os.path.join(parent, name) if isinstance(name, str) and "/" not in name else None
+    full = os.path.join(parent, name) if _entry_name(name) else None
     if full is None or not os.path.lexists(full):
         return f"forgot {name!r} of the series record (already gone)"
     if os.path.islink(full) or not _ours(full, c.get("save_id")):
