@@ -23,6 +23,14 @@ Only what is recorded is ever removed, never something guessed from a name:
   symbolic links (``latest``) and anything written before the record existed are never
   touched.
 
+[Note: rotation order]
+"Newest" is the order of commits, not of clocks: each recorded checkpoint carries ``seq``, one
+more than the largest of its series when it was committed (``created_unix_ns``, rank 0's wall
+clock, is kept for people only: a clock stepped back, NTP or a host move, must not make the
+checkpoint just written look oldest and be deleted). The checkpoint just committed is never
+rotated away. Records written before ``seq`` existed keep their stored order (newest first)
+and rank below every numbered one.
+
 Every function returns sentences saying what it removed or restored; ``save`` logs them and
 returns them.
 """
@@ -38,7 +46,7 @@ import socket
 
 from ._commit import _index_of, delete_own_files, fsync_dir, recover_replaced, remove_temp, temp_dir_for
 from ._errors import CheckpointError
-from ._format import write_json
+from ._format import plain_file_name, write_json
 from ._json_strict import parse_json_strict
 
 __all__ = ["RECORD_FILE", "default_series", "begin_save", "finish_save", "abort_save"]
@@ -94,6 +102,14 @@ def _entry(record: dict, series: str) -> dict:
     return s
 
 
+def _entry_name(name) -> bool:
+    """Whether a recorded ``name`` names an entry of the folder: a plain file name
+    (``plain_file_name``), hidden ones (``.step-1``, which ``save`` accepts) included; never
+    ``""``, ``.`` or ``..``, which would make cleanup and rotation reach the folder itself or
+    the one above it."""
+    return plain_file_name(name) or (isinstance(name, str) and name.startswith(".") and plain_file_name(name[1:]))
+
+
 def _running(p: dict) -> bool:
     """Whether the save of pending entry ``p`` may still be running: its process is alive on this
     host (an ``async_save`` not yet waited for, another job). Saves of other hosts are taken as
@@ -113,7 +129,7 @@ def _clean_pending(parent: str, entry: dict) -> list[str]:
     said, still = [], []
     for p in entry["pending"]:
         name, token = p.get("name"), p.get("token")
-        if not isinstance(name, str) or not isinstance(token, str) or "/" in name or "/" in token:
+        if not _entry_name(name) or not isinstance(token, str) or "/" in token:
             continue
         if _running(p):
             still.append(p)
@@ -159,6 +175,13 @@ def _ours(full: str, save_id: str) -> bool:
     return raw is not None and raw.get("save_id") == save_id
 
 
+def _seq(c: dict) -> int:
+    """A record's place in its series' save order (see [Note: rotation order]); -1 for records
+    written before records were numbered."""
+    n = c.get("seq")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else -1
+
+
 def finish_save(path: str, series: str, token: str, created: int, keep_last: int | None) -> list[str]:
     """Rank 0, after the commit: record the checkpoint, then rotate (``keep_last``)."""
     path = os.path.abspath(path)
@@ -168,11 +191,13 @@ def finish_save(path: str, series: str, token: str, created: int, keep_last: int
         record = _load(parent)
         entry = _entry(record, series)
         entry["pending"] = [p for p in entry["pending"] if p.get("token") != token]
-        kept = [c for c in entry["checkpoints"] if isinstance(c, dict) and c.get("name") != name]
-        kept.append({"name": name, "save_id": token, "created_unix_ns": created})
-        kept.sort(key=lambda c: int(c.get("created_unix_ns") or 0), reverse=True)
+        older = [c for c in entry["checkpoints"] if isinstance(c, dict) and c.get("name") != name]
+        older.sort(key=_seq, reverse=True)  # stable: unnumbered (older) records keep their order, last
+        seq = max((_seq(c) for c in older), default=-1) + 1
+        # the checkpoint just committed is the newest whatever the clocks say: never doomed
+        kept = [{"name": name, "save_id": token, "created_unix_ns": created, "seq": seq}, *older]
         if keep_last is not None:
-            doomed, kept = kept[keep_last:], kept[:keep_last]
+            doomed, kept = kept[max(keep_last, 1):], kept[:max(keep_last, 1)]
             for c in doomed:
                 said.append(_remove(parent, c))
             if doomed:
@@ -184,7 +209,7 @@ def finish_save(path: str, series: str, token: str, created: int, keep_last: int
 
 def _remove(parent: str, c: dict) -> str:
     name = c.get("name")
-    full = os.path.join(parent, name) if isinstance(name, str) and "/" not in name else None
+    full = os.path.join(parent, name) if _entry_name(name) else None
     if full is None or not os.path.lexists(full):
         return f"forgot {name!r} of the series record (already gone)"
     if os.path.islink(full) or not _ours(full, c.get("save_id")):

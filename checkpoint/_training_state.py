@@ -104,16 +104,27 @@ def _gathered_rng() -> dict[str, torch.Tensor]:
     return {k: _gather_rows(rows[k]) for k in sorted(common)}
 
 
-def _set_rng(rows: dict[str, torch.Tensor]) -> None:
+def _numpy_for(path) -> Any:
+    """numpy, to restore the saved ``rng/numpy`` row; a clear error where it is not installed."""
+    try:
+        import numpy as np  # saved by a job that used it; restored only where it is installed
+    except ImportError:
+        raise CheckpointError(
+            f"{path} holds numpy's random state (rng/numpy, saved by a job that had imported numpy), but numpy "
+            "cannot be imported here; install numpy, or pass rng=False to load_training_state to leave the "
+            "random states alone") from None
+    return np
+
+
+def _set_rng(rows: dict[str, torch.Tensor], path) -> None:
+    np = _numpy_for(path) if "numpy" in rows else None  # before any generator is touched
     torch.set_rng_state(rows["torch"].clone())
     words = rows["python"].tolist()
     has_gauss, gauss = rows["python_gauss"].tolist()
     random.setstate((int(words[0]), tuple(int(w) for w in words[1:]), gauss if has_gauss else None))
     if "cuda" in rows and torch.cuda.is_available():
         torch.cuda.set_rng_state(rows["cuda"].clone())
-    if "numpy" in rows:
-        import numpy as np  # saved by a job that used it; restored only where it is installed
-
+    if np is not None:
         keys = rows["numpy"].tolist()
         np.random.set_state(("MT19937", np.array(keys[:-2], dtype=np.uint32), int(keys[-2]), int(keys[-1]),
                              float(rows["numpy_gauss"][0])))
@@ -182,5 +193,5 @@ def load_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.
         else:
             how[gen], pick[gen] = "wrapped", rank % saved_world
     if rng:
-        _set_rng({k: t[pick[k.split("_")[0]]] for k, t in rows.items()})
+        _set_rng({k: t[pick[k.split("_")[0]]] for k, t in rows.items()}, path)
     return TrainingState(state["step"], json.loads(state["extra"]), saved_world, how if rng else {})

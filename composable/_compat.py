@@ -21,6 +21,7 @@ __all__ = [
     "strided_shard",
     "is_strided_shard",
     "queue_backward_callback",
+    "backward_running",
     "storage_key",
     "foreach_norm",
     "foreach_mul_",
@@ -62,6 +63,17 @@ def queue_backward_callback(fn) -> None:
     Relies on: ``Variable._execution_engine.queue_callback`` (torch's FSDP2 ends its backward the
     same way)."""
     Variable._execution_engine.queue_callback(fn)
+
+
+def backward_running() -> bool:
+    """Whether the calling thread is running an autograd backward now (inside a hook, an
+    autograd Function's backward, a recomputation of activation checkpointing, a queued
+    callback). torch offers no public signal for this.
+
+    Relies on: ``torch._C._current_graph_task_id()`` returning ``-1`` on a thread that runs no
+    graph task, and another value while one runs (torch's FSDP2 and module tracker ask the
+    same way)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def storage_key(t: torch.Tensor) -> int:

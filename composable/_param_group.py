@@ -289,6 +289,11 @@ class ParamGroup:
     def has_unsharded_grads(self) -> bool:
         return any(p.unsharded.grad is not None for p in self.params)
 
+    def drop_unsharded_grads(self) -> None:
+        """Forget the unsharded gradients without reducing them (a backward that raised)."""
+        for p in self.params:
+            p.unsharded.grad = None
+
     def reduce_grads(self, *, all_reduce: bool = True) -> list[PendingReduce]:
         """Issue the reduce-scatter of the unsharded gradients (one per bucket, async) and
         free them; ``PendingReduce.advance`` stores the result (see [Note: the reduction

@@ -75,3 +75,19 @@ class RootContext:
         for s in self.states:
             s._end_step()
         self.callback_queued = False
+
+    def abandon_step(self) -> None:
+        """Clean up after a backward that raised (see [Note: a backward that raised] in
+        ``_state.py``): the reductions it issued are waited for and dropped, never stored;
+        every unit's unsharded gradients are dropped, its parameters resharded as at the end
+        of a backward and its per-step state reset. Nothing of the broken step reaches
+        ``.grad`` through this call."""
+        for pr in self.reduces:
+            if pr.work is not None:  # every rank issued it: wait, so the collectives stay matched
+                pr.work.wait()
+        self.reduces = []
+        for s in self.states:
+            if s.group is not None:
+                s.group.drop_unsharded_grads()
+            s._end_step()
+        self.callback_queued = False

@@ -38,6 +38,19 @@ root) are not counted: they stay unsharded by choice.
 
 Activation checkpointing re-runs a unit's forward inside backward; the hooks see that the unit
 is already in backward and neither reshard nor register new backward hooks then.
+
+[Note: a backward that raised]
+An exception inside backward (a caught out-of-memory, a NaN check raising in a hook, an error
+in a custom autograd Function) ends ``loss.backward()`` without the root's end-of-backward
+callback: the units it reached stay in BACKWARD, some unsharded, with unsharded gradients and
+reductions in flight. Catching it and skipping the batch is a normal pattern, so the next
+forward of any unit that finds the callback still pending while no backward is running
+(``backward_running``; a recomputation of activation checkpointing runs inside backward and
+is left alone) first abandons the broken step (``RootContext.abandon_step``): its reductions
+are waited for and dropped, its unsharded gradients dropped, every unit resharded as at the
+end of a backward and set IDLE. Its gradients never reach ``.grad`` through the units; what
+an earlier unit of that backward had already stored there is the user's to clear
+(``zero_grad``), as with any skipped batch.
 """
 
 from __future__ import annotations
@@ -47,7 +60,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from ._compat import run_eagerly, tree_flatten, tree_map, tree_unflatten
+from ._compat import backward_running, run_eagerly, tree_flatten, tree_map, tree_unflatten
 from ._root import DEFAULT_UNSHARD_LIMIT, RootContext
 from ._trace import TraceNames, unit_name
 
@@ -221,6 +234,8 @@ class FSDPState:
         if self.ctx is None:
             self._lazy_init()
         ctx = self.ctx
+        if ctx.callback_queued and not backward_running():  # [Note: a backward that raised]
+            ctx.abandon_step()
         if self.training is TrainingState.BACKWARD:  # recomputation under activation checkpointing
             return args, kwargs
         self._set_training(TrainingState.FORWARD)

@@ -250,3 +250,52 @@ def test_a_permission_error_is_named_as_such(tmp_path, monkeypatch, capsys):
     assert main(["merge", str(tmp_path / "ck"), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "permission denied" in err and "index.json" in err and "No such file" not in err, err
+
+
+def test_keep_last_keeps_the_new_checkpoint_when_the_clock_stepped_back(tmp_path, monkeypatch):
+    import time
+
+    save(_state(1.0), tmp_path / "step-1", keep_last=1)
+    real = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real() - 3600 * 10**9)  # an hour back (NTP step)
+    said = save(_state(2.0), tmp_path / "step-2", keep_last=1)
+    assert os.path.exists(tmp_path / "step-2") and not os.path.exists(tmp_path / "step-1"), said
+    assert _loaded(tmp_path / "step-2")["w"][0, 0] == 2.0
+    record = json.loads((tmp_path / RECORD_FILE).read_text())
+    assert [c["name"] for c in record["series"]["step-"]["checkpoints"]] == ["step-2"]
+
+
+def test_rotation_orders_records_without_seq_by_their_stored_order(tmp_path):
+    """Records written before ``seq`` existed (newest first) still rotate oldest first."""
+    for step in (1, 2):
+        save(_state(float(step)), tmp_path / f"step-{step}")
+    file = tmp_path / RECORD_FILE
+    record = json.loads(file.read_text())
+    for c in record["series"]["step-"]["checkpoints"]:
+        del c["seq"]
+        c["created_unix_ns"] = 0  # clocks give no order
+    file.write_text(json.dumps(record))
+    save(_state(3.0), tmp_path / "step-3", keep_last=2)
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["step-2", "step-3"]
+
+
+@pytest.mark.parametrize("name", ["..", ".", ""])
+def test_a_pending_entry_naming_the_folder_itself_is_ignored(tmp_path, name):
+    """A damaged or hand-edited record must not make cleanup reach outside the folder."""
+    from shardwise.checkpoint._commit import temp_dir_for
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    outside = temp_dir_for(os.path.join(folder, name), "t1")  # what that entry's temp dir would be
+    os.makedirs(outside)
+    (folder / RECORD_FILE).write_text(json.dumps({"format": "shardwise.series", "version": 1, "series": {
+        "step-": {"checkpoints": [], "pending": [{"name": name, "token": "t1", "host": "elsewhere", "pid": 1}]}}}))
+    save(_state(1.0), folder / "step-1")
+    assert os.path.isdir(outside), f"{outside} was removed"
+    assert _loaded(folder / "step-1")["w"][0, 0] == 1.0
+
+
+def test_hidden_checkpoint_names_still_rotate(tmp_path):
+    for step in (1, 2):
+        save(_state(float(step)), tmp_path / f".step-{step}", keep_last=1)
+    assert not os.path.exists(tmp_path / ".step-1") and _loaded(tmp_path / ".step-2")["w"][0, 0] == 2.0

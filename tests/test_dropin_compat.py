@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.composable._compat import (
     TorchDispatchMode,
+    backward_running,
     foreach_mul_,
     foreach_norm,
     is_strided_shard,
@@ -93,6 +94,33 @@ def test_queue_backward_callback_runs_after_backward():
     y.sum().backward()
     # the callback runs once, after every gradient of this backward is accumulated
     assert events == ["hook", ("callback", True)], events
+
+
+def test_backward_running_is_true_only_inside_a_backward():
+    from torch.utils.checkpoint import checkpoint
+
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    # inside: a tensor hook, a queued callback, a non-reentrant checkpoint's recomputation
+    y.register_hook(lambda g: seen.append(("hook", backward_running())) or
+                    queue_backward_callback(lambda: seen.append(("callback", backward_running()))))
+    z = checkpoint(lambda t: (seen.append(("forward", backward_running())), t.sin())[1], y, use_reentrant=False)
+    z.sum().backward()
+    seen.append(("after", backward_running()))
+    # after a backward that raised, nothing is running any more
+    def raising(g):
+        raise RuntimeError("boom")
+
+    w = x * 3
+    w.register_hook(raising)
+    try:
+        w.sum().backward()
+    except RuntimeError:
+        pass
+    seen.append(("after raise", backward_running()))
+    assert seen == [("forward", False), ("forward", True), ("hook", True), ("callback", True), ("after", False),
+                    ("after raise", False)], seen
 
 
 def test_storage_key_names_one_storage_through_views_and_resizes():

@@ -163,3 +163,20 @@ def test_a_plain_checkpoint_is_not_a_training_state(tmp_path):
         load_training_state(str(tmp_path / "plain"), model, optim)
     with pytest.raises(CheckpointError, match="extra must be JSON-serialisable"):
         save_training_state(str(tmp_path / "bad"), model, optim, extra={"t": torch.zeros(1)})
+
+
+def test_numpy_rng_row_without_numpy_names_the_row_and_the_fix(tmp_path, monkeypatch):
+    import sys
+
+    import numpy  # noqa: F401  (the saving job used numpy: its state is saved as rng/numpy)
+
+    model = DropNet()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "ts")
+    save_training_state(path, model, optim, step=3)
+    monkeypatch.setitem(sys.modules, "numpy", None)  # numpy not installed where it is loaded
+    before = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=r"rng/numpy.*install numpy.*rng=False"):
+        load_training_state(path, model, optim)
+    assert torch.equal(torch.get_rng_state(), before), "no generator is restored halfway"
+    assert load_training_state(path, model, optim, rng=False).step == 3
