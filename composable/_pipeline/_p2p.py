@@ -1,10 +1,26 @@
-"""Point-to-point transport between pipeline ranks: one tensor per message, shape sent ahead.
+"""Point-to-point transport between pipeline ranks: one message per tensor once its shape is known.
 
 [Note: messages between stages]
-Every message is a fixed 12-int64 header, then the payload. Header: ``status`` (0 data, 1
-error), dtype code, ndim, sizes. An error header is followed by the length of a UTF-8 text and
-the text itself; a rank that receives one re-raises that text, so a failure on one stage ends
-every stage's step with the same one-line message instead of leaving them waiting.
+Messages go on *channels*: (peer, kind, stage) with kind ``"act"`` or ``"grad"``. Both ends of a
+channel remember the shape and dtype of the last tensor sent on it (the sender when it sends,
+the receiver when it receives, in the same order), so both know the size of the next message:
+a 12-int64 header (96 bytes) followed by room for one tensor of the remembered shape (just the
+header on a channel's first message). Header: ``status``, dtype code, ndim, sizes.
+
+* status 0 (steady state: every microbatch of a step has the same shape, and usually every
+  step): the tensor follows the header **in the same message**; one message per transfer.
+* status 2 (first message on a channel, or a new shape): the header carries the new shape and
+  dtype; the tensor follows as a second message. Shapes may change between steps or microbatches;
+  that only costs the second message.
+* status 1 (error): ``sizes[0]`` is the length of a UTF-8 text, inline after the header if it fits
+  in the message, else in a second message. A rank that receives one re-raises the text, so a
+  failure on one stage ends every stage's step with the same one-line message instead of leaving
+  them waiting. The failing rank knows which channel each peer will read next from it (its own
+  send order, `expect`), so the error message has exactly the size that peer is waiting for.
+
+The sizes of the two ends always agree, which NCCL and gloo need. The cost of one message instead
+of two is one copy of the tensor behind the header on the sending side; the receiver's tensor is a
+view of the message.
 
 Sends are asynchronous and waited for at the end of the step; receives are blocking and, from
 each peer, taken in the order that peer sends (no tags: order is what NCCL matches on too).
@@ -14,10 +30,10 @@ action, and if that action receives, the sends and the receive go out as one
 order on one stream, so a lone send followed by a receive, mirrored on the peer (1F1B: rank 0
 sends an activation then waits for a gradient while rank 1 sends that gradient then waits for
 the activation), would wait on each other forever; grouped, they progress together (as torch's
-own schedules do). On gloo the grouping changes nothing. A rank knows every rank's action list, so it knows which message comes next
-from each peer; a message that arrives before it is needed waits in a buffer. That adds no
-waiting a tag-matched receive would not have: a peer's later message is always produced
-after its earlier ones.
+own schedules do). On gloo the grouping changes nothing. A rank knows every rank's action list,
+so it knows which message comes next from each peer; a message that arrives before it is needed
+waits in a buffer. That adds no waiting a tag-matched receive would not have: a peer's later
+message is always produced after its earlier ones.
 """
 
 from __future__ import annotations
@@ -30,6 +46,8 @@ import torch.distributed as dist
 __all__ = ["P2P", "PeerFailed"]
 
 _HEADER = 12
+_HEADER_BYTES = _HEADER * 8
+_DATA, _ERROR, _NEW_SHAPE = 0, 1, 2
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
            torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
@@ -37,6 +55,16 @@ _CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 class PeerFailed(RuntimeError):
     """Another pipeline rank failed; ``str()`` is its message."""
+
+
+def _nbytes(meta) -> int:
+    if meta is None:
+        return 0
+    dtype, shape = meta
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
 
 
 class P2P:
@@ -48,22 +76,49 @@ class P2P:
         self._pending: list = []  # (work, tensor) of sends in flight
         self._outbox: list = []  # (peer, tensor) of sends not issued yet
         self._expected: dict[int, deque] = {}  # peer -> keys still to come, in its send order
+        self._to_send: dict[int, deque] = {}  # peer -> keys we still send it this step, in order
         self._buffer: dict[tuple, torch.Tensor] = {}
+        self._sent: dict[tuple, tuple] = {}  # channel -> (dtype, shape, header bytes) last sent
+        self._received: dict[tuple, tuple] = {}  # channel -> (dtype, shape) last received
 
-    def expect(self, peer: int, keys: list) -> None:
+    def expect(self, peer: int, keys: list, sends: list = ()) -> None:
+        """``keys``: what ``peer`` sends us this step, in its order; ``sends``: what we send it."""
         self._expected[peer] = deque(keys)
+        self._to_send[peer] = deque(sends)
 
-    def send(self, peer: int, tensor: torch.Tensor) -> None:
+    def _header(self, status: int, code: int, sizes) -> torch.Tensor:
+        h = [status, code, len(sizes), *sizes]
+        return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64).view(torch.uint8)
+
+    def _message(self, peer: int, key: tuple, header: torch.Tensor) -> torch.Tensor:
+        """A zeroed message of the size ``peer`` expects next on ``key``'s channel, ``header`` in front."""
+        known = self._sent.get((peer, key[0], key[1]))
+        size = _HEADER_BYTES + (_nbytes(known[:2]) if known else 0)
+        buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        buf[:_HEADER_BYTES].copy_(header)
+        return buf
+
+    def send(self, peer: int, key: tuple, tensor: torch.Tensor) -> None:
         t = tensor.detach().contiguous()
         if t.dim() > _HEADER - 3:
             raise ValueError(f"pipeline: an activation of {t.dim()} dims cannot be sent (at most {_HEADER - 3})")
         if t.dtype not in _CODE:
             raise ValueError(f"pipeline: activations of dtype {t.dtype} cannot be sent between stages")
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        header[1], header[2] = _CODE[t.dtype], t.dim()
-        if t.dim():
-            header[3:3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        self._outbox += [(peer, header), (peer, t)]
+        queue = self._to_send.get(peer)
+        if not queue or queue[0] != key:
+            raise RuntimeError(f"pipeline: internal error, message {key} to pp rank {peer} is out of order")
+        channel, shape = (peer, key[0], key[1]), tuple(t.shape)
+        known = self._sent.get(channel)
+        if known is not None and known[0] == t.dtype and known[1] == shape:
+            buf = torch.empty(_HEADER_BYTES + t.numel() * t.element_size(), dtype=torch.uint8, device=self.device)
+            buf[:_HEADER_BYTES].copy_(known[2])
+            buf[_HEADER_BYTES:].view(t.dtype).view(shape).copy_(t)
+            self._outbox.append((peer, buf))
+        else:
+            head = self._header(_NEW_SHAPE, _CODE[t.dtype], shape)
+            self._outbox += [(peer, self._message(peer, key, head)), (peer, t)]
+            self._sent[channel] = (t.dtype, shape, self._header(_DATA, _CODE[t.dtype], shape).to(self.device))
+        queue.popleft()
 
     def _ops(self) -> list:
         ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=peer) for peer, x in self._outbox]
@@ -85,22 +140,41 @@ class P2P:
         works[-1].wait()
 
     def send_error(self, peer: int, text: str) -> None:
+        """Send ``text`` as an error to ``peer``, sized as the message it waits for from us next."""
         data = torch.tensor(list(text.encode()[:4000]), dtype=torch.uint8, device=self.device)
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-        header[0], header[1] = 1, data.numel()
-        self._outbox += [(peer, header), (peer, data)]
+        queue = self._to_send.get(peer)
+        key = queue[0] if queue else ("error", -1)
+        buf = self._message(peer, key, self._header(_ERROR, 0, [data.numel()]))
+        if data.numel() <= buf.numel() - _HEADER_BYTES:
+            buf[_HEADER_BYTES:_HEADER_BYTES + data.numel()].copy_(data)
+            self._outbox.append((peer, buf))
+        else:
+            self._outbox += [(peer, buf), (peer, data)]
         self.flush()
 
-    def _recv_one(self, peer: int) -> torch.Tensor:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self._recv_into(header, peer)
-        h = header.tolist()
-        if h[0] == 1:
-            data = torch.empty(h[1], dtype=torch.uint8, device=self.device)
-            self._recv_into(data, peer)
+    def _recv_one(self, peer: int, key: tuple) -> torch.Tensor:
+        channel = (peer, key[0], key[1])
+        known = self._received.get(channel)
+        buf = torch.empty(_HEADER_BYTES + _nbytes(known), dtype=torch.uint8, device=self.device)
+        self._recv_into(buf, peer)
+        h = buf[:_HEADER_BYTES].view(torch.int64).tolist()
+        if h[0] == _ERROR:
+            n = h[3]
+            if n <= buf.numel() - _HEADER_BYTES:
+                data = buf[_HEADER_BYTES:_HEADER_BYTES + n]
+            else:
+                data = torch.empty(n, dtype=torch.uint8, device=self.device)
+                self._recv_into(data, peer)
             raise PeerFailed(bytes(data.cpu().tolist()).decode(errors="replace"))
-        out = torch.empty(h[3:3 + h[2]], dtype=_DTYPES[h[1]], device=self.device)
+        dtype, shape = _DTYPES[h[1]], tuple(h[3:3 + h[2]])
+        if h[0] == _DATA:
+            if known != (dtype, shape):
+                raise RuntimeError(f"pipeline: internal error, message {key} from pp rank {peer} has shape "
+                                   f"{shape} and dtype {dtype}, expected {known}")
+            return buf[_HEADER_BYTES:].view(dtype).view(shape)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         self._recv_into(out, peer)
+        self._received[channel] = (dtype, shape)
         return out
 
     def recv(self, peer: int, key: tuple) -> torch.Tensor:
@@ -110,7 +184,7 @@ class P2P:
             if not queue:
                 raise RuntimeError(f"pipeline: internal error, no message {key} expected from pp rank {peer}")
             nxt = queue.popleft()
-            self._buffer[nxt] = self._recv_one(peer)
+            self._buffer[nxt] = self._recv_one(peer, nxt)
         return self._buffer.pop(key)
 
     def wait_sends(self) -> None:
@@ -120,7 +194,9 @@ class P2P:
         self._pending.clear()
 
     def drop(self) -> None:
-        """Forget sends and buffers after a failed step (the peers will not take them)."""
+        """Forget sends, buffers and channel shapes after a failed step (the peers will not take them)."""
         self._pending.clear()
         self._outbox.clear()
         self._buffer.clear()
+        self._sent.clear()
+        self._received.clear()

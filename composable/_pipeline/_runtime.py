@@ -129,6 +129,7 @@ class PipelineSchedule:
         param = next((p for p in split.module.parameters()), None)
         self.device = _device_of(param)
         self.p2p = P2P(split.pp_group, self.device) if pp > 1 else None
+        self._order = None  # peer -> (keys it sends us, keys we send it), per step
         if self.p2p is not None:
             # NCCL needs every rank of a group in its first batched point-to-point call; a
             # collective first sets up the group's communicator on all of them
@@ -161,17 +162,25 @@ class PipelineSchedule:
     def _rank_of(self, stage: int) -> int:
         return stage % self.split.pp_size
 
+    def _sends_of(self, rank: int) -> list:
+        """(destination rank, key) of every message rank ``rank`` sends in a step, in its order."""
+        out = []
+        for a in self.all_actions[rank]:
+            if a.kind == "F" and a.stage + 1 < self.S and self._rank_of(a.stage + 1) != rank:
+                out.append((self._rank_of(a.stage + 1), ("act", a.stage + 1, a.microbatch)))
+            if a.kind == "B" and a.stage > 0 and self._rank_of(a.stage - 1) != rank:
+                out.append((self._rank_of(a.stage - 1), ("grad", a.stage - 1, a.microbatch)))
+        return out
+
     def _expect(self) -> None:
-        """Tell the transport what each peer will send us, in its order."""
-        me, pp = self.split.pp_rank, self.split.pp_size
-        for peer in {(me - 1) % pp, (me + 1) % pp} - {me}:
-            keys = []
-            for a in self.all_actions[peer]:
-                if a.kind == "F" and a.stage + 1 < self.S and self._rank_of(a.stage + 1) == me:
-                    keys.append(("act", a.stage + 1, a.microbatch))
-                if a.kind == "B" and a.stage > 0 and self._rank_of(a.stage - 1) == me:
-                    keys.append(("grad", a.stage - 1, a.microbatch))
-            self.p2p.expect(peer, keys)
+        """Tell the transport what each peer will send us, and we it, in order."""
+        if self._order is None:
+            me, pp = self.split.pp_rank, self.split.pp_size
+            mine = self._sends_of(me)
+            self._order = {peer: ([k for d, k in self._sends_of(peer) if d == me], [k for d, k in mine if d == peer])
+                           for peer in {(me - 1) % pp, (me + 1) % pp} - {me}}
+        for peer, (keys, sends) in self._order.items():
+            self.p2p.expect(peer, keys, sends)
 
     def _receives(self, a: Action) -> bool:
         """Whether action ``a`` takes a message from another rank."""
@@ -188,7 +197,7 @@ class PipelineSchedule:
         if self._rank_of(to_stage) == self.split.pp_rank:
             local[key] = tensor.detach()
         else:
-            self.p2p.send(self._rank_of(to_stage), tensor)
+            self.p2p.send(self._rank_of(to_stage), key, tensor)
 
     def step(self, inputs, targets=None) -> torch.Tensor:
         """One training step (forward and backward of every microbatch); gradients accumulate into
