@@ -66,15 +66,18 @@ def reference_and_copy(seed: int = 0, **kw):
 
 
 def train_pair(ref, model, rank: int, dp_size: int, steps: int = 3, batch: int = 8, lr: float = 1e-2, dp_rank=None,
-               out: int = 3):
+               out: int = 3, target_dtype: torch.dtype | None = None):
     """Train ``ref`` on the whole batch and ``model`` on this rank's slice; return the max
-    relative loss difference over the steps (losses averaged over the dp ranks)."""
+    relative loss difference over the steps (losses averaged over the dp ranks). Targets are
+    cast to ``target_dtype`` when given (models converted with ``.to(dtype)``)."""
     dp_rank = rank if dp_rank is None else dp_rank
     ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     worst = 0.0
     per = batch // dp_size
     for tokens, target in batches(steps, batch, out=out):
+        if target_dtype is not None:
+            target = target.to(target_dtype)
         ref_loss = loss_fn(ref(tokens), target)
         ref_loss.backward()
         ropt.step()

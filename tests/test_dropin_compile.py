@@ -13,11 +13,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardwise.composable import fully_shard
 from tests._dist import run_ranks
-from tests._models import Net, batches, loss_fn, make_mesh
+from tests._models import Net, make_mesh, train_pair
 
 TOL = 1e-6  # fp32, relative: the compiled graph computes the same ops as eager
 BACKEND = os.environ.get("SHARDWISE_COMPILE_BACKEND", "aot_eager")
@@ -50,22 +49,7 @@ def _train(rank, world, how, backend, impl, steps=3):
     shard(model, mesh=mesh)
     if how == "root":  # the whole model: graph breaks at every unit's hooks
         model = torch.compile(model, backend=backend)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    per, worst = 8 // world, 0.0
-    for tokens, target in batches(steps, 8):
-        rl = loss_fn(ref(tokens), target)
-        rl.backward()
-        ropt.step()
-        ropt.zero_grad()
-        sl = slice(rank * per, (rank + 1) * per)
-        loss = loss_fn(model(tokens[sl]), target[sl])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        worst = max(worst, abs(mean.item() / world - rl.item()) / abs(rl.item()))
+    worst = train_pair(ref, model, rank, world, steps=steps)
     want = dict(ref.named_parameters())
     perr = max(((p.full_tensor() - want[n.replace("_orig_mod.", "")]).abs().max()
                 / want[n.replace("_orig_mod.", "")].abs().max()).item() for n, p in model.named_parameters())

@@ -8,13 +8,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardwise.composable import fully_shard, materialize
 from tests._dist import run_ranks
-from tests._models import Net, batches, loss_fn, make_mesh
+from tests._models import Net, make_mesh, train_pair
 
 TOL = 1e-6  # fp32 / fp64, relative: sums over ranks reorder additions
 
@@ -37,23 +36,7 @@ def _full(model):
 def train_compare(ref, model, rank, world, dtype=torch.float32, steps=3, batch=8):
     """Train both (AdamW), ``model`` on slice ``rank`` of ``world`` (its dp rank and size);
     return (max relative loss error, max relative param error)."""
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    per, worst = batch // world, 0.0
-    for tokens, target in batches(steps, batch):
-        target = target.to(dtype)
-        rl = loss_fn(ref(tokens), target)
-        rl.backward()
-        ropt.step()
-        ropt.zero_grad()
-        sl = slice(rank * per, (rank + 1) * per)
-        loss = loss_fn(model(tokens[sl]), target[sl])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        worst = max(worst, abs(mean.item() / dist.get_world_size() - rl.item()) / abs(rl.item()))
+    worst = train_pair(ref, model, rank, world, steps=steps, batch=batch, target_dtype=dtype)
     got, want = _full(model), _full(ref)
     perr = max(((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-12)).item() for n in want)
     return worst, perr
