@@ -211,19 +211,26 @@ def _rank_main(rank, world_size, payload, store_path, stack_path, timeout, env, 
         outcome = ("ok", fn(rank, world_size, *args))
     except BaseException:
         outcome = ("error", traceback.format_exc())
-    try:
-        # plain pickle: a tensor travels by value (the connection's own pickler would pass
-        # it as a shared-memory handle that the parent cannot open once the rank is gone)
-        conn.send_bytes(pickle.dumps(outcome))
-    except Exception:
-        conn.send_bytes(pickle.dumps(("error", f"rank {rank} returned a {type(outcome[1]).__name__} that "
-                                      f"cannot be sent back to the test:\n{traceback.format_exc()}")))
+    send_outcome(conn, rank, outcome)
     try:
         conn.recv()  # EOF once the parent has every rank's outcome (or it kills us)
     except EOFError:
         pass
     if outcome[0] == "ok" and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def send_outcome(conn, rank: int, outcome: tuple[str, Any]) -> None:
+    """Send a rank's ``("ok", value)`` / ``("error", traceback)`` to the test process.
+
+    Plain pickle: a tensor travels by value (the connection's own pickler would pass it as a
+    shared-memory handle that the parent cannot open once the rank is gone). A value that
+    cannot be pickled becomes an error naming its type."""
+    try:
+        conn.send_bytes(pickle.dumps(outcome))
+    except Exception:
+        conn.send_bytes(pickle.dumps(("error", f"rank {rank} returned a {type(outcome[1]).__name__} that "
+                                      f"cannot be sent back to the test:\n{traceback.format_exc()}")))
 
 
 def _collect(ranks: list[_Rank], name: str, deadline: float, timeout: float) -> list[Any]:

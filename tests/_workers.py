@@ -59,6 +59,7 @@ from tests._dist import (
     _Rank,
     _rank_env,
     _stop,
+    send_outcome,
 )
 
 __all__ = ["MAX_WORKERS", "run_on_workers", "shutdown_workers", "worker_pool_info"]
@@ -200,11 +201,7 @@ def _worker_main(rank, world_size, workdir, stack_path, env, conn):
             outcome = ("ok", fn(rank, world_size, *args))
         except BaseException:
             outcome = ("error", traceback.format_exc())
-        try:
-            conn.send_bytes(pickle.dumps(outcome))
-        except Exception:
-            conn.send_bytes(pickle.dumps(("error", f"rank {rank} returned a {type(outcome[1]).__name__} that "
-                                          f"cannot be sent back to the test:\n{traceback.format_exc()}")))
+        send_outcome(conn, rank, outcome)
     if dist.is_initialized():
         dist.destroy_process_group()
 
