@@ -20,6 +20,15 @@ Parts (all on ``pp=2`` ranks, the Llama of ``examples/model.py``, same seed and 
    ``(p - 1) / (m + p - 1)``.
 4. ``memory``: peak tensor bytes per stage over one step (`benchmarks.tracker.AllocationTracker`,
    parameters included), GPipe vs 1F1B.
+5. ``composed`` (4 ranks: ``pp=2 x dp_shard=2``): each stage's blocks and stage module sharded
+   on the dp axis. shardwise: ``fully_shard`` + `PipelineSchedule`; torch (torchtitan's stack):
+   torch's FSDP2 ``fully_shard`` + ``PipelineStage`` + ``Schedule1F1B`` / ``ScheduleGPipe``
+   (torch's schedules switch FSDP2's gradient sync off between microbatches, so both reduce once
+   per step). Same uniform split, schedule, microbatches and per-rank batches; steps alternate.
+   Two settings, like for like: ``kept`` — parameters stay gathered across microbatches
+   (shardwise's default; torch with ``reshard_after_forward=False``, torchtitan's default with
+   a pipeline) — and ``resharded`` — FSDP's per-microbatch resharding (shardwise with
+   ``reshard_between_microbatches=True``; torch FSDP2's default).
 """
 
 from __future__ import annotations
@@ -119,6 +128,71 @@ def _run_torch(sched, x, y):
         sched.step(target=y, losses=[])
 
 
+def _pair_stats(a, b, ca, cb) -> dict:
+    return {"shardwise_s": statistics.median(a), "torch_s": statistics.median(b),
+            "ratio": statistics.median(p / q for p, q in zip(a, b)),
+            "shardwise_cpu_s": statistics.median(ca), "torch_cpu_s": statistics.median(cb),
+            "cpu_ratio": statistics.median(p / q for p, q in zip(ca, cb))}
+
+
+def bench_composed(rank, world, args):
+    """Part 5 on 4 ranks: pp=2 x dp_shard=2, shardwise against torch's FSDP2 + pipelining."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from shardwise.mesh import data_parallel_mesh, init_mesh, pipeline_mesh
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    mesh = init_mesh(pp=2, dp_shard=2)
+    dp = data_parallel_mesh(mesh)
+    pp_rank = pipeline_mesh(mesh).get_local_rank()
+    x, y = _batch(cfg, 2 * args.batch, args.seq, 1)
+    x, y = x.chunk(2)[dp.get_local_rank()], y.chunk(2)[dp.get_local_rank()]  # each dp rank its own rows
+    m, bounds = args.microbatches, sw.uniform_bounds(cfg.n_layers, 2)
+    tmesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    out = {}
+    for schedule, kept in (("1f1b", True), ("gpipe", True), ("1f1b", False), ("gpipe", False)):
+        model = Llama(cfg, generator=torch.Generator().manual_seed(0))
+        split = sw.pipeline_split(model, pipeline_mesh(mesh), cost="params", split_points=list(bounds), verbose=False)
+        for st in split.stages:
+            for blk in st.blocks:
+                sw.fully_shard(blk, mesh=dp)
+            sw.fully_shard(st.module, mesh=dp)
+        ours = sw.PipelineSchedule(split, schedule=schedule, microbatches=m, loss_fn=_ce,
+                                   reshard_between_microbatches=not kept)
+        tmodel = Llama(cfg, generator=torch.Generator().manual_seed(0))
+        mod = TorchStage(tmodel, range(bounds[pp_rank], bounds[pp_rank + 1]), pp_rank == 0, pp_rank == 1)
+        for blk in mod.layers.values():
+            torch_fully_shard(blk, mesh=tmesh["dp"], reshard_after_forward=not kept)
+        torch_fully_shard(mod, mesh=tmesh["dp"], reshard_after_forward=not kept)
+        stage = PipelineStage(mod, pp_rank, 2, torch.device("cpu"), group=tmesh["pp"].get_group())
+        theirs = (Schedule1F1B if schedule == "1f1b" else ScheduleGPipe)(stage, n_microbatches=m, loss_fn=_ce)
+
+        def run_theirs():
+            if pp_rank == 0:
+                theirs.step(x)
+            else:
+                theirs.step(target=y, losses=[])
+        for _ in range(2):
+            mine = ours.step(x, y)
+            theirs_losses = [] if pp_rank == 1 else None
+            if pp_rank == 0:
+                theirs.step(x)
+            else:
+                theirs.step(target=y, losses=theirs_losses)
+                diff = max(abs(float(p) - float(q)) for p, q in zip(mine, theirs_losses))
+                assert diff <= 1e-5 * abs(float(mine[0])), f"the two runs compute different losses ({diff})"
+        a, b, ca, cb = [], [], [], []
+        for _ in range(args.reps):
+            a.append(_timed(lambda: ours.step(x, y), ca))
+            b.append(_timed(run_theirs, cb))
+        out[f"composed_{schedule}_{'kept' if kept else 'resharded'}"] = _pair_stats(a, b, ca, cb)
+        ours.close()
+    return out
+
+
 def bench(rank, world, args):
     torch.set_num_threads(1)
     out = {}
@@ -137,10 +211,7 @@ def bench(rank, world, args):
             a.append(_timed(lambda: ours.step(x, y), ca))
             bubbles.append(1 - ours.last_timing["compute_s"] / ours.last_timing["step_s"])
             b.append(_timed(lambda: _run_torch(theirs, x, y), cb))
-        out[f"vs_torch_{schedule}"] = {"shardwise_s": statistics.median(a), "torch_s": statistics.median(b),
-                                       "ratio": statistics.median(p / q for p, q in zip(a, b)),
-                                       "shardwise_cpu_s": statistics.median(ca), "torch_cpu_s": statistics.median(cb),
-                                       "cpu_ratio": statistics.median(p / q for p, q in zip(ca, cb))}
+        out[f"vs_torch_{schedule}"] = _pair_stats(a, b, ca, cb)
         out[f"bubble_{schedule}"] = {"measured": statistics.median(bubbles),
                                      "theory": sw.theoretical_bubble(2, m)}
         ours.close()
@@ -190,7 +261,8 @@ def main():
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--heavy-vocab", type=int, default=16384)
     p.add_argument("--heavy-dim", type=int, default=256, help="width of the heavy-head model")
-    p.add_argument("--parts", default="torch,memory,split", help="comma list of: torch, memory, split")
+    p.add_argument("--parts", default="torch,memory,split,composed",
+                   help="comma list of: torch, memory, split, composed")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
@@ -199,7 +271,9 @@ def main():
     args = p.parse_args()
     from tests._dist import run_ranks
 
-    res = run_ranks(bench, 2, args, timeout=1200)
+    res = run_ranks(bench, 2, args, timeout=1200) if set(args.parts.split(",")) - {"composed"} else []
+    if "composed" in args.parts:
+        res = [dict(r, **c) for r, c in zip(res or [{}] * 4, run_ranks(bench_composed, 4, args, timeout=1200))]
     for r, out in enumerate(res):
         print(f"--- rank {r} (stage {r})")
         for k, v in out.items():

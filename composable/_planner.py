@@ -157,7 +157,7 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 units: list[str] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
                 optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
                 prefetch: int = 2, activation_bytes: int = 0, pp: int = 1, microbatches: int = 1,
-                schedule: str = "1f1b", stage_bounds=None) -> MemoryPlan:
+                schedule: str = "1f1b", stage_bounds=None, reshard_between_microbatches: bool = False) -> MemoryPlan:
     """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
     devices (the model may be on the meta device). See [Note: the memory model].
 
@@ -176,7 +176,8 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
             pipeline (``mesh_shape`` is then one stage's): each stage by itself, activations
             scaled by the microbatches it keeps alive; the result is the `PipelineMemoryPlan`
             of all stages (``.peak``: the worst). See [Note: the memory of a pipeline stage] in
-            ``_pipeline/_memory.py``.
+            ``_pipeline/_memory.py``. ``reshard_between_microbatches``: as `PipelineSchedule`'s
+            (by default units keep their parameters gathered for the step).
 
     Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names.
     """
@@ -186,7 +187,8 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
         return plan_pipeline_memory(model, pp, mesh_shape, policy, microbatches=microbatches, schedule=schedule,
                                     stage_bounds=stage_bounds, units=units, mp_policy=mp_policy,
                                     optimizer_states=optimizer_states, optimizer_dtype=optimizer_dtype,
-                                    prefetch=prefetch, activation_bytes=activation_bytes)
+                                    prefetch=prefetch, activation_bytes=activation_bytes,
+                                    reshard_between_microbatches=reshard_between_microbatches)
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=_declares_units(model))
     strategy = policy.strategy

@@ -83,7 +83,7 @@ def _run(rank, world_size, opts):
             if dp_shard > 1 or dp_rep > 1:
                 dp_mesh = data_parallel_mesh(mesh)
                 for b in st.blocks:
-                    sw.fully_shard(b, mesh=dp_mesh)
+                    sw.fully_shard(b, mesh=dp_mesh, **({"reshard_after_forward": opts["raf"]} if "raf" in opts else {}))
                 sw.fully_shard(st.module, mesh=dp_mesh)
         dp_rank = mesh["dp_replicate"].get_local_rank() * dp_shard + mesh["dp_shard"].get_local_rank()
         dp_size = dp_shard * dp_rep
@@ -92,10 +92,16 @@ def _run(rank, world_size, opts):
     sched = PipelineSchedule(split, schedule=opts.get("schedule", "1f1b"), microbatches=opts.get("m", 4),
                              loss_fn=_ce_parallel if tp > 1 else _ce,
                              loss_context=sw.loss_parallel if tp > 1 else None,
-                             reduce_every_microbatch=opts.get("every", False))
+                             reduce_every_microbatch=opts.get("every", False),
+                             reshard_between_microbatches=opts.get("between", False))
+    import shardwise.composable._param_group as pgroup  # units all-gather with all_gather_single
     import shardwise.composable._reduce as pg  # the reduction pipeline calls reduce_scatter_single
-    calls = [0]
-    real = pg.reduce_scatter_single
+    calls, gathers = [0], [0]
+    real, real_ag = pg.reduce_scatter_single, pgroup.all_gather_single
+
+    def counting_ag(*a, **k):
+        gathers[0] += 1
+        return real_ag(*a, **k)
 
     def counting(*a, **k):
         calls[0] += 1
@@ -110,15 +116,30 @@ def _run(rank, world_size, opts):
             rep_calls[0] += 1
         return real_ar(*a, **k)
 
-    pg.reduce_scatter_single = counting
+    states = [m._fsdp_state() for st in split.stages for m in st.module.modules() if isinstance(m, sw.FSDPModule)]
+    settings = lambda: [(s.reshard_after_forward, s.reshard_after_backward, s.requires_gradient_sync)  # noqa: E731
+                        for s in states]
+    pg.reduce_scatter_single, pgroup.all_gather_single = counting, counting_ag
     dist.all_reduce = counting_ar
     try:
         losses = sched.step(inputs[sl], targets[sl])
+        # as fully_shard set them: a default reshard_after_forward is True but on the root
+        before = [((not s.is_root) if s.user_reshard_after_forward is None else s.user_reshard_after_forward, True, True)
+                  for s in states]
+        assert settings() == before, f"a pipeline step changed the units' settings: {before} -> {settings()}"
+        gathers[0] = 0
+        for p in split.module.parameters():
+            p.grad = None
+        sched.step(inputs[sl], targets[sl])  # a second step: its all-gathers are counted alone
     finally:
-        pg.reduce_scatter_single = real
+        pg.reduce_scatter_single, pgroup.all_gather_single = real, real_ag
         dist.all_reduce = real_ar
-    units = sum(1 for st in split.stages for m in st.module.modules()
-                if isinstance(m, sw.FSDPModule) and m._fsdp_state().group is not None)
+    assert settings() == before, f"a pipeline step changed the units' settings: {before} -> {settings()}"
+    gathered = [s for s in states if s.group is not None and s.group.is_unsharded and s.reshard_after_backward]
+    assert not gathered, f"{len(gathered)} unit(s) still hold gathered parameters after the step"
+    units = sum(1 for s in states if s.group is not None)
+    calls[0] //= 2
+    rep_calls[0] //= 2
     loss = losses.mean()
     if dp_size > 1:
         t = torch.tensor([float(loss)], dtype=torch.float64)
@@ -139,6 +160,7 @@ def _run(rank, world_size, opts):
         names.append(n)
     return {"loss_err": abs(float(loss) - ref_loss.item()) / ref_loss.item(), "grad_err": worst, "names": names,
             "bounds": split.plan.bounds, "reduce_scatters": calls[0], "units": units, "replica_all_reduces": rep_calls[0],
+            "all_gathers": gathers[0],
             "norm_err": norm_err}
 
 
@@ -247,3 +269,26 @@ def test_pp2_x_hsdp_one_replica_all_reduce_per_unit_per_step():
     for r in res:
         assert r["units"] == 3 and r["replica_all_reduces"] == r["units"], r
     _check(res, per_step=0)  # a shard axis of one rank has nothing to reduce-scatter
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_x_fsdp_gathers_once_per_unit_per_step(schedule):
+    """[Note: one pipeline step]: by default a unit all-gathers once per step (its parameters stay
+    gathered from the first forward to the last backward of the stage), not twice per microbatch."""
+    res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "schedule": schedule}, timeout=90)
+    for r in res:
+        assert r["all_gathers"] == r["units"] == 3, r
+    _check(res)
+
+
+def test_pp2_x_fsdp_reshard_between_microbatches_and_explicit_setting():
+    """``reshard_between_microbatches=True``: the blocks gather in every forward and backward (2 m
+    per step) and the stage root, which keeps its parameters after forward, in every backward
+    after the first (m); an explicit ``reshard_after_forward=True`` on the blocks is obeyed: they
+    gather in every forward, and once more in backward (kept between the backwards)."""
+    m = 4
+    for opts, blocks, root in (({"between": True}, 2 * m, m), ({"raf": True}, m + 1, 1)):
+        res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "schedule": "gpipe", **opts}, timeout=90)
+        for r in res:
+            assert r["all_gathers"] == 2 * blocks + root, (opts, r)  # 2 blocks + the stage root per rank
+        _check(res)

@@ -106,6 +106,13 @@ def test_plan_memory_per_stage_and_schedule_activations() -> None:
     assert [p.activations for p in gp.stages] == [int(A * share[0]), int(A * share[1])]
     assert sum(p.params for p in one.stages) <= flat.params * 1.01 + 4096  # each stage holds only its part
     assert one.peak < flat.peak and "stage 0 blocks" in str(one)
+    # by default a stage's units stay gathered for the step ([Note: one pipeline step]): every
+    # block's gathered parameters count at the peak; reshard_between_microbatches gathers 1-2 at a time
+    between = plan_memory(model, (1, 2), "FULL_SHARD", activation_bytes=A, pp=2, microbatches=8,
+                          reshard_between_microbatches=True)
+    zero2 = plan_memory(model, (1, 2), "SHARD_GRAD_OP", activation_bytes=A, pp=2, microbatches=8)
+    assert [p.peak for p in one.stages] == [p.peak for p in zero2.stages]
+    assert all(a.peak < b.peak for a, b in zip(between.stages, one.stages)), (between, one)
 
 
 def test_suggest_mesh_uses_a_pipeline_only_when_needed() -> None:

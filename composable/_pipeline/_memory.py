@@ -8,13 +8,17 @@ data-parallel rank's batch (as for `plan_memory`); a stage holds its share of th
 (``blocks_in_stage / blocks``) for the microbatches alive at once, each ``1 / m`` of the batch:
 ``m`` of them under GPipe, ``min(pp - s, m)`` on stage ``s`` under 1F1B (the first stage holds
 the most), about ``pp + (v - 1) * pp / v`` per rank interleaved. Stage boundaries are those of
-the automatic split by parameter bytes unless given. Not modelled: the activation buffers in
+the automatic split by parameter bytes unless given. Parameters: `PipelineSchedule` keeps a
+unit's parameters gathered from its stage's first forward to its last backward unless
+``reshard_between_microbatches=True`` or the unit set ``reshard_after_forward`` itself
+([Note: one pipeline step]), so by default a stage is planned with ``reshard_after_forward=False``
+(its blocks' gathered parameters all count at the peak, as with ``SHARD_GRAD_OP``). Not modelled: the activation buffers in
 flight between stages, the embedding's and head's activations beyond that share.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
@@ -65,7 +69,8 @@ def _in_flight(schedule: str, pp: int, m: int, s: int) -> float:
 
 def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, microbatches: int = 1,
                          schedule: str = "1f1b", stage_bounds=None, layers: str | None = None,
-                         activation_bytes: int = 0, **kwargs) -> PipelineMemoryPlan:
+                         activation_bytes: int = 0, reshard_between_microbatches: bool = False,
+                         **kwargs) -> PipelineMemoryPlan:
     """Plan each of the ``pp`` stages of ``model`` with `plan_memory`; see
     [Note: the memory of a pipeline stage]. ``kwargs`` go to `plan_memory`."""
     from .._planner import _declares_units, plan_memory
@@ -80,6 +85,8 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
     blocks = list(path[-1]._modules[names[-1]])
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=_declares_units(model))
+    if not reshard_between_microbatches and policy.reshard_after_forward is None:
+        policy = replace(policy, reshard_after_forward=False)  # gathered for the whole step
     classes = sorted({c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or [])})
     stages = []
     for s in range(pp):

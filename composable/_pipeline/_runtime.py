@@ -16,6 +16,17 @@ collective), the last with True: one reduce-scatter (+ one replica all-reduce fo
 unit per step. ``reduce_every_microbatch=True`` reduces after every backward instead (less
 memory, ``m`` times the traffic).
 
+Parameters: a unit gathers its parameters once per step, not twice per microbatch. Every
+backward of a stage but its last runs with ``reshard_after_backward=False`` (the next
+microbatch's forward and backward find them gathered, as torch's own schedules do with FSDP2),
+and units whose ``reshard_after_forward`` was left at its default do not reshard after forward
+during the step (torchtitan's choice with a pipeline: per-microbatch all-gathers cannot be
+hidden behind a microbatch's compute). The stage's parameters are then held unsharded from the
+first forward to the last backward of the step, as ``SHARD_GRAD_OP`` (ZeRO-2) holds them;
+`plan_memory` with ``pp`` plans that. An explicit ``reshard_after_forward`` on a unit is obeyed;
+``reshard_between_microbatches=True`` reshards after every forward and backward (FSDP's own
+memory, ``2 m`` all-gathers per unit per step). Both settings are restored after the step.
+
 End of step: one small all-reduce on the ``pp`` group carries a failure flag and the
 microbatch losses (so every rank returns them). A rank whose action raised first sends the
 error to its pipeline neighbours ([Note: messages between stages]), then joins that
@@ -70,10 +81,29 @@ def _first_tensor(out):
     return None
 
 
-def _set_sync(module: nn.Module, flag: bool) -> None:
+def _units_of(module: nn.Module) -> list:
+    """The ``fully_shard`` unit states in ``module`` (each once)."""
+    out = []
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            m.set_requires_gradient_sync(flag, recurse=False)
+            s = m._fsdp_state()
+            if all(s is not o for o in out):
+                out.append(s)
+    return out
+
+
+def _prepare_backward(units: list, user_rab: dict, last: bool, every_microbatch: bool, keep: bool) -> None:
+    """Gradient sync and resharding for one backward of a stage; see [Note: one pipeline step]."""
+    for s in units:
+        s.requires_gradient_sync = last or every_microbatch
+        s.reshard_after_backward = user_rab[id(s)] if last or not keep else False
+
+
+def _default_reshard_after_forward(s) -> bool | int:
+    """What a unit's ``reshard_after_forward`` is outside a pipeline step (as ``fully_shard`` set it)."""
+    if s.user_reshard_after_forward is not None:
+        return s.user_reshard_after_forward
+    return not s.is_root if s.ctx is not None else True
 
 
 class PipelineSchedule:
@@ -90,6 +120,9 @@ class PipelineSchedule:
             (e.g. ``shardwise.composable.loss_parallel`` for class-sharded logits).
         reduce_every_microbatch: reduce gradients after every microbatch's backward instead of
             once per step; see [Note: one pipeline step].
+        reshard_between_microbatches: free ``fully_shard`` units' gathered parameters after every
+            microbatch's forward and backward (less memory, ``2 m`` all-gathers per unit per
+            step) instead of keeping them gathered for the step; see [Note: one pipeline step].
 
     ``step(inputs, targets)`` returns the ``m`` microbatch losses (a float64 CPU tensor, the
     same on every rank); ``last_timing`` then holds this rank's ``compute_s`` (wall time inside
@@ -99,7 +132,7 @@ class PipelineSchedule:
 
     def __init__(self, split: PipelineSplit, *, schedule: str = "1f1b", microbatches: int,
                  loss_fn: Callable, loss_context: Callable | None = None,
-                 reduce_every_microbatch: bool = False) -> None:
+                 reduce_every_microbatch: bool = False, reshard_between_microbatches: bool = False) -> None:
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"pipeline: microbatches={microbatches!r}; it must be a positive int")
         self.split = split
@@ -107,6 +140,7 @@ class PipelineSchedule:
         self.loss_fn = loss_fn
         self.loss_context = loss_context
         self.reduce_every_microbatch = reduce_every_microbatch
+        self.reshard_between_microbatches = reshard_between_microbatches
         pp, v = split.pp_size, split.virtual_stages
         self.all_actions = build_schedule(schedule, pp, microbatches, v)
         self.actions = self.all_actions[split.pp_rank]
@@ -213,6 +247,13 @@ class PipelineSchedule:
         saved: dict = {}
         error = None
         compute = cpu = 0.0
+        units = {i: _units_of(st.module) for i, st in self.stages.items()}
+        user_rab = {id(u): u.reshard_after_backward for us in units.values() for u in us}
+        if not self.reshard_between_microbatches:
+            for us in units.values():
+                for u in us:
+                    if u.user_reshard_after_forward is None:
+                        u.reshard_after_forward = False
         t_start = time.perf_counter()
         for idx, a in enumerate(self.actions):
             x = None
@@ -255,7 +296,8 @@ class PipelineSchedule:
                     if not st.is_last:
                         g = self._get(("grad", a.stage, a.microbatch), a.stage + 1, local)
                     t0, c0 = time.perf_counter(), time.thread_time()
-                    _set_sync(st.module, self.reduce_every_microbatch or self.last_b[a.stage] == idx)
+                    _prepare_backward(units[a.stage], user_rab, self.last_b[a.stage] == idx,
+                                      self.reduce_every_microbatch, not self.reshard_between_microbatches)
                     if st.is_last:
                         ctx = self.loss_context() if self.loss_context else _null()
                         with ctx:
@@ -288,6 +330,11 @@ class PipelineSchedule:
                 break
         for st in self.split.stages:
             st.slot.value = st.slot.out = None
+        for us in units.values():
+            for u in us:
+                u.reshard_after_backward = user_rab[id(u)]
+                u.requires_gradient_sync = True
+                u.reshard_after_forward = _default_reshard_after_forward(u)
         return self._finish(losses, error, (compute, cpu), t_start)
 
     def _notify(self, text: str) -> None:
