@@ -3,7 +3,7 @@ uniform split with a heavy head, measured bubble vs theory, peak memory per stag
 
     python benchmarks/pipeline.py --reps 8          # 2 gloo ranks on CPU, one thread each
 
-Parts (all on ``pp=2`` ranks, the Llama of ``examples/model.py``, same seed and batches):
+Parts (all ``pp=2``; 2 ranks except ``composed``; the Llama of ``examples/model.py``, same seed and batches):
 
 1. ``vs torch``: one split (uniform), the same schedule (1F1B, then GPipe) and microbatches;
    shardwise's `PipelineSchedule` and torch's ``PipelineStage`` + ``Schedule1F1B`` /
@@ -29,6 +29,8 @@ Parts (all on ``pp=2`` ranks, the Llama of ``examples/model.py``, same seed and 
    (shardwise's default; torch with ``reshard_after_forward=False``, torchtitan's default with
    a pipeline) — and ``resharded`` — FSDP's per-microbatch resharding (shardwise with
    ``reshard_between_microbatches=True``; torch FSDP2's default).
+6. ``ahead``: shardwise 1F1B with and without receiving ahead ([Note: receiving ahead] in
+   ``composable/_pipeline/_p2p.py``), alternating, same split; ratio of wall and CPU times.
 """
 
 from __future__ import annotations
@@ -215,6 +217,22 @@ def bench(rank, world, args):
         out[f"bubble_{schedule}"] = {"measured": statistics.median(bubbles),
                                      "theory": sw.theoretical_bubble(2, m)}
         ours.close()
+    if "ahead" in args.parts:
+        _, on = _ours(cfg, m, "1f1b", split_points=list(bounds))
+        _, off = _ours(cfg, m, "1f1b", split_points=list(bounds))
+        off.p2p.ahead = False
+        for _ in range(2):
+            on.step(x, y)
+            off.step(x, y)
+        a, b, ca, cb = [], [], [], []
+        for _ in range(args.reps):
+            a.append(_timed(lambda: on.step(x, y), ca))
+            b.append(_timed(lambda: off.step(x, y), cb))
+        stats = _pair_stats(a, b, ca, cb)
+        out["ahead_vs_not_1f1b"] = {k.replace("shardwise", "ahead").replace("torch", "not_ahead"): v
+                                    for k, v in stats.items()}
+        on.close()
+        off.close()
     # memory per stage, gpipe vs 1f1b
     from benchmarks.tracker import AllocationTracker
     for schedule in ("gpipe", "1f1b") if "memory" in args.parts else ():
@@ -261,8 +279,8 @@ def main():
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--heavy-vocab", type=int, default=16384)
     p.add_argument("--heavy-dim", type=int, default=256, help="width of the heavy-head model")
-    p.add_argument("--parts", default="torch,memory,split,composed",
-                   help="comma list of: torch, memory, split, composed")
+    p.add_argument("--parts", default="torch,memory,split,composed,ahead",
+                   help="comma list of: torch, memory, split, composed, ahead")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)

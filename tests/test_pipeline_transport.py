@@ -115,3 +115,44 @@ def test_failure_while_peers_wait_for_a_known_shape_is_one_error(width):
     assert len(set(got)) == 1, f"ranks disagree: {got}"
     assert got[0].startswith("pipeline stage 2 (pp rank 2) failed in forward of microbatch 2: RuntimeError: "
                              "boom at call 7") and "\n" not in got[0], got[0]
+
+
+def _rebuild_after_failure(rank, world_size, boom_stage_block):
+    torch.manual_seed(0)
+    model = Chain(w=8, boom=boom_stage_block, at=world_size + 2)  # fails in the second step
+    ref = copy.deepcopy(model)
+    split = pipeline_split(model, cost="params", verbose=False)
+    sched = PipelineSchedule(split, schedule="1f1b", microbatches=world_size, loss_fn=F.mse_loss)
+    x, y = torch.randn(2 * world_size, 4), torch.randn(2 * world_size, 3)
+    sched.step(x, y)
+    try:
+        sched.step(x, y)
+        return "no error"
+    except PipelineError as exc:
+        first = str(exc)
+    sched.close()
+    for blk in split.module.modules():
+        if isinstance(blk, Block):
+            blk.at = 0
+    fresh = PipelineSchedule(split, schedule="1f1b", microbatches=world_size, loss_fn=F.mse_loss)
+    split.module.zero_grad()
+    ref.zero_grad()
+    for blk in ref.modules():
+        if isinstance(blk, Block):
+            blk.at = 0
+    F.mse_loss(ref(x), y).backward()
+    losses = fresh.step(x, y)
+    mine = dict(split.module.named_parameters())
+    err = max(((p.grad - mine[k].grad).abs().max() / p.grad.abs().max()).item()
+              for k, p in ref.named_parameters() if k in mine)
+    return first, err, losses.tolist()
+
+
+@pytest.mark.parametrize("block", [0, 3])  # first stage (its sends were in flight) / last stage
+def test_a_new_schedule_after_a_failed_step_trains_correctly(block):
+    """After a failed step, a new PipelineSchedule on the same split (as the error says) must not
+    take messages left over from the failed step: same gradients as one process."""
+    got = run_ranks(_rebuild_after_failure, 4, block, timeout=60)
+    assert len({g[0] for g in got}) == 1 and "boom" in got[0][0], got
+    for first, err, _ in got:
+        assert err <= TOL, got

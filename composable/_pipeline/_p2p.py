@@ -23,7 +23,12 @@ of two is one copy of the tensor behind the header on the sending side; the rece
 view of the message.
 
 Sends are asynchronous and waited for at the end of the step; receives are blocking and, from
-each peer, taken in the order that peer sends (no tags: order is what NCCL matches on too).
+each peer, taken in the order that peer sends (order is what NCCL matches on). Every message of
+a schedule carries its tag, the number of schedules built on the split so far: a step that
+failed can leave messages unreceived (a send already on its way, an error sent to a peer that
+had already stopped), and a new `PipelineSchedule` on the same split must not take them. gloo
+matches tags, so the new schedule never sees them; NCCL ignores tags (after a failure there,
+restart the job).
 A send is not issued on its own right away: it waits in an outbox until the start of the next
 action, and if that action receives, the sends and the receive go out as one
 ``batch_isend_irecv`` group. On NCCL the point-to-point operations of a pair of ranks run in
@@ -34,6 +39,16 @@ own schedules do). On gloo the grouping changes nothing. A rank knows every rank
 so it knows which message comes next from each peer; a message that arrives before it is needed
 waits in a buffer. That adds no waiting a tag-matched receive would not have: a peer's later
 message is always produced after its earlier ones.
+
+[Note: receiving ahead]
+On gloo (CPU tensors) a transfer moves only once the receiver has posted its receive, and
+moving it takes the sender's communication thread, which on a busy machine waits for a core
+while the sender computes. So as soon as a message from a peer has arrived, the receive of the
+next one from that peer is posted (its size is known: the channel's remembered shape, or a
+header), and the transfer happens while the receiver still computes, usually while the sender
+waits (measured in docs/benchmarks.md#pipeline, ``benchmarks/pipeline.py --parts ahead``). It is off on
+NCCL: a posted receive occupies the pair's ordered stream there, and a send queued behind it
+could wait for a message that needs that send first.
 """
 
 from __future__ import annotations
@@ -70,8 +85,9 @@ def _nbytes(meta) -> int:
 class P2P:
     """Messages on the ``pp`` process group ``group`` (ranks are group ranks)."""
 
-    def __init__(self, group, device: torch.device) -> None:
+    def __init__(self, group, device: torch.device, tag: int = 0) -> None:
         self.group = group
+        self.tag = tag
         self.device = device
         self._pending: list = []  # (work, tensor) of sends in flight
         self._outbox: list = []  # (peer, tensor) of sends not issued yet
@@ -80,11 +96,25 @@ class P2P:
         self._buffer: dict[tuple, torch.Tensor] = {}
         self._sent: dict[tuple, tuple] = {}  # channel -> (dtype, shape, header bytes) last sent
         self._received: dict[tuple, tuple] = {}  # channel -> (dtype, shape) last received
+        # receiving ahead: see [Note: receiving ahead]; gloo only (CPU tensors)
+        self.ahead = device.type == "cpu"
+        self._posted: dict[int, tuple] = {}  # peer -> (key, buffer, work) of the receive posted ahead
 
     def expect(self, peer: int, keys: list, sends: list = ()) -> None:
         """``keys``: what ``peer`` sends us this step, in its order; ``sends``: what we send it."""
         self._expected[peer] = deque(keys)
         self._to_send[peer] = deque(sends)
+        self._post_ahead(peer)
+
+    def _post_ahead(self, peer: int) -> None:
+        """Post the receive of the next message ``peer`` sends us, if its size is known."""
+        queue = self._expected.get(peer)
+        if not self.ahead or peer in self._posted or not queue:
+            return
+        key = queue[0]
+        buf = torch.empty(_HEADER_BYTES + _nbytes(self._received.get((peer, key[0], key[1]))), dtype=torch.uint8,
+                          device=self.device)
+        self._posted[peer] = (key, buf, dist.irecv(buf, group=self.group, tag=self.tag, group_src=peer))
 
     def _header(self, status: int, code: int, sizes) -> torch.Tensor:
         h = [status, code, len(sizes), *sizes]
@@ -121,7 +151,7 @@ class P2P:
         queue.popleft()
 
     def _ops(self) -> list:
-        ops = [dist.P2POp(dist.isend, x, group=self.group, group_peer=peer) for peer, x in self._outbox]
+        ops = [dist.P2POp(dist.isend, x, group=self.group, tag=self.tag, group_peer=peer) for peer, x in self._outbox]
         return ops
 
     def flush(self) -> None:
@@ -133,7 +163,7 @@ class P2P:
 
     def _recv_into(self, t: torch.Tensor, peer: int) -> None:
         """Receive ``t`` from ``peer``, issuing the outbox's sends in the same group."""
-        ops = self._ops() + [dist.P2POp(dist.irecv, t, group=self.group, group_peer=peer)]
+        ops = self._ops() + [dist.P2POp(dist.irecv, t, group=self.group, tag=self.tag, group_peer=peer)]
         works = dist.batch_isend_irecv(ops)
         self._pending += list(zip(works[:-1], [x for _, x in self._outbox]))
         self._outbox.clear()
@@ -155,8 +185,17 @@ class P2P:
     def _recv_one(self, peer: int, key: tuple) -> torch.Tensor:
         channel = (peer, key[0], key[1])
         known = self._received.get(channel)
-        buf = torch.empty(_HEADER_BYTES + _nbytes(known), dtype=torch.uint8, device=self.device)
-        self._recv_into(buf, peer)
+        posted = self._posted.pop(peer, None)
+        if posted is not None:
+            if posted[0] != key:
+                raise RuntimeError(f"pipeline: internal error, the receive posted ahead from pp rank {peer} is for "
+                                   f"{posted[0]}, not {key}")
+            buf = posted[1]
+            self.flush()
+            posted[2].wait()
+        else:
+            buf = torch.empty(_HEADER_BYTES + _nbytes(known), dtype=torch.uint8, device=self.device)
+            self._recv_into(buf, peer)
         h = buf[:_HEADER_BYTES].view(torch.int64).tolist()
         if h[0] == _ERROR:
             n = h[3]
@@ -185,6 +224,7 @@ class P2P:
                 raise RuntimeError(f"pipeline: internal error, no message {key} expected from pp rank {peer}")
             nxt = queue.popleft()
             self._buffer[nxt] = self._recv_one(peer, nxt)
+            self._post_ahead(peer)
         return self._buffer.pop(key)
 
     def wait_sends(self) -> None:
@@ -197,6 +237,7 @@ class P2P:
         """Forget sends, buffers and channel shapes after a failed step (the peers will not take them)."""
         self._pending.clear()
         self._outbox.clear()
+        self._posted.clear()
         self._buffer.clear()
         self._sent.clear()
         self._received.clear()

@@ -162,7 +162,7 @@ class PipelineSchedule:
                 self.last_b[a.stage] = i
         param = next((p for p in split.module.parameters()), None)
         self.device = _device_of(param)
-        self.p2p = P2P(split.pp_group, self.device) if pp > 1 else None
+        self.p2p = P2P(split.pp_group, self.device, split.next_tag()) if pp > 1 else None
         self._order = None  # peer -> (keys it sends us, keys we send it), per step
         if self.p2p is not None:
             # NCCL needs every rank of a group in its first batched point-to-point call; a
