@@ -41,14 +41,16 @@ waits in a buffer. That adds no waiting a tag-matched receive would not have: a 
 message is always produced after its earlier ones.
 
 [Note: receiving ahead]
-On gloo (CPU tensors) a transfer moves only once the receiver has posted its receive, and
-moving it takes the sender's communication thread, which on a busy machine waits for a core
-while the sender computes. So as soon as a message from a peer has arrived, the receive of the
-next one from that peer is posted (its size is known: the channel's remembered shape, or a
-header), and the transfer happens while the receiver still computes, usually while the sender
-waits (measured in docs/benchmarks.md#pipeline, ``benchmarks/pipeline.py --parts ahead``). It is off on
+On gloo (CPU tensors) a receive posted only when its action starts leaves the transfer to
+happen then, when the sender may be computing and its communication thread waiting for a core.
+So as soon as a message from a peer has arrived, the receive of the next one from that peer is
+posted (its size is known: the channel's remembered shape, or a header), and the data can move
+while the receiver still computes, often while the sender waits for its own next message
+(measured: docs/benchmarks.md#pipeline, ``benchmarks/pipeline.py --parts ahead``). Off on
 NCCL: a posted receive occupies the pair's ordered stream there, and a send queued behind it
-could wait for a message that needs that send first.
+could wait for a message that needs that send first. A receive posted ahead in a step that
+fails may never complete; messages are tagged per schedule (above), so it cannot take a later
+schedule's message.
 """
 
 from __future__ import annotations
