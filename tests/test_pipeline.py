@@ -292,3 +292,49 @@ def test_pp2_x_fsdp_reshard_between_microbatches_and_explicit_setting():
         for r in res:
             assert r["all_gathers"] == 2 * blocks + root, (opts, r)  # 2 blocks + the stage root per rank
         _check(res)
+
+
+def _accumulate_over_steps(rank, world_size, schedule):
+    ref = Llama(CFG, generator=torch.Generator().manual_seed(0))
+    model = copy.deepcopy(ref)
+    inputs, targets = _batch(8)
+    _ce(ref(inputs), targets).backward()
+    mesh = init_mesh(pp=2, dp_shard=2, device_type="cpu")
+    split = pipeline_split(model, pipeline_mesh(mesh), cost="params", verbose=False)
+    dp = data_parallel_mesh(mesh)
+    for st in split.stages:
+        for b in st.blocks:
+            sw.fully_shard(b, mesh=dp)
+        sw.fully_shard(st.module, mesh=dp)
+    sched = PipelineSchedule(split, schedule=schedule, microbatches=2, loss_fn=_ce)
+    sl = slice(dp.get_local_rank() * 4, (dp.get_local_rank() + 1) * 4)
+    import shardwise.composable._reduce as pg
+    real, calls = pg.reduce_scatter_single, []
+    pg.reduce_scatter_single = lambda *a, **k: calls.append(1) or real(*a, **k)
+    roots = [st.module for st in split.stages]
+    try:
+        for r in roots:
+            r.set_requires_gradient_sync(False)  # FSDP2's accumulation over steps
+        sched.step(inputs[sl], targets[sl])
+        first = len(calls)
+        unsharded = all(p.grad is None for p in split.module.parameters())
+        for r in roots:
+            r.set_requires_gradient_sync(True)
+        sched.step(inputs[sl], targets[sl])
+    finally:
+        pg.reduce_scatter_single = real
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    worst = max(((_full(p.grad) - 2 * ref_grads[n]).abs().max() / ref_grads[n].abs().max()).item()
+                for n, p in split.module.named_parameters())
+    return first, len(calls) - first, unsharded, worst
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_x_fsdp_accumulates_over_steps_with_gradient_sync_off(schedule):
+    """A user's ``set_requires_gradient_sync(False)`` before a pipeline step holds for the whole
+    step (no reduce-scatter, gradients kept unsharded); the next step with True reduces both
+    steps' gradients once: twice the one-process gradient of the batch."""
+    for first, second, unsharded, worst in run_ranks(_accumulate_over_steps, 4, schedule, timeout=90):
+        assert first == 0 and unsharded, (first, unsharded)
+        assert second == 3, second  # 2 blocks + the stage root
+        assert worst <= TOL, worst

@@ -13,7 +13,8 @@ gradients are those of the whole batch on one process.
 Gradient reduction: for ``fully_shard`` units, every backward of a stage but its last in the
 step runs with ``set_requires_gradient_sync(False)`` (gradients accumulate unsharded, no
 collective), the last with True: one reduce-scatter (+ one replica all-reduce for HSDP) per
-unit per step. ``reduce_every_microbatch=True`` reduces after every backward instead (less
+unit per step. A unit the user set to ``requires_gradient_sync=False`` before the step (to
+accumulate over several steps, as with FSDP2) reduces in none of its backwards. ``reduce_every_microbatch=True`` reduces after every backward instead (less
 memory, ``m`` times the traffic).
 
 Parameters: a unit gathers its parameters once per step, not twice per microbatch. Every
@@ -92,11 +93,13 @@ def _units_of(module: nn.Module) -> list:
     return out
 
 
-def _prepare_backward(units: list, user_rab: dict, last: bool, every_microbatch: bool, keep: bool) -> None:
-    """Gradient sync and resharding for one backward of a stage; see [Note: one pipeline step]."""
+def _prepare_backward(units: list, user: dict, last: bool, every_microbatch: bool, keep: bool) -> None:
+    """Gradient sync and resharding for one backward of a stage; see [Note: one pipeline step].
+    ``user``: each unit's (reshard_after_backward, requires_gradient_sync) before the step."""
     for s in units:
-        s.requires_gradient_sync = last or every_microbatch
-        s.reshard_after_backward = user_rab[id(s)] if last or not keep else False
+        rab, sync = user[id(s)]
+        s.requires_gradient_sync = sync and (last or every_microbatch)
+        s.reshard_after_backward = rab if last or not keep else False
 
 
 def _default_reshard_after_forward(s) -> bool | int:
@@ -248,7 +251,7 @@ class PipelineSchedule:
         error = None
         compute = cpu = 0.0
         units = {i: _units_of(st.module) for i, st in self.stages.items()}
-        user_rab = {id(u): u.reshard_after_backward for us in units.values() for u in us}
+        user = {id(u): (u.reshard_after_backward, u.requires_gradient_sync) for us in units.values() for u in us}
         if not self.reshard_between_microbatches:
             for us in units.values():
                 for u in us:
@@ -296,7 +299,7 @@ class PipelineSchedule:
                     if not st.is_last:
                         g = self._get(("grad", a.stage, a.microbatch), a.stage + 1, local)
                     t0, c0 = time.perf_counter(), time.thread_time()
-                    _prepare_backward(units[a.stage], user_rab, self.last_b[a.stage] == idx,
+                    _prepare_backward(units[a.stage], user, self.last_b[a.stage] == idx,
                                       self.reduce_every_microbatch, not self.reshard_between_microbatches)
                     if st.is_last:
                         ctx = self.loss_context() if self.loss_context else _null()
@@ -332,8 +335,7 @@ class PipelineSchedule:
             st.slot.value = st.slot.out = None
         for us in units.values():
             for u in us:
-                u.reshard_after_backward = user_rab[id(u)]
-                u.requires_gradient_sync = True
+                u.reshard_after_backward, u.requires_gradient_sync = user[id(u)]
                 u.reshard_after_forward = _default_reshard_after_forward(u)
         return self._finish(losses, error, (compute, cpu), t_start)
 
