@@ -271,11 +271,14 @@ def test_pp2_x_hsdp_one_replica_all_reduce_per_unit_per_step():
     _check(res, per_step=0)  # a shard axis of one rank has nothing to reduce-scatter
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
 def test_pp2_x_fsdp_gathers_once_per_unit_per_step(schedule):
     """[Note: one pipeline step]: by default a unit all-gathers once per step (its parameters stay
-    gathered from the first forward to the last backward of the stage), not twice per microbatch."""
-    res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "schedule": schedule}, timeout=90)
+    gathered from the first forward to the last backward of the stage), not twice per microbatch.
+    Interleaved: two stages of one block per rank; the middle stage's root unit holds no
+    parameters (the embedding and the head are on the first and last stage), so 3 units again."""
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "schedule": schedule, "v": v}, timeout=90)
     for r in res:
         assert r["all_gathers"] == r["units"] == 3, r
     _check(res)
