@@ -246,12 +246,15 @@ def _ring(n: int, size: float, all_reduce: bool = False) -> float:
     return 0.0 if n <= 1 else (2 if all_reduce else 1) * (n - 1) / n * size
 
 
-def _comm(plan: MemoryPlan, gpus_per_host: int, hosts: int, intra: float, inter: float) -> tuple[float, float]:
-    """(seconds, cross-host bytes) of one rank's data-parallel sends per step (ring algorithms)."""
+def _comm(plan: MemoryPlan, gpus_per_host: int, hosts: int, intra: float, inter: float,
+          gather_once: bool = False) -> tuple[float, float]:
+    """(seconds, cross-host bytes) of one rank's data-parallel sends per step (ring algorithms).
+    ``gather_once``: every unit all-gathers once per step (a pipeline stage keeps its parameters
+    gathered for the step, [Note: fully_shard units in a pipeline step])."""
     (R, S, T), strategy = plan.mesh_shape, ShardingStrategy(plan.strategy)
     shard, rep = (1, R * S) if strategy is ShardingStrategy.NO_SHARD else (S, R)
     others = sum(u.unsharded for u in plan.units[:-1])  # gathered again in backward when resharded
-    gathered = others * (1 + strategy.reshard_after_forward) + plan.units[-1].unsharded
+    gathered = others * (1 + (strategy.reshard_after_forward and not gather_once)) + plan.units[-1].unsharded
     reduced = sum(u.reduce_bytes for u in plan.units)
     shard_bytes, rep_bytes = _ring(shard, gathered) + _ring(shard, reduced), _ring(rep, reduced / shard, True)
     shard_cross, rep_cross = hosts > 1 and (shard * T > gpus_per_host or gpus_per_host % (shard * T)), hosts > 1
@@ -305,7 +308,8 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
                                    schedule=schedule)
                 if pp > 1:
                     plan = plan.stages[plan.worst_stage]
-                secs, cross = _comm(plan, gpus_per_host, hosts // pp, intra_host_bandwidth, inter_host_bandwidth)
+                secs, cross = _comm(plan, gpus_per_host, hosts // pp, intra_host_bandwidth, inter_host_bandwidth,
+                                    gather_once=pp > 1)
                 by_pp.setdefault(pp, []).append((tp, secs, plan.peak, plan, cross))
     pp = next((p for p in sorted(by_pp) if any(c[2] <= budget for c in by_pp[p])), min(by_pp))
     candidates = by_pp[pp]

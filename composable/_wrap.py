@@ -280,9 +280,11 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None,
     """Shard ``model``: ``fully_shard`` every unit `select_units` picks (children first), then
     the root, on ``strategy_mesh(policy.strategy, mesh)``.
 
-    Units get the strategy's ``reshard_after_forward`` (or ``policy.reshard_after_forward``);
-    the root gets None (keeps its parameters until backward), or False under a strategy that
-    never reshards. ``ignored_params``, and ``mp_policy`` / ``offload_policy`` (default: the
+    Units get the strategy's ``reshard_after_forward`` (or ``policy.reshard_after_forward``):
+    under FULL_SHARD / HYBRID_SHARD that is ``fully_shard``'s default (None: reshard), so that
+    what is left to the default stays so (a pipeline keeps default units gathered between
+    microbatches, [Note: fully_shard units in a pipeline step]); the root gets None (keeps its
+    parameters until backward), or False under a strategy that never reshards. ``ignored_params``, and ``mp_policy`` / ``offload_policy`` (default: the
     policy's), go to every call. Returns ``model``. Call it on every rank; build the optimizer
     afterwards.
     """
@@ -294,7 +296,8 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None,
               mp_policy=policy.mp_policy if mp_policy is None else mp_policy,
               offload_policy=policy.offload_policy if offload_policy is None else offload_policy)
     modules = dict(model.named_modules())
+    unit_raf = None if raf is True and policy.reshard_after_forward is None else raf  # True is the default
     for name in select_units(model, policy):
-        fully_shard(modules[name], mesh=dp_mesh, reshard_after_forward=raf, **kw)
+        fully_shard(modules[name], mesh=dp_mesh, reshard_after_forward=unit_raf, **kw)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False if raf is False else None, **kw)
     return model

@@ -273,7 +273,7 @@ def test_pp2_x_hsdp_one_replica_all_reduce_per_unit_per_step():
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
 def test_pp2_x_fsdp_gathers_once_per_unit_per_step(schedule):
-    """[Note: one pipeline step]: by default a unit all-gathers once per step (its parameters stay
+    """[Note: fully_shard units in a pipeline step]: by default a unit all-gathers once per step (its parameters stay
     gathered from the first forward to the last backward of the stage), not twice per microbatch.
     Interleaved: two stages of one block per rank; the middle stage's root unit holds no
     parameters (the embedding and the head are on the first and last stage), so 3 units again."""
@@ -340,4 +340,88 @@ def test_pp2_x_fsdp_accumulates_over_steps_with_gradient_sync_off(schedule):
     for first, second, unsharded, worst in run_ranks(_accumulate_over_steps, 4, schedule, timeout=90):
         assert first == 0 and unsharded, (first, unsharded)
         assert second == 3, second  # 2 blocks + the stage root
+        assert worst <= TOL, worst
+
+
+def _sharded_stages(policy=None):
+    ref = Llama(CFG, generator=torch.Generator().manual_seed(0))
+    mesh = init_mesh(pp=2, dp_shard=2, device_type="cpu")
+    split = pipeline_split(copy.deepcopy(ref), pipeline_mesh(mesh), cost="params", verbose=False)
+    dp = data_parallel_mesh(mesh)
+    for st in split.stages:
+        if policy is not None:
+            sw.apply_fully_shard(st.module, dp, policy)
+            continue
+        for b in st.blocks:
+            sw.fully_shard(b, mesh=dp)
+        sw.fully_shard(st.module, mesh=dp)
+    inputs, targets = _batch(8)
+    sl = slice(dp.get_local_rank() * 4, (dp.get_local_rank() + 1) * 4)
+    states = [m._fsdp_state() for st in split.stages for m in st.module.modules() if isinstance(m, sw.FSDPModule)]
+    return ref, split, (inputs, targets, sl), [s for s in states if s.group is not None]
+
+
+def _policy_units_gather_once(rank, world_size):
+    _, split, (inputs, targets, sl), units = _sharded_stages(sw.ShardingPolicy("FULL_SHARD", layer_cls="TransformerBlock"))
+    sched = PipelineSchedule(split, schedule="gpipe", microbatches=4, loss_fn=_ce)
+    sched.step(inputs[sl], targets[sl])
+    import shardwise.composable._param_group as pgroup
+    real, n = pgroup.all_gather_single, []
+    pgroup.all_gather_single = lambda *a, **k: n.append(1) or real(*a, **k)
+    try:
+        sched.step(inputs[sl], targets[sl])
+    finally:
+        pgroup.all_gather_single = real
+    return len(n), len(units)
+
+
+def test_pp2_x_fsdp_policy_units_gather_once_per_step():
+    """``apply_fully_shard`` with FULL_SHARD leaves the units' resharding at fully_shard's default,
+    so a pipeline keeps them gathered between microbatches, as the planner plans."""
+    for gathers, units in run_ranks(_policy_units_gather_once, 4, timeout=90):
+        assert gathers == units == 3, (gathers, units)
+
+
+class _RaiseAt:
+    def __init__(self, at):
+        self.at, self.calls = at, 0
+
+    def __call__(self, mod, args):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError(f"boom at call {self.calls}")
+
+
+def _failure_then_new_schedule(rank, world_size):
+    ref, split, (inputs, targets, sl), units = _sharded_stages()
+    params = list(split.module.parameters())  # what an optimizer holds
+    hook = split.stages[0].blocks[0].register_forward_pre_hook(_RaiseAt(3)) if split.pp_rank == 1 else None
+    sched = PipelineSchedule(split, schedule="1f1b", microbatches=4, loss_fn=_ce)
+    try:
+        sched.step(inputs[sl], targets[sl])
+        return "no error"
+    except PipelineError:
+        pass
+    left = {"plain tensors registered": sum(not isinstance(p, DTensor) for p in split.module.parameters()),
+            "units gathered": sum(s.group.is_unsharded for s in units),
+            "units with unsharded gradients": sum(s.group.has_unsharded_grads() for s in units)}
+    sched.close()
+    if hook is not None:
+        hook.remove()
+    for p in params:  # optimizer.zero_grad()
+        p.grad = None
+    PipelineSchedule(split, schedule="1f1b", microbatches=4, loss_fn=_ce).step(inputs[sl], targets[sl])
+    _ce(ref(inputs), targets).backward()
+    ref_grads = dict(ref.named_parameters())
+    worst = max(((_full(p.grad) - ref_grads[n].grad).abs().max() / ref_grads[n].grad.abs().max()).item()
+                for n, p in split.module.named_parameters())
+    return left, worst
+
+
+def test_pp2_x_fsdp_failed_step_reshards_and_drops_its_gradients():
+    """A step that fails after two backwards leaves every unit resharded (its modules hold their
+    shards, not gathered tensors) and none of the failed step's partial gradients; a new schedule
+    then computes the one-process gradients."""
+    for left, worst in run_ranks(_failure_then_new_schedule, 4, timeout=90):
+        assert not any(left.values()), left
         assert worst <= TOL, worst

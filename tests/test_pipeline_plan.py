@@ -106,7 +106,7 @@ def test_plan_memory_per_stage_and_schedule_activations() -> None:
     assert [p.activations for p in gp.stages] == [int(A * share[0]), int(A * share[1])]
     assert sum(p.params for p in one.stages) <= flat.params * 1.01 + 4096  # each stage holds only its part
     assert one.peak < flat.peak and "stage 0 blocks" in str(one)
-    # by default a stage's units stay gathered for the step ([Note: one pipeline step]): every
+    # by default a stage's units stay gathered for the step ([Note: fully_shard units in a pipeline step]): every
     # block's gathered parameters count at the peak; reshard_between_microbatches gathers 1-2 at a time
     between = plan_memory(model, (1, 2), "FULL_SHARD", activation_bytes=A, pp=2, microbatches=8,
                           reshard_between_microbatches=True)
@@ -155,3 +155,16 @@ def test_split_refusals_without_processes() -> None:
     split = pipeline_split(_Tied(False), virtual_stages=3, cost="params", verbose=False)
     assert split.plan.bounds == (0, 1, 2, 3) and [s.is_first for s in split.stages] == [True, False, False]
     assert {n for n, _ in split.module.named_parameters()} == {n for n, _ in _Tied(False).named_parameters()}
+
+
+def test_suggest_mesh_counts_one_gather_per_unit_in_a_pipeline() -> None:
+    """A pipeline stage gathers every unit once per step, FULL_SHARD or not: the traffic
+    `suggest_mesh` ranks layouts by is then SHARD_GRAD_OP's; without a pipeline FULL_SHARD
+    gathers the blocks twice (forward and backward)."""
+    from shardwise.composable import plan_memory
+    from shardwise.composable._planner import _comm
+    model = _meta_llama(vocab_size=1000, dim=64, n_layers=8, n_heads=4)
+    full, zero2 = (plan_memory(model, (1, 4), s) for s in ("FULL_SHARD", "SHARD_GRAD_OP"))
+    args = (8, 1, 100e9, 25e9)
+    assert _comm(full, *args, gather_once=True) == _comm(zero2, *args) == _comm(zero2, *args, gather_once=True)
+    assert _comm(full, *args)[0] > _comm(zero2, *args)[0]

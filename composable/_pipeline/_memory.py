@@ -11,7 +11,7 @@ the most), about ``pp + (v - 1) * pp / v`` per rank interleaved. Stage boundarie
 the automatic split by parameter bytes unless given. Parameters: `PipelineSchedule` keeps a
 unit's parameters gathered from its stage's first forward to its last backward unless
 ``reshard_between_microbatches=True`` or the unit set ``reshard_after_forward`` itself
-([Note: one pipeline step]), so by default a stage is planned with ``reshard_after_forward=False``
+([Note: fully_shard units in a pipeline step]), so by default a stage is planned with ``reshard_after_forward=False``
 (its blocks' gathered parameters all count at the peak, as with ``SHARD_GRAD_OP``). Not modelled: the activation buffers in
 flight between stages, the embedding's and head's activations beyond that share.
 """

@@ -24,11 +24,11 @@ view of the message.
 
 Sends are asynchronous and waited for at the end of the step; receives are blocking and, from
 each peer, taken in the order that peer sends (order is what NCCL matches on). Every message of
-a schedule carries its tag, the number of schedules built on the split so far: a step that
-failed can leave messages unreceived (a send already on its way, an error sent to a peer that
-had already stopped), and a new `PipelineSchedule` on the same split must not take them. gloo
-matches tags, so the new schedule never sees them; NCCL ignores tags (after a failure there,
-restart the job).
+a schedule carries its tag, a random number the schedule's ranks agree on when it is built: a
+step that failed can leave messages unreceived (a send already on its way, an error sent to a
+peer that had already stopped), and a later `PipelineSchedule` on the same group — on the same
+split or another one — must not take them. gloo matches tags, so it never sees them; NCCL
+ignores tags (after a failure there, restart the job).
 A send is not issued on its own right away: it waits in an outbox until the start of the next
 action, and if that action receives, the sends and the receive go out as one
 ``batch_isend_irecv`` group. On NCCL the point-to-point operations of a pair of ranks run in

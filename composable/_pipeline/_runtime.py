@@ -10,23 +10,8 @@ inputs, and send the output of its last block on; the last stage computes
 stage's input goes back. With mean-reduced losses over equal microbatches the accumulated
 gradients are those of the whole batch on one process.
 
-Gradient reduction: for ``fully_shard`` units, every backward of a stage but its last in the
-step runs with ``set_requires_gradient_sync(False)`` (gradients accumulate unsharded, no
-collective), the last with True: one reduce-scatter (+ one replica all-reduce for HSDP) per
-unit per step. A unit the user set to ``requires_gradient_sync=False`` before the step (to
-accumulate over several steps, as with FSDP2) reduces in none of its backwards. ``reduce_every_microbatch=True`` reduces after every backward instead (less
-memory, ``m`` times the traffic).
-
-Parameters: a unit gathers its parameters once per step, not twice per microbatch. Every
-backward of a stage but its last runs with ``reshard_after_backward=False`` (the next
-microbatch's forward and backward find them gathered, as torch's own schedules do with FSDP2),
-and units whose ``reshard_after_forward`` was left at its default do not reshard after forward
-during the step (torchtitan's choice with a pipeline: per-microbatch all-gathers cannot be
-hidden behind a microbatch's compute). The stage's parameters are then held unsharded from the
-first forward to the last backward of the step, as ``SHARD_GRAD_OP`` (ZeRO-2) holds them;
-`plan_memory` with ``pp`` plans that. An explicit ``reshard_after_forward`` on a unit is obeyed;
-``reshard_between_microbatches=True`` reshards after every forward and backward (FSDP's own
-memory, ``2 m`` all-gathers per unit per step). Both settings are restored after the step.
+``fully_shard`` units: one reduce-scatter per unit per step and, by default, one all-gather;
+see [Note: fully_shard units in a pipeline step] in ``_units.py``.
 
 End of step: one small all-reduce on the ``pp`` group carries a failure flag and the
 microbatch losses (so every rank returns them). A rank whose action raised first sends the
@@ -36,17 +21,17 @@ all-reduce, so every rank raises the same ``PipelineError`` instead of hanging.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
-from .._fully_shard import FSDPModule
 from ._p2p import P2P, PeerFailed
 from ._schedule import Action, build_schedule
 from ._stages import PipelineSplit
+from ._units import StageUnits
 
 __all__ = ["PipelineError", "PipelineSchedule"]
 
@@ -82,33 +67,6 @@ def _first_tensor(out):
     return None
 
 
-def _units_of(module: nn.Module) -> list:
-    """The ``fully_shard`` unit states in ``module`` (each once)."""
-    out = []
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            s = m._fsdp_state()
-            if all(s is not o for o in out):
-                out.append(s)
-    return out
-
-
-def _prepare_backward(units: list, user: dict, last: bool, every_microbatch: bool, keep: bool) -> None:
-    """Gradient sync and resharding for one backward of a stage; see [Note: one pipeline step].
-    ``user``: each unit's (reshard_after_backward, requires_gradient_sync) before the step."""
-    for s in units:
-        rab, sync = user[id(s)]
-        s.requires_gradient_sync = sync and (last or every_microbatch)
-        s.reshard_after_backward = rab if last or not keep else False
-
-
-def _default_reshard_after_forward(s) -> bool | int:
-    """What a unit's ``reshard_after_forward`` is outside a pipeline step (as ``fully_shard`` set it)."""
-    if s.user_reshard_after_forward is not None:
-        return s.user_reshard_after_forward
-    return not s.is_root if s.ctx is not None else True
-
-
 class PipelineSchedule:
     """Runs training steps of a `PipelineSplit` with a schedule.
 
@@ -122,10 +80,10 @@ class PipelineSchedule:
         loss_context: a context manager factory entered around the loss and its backward
             (e.g. ``shardwise.composable.loss_parallel`` for class-sharded logits).
         reduce_every_microbatch: reduce gradients after every microbatch's backward instead of
-            once per step; see [Note: one pipeline step].
+            once per step; see [Note: fully_shard units in a pipeline step].
         reshard_between_microbatches: free ``fully_shard`` units' gathered parameters after every
             microbatch's forward and backward (less memory, ``2 m`` all-gathers per unit per
-            step) instead of keeping them gathered for the step; see [Note: one pipeline step].
+            step) instead of keeping them gathered for the step; see [Note: fully_shard units in a pipeline step].
 
     ``step(inputs, targets)`` returns the ``m`` microbatch losses (a float64 CPU tensor, the
     same on every rank); ``last_timing`` then holds this rank's ``compute_s`` (wall time inside
@@ -165,12 +123,8 @@ class PipelineSchedule:
                 self.last_b[a.stage] = i
         param = next((p for p in split.module.parameters()), None)
         self.device = _device_of(param)
-        self.p2p = P2P(split.pp_group, self.device, split.next_tag()) if pp > 1 else None
         self._order = None  # peer -> (keys it sends us, keys we send it), per step
-        if self.p2p is not None:
-            # NCCL needs every rank of a group in its first batched point-to-point call; a
-            # collective first sets up the group's communicator on all of them
-            dist.barrier(group=split.pp_group)
+        self.p2p = P2P(split.pp_group, self.device, _agree_on_tag(split.pp_group, self.device)) if pp > 1 else None
 
     def close(self) -> None:
         """Remove the hooks this schedule put on the stages' first and last blocks (to build
@@ -246,18 +200,30 @@ class PipelineSchedule:
         if self.p2p is not None:
             self._expect()
         losses = torch.zeros(self.m, dtype=torch.float64)
+        units = StageUnits({i: st.module for i, st in self.stages.items()},
+                           keep=not self.reshard_between_microbatches, every_microbatch=self.reduce_every_microbatch)
+        t_start = time.perf_counter()
+        try:
+            error, timing = self._run_actions(mb_in, mb_tg, losses, units)
+        except BaseException:  # KeyboardInterrupt...: settings back (no collective), no more steps
+            units.restore()
+            self.broken = "interrupted"
+            raise
+        finally:
+            for st in self.split.stages:
+                st.slot.value = st.slot.out = None
+        if error:
+            units.abandon()  # see [Note: fully_shard units in a pipeline step]
+        else:
+            units.restore()
+        return self._finish(losses, error, timing, t_start)
+
+    def _run_actions(self, mb_in, mb_tg, losses, units: StageUnits):
+        """Run this rank's action list; returns (the error text or None, (compute s, compute CPU s))."""
         local: dict = {}
         saved: dict = {}
         error = None
         compute = cpu = 0.0
-        units = {i: _units_of(st.module) for i, st in self.stages.items()}
-        user = {id(u): (u.reshard_after_backward, u.requires_gradient_sync) for us in units.values() for u in us}
-        if not self.reshard_between_microbatches:
-            for us in units.values():
-                for u in us:
-                    if u.user_reshard_after_forward is None:
-                        u.reshard_after_forward = False
-        t_start = time.perf_counter()
         for idx, a in enumerate(self.actions):
             x = None
             try:
@@ -299,8 +265,7 @@ class PipelineSchedule:
                     if not st.is_last:
                         g = self._get(("grad", a.stage, a.microbatch), a.stage + 1, local)
                     t0, c0 = time.perf_counter(), time.thread_time()
-                    _prepare_backward(units[a.stage], user, self.last_b[a.stage] == idx,
-                                      self.reduce_every_microbatch, not self.reshard_between_microbatches)
+                    units.before_backward(a.stage, self.last_b[a.stage] == idx)
                     if st.is_last:
                         ctx = self.loss_context() if self.loss_context else _null()
                         with ctx:
@@ -331,13 +296,7 @@ class PipelineSchedule:
                               f"{x.dtype}: check that stage boundaries carry what the next block takes)")
                 self._notify(error)
                 break
-        for st in self.split.stages:
-            st.slot.value = st.slot.out = None
-        for us in units.values():
-            for u in us:
-                u.reshard_after_backward, u.requires_gradient_sync = user[id(u)]
-                u.reshard_after_forward = _default_reshard_after_forward(u)
-        return self._finish(losses, error, (compute, cpu), t_start)
+        return error, (compute, cpu)
 
     def _notify(self, text: str) -> None:
         if self.p2p is None:
@@ -380,6 +339,17 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+def _agree_on_tag(group, device: torch.device) -> int:
+    """A random message tag for a new schedule, drawn by the group's first rank and broadcast
+    (see [Note: messages between stages]). The broadcast is also the group's first collective:
+    NCCL needs every rank of a group in its first batched point-to-point call, and a collective
+    first sets up the group's communicator on all of them."""
+    tag = torch.tensor([int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1], dtype=torch.int64)
+    tag = tag.to(device)
+    dist.broadcast(tag, group=group, group_src=0)
+    return int(tag.item())
 
 
 def _device_of(param) -> torch.device:

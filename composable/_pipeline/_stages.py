@@ -37,13 +37,6 @@ class PipelineSplit:
     pp_size: int
     virtual_stages: int
     fqns: tuple[str, ...]  # parameter names of the unsplit model, in order
-    schedules_built: int = 0  # PipelineSchedules made on this split: the message tag of the next one
-
-    def next_tag(self) -> int:
-        """The message tag of a new `PipelineSchedule` on this split (every rank builds its
-        schedules in the same order, so the tags agree); see [Note: messages between stages]."""
-        self.schedules_built += 1
-        return self.schedules_built
 
     @property
     def num_stages(self) -> int:
