@@ -60,6 +60,13 @@ def _tp_stage(stage, tp_mesh, tp):
         att.n_kv_heads //= tp
 
 
+def _checkpointed(block):
+    from torch.utils.checkpoint import checkpoint
+
+    forward = type(block).forward
+    return lambda *a, **k: checkpoint(forward, block, *a, use_reentrant=False, **k)
+
+
 def _run(rank, world_size, opts):
     pp = opts.get("pp", world_size)
     dp_shard, tp, v = opts.get("dp_shard", 1), opts.get("tp", 1), opts.get("v", 1)
@@ -75,6 +82,10 @@ def _run(rank, world_size, opts):
                            cost=opts.get("cost", "params"), split_points=opts.get("split_points"),
                            sample=(lambda m: _ce(m(inputs), targets)) if opts.get("cost") == "time" else None,
                            verbose=False)
+    if opts.get("ac"):  # activation checkpointing of every block (non-reentrant), as torchtitan does with PP
+        for st in split.stages:
+            for b in st.blocks:
+                b.forward = _checkpointed(b)
     dp_rank, dp_size = 0, 1
     if mesh is not None and (dp_shard > 1 or tp > 1 or dp_rep > 1):
         for st in split.stages:
@@ -425,3 +436,13 @@ def test_pp2_x_fsdp_failed_step_reshards_and_drops_its_gradients():
     for left, worst in run_ranks(_failure_then_new_schedule, 4, timeout=90):
         assert not any(left.values()), left
         assert worst <= TOL, worst
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_x_fsdp_with_activation_checkpointing(schedule):
+    """Blocks recomputed in backward (activation checkpointing) inside pipelined, sharded stages:
+    one-process gradients, still one all-gather and one reduce-scatter per unit per step."""
+    res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "schedule": schedule, "ac": True, "clip": True}, timeout=90)
+    for r in res:
+        assert r["all_gathers"] == r["units"] == 3, r
+    _check(res)
