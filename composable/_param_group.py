@@ -287,12 +287,20 @@ class ParamGroup:
 
     # -- gradients -------------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
-        return any(p.unsharded.grad is not None for p in self.params)
+        return any(p.unsharded.grad is not None or p.accumulated_grad is not None for p in self.params)
 
     def drop_unsharded_grads(self) -> None:
         """Forget the unsharded gradients without reducing them (a backward that raised)."""
         for p in self.params:
             p.unsharded.grad = None
+            p.accumulated_grad = None
+
+    def stash_unsharded_grads(self) -> None:
+        """After a backward that does not reduce: keep each gradient's running sum in its
+        bucket's (reduce) dtype; see [Note: accumulating in the reduce dtype] in ``_sharded_param.py``."""
+        for b in self.buckets:
+            for p in b.params:
+                p.stash_unsharded_grad(b.dtype)
 
     def reduce_grads(self, *, all_reduce: bool = True) -> list[PendingReduce]:
         """Issue the reduce-scatter of the unsharded gradients (one per bucket, async) and

@@ -105,6 +105,13 @@ class ShardedParam:
         self._new_unsharded()
         self.set_storage(padded, None if param.device.type == "meta" else data)
 
+    # [Note: accumulating in the reduce dtype] unsharded gradients of backwards that do not
+    # reduce (``requires_gradient_sync=False``: gradient accumulation, pipeline microbatches)
+    # are summed here in the reduce dtype when the compute dtype is lower (bf16 parameters,
+    # fp32 reduction): summed by autograd in bf16 they would lose bits with every microbatch.
+    # FSDP2 does the same. The reduction then takes this sum (plus the last backward's grad).
+    accumulated_grad = None
+
     def _new_unsharded(self) -> None:
         local = torch.empty(self.layout.shape, dtype=self.compute_dtype, device=self.compute_device)
         if self.tp_mesh is not None:
@@ -236,12 +243,29 @@ class ShardedParam:
         placement (e.g. the all-reduce of a ``Partial`` gradient), in ``dtype``."""
         g = self.unsharded.grad
         self.unsharded.grad = None
+        acc, self.accumulated_grad = self.accumulated_grad, None
+        if acc is not None:  # [Note: accumulating in the reduce dtype]
+            g = acc if g is None else acc.add_(g)
         if g is None or self.tp_mesh is None:
             return g
         g = g.to(dtype)
         if tuple(g.placements) != self.tp_placements:
             g = g.redistribute(self.tp_mesh, self.tp_placements)
         return g.to_local()
+
+    def stash_unsharded_grad(self, dtype: torch.dtype) -> None:
+        """After a backward that does not reduce: move the unsharded gradient into the running
+        sum in ``dtype`` if it is computed in another dtype ([Note: accumulating in the reduce
+        dtype])."""
+        g = self.unsharded.grad
+        if g is None or g.dtype == dtype:
+            return
+        self.unsharded.grad = None
+        with torch.no_grad():
+            if self.accumulated_grad is None:
+                self.accumulated_grad = g.to(dtype)
+            else:
+                self.accumulated_grad.add_(g)
 
     # -- which tensor the module sees ------------------------------------------------------------
     def register(self, unsharded: bool) -> None:

@@ -307,7 +307,10 @@ class FSDPState:
             self._reduce()
 
     def _reduce(self) -> None:
-        if self.group is None or not self.requires_gradient_sync:
+        if self.group is None:
+            return
+        if not self.requires_gradient_sync:
+            self.group.stash_unsharded_grads()
             return
         issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce)
         if issued:
