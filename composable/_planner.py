@@ -84,6 +84,7 @@ class MemoryPlan:
     root_grads: int
     grad_buffers: int
     activations: int
+    accumulated_grads: int = 0  # a pipeline stage's other units' gradients summed over microbatches
 
     @property
     def between_steps(self) -> int:  # gradients freed by zero_grad(set_to_none=True)
@@ -91,11 +92,11 @@ class MemoryPlan:
 
     @property
     def start_of_backward(self) -> int:
-        return self.between_steps + self.unsharded_forward + self.activations + self.root_grads
+        return self.between_steps + self.unsharded_forward + self.activations + self.root_grads + self.accumulated_grads
 
     @property
     def end_of_backward(self) -> int:
-        return self.between_steps + self.grads + self.unsharded_backward + self.grad_buffers
+        return self.between_steps + self.grads + self.unsharded_backward + self.grad_buffers + self.accumulated_grads
 
     @property
     def peak(self) -> int:
@@ -108,7 +109,7 @@ class MemoryPlan:
     def __str__(self) -> str:
         (R, S, T), big = self.mesh_shape, max(self.units, key=lambda u: u.unsharded)
         keys = ("params", "optimizer", "grads", "unsharded_forward", "unsharded_backward", "root_grads",
-                "grad_buffers", "activations", "start_of_backward", "end_of_backward", "peak")
+                "grad_buffers", "accumulated_grads", "activations", "start_of_backward", "end_of_backward", "peak")
         return "\n".join([f"{self.strategy}, dp_replicate={R} x dp_shard={S} x tp={T}: {len(self.units)} units, "
                           f"{sum(u.numel for u in self.units):,} params; largest '{big.name or '(root)'}' "
                           f"{fmt_bytes(big.unsharded)} gathered. Per rank:"]
@@ -157,7 +158,8 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 units: list[str] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
                 optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
                 prefetch: int = 2, activation_bytes: int = 0, pp: int = 1, microbatches: int = 1,
-                schedule: str = "1f1b", stage_bounds=None, reshard_between_microbatches: bool = False) -> MemoryPlan:
+                schedule: str = "1f1b", stage_bounds=None, reshard_between_microbatches: bool = False,
+                reduce_every_microbatch: bool = False) -> MemoryPlan:
     """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
     devices (the model may be on the meta device). See [Note: the memory model].
 
@@ -176,8 +178,9 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
             pipeline (``mesh_shape`` is then one stage's): each stage by itself, activations
             scaled by the microbatches it keeps alive; the result is the `PipelineMemoryPlan`
             of all stages (``.peak``: the worst). See [Note: the memory of a pipeline stage] in
-            ``_pipeline/_memory.py``. ``reshard_between_microbatches``: as `PipelineSchedule`'s
-            (by default units keep their parameters gathered for the step).
+            ``_pipeline/_memory.py``. ``reshard_between_microbatches``, ``reduce_every_microbatch``:
+            as `PipelineSchedule`'s (by default units keep their parameters gathered for the
+            step and sum their gradients over the microbatches).
 
     Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names.
     """
@@ -188,7 +191,8 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                                     stage_bounds=stage_bounds, units=units, mp_policy=mp_policy,
                                     optimizer_states=optimizer_states, optimizer_dtype=optimizer_dtype,
                                     prefetch=prefetch, activation_bytes=activation_bytes,
-                                    reshard_between_microbatches=reshard_between_microbatches)
+                                    reshard_between_microbatches=reshard_between_microbatches,
+                                    reduce_every_microbatch=reduce_every_microbatch)
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=_declares_units(model))
     strategy = policy.strategy

@@ -168,3 +168,29 @@ def test_suggest_mesh_counts_one_gather_per_unit_in_a_pipeline() -> None:
     args = (8, 1, 100e9, 25e9)
     assert _comm(full, *args, gather_once=True) == _comm(zero2, *args) == _comm(zero2, *args, gather_once=True)
     assert _comm(full, *args)[0] > _comm(zero2, *args)[0]
+
+
+def test_plan_memory_counts_gradients_summed_over_microbatches() -> None:
+    """A stage sums every unit's unsharded gradient over the microbatches (in fp32 under bf16
+    parameters with an fp32 reduction): ``accumulated_grads`` holds those the single-backward
+    model does not count yet (all units but the largest and the root; and the wider dtype)."""
+    import torch
+
+    from shardwise.composable import MixedPrecisionPolicy, plan_memory
+    model = _meta_llama(vocab_size=1000, dim=64, n_layers=8, n_heads=4)
+    plan = plan_memory(model, (1, 2), "FULL_SHARD", pp=2, microbatches=8)
+    for st in plan.stages:
+        root, blocks = st.units[-1], st.units[:-1]
+        largest = max(blocks, key=lambda u: u.unsharded)
+        assert st.accumulated_grads == sum(u.unsharded_grads for u in blocks) - largest.unsharded_grads
+        assert st.accumulated_grads > 0 and st.peak >= st.end_of_backward
+    assert all(s.accumulated_grads == 0 for s in plan_memory(model, (1, 2), "FULL_SHARD", pp=2, microbatches=1).stages)
+    assert all(s.accumulated_grads == 0 for s in plan_memory(model, (1, 2), "FULL_SHARD", pp=2, microbatches=8,
+                                                             reduce_every_microbatch=True).stages)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    bf16 = plan_memory(model, (1, 2), "FULL_SHARD", pp=2, microbatches=8, mp_policy=mp)
+    for s in bf16.stages:  # bf16 grads (half of fp32's), summed in fp32: all of them count twice
+        root, blocks = s.units[-1], s.units[:-1]
+        largest = max(blocks, key=lambda u: u.unsharded)
+        rest = sum(u.unsharded_grads for u in blocks) - largest.unsharded_grads
+        assert s.accumulated_grads == 2 * rest + largest.unsharded_grads + root.unsharded_grads

@@ -12,7 +12,12 @@ the automatic split by parameter bytes unless given. Parameters: `PipelineSchedu
 unit's parameters gathered from its stage's first forward to its last backward unless
 ``reshard_between_microbatches=True`` or the unit set ``reshard_after_forward`` itself
 ([Note: fully_shard units in a pipeline step]), so by default a stage is planned with ``reshard_after_forward=False``
-(its blocks' gathered parameters all count at the peak, as with ``SHARD_GRAD_OP``). Not modelled: the activation buffers in
+(its blocks' gathered parameters all count at the peak, as with ``SHARD_GRAD_OP``). Gradients:
+with ``m > 1`` microbatches (and not ``reduce_every_microbatch``) every unit keeps its unsharded
+gradient from its first backward of the step to its last, summed in the reduce dtype when the
+parameters compute in a lower one ([Note: accumulating in the reduce dtype]):
+``accumulated_grads`` adds those not already in ``grad_buffers`` / ``root_grads`` (the largest
+unit's and the root's), and the extra bytes of those two in the wider dtype. Not modelled: the activation buffers in
 flight between stages, the embedding's and head's activations beyond that share.
 """
 
@@ -67,10 +72,23 @@ def _in_flight(schedule: str, pp: int, m: int, s: int) -> float:
     return min(pp + (pp - 1) / 2, m)  # interleaved, v = 2: a little more than 1F1B's first stage
 
 
+def _accumulated(plan, mp) -> int:
+    """Bytes of the unsharded gradients a stage sums over microbatches beyond what ``plan``
+    counts already; see [Note: the memory of a pipeline stage]."""
+    compute = mp.param_dtype if mp is not None else None
+    reduce = mp.reduce_dtype if mp is not None else None
+    widen = reduce.itemsize / compute.itemsize if compute and reduce and reduce.itemsize > compute.itemsize else 1
+    root, others = plan.units[-1], plan.units[:-1]
+    largest = max(others, key=lambda u: u.unsharded, default=root)
+    counted = root.unsharded_grads + (largest.unsharded_grads if largest is not root else 0)
+    total = sum(u.unsharded_grads for u in plan.units)
+    return int((total - counted) * widen + counted * (widen - 1))
+
+
 def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, microbatches: int = 1,
                          schedule: str = "1f1b", stage_bounds=None, layers: str | None = None,
                          activation_bytes: int = 0, reshard_between_microbatches: bool = False,
-                         **kwargs) -> PipelineMemoryPlan:
+                         reduce_every_microbatch: bool = False, **kwargs) -> PipelineMemoryPlan:
     """Plan each of the ``pp`` stages of ``model`` with `plan_memory`; see
     [Note: the memory of a pipeline stage]. ``kwargs`` go to `plan_memory`."""
     from .._planner import _declares_units, plan_memory
@@ -104,5 +122,8 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
                 view.add_module(f"post_{d}_{n}", path[d]._modules[n])
         share = len(plan.blocks(s)) / len(blocks)
         act = activation_bytes * share * _in_flight(schedule, pp, microbatches, s) / microbatches
-        stages.append(plan_memory(view, mesh_shape, policy, activation_bytes=int(act), **kwargs))
+        stage = plan_memory(view, mesh_shape, policy, activation_bytes=int(act), **kwargs)
+        if microbatches > 1 and not reduce_every_microbatch:
+            stage = replace(stage, accumulated_grads=_accumulated(stage, kwargs.get("mp_policy")))
+        stages.append(stage)
     return PipelineMemoryPlan(pp, schedule, microbatches, plan.bounds, tuple(stages))
