@@ -20,7 +20,9 @@ def _hf_ce(out, targets):
     return F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _hf(rank, world_size, schedule):
+def _reference(batch):
+    """A small ``LlamaForCausalLM``, its copy to split, a batch, and the reference loss (its
+    gradients are in the reference's ``.grad``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
@@ -29,10 +31,15 @@ def _hf(rank, world_size, schedule):
     torch.manual_seed(0)
     ref = LlamaForCausalLM(cfg)
     model = copy.deepcopy(ref)
-    tok = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(1))
+    tok = torch.randint(0, 32, (batch, 9), generator=torch.Generator().manual_seed(1))
     x, y = tok[:, :-1], tok[:, 1:]
     ref_loss = _hf_ce(ref(x), y)
     ref_loss.backward()
+    return ref, model, x, y, ref_loss
+
+
+def _hf(rank, world_size, schedule):
+    ref, model, x, y, ref_loss = _reference(4)
     split = pipeline_split(model, cost="time", sample=lambda m: _hf_ce(m(x), y), repeats=1, verbose=False)
     sched = PipelineSchedule(split, schedule=schedule, microbatches=2, loss_fn=_hf_ce)
     losses = sched.step(x, y)
@@ -60,21 +67,10 @@ def test_hf_llama_pp2(schedule):
 def _hf_sharded(rank, world_size, compile_blocks):
     """pp=2 x dp_shard=2: each stage's decoder layers and stage module ``fully_shard``-ed,
     optionally each layer compiled first (torchtitan's order: compile, then shard)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import shardwise.composable as sw
     from shardwise.mesh import data_parallel_mesh, init_mesh, pipeline_mesh
 
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                      tie_word_embeddings=False, attn_implementation="eager")
-    torch.manual_seed(0)
-    ref = LlamaForCausalLM(cfg)
-    model = copy.deepcopy(ref)
-    tok = torch.randint(0, 32, (8, 9), generator=torch.Generator().manual_seed(1))
-    x, y = tok[:, :-1], tok[:, 1:]
-    ref_loss = _hf_ce(ref(x), y)
-    ref_loss.backward()
+    ref, model, x, y, ref_loss = _reference(8)
     mesh = init_mesh(pp=2, dp_shard=2, device_type="cpu")
     dp = data_parallel_mesh(mesh)
     split = pipeline_split(model, pipeline_mesh(mesh), cost="params", verbose=False)

@@ -11,14 +11,15 @@ the most), about ``pp + (v - 1) * pp / v`` per rank interleaved. Stage boundarie
 the automatic split by parameter bytes unless given. Parameters: `PipelineSchedule` keeps a
 unit's parameters gathered from its stage's first forward to its last backward unless
 ``reshard_between_microbatches=True`` or the unit set ``reshard_after_forward`` itself
-([Note: fully_shard units in a pipeline step]), so by default a stage is planned with ``reshard_after_forward=False``
-(its blocks' gathered parameters all count at the peak, as with ``SHARD_GRAD_OP``). Gradients:
-with ``m > 1`` microbatches (and not ``reduce_every_microbatch``) every unit keeps its unsharded
-gradient from its first backward of the step to its last, summed in the reduce dtype when the
-parameters compute in a lower one ([Note: accumulating in the reduce dtype]):
-``accumulated_grads`` adds those not already in ``grad_buffers`` / ``root_grads`` (the largest
-unit's and the root's), and the extra bytes of those two in the wider dtype. Not modelled: the activation buffers in
-flight between stages, the embedding's and head's activations beyond that share.
+([Note: fully_shard units in a pipeline step]), so by default a stage is planned with
+``reshard_after_forward=False`` (its blocks' gathered parameters all count at the peak, as with
+``SHARD_GRAD_OP``). Gradients: with ``m > 1`` microbatches (and not ``reduce_every_microbatch``)
+every unit keeps its unsharded gradient from its first backward of the step to its last, summed
+in the reduce dtype when the parameters compute in a lower one
+([Note: accumulating in the reduce dtype]): ``accumulated_grads`` adds those not already in ``grad_buffers`` /
+``root_grads`` (the largest unit's and the root's), and the extra bytes of those two in the
+wider dtype. Not modelled: the activation buffers in flight between stages, the embedding's and
+head's activations beyond that share.
 """
 
 from __future__ import annotations
