@@ -83,13 +83,28 @@ def measure(rank: int, world: int, cfg: LlamaConfig, strategy: str, mesh_shape: 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    add_model_args(p)
+    return p.parse_args(argv)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The Llama's size and each rank's batch (also used by ``plan_check_pp.py``)."""
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4001)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-per-rank", type=int, default=2)
-    return p.parse_args(argv)
+
+
+def model_and_activations(args) -> tuple[LlamaConfig, torch.nn.Module, int]:
+    """The config, the model on the meta device, and its measured activations ``A``."""
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len))
+    A = activations(cfg, batch(1, args, 0))
+    with torch.device("meta"):
+        meta = Llama(cfg)
+    return cfg, meta, A
 
 
 def layouts(world: int) -> list[tuple[str, tuple[int, int]]]:
@@ -108,11 +123,7 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     torch.set_num_threads(1)
-    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                      max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len))
-    A = activations(cfg, batch(1, args, 0))
-    with torch.device("meta"):
-        meta = Llama(cfg)
+    cfg, meta, A = model_and_activations(args)
     n = sum(p.numel() for p in meta.parameters())
     print(f"model: {cfg}\n{n:,} params ({n * 4 / MB:.1f} MiB fp32); {args.batch_per_rank} x {args.seq_len} tokens "
           f"per rank; measured activations A = {A / MB:.1f} MiB; torch {torch.__version__}\n")

@@ -25,7 +25,7 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.plan_check import activations, batch  # noqa: E402
+from benchmarks.plan_check import add_model_args, batch, model_and_activations  # noqa: E402
 from benchmarks.tracker import AllocationTracker  # noqa: E402
 from examples.model import Llama, LlamaConfig  # noqa: E402
 
@@ -74,20 +74,12 @@ def main(argv=None) -> None:
     from tests._dist import run_ranks
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=4001)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-per-rank", type=int, default=4)
+    add_model_args(p)
+    p.set_defaults(batch_per_rank=4)
     p.add_argument("--microbatches", type=int, default=4)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
-                      max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len))
-    A = activations(cfg, batch(1, args, 0))
-    with torch.device("meta"):
-        meta = Llama(cfg)
+    cfg, meta, A = model_and_activations(args)
     print(f"model: {cfg}; {args.batch_per_rank} x {args.seq_len} tokens per dp rank, {args.microbatches} "
           f"microbatches; A = {A / MB:.1f} MiB; torch {torch.__version__}\n")
     print("| schedule | stage | measured peak MiB (max of its 2 ranks) | plan.peak | error | of which accumulated_grads |")

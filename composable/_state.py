@@ -168,6 +168,13 @@ class FSDPState:
     def is_root(self) -> bool | None:
         return None if self.ctx is None else self.ctx.root is self
 
+    def configured_reshard_after_forward(self) -> bool | int:
+        """``reshard_after_forward`` as the user set it, or its default (True, but False on the
+        root once lazy init has found it)."""
+        if self.user_reshard_after_forward is not None:
+            return self.user_reshard_after_forward
+        return not self.is_root if self.ctx is not None else True
+
     def _set_training(self, new: TrainingState) -> None:
         if new not in _NEXT[self.training]:
             label = self.group.label if self.group is not None else type(self.modules[0]).__name__

@@ -49,14 +49,6 @@ def _units_of(module: nn.Module) -> list:
     return out
 
 
-def _default_reshard_after_forward(s) -> bool | int:
-    """A unit's ``reshard_after_forward`` outside a step, as ``fully_shard`` and lazy init set it.
-    (Not the value saved before the step: the first step's lazy init changes the root's.)"""
-    if s.user_reshard_after_forward is not None:
-        return s.user_reshard_after_forward
-    return not s.is_root if s.ctx is not None else True
-
-
 class StageUnits:
     """The units of this rank's stages for one step; see [Note: fully_shard units in a pipeline step].
 
@@ -88,7 +80,9 @@ class StageUnits:
         """Put every setting back as it was before the step."""
         for u in self._all():
             u.reshard_after_backward, u.requires_gradient_sync = self.user[id(u)]
-            u.reshard_after_forward = _default_reshard_after_forward(u)
+            # as configured, not the value saved before the step: lazy init in the first step
+            # changes the root's
+            u.reshard_after_forward = u.configured_reshard_after_forward()
 
     def abandon(self) -> None:
         """After a failed step: settings back, parameters resharded, partial gradients dropped."""
