@@ -196,6 +196,7 @@ def _rank_main(rank, world_size, payload, store_path, stack_path, timeout, env, 
     """One rank: report ("ok", value) or ("error", traceback), wait for release."""
     stacks = open(stack_path, "w")  # kept open for faulthandler until exit
     faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks too
     try:
         for key, value in env.items():
             if value is None:
@@ -257,7 +258,8 @@ def _collect(ranks: list[_Rank], name: str, deadline: float, timeout: float) -> 
                 failed_at = failed_at or time.monotonic()
     world_size = len(ranks)
     if errors:
-        first, *others = errors
+        # a rank that crashed caused the others' "connection closed": report it in full
+        first, *others = sorted(errors, key=lambda r: "without reporting a result" not in errors[r])
         lines = [f"rank {first} of {world_size} failed running {name}:", errors[first].rstrip()]
         lines += [f"rank {r} also failed: {errors[r].rstrip().splitlines()[-1]}" for r in others]
         if pending:
@@ -287,8 +289,10 @@ def _read_outcome(r: _Rank) -> tuple[str, Any] | None:
     r.proc.join(1.0)
     code = r.proc.exitcode
     how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"code {code}"
+    dump = _read(r.stack_path, r.stack_offset).rstrip()
     return ("error", f"rank {r.rank} exited with {how} without reporting a result "
-            "(crash or os._exit; see the test's captured stderr)")
+            "(crash or os._exit; see the test's captured stderr)"
+            + (f"\nPython stacks at the crash:\n{dump}" if dump else ""))
 
 
 def _dump_stacks(hung: list[_Rank]) -> str:

@@ -178,6 +178,7 @@ def _worker_main(rank, world_size, workdir, stack_path, env, conn):
     """One worker: join the group, then run jobs until the parent closes the pipe."""
     stacks = open(stack_path, "w")  # kept open for faulthandler until exit
     faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks too
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)

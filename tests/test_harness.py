@@ -54,6 +54,17 @@ def _crash_on_rank_1(rank: int, world_size: int) -> int:
     return rank
 
 
+def _abort_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        _native_crash_here()
+    dist.barrier()
+    return rank
+
+
+def _native_crash_here() -> None:
+    os.abort()  # what glibc does on heap corruption ("malloc(): ..."): SIGABRT, no Python exception
+
+
 def _unpicklable_result(rank: int, world_size: int):
     return lambda: rank
 
@@ -130,6 +141,13 @@ def test_hung_rank_fails_within_timeout(body) -> None:
 def test_crashed_rank_is_reported() -> None:
     with pytest.raises(RankFailure, match="rank 1 exited with code 3 without reporting"):
         run_ranks(_crash_on_rank_1, 2, timeout=30.0)
+
+
+def test_native_crash_reports_the_python_stack() -> None:
+    """A rank killed by a signal (a native crash) reports where Python was: the function names
+    of its stack, from faulthandler."""
+    with pytest.raises(RankFailure, match=r"(?s)signal SIGABRT.*Python stacks at the crash.*_native_crash_here"):
+        run_ranks(_abort_on_rank_1, 2, timeout=30.0)
 
 
 def test_unpicklable_result_is_reported() -> None:
