@@ -156,3 +156,49 @@ def test_a_new_schedule_after_a_failed_step_trains_correctly(block):
     assert len({g[0] for g in got}) == 1 and "boom" in got[0][0], got
     for first, err, _ in got:
         assert err <= TOL, got
+
+
+def _left_in_flight(rank, world_size, side, keep):
+    """A failed step's transfer whose other end shows up only after `drop` ([Note: after a failed
+    step]): a receive posted ahead whose message comes later (``side="recv"``), or a send whose
+    receiver posts later (``side="send"``). Then a new schedule's message must still get through."""
+    import gc
+
+    from shardwise.composable._pipeline._p2p import P2P
+
+    key, first_message = ("act", 1, 0), 96  # a channel's first message: the 96-byte header alone
+    old = P2P(dist.group.WORLD, torch.device("cpu"), tag=11, in_flight=[] if keep else None)
+    if side == "recv" and rank == 1:
+        old.expect(0, [key])  # posts the receive of rank 0's next message ahead
+    if side == "send" and rank == 0:
+        old.expect(1, [], [key])
+        old.send(1, key, torch.ones(3))
+        old.flush()  # issued; gloo holds it until rank 1 is ready to receive
+    old.drop()
+    parked = len(old.in_flight)
+    if not keep:
+        old.in_flight.clear()  # what drop did before: the transfers' buffers are freed
+    gc.collect()
+    dist.barrier()
+    if side == "recv" and rank == 0:  # the failed step's message arrives after the drop
+        dist.isend(torch.zeros(first_message, dtype=torch.uint8), dst=1, tag=11).wait()
+    if side == "send" and rank == 1:  # the receiver is ready only after the drop
+        dist.irecv(torch.empty(first_message, dtype=torch.uint8), src=0, tag=11).wait()
+    new = P2P(dist.group.WORLD, torch.device("cpu"), tag=12)
+    if rank == 0:
+        new.expect(1, [], [key])
+        new.send(1, key, torch.full((3,), 7.0))
+        new.wait_sends()
+        return parked, None
+    new.expect(0, [key])
+    return parked, new.recv(0, key).tolist()
+
+
+@pytest.mark.parametrize("side", ["recv", "send"])
+def test_transfers_left_by_a_failed_step_stay_alive(side):
+    """Freeing the buffer of a transfer still in flight wedges gloo's connection between the two
+    ranks (checked: with the buffers freed, the new message never arrives); kept in flight, the
+    next schedule's message gets through."""
+    got = run_ranks(_left_in_flight, 2, side, True, timeout=30)
+    assert got[1][1] == [7.0, 7.0, 7.0], got
+    assert got[1 if side == "recv" else 0][0] == (1 if side == "recv" else 2), f"transfers left open, not kept: {got}"

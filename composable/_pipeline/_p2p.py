@@ -51,6 +51,20 @@ NCCL: a posted receive occupies the pair's ordered stream there, and a send queu
 could wait for a message that needs that send first. A receive posted ahead in a step that
 fails may never complete; messages are tagged per schedule (above), so it cannot take a later
 schedule's message.
+
+[Note: after a failed step]
+A failed step leaves transfers in flight: a receive posted ahead whose message the peer sends
+(or has sent) anyway, sends whose receiver stopped before taking them. Their buffers must stay
+alive until gloo is done with them, even though nobody will read them. gloo matches a message
+to a posted receive, or a peer's "ready to receive" to a queued send, when it arrives; if the
+buffer behind it has been freed by then, gloo does not drop the message: it stops reading
+(or writing) that connection for good, and every later message between the two ranks, of any
+schedule or collective, waits forever. (With ``pp=2`` the status all-reduce at the end of the
+step happens to run over the same connection after the message, so it has arrived by then;
+with ``pp > 2`` a neighbour's message can arrive later.) So `drop` does not forget them: it
+moves them to ``in_flight``, a list that the split owns (``PipelineSplit.in_flight``) and a
+new schedule on the split shares, where they complete whenever their message comes, or stay.
+Cost: the few buffers of the transfers left open by each failure, for as long as the split.
 """
 
 from __future__ import annotations
@@ -87,8 +101,9 @@ def _nbytes(meta) -> int:
 class P2P:
     """Messages on the ``pp`` process group ``group`` (ranks are group ranks)."""
 
-    def __init__(self, group, device: torch.device, tag: int = 0) -> None:
+    def __init__(self, group, device: torch.device, tag: int = 0, in_flight: list | None = None) -> None:
         self.group = group
+        self.in_flight = [] if in_flight is None else in_flight  # see [Note: after a failed step]
         self.tag = tag
         self.device = device
         self._pending: list = []  # (work, tensor) of sends in flight
@@ -187,7 +202,7 @@ class P2P:
     def _recv_one(self, peer: int, key: tuple) -> torch.Tensor:
         channel = (peer, key[0], key[1])
         known = self._received.get(channel)
-        posted = self._posted.pop(peer, None)
+        posted = self._posted.get(peer)
         if posted is not None:
             if posted[0] != key:
                 raise RuntimeError(f"pipeline: internal error, the receive posted ahead from pp rank {peer} is for "
@@ -195,6 +210,7 @@ class P2P:
             buf = posted[1]
             self.flush()
             posted[2].wait()
+            del self._posted[peer]  # only now: if anything above raised, `drop` keeps it in flight
         else:
             buf = torch.empty(_HEADER_BYTES + _nbytes(known), dtype=torch.uint8, device=self.device)
             self._recv_into(buf, peer)
@@ -236,7 +252,10 @@ class P2P:
         self._pending.clear()
 
     def drop(self) -> None:
-        """Forget sends, buffers and channel shapes after a failed step (the peers will not take them)."""
+        """After a failed step: forget buffered messages and channel shapes; the transfers still
+        in flight go to ``in_flight`` with their buffers ([Note: after a failed step])."""
+        self.in_flight += self._pending
+        self.in_flight += [(work, buf) for _, buf, work in self._posted.values()]
         self._pending.clear()
         self._outbox.clear()
         self._posted.clear()

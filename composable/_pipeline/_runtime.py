@@ -124,7 +124,8 @@ class PipelineSchedule:
         param = next((p for p in split.module.parameters()), None)
         self.device = _device_of(param)
         self._order = None  # peer -> (keys it sends us, keys we send it), per step
-        self.p2p = P2P(split.pp_group, self.device, _agree_on_tag(split.pp_group, self.device)) if pp > 1 else None
+        self.p2p = (P2P(split.pp_group, self.device, _agree_on_tag(split.pp_group, self.device),
+                        in_flight=split.in_flight) if pp > 1 else None)
 
     def close(self) -> None:
         """Remove the hooks this schedule put on the stages' first and last blocks (to build

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ class PipelineSplit:
     pp_size: int
     virtual_stages: int
     fqns: tuple[str, ...]  # parameter names of the unsplit model, in order
+    # transfers of failed steps still in flight, kept alive for as long as the split: see
+    # [Note: after a failed step] in _p2p.py
+    in_flight: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_stages(self) -> int:
