@@ -192,18 +192,24 @@ def _start_rank(ctx, rank, world_size, payload, workdir, timeout, env, init_grou
     return _Rank(rank, proc, parent_end, stack_path)
 
 
+def set_up_process(stack_path: str, env: Mapping[str, Any]) -> None:
+    """In a rank or worker process: Python stacks to ``stack_path`` on ``SIGUSR1`` (a hang) and
+    on a crash (SIGSEGV, SIGABRT...), ``env`` applied (None: unset), one thread."""
+    stacks = open(stack_path, "w")  # stays open for faulthandler until the process exits
+    faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=True)
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    torch.set_num_threads(1)
+
+
 def _rank_main(rank, world_size, payload, store_path, stack_path, timeout, env, init_group, conn):
     """One rank: report ("ok", value) or ("error", traceback), wait for release."""
-    stacks = open(stack_path, "w")  # kept open for faulthandler until exit
-    faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
-    faulthandler.enable(file=stacks, all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks too
     try:
-        for key, value in env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        torch.set_num_threads(1)
+        set_up_process(stack_path, env)
         fn, args = pickle.loads(payload)
         if init_group:
             store = dist.FileStore(store_path, world_size)

@@ -38,7 +38,6 @@ for the pool's lifetime: tests that need other variables use `run_ranks(env=...)
 from __future__ import annotations
 
 import atexit
-import faulthandler
 import os
 import pickle
 import tempfile
@@ -48,11 +47,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 from tests._dist import (
-    _STACK_SIGNAL,
     _collect,
     _forkserver_context,
     _pickle_body,
@@ -60,6 +57,7 @@ from tests._dist import (
     _rank_env,
     _stop,
     send_outcome,
+    set_up_process,
 )
 
 __all__ = ["MAX_WORKERS", "run_on_workers", "shutdown_workers", "worker_pool_info"]
@@ -176,15 +174,7 @@ def _join_group(rank: int, world_size: int, workdir: str, generation: int) -> No
 
 def _worker_main(rank, world_size, workdir, stack_path, env, conn):
     """One worker: join the group, then run jobs until the parent closes the pipe."""
-    stacks = open(stack_path, "w")  # kept open for faulthandler until exit
-    faulthandler.register(_STACK_SIGNAL, file=stacks, all_threads=True)
-    faulthandler.enable(file=stacks, all_threads=True)  # a crash (SIGSEGV, SIGABRT) leaves its stacks too
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    torch.set_num_threads(1)
+    set_up_process(stack_path, env)
     joins = 0  # store file of the n-th group these workers form (all ranks count alike)
     while True:
         try:
