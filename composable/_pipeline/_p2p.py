@@ -59,9 +59,8 @@ alive until gloo is done with them, even though nobody will read them. gloo matc
 to a posted receive, or a peer's "ready to receive" to a queued send, when it arrives; if the
 buffer behind it has been freed by then, gloo does not drop the message: it stops reading
 (or writing) that connection for good, and every later message between the two ranks, of any
-schedule or collective, waits forever. (With ``pp=2`` the status all-reduce at the end of the
-step happens to run over the same connection after the message, so it has arrived by then;
-with ``pp > 2`` a neighbour's message can arrive later.) So `drop` does not forget them: it
+schedule or collective, waits forever (`test_transfers_left_by_a_failed_step_stay_alive`
+makes the other end show up after the drop, both ways round). So `drop` does not forget them: it
 moves them to ``in_flight``, a list that the split owns (``PipelineSplit.in_flight``) and a
 new schedule on the split shares, where they complete whenever their message comes, or stay.
 Cost: the few buffers of the transfers left open by each failure, for as long as the split.
