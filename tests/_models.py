@@ -78,20 +78,26 @@ def train_pair(ref, model, rank: int, dp_size: int, steps: int = 3, batch: int =
     for tokens, target in batches(steps, batch, out=out):
         if target_dtype is not None:
             target = target.to(target_dtype)
-        ref_loss = loss_fn(ref(tokens), target)
-        ref_loss.backward()
-        ropt.step()
-        ropt.zero_grad()
         sl = slice(dp_rank * per, (dp_rank + 1) * per)
-        loss = loss_fn(model(tokens[sl]), target[sl])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        mean /= dist.get_world_size()
-        worst = max(worst, abs(mean.item() - ref_loss.item()) / abs(ref_loss.item()))
+        worst = max(worst, step_pair(ref, ropt, model, opt, tokens, target, sl))
     return worst
+
+
+def step_pair(ref, ropt, model, opt, tokens, target, sl: slice) -> float:
+    """One optimizer step of ``ref`` on the whole batch and of ``model`` on this rank's rows
+    ``sl``; the relative difference of the losses (``model``'s averaged over all ranks)."""
+    ref_loss = loss_fn(ref(tokens), target)
+    ref_loss.backward()
+    ropt.step()
+    ropt.zero_grad()
+    loss = loss_fn(model(tokens[sl]), target[sl])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    return abs(mean.item() - ref_loss.item()) / abs(ref_loss.item())
 
 
 def max_param_error(ref, model) -> dict[str, float]:

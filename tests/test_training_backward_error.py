@@ -8,11 +8,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shardwise.composable import fully_shard
 from tests._dist import run_ranks
-from tests._models import Net, batches, loss_fn, make_mesh, max_param_error
+from tests._models import Net, batches, loss_fn, make_mesh, max_param_error, step_pair
 
 TOL = 1e-6
 
@@ -74,17 +73,7 @@ def _recover(rank, world_size, where, raf):
             model.boom = None
             opt.zero_grad()
             continue
-        ref_loss = loss_fn(ref(tokens), target)
-        ref_loss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        loss = loss_fn(model(tokens[sl]), target[sl])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        worst = max(worst, abs(mean.item() / world_size - ref_loss.item()) / abs(ref_loss.item()))
+        worst = max(worst, step_pair(ref, ropt, model, opt, tokens, target, sl))
     return raised, worst, max_param_error(ref, model)
 
 
