@@ -88,6 +88,16 @@ class FSDPModule:
         for s in self._units(recurse):
             s.requires_all_reduce = requires_all_reduce
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """With True, a parameter that got no gradient in a backward gets a zero gradient
+        instead of keeping ``.grad`` None (FSDP2's switch for ranks whose control flow uses
+        different parameters). shardwise's reduction stays collective either way: ranks that
+        disagree reduce together and the parameter gets the mean of the gradients that exist
+        ([Note: unused parameters] in ``_reduce.py``)."""
+        for s in self._units(recurse):
+            if s.group is not None:
+                s.group.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
     def set_unshard_limit(self, limit: int) -> None:
         """At most ``limit`` resharding units unsharded or being all-gathered at once (call on
         the root; default 2). Prefetches that would exceed it are skipped. See

@@ -128,6 +128,9 @@ class ParamGroup:
             for (fqn, p, uses), lay, o, d, cd in zip(entries, layouts, self.master_offsets, dtypes, cdtypes)
         ]
         self.buckets = make_buckets(self.params, mp.reduce_dtype)
+        # FSDP2's set_reduce_scatter_unused_params: unused parameters get zero gradients
+        # instead of None ([Note: unused parameters] in _reduce.py)
+        self.reduce_scatter_unused_params = False
         self.state = ShardState.SHARDED
         self._pending = None  # (work, gathered bytes) of an issued all-gather (GATHERING)
         self._post_forward = None  # (bytes, group) kept by reshard(to=...) (SHARDED_POST_FORWARD)
@@ -294,6 +297,8 @@ class ParamGroup:
         for p in self.params:
             p.unsharded.grad = None
             p.accumulated_grad = None
+        for b in self.buckets:
+            b.seen, b.fresh = None, set()
 
     def stash_unsharded_grads(self) -> None:
         """After a backward that does not reduce: keep each gradient's running sum in its

@@ -19,6 +19,22 @@ advances the earlier ones a stage, and the end-of-backward callback finishes the
 (``_root.py``). After HSDP accumulation the bucket holds replica-partial sums
 (``partial_over_replicas``); the next reduction with the all-reduce adds its own shard-axis sum
 and all-reduces the accumulated sharded gradients once.
+
+[Note: unused parameters]
+A parameter that got no gradient in a backward (not used in this forward: a skipped head, a
+disabled adapter) must keep ``.grad`` None, as on one device, or the optimizer's weight decay
+and moments move it. Ranks may disagree (data-dependent control flow), and the reduce-scatter
+must stay the same collective on all of them, so every rank sends every parameter's column
+block (zeros where it has no gradient) plus, per parameter, one *used* flag column: 1 where
+this rank had a gradient, 0 where not. The flags travel in the same reduce-scatter (and
+replica all-reduce) as the gradients, so after the reduction every rank holds the same count
+of ranks that used each parameter, at no extra collective. A parameter whose ``.grad`` was
+None before the reduction and whose count is 0 gets ``.grad = None`` back when the step's
+reductions are finished (``resolve_unused``, one host read per backward, at its end; reading
+it earlier would stall the host on the collective). Under HSDP accumulation the counts are
+summed over the micro-batches (``Bucket.seen``) and all-reduced with the sharded gradients.
+``set_reduce_scatter_unused_params(True)`` (as FSDP2) sets every flag: unused parameters get
+zero gradients.
 """
 
 from __future__ import annotations
@@ -33,7 +49,7 @@ from torch.profiler import record_function
 from ._layout import scatter_rows
 from ._mesh_utils import reduce_scatter_single
 
-__all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads"]
+__all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads", "resolve_unused"]
 
 
 class ReduceStage(Enum):
@@ -52,13 +68,22 @@ _NEXT = {
 @dataclass
 class Bucket:
     """Trainable parameters reduced together in one ``dtype`` reduce-scatter; parameter ``i``
-    is elements ``[offsets[i], offsets[i] + padded_numel_i)`` of each rank's row."""
+    is elements ``[offsets[i], offsets[i] + padded_numel_i)`` of each rank's row, and its used
+    flag is element ``numel + i`` ([Note: unused parameters]); a row is ``row`` elements."""
 
     dtype: torch.dtype
     params: list
     offsets: list[int]
     numel: int
     partial_over_replicas: bool = False  # holds reduce-scattered but not yet all-reduced sums
+    # [Note: unused parameters]: used-flag counts summed since the last resolution, and the
+    # indices of parameters whose sharded .grad the reductions since then created
+    seen: torch.Tensor | None = None
+    fresh: set[int] = field(default_factory=set)
+
+    @property
+    def row(self) -> int:
+        return self.numel + len(self.params)
 
 
 def make_buckets(params, reduce_dtype: torch.dtype | None) -> list[Bucket]:
@@ -89,6 +114,8 @@ class PendingReduce:
     out: torch.Tensor
     all_reduce: bool
     stage: ReduceStage = field(default=ReduceStage.SCATTER)
+    # once DONE with final (not replica-partial) values: (bucket, used counts, fresh indices)
+    unused_check: tuple | None = None
 
     def _to(self, stage: ReduceStage) -> None:
         if stage not in _NEXT[self.stage]:
@@ -104,11 +131,13 @@ class PendingReduce:
         with torch.no_grad():
             if self.stage is ReduceStage.ALL_REDUCE:
                 _store(g, b, out)
+                self._final(b)
                 self._to(ReduceStage.DONE)
                 return True
             out.div_(g.world * g.replicate_world)
             if g.replicate_group is None:
                 _store(g, b, out)
+                self._final(b)
             elif not self.all_reduce:  # HSDP accumulation: keep the replica-partial sum
                 _store(g, b, out)
                 b.partial_over_replicas = True
@@ -121,8 +150,14 @@ class PendingReduce:
                 _store(g, b, out)
                 _all_reduce_sharded_grads(g, b)
                 b.partial_over_replicas = False
+                self._final(b)
         self._to(ReduceStage.DONE)
         return True
+
+    def _final(self, b: Bucket) -> None:
+        """The bucket's gradients are final: keep its used counts for ``resolve_unused``."""
+        self.unused_check = (b, b.seen, b.fresh)
+        b.seen, b.fresh = None, set()
 
     def finish(self) -> None:
         """Run to completion."""
@@ -137,34 +172,60 @@ def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
     pending = []
     with torch.no_grad(), record_function(g.trace.reduce_scatter):
         for b in g.buckets:
-            send = torch.empty(W * b.numel, dtype=b.dtype, device=g.compute_device)
-            rows = send.view(W, b.numel)
+            send = torch.empty(W * b.row, dtype=b.dtype, device=g.compute_device)
+            rows = send.view(W, b.row)
+            used = []  # [Note: unused parameters]
             for p, o in zip(b.params, b.offsets):
                 block = rows[:, o : o + p.layout.padded_numel]
                 grad = p.take_unsharded_grad(b.dtype)
+                used.append(grad is not None or g.reduce_scatter_unused_params)
                 if grad is None:
                     block.zero_()
                 else:
                     scatter_rows(p.layout, grad, block, 0, W)
+            rows[:, b.numel :].copy_(torch.tensor(used, dtype=b.dtype).expand(W, -1))
             if W == 1:  # nothing to scatter: the sum over one rank is the input
                 pending.append(PendingReduce(g, b, None, send, all_reduce))
                 continue
-            out = torch.empty(b.numel, dtype=b.dtype, device=g.compute_device)
+            out = torch.empty(b.row, dtype=b.dtype, device=g.compute_device)
             work = reduce_scatter_single(out, send, group=g.shard_group, async_op=True)
             pending.append(PendingReduce(g, b, work, out, all_reduce))
     return pending
 
 
 def _store(g, b: Bucket, out: torch.Tensor) -> None:
-    for p, o in zip(b.params, b.offsets):
+    for i, (p, o) in enumerate(zip(b.params, b.offsets)):
+        if p.sharded.grad is None:
+            b.fresh.add(i)
         n = p.layout.shard_rows(g.rank) * p.layout.row_numel
         p.accumulate_sharded_grad(out[o : o + n].view(p.layout.shard_shape(g.rank)))
+    counts = out[b.numel : b.row]
+    b.seen = counts.clone() if b.seen is None else b.seen.add_(counts)
 
 
 def _all_reduce_sharded_grads(g, b: Bucket) -> None:
     locals_ = [p.sharded.grad.to_local() for p in b.params]
-    flat = torch.cat([t.reshape(-1).to(b.dtype) for t in locals_]).to(g.compute_device)
+    parts = [t.reshape(-1).to(b.dtype) for t in locals_] + [b.seen]
+    flat = torch.cat(parts).to(g.compute_device)
     with record_function(g.trace.all_reduce):
         dist.all_reduce(flat, group=g.replicate_group)
-    for t, chunk in zip(locals_, flat.split([t.numel() for t in locals_])):
+    *chunks, seen = flat.split([t.numel() for t in parts])
+    for t, chunk in zip(locals_, chunks):
         t.copy_(chunk.view_as(t))
+    b.seen = seen
+
+
+def resolve_unused(done: list[PendingReduce]) -> None:
+    """After a backward's reductions are finished: ``.grad = None`` again for each parameter
+    whose sharded gradient they created though no rank had a gradient for it ([Note: unused
+    parameters]). One host read of all the counts together."""
+    checks = [pr.unused_check for pr in done if pr.unused_check is not None and pr.unused_check[2]]
+    if not checks:
+        return
+    counts = torch.cat([seen for _, seen, _ in checks]).tolist()
+    at = 0
+    for b, seen, fresh in checks:
+        for i in fresh:
+            if counts[at + i] == 0:
+                b.params[i].sharded.grad = None
+        at += seen.numel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ._compat import queue_backward_callback
+from ._reduce import resolve_unused
 
 __all__ = ["RootContext", "DEFAULT_UNSHARD_LIMIT"]
 
@@ -28,6 +29,7 @@ class RootContext:
         self.order: list = []  # forward order of the previous step
         self.this_order: list = []  # forward order of this step so far
         self.reduces: list = []  # PendingReduce in flight, oldest first
+        self.done: list = []  # PendingReduce of this backward already stored (for resolve_unused)
         self.callback_queued = False  # the end-of-backward callback of this step is queued
         self._subgroups: dict[tuple[int, ...], object] = {}  # rank set -> group
 
@@ -58,8 +60,7 @@ class RootContext:
         (reduce-scatter -> replica all-reduce -> stored) so that they run behind the computation."""
         earlier, self.reduces = self.reduces, []
         for pr in earlier:
-            if not pr.advance():
-                self.reduces.append(pr)
+            (self.done if pr.advance() else self.reduces).append(pr)
         self.reduces.extend(issued)
 
     def final_callback(self) -> None:
@@ -71,7 +72,11 @@ class RootContext:
                     s.group.reshard()  # as in the post-backward: parameters go first
                 s._reduce()
         while self.reduces:
-            self.reduces.pop(0).finish()
+            pr = self.reduces.pop(0)
+            pr.finish()
+            self.done.append(pr)
+        done, self.done = self.done, []
+        resolve_unused(done)  # [Note: unused parameters] in _reduce.py
         for s in self.states:
             s._end_step()
         self.callback_queued = False
@@ -85,7 +90,7 @@ class RootContext:
         for pr in self.reduces:
             if pr.work is not None:  # every rank issued it: wait, so the collectives stay matched
                 pr.work.wait()
-        self.reduces = []
+        self.reduces, self.done = [], []
         for s in self.states:
             if s.group is not None:
                 s.group.drop_unsharded_grads()

@@ -37,7 +37,9 @@ the unit is then all-gathered on demand. Units with ``reshard_after_forward=Fals
 root) are not counted: they stay unsharded by choice.
 
 Activation checkpointing re-runs a unit's forward inside backward; the hooks see that the unit
-is already in backward and neither reshard nor register new backward hooks then.
+is already in backward and neither reshard nor register new backward hooks then, but they cast
+the inputs and outputs exactly as in the first forward (``MixedPrecisionPolicy``): the
+recomputation must produce the tensors the first forward saved, in the same dtypes.
 
 [Note: a backward that raised]
 An exception inside backward (a caught out-of-memory, a NaN check raising in a hook, an error
@@ -244,7 +246,7 @@ class FSDPState:
         if ctx.callback_queued and not backward_running():  # [Note: a backward that raised]
             ctx.abandon_step()
         if self.training is TrainingState.BACKWARD:  # recomputation under activation checkpointing
-            return args, kwargs
+            return self._cast_inputs(args, kwargs)  # casts as the first forward, nothing else
         self._set_training(TrainingState.FORWARD)
         if self is ctx.root and not self._forward_seen:
             ctx.this_order = []
@@ -257,15 +259,22 @@ class FSDPState:
         if self.group is not None:
             self.group.unshard()
         self._prefetch(self.forward_prefetch if self.forward_prefetch is not None else self._neighbour(+1))
-        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
+        args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
+    def _cast_inputs(self, args, kwargs):
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            return _cast_floats((args, kwargs), self.mp.param_dtype)
+        return args, kwargs
+
+    def _cast_output(self, output):
+        return output if self.mp.output_dtype is None else _cast_floats(output, self.mp.output_dtype)
+
     def _post_forward(self, module, args, output):
-        if self.training is TrainingState.BACKWARD:
-            return output
+        if self.training is TrainingState.BACKWARD:  # recomputation: the same output casts
+            return self._cast_output(output)
         if self.group is not None and len(self._forward_seen) == len(self.modules):
             if not torch.is_grad_enabled() or self.reshard_after_forward is True:
                 self.group.reshard()
@@ -274,8 +283,7 @@ class FSDPState:
         if len(self._forward_seen) == len(self.modules):  # the last of its modules is done
             self._forward_seen.clear()
             self._set_training(TrainingState.IDLE)
-        if self.mp.output_dtype is not None:
-            output = _cast_floats(output, self.mp.output_dtype)
+        output = self._cast_output(output)
         if torch.is_grad_enabled():
             flat, _ = tree_flatten(output)
             for t in flat:

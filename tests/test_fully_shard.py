@@ -192,8 +192,11 @@ def test_one_all_gather_per_unshard_and_one_reduce_scatter_per_backward(world_si
     ag_group = W if raf is None else raf
     forward = [("all_gather_single", root, W), ("all_gather_single", block, W), ("all_gather_single", block, W)]
     backward = [] if raf is False else [("all_gather_single", block, ag_group)] * 2
-    scatters = [("reduce_scatter_single", unit, W) for unit in (block, block, root)]
-    all_reduces = [("all_reduce", unit // W, R) for unit in (block, block, root)] if R > 1 else []
+    # plus one fp32 used-flag per trainable parameter in every rank's row ([Note: unused
+    # parameters] in _reduce.py): 6 parameters per block, 4 in the root (emb, head w/b, scale)
+    units = [(block, 6 * 4), (block, 6 * 4), (root, 4 * 4)]  # (bytes, flag bytes per row)
+    scatters = [("reduce_scatter_single", unit + flags * W, W) for unit, flags in units]
+    all_reduces = [("all_reduce", unit // W + flags, R) for unit, flags in units] if R > 1 else []
     for rank, log in enumerate(run_ranks(_record_collectives, world_size, mesh_shape, raf)):
         gathers = [e for e in log if e[0].startswith("all_gather")]
         assert gathers == forward + backward, f"rank {rank}: all-gathers {gathers}"
