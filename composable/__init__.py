@@ -5,17 +5,16 @@ The names follow torch's FSDP2 so that switching is one import::
     from shardwise.composable import fully_shard, FSDPModule, MixedPrecisionPolicy
 """
 
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle,
+                    broadcast_from_rank0, fully_shard, materialize, register_fsdp_forward_method)
 from ._clip_grad import clip_grad_norm_
-from ._materialize import broadcast_from_rank0, materialize
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._tp import *  # noqa: F403  tensor parallelism: the names in _tp.__all__
 from ._tp import __all__ as _tp_all
-from ._planner import MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
 from ._pipeline import *  # noqa: F403  pipeline parallelism: the names in _pipeline.__all__
 from ._pipeline import __all__ as _pipeline_all
-from ._wrap import ShardingPolicy, ShardingStrategy, apply_fully_shard, select_units, strategy_mesh
-from ._accelerate import AccelerateConfig, from_accelerate_config
+from ._wrap import (AccelerateConfig, ShardingPolicy, ShardingStrategy, apply_fully_shard, from_accelerate_config,
+                    select_units, strategy_mesh)
+from ._plan import MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
 
 __all__ = [
     "fully_shard",

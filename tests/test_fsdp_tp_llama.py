@@ -101,7 +101,7 @@ def test_llama_fsdp_x_tp_matches_single_process(world_size, shape, clip):
 def _tp_grad_in_reduce_dtype(rank, world_size):
     mp = sw.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     _, model, _, _, _ = build((1, 2, 2), mp)
-    from shardwise.composable._sharded_param import ShardedParam
+    from shardwise.composable._fsdp._sharded_param import ShardedParam
 
     seen, inside = [], []
     real_redistribute, real_take = DTensor.redistribute, ShardedParam.take_unsharded_grad

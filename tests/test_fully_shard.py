@@ -269,7 +269,7 @@ def test_mesh_device_type_must_match_parameters():
     accelerator mesh's device). No accelerator here, so the parameter is a stand-in."""
     from types import SimpleNamespace
 
-    from shardwise.composable._fully_shard import _check_params
+    from shardwise.composable._fsdp._fully_shard import _check_params
 
     on_cuda = SimpleNamespace(
         is_floating_point=lambda: True, dim=lambda: 1, device=torch.device("cuda", 0), dtype=torch.float32

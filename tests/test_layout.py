@@ -1,10 +1,10 @@
-"""Index arithmetic of dim-0 sharding (composable/_layout.py), over random shapes and worlds."""
+"""Index arithmetic of dim-0 sharding (composable/_fsdp/_layout.py), over random shapes and worlds."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.composable._layout import (
+from shardwise.composable._fsdp._layout import (
     DimZeroLayout,
     byte_columns,
     chunk_range,

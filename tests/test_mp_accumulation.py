@@ -1,6 +1,6 @@
 """Gradient accumulation under bf16 parameters and an fp32 reduction: the unsharded gradients of
 backwards that do not reduce are summed in fp32 ([Note: accumulating in the reduce dtype] in
-``composable/_sharded_param.py``), as torch's FSDP2 does. Differential: the same accumulation on
+``composable/_fsdp/_sharded_param.py``), as torch's FSDP2 does. Differential: the same accumulation on
 torch's FSDP2 and on shardwise gives the same gradients."""
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.composable import fully_shard
-from shardwise.composable._param_group import ParamGroup
-from shardwise.composable._state import get_state
+from shardwise.composable._fsdp._param_group import ParamGroup
+from shardwise.composable._fsdp._state import get_state
 from tests._dist import run_ranks
 from tests._models import batches, loss_fn, make_mesh, reference_and_copy
 

@@ -162,7 +162,7 @@ def test_suggest_mesh_counts_one_gather_per_unit_in_a_pipeline() -> None:
     `suggest_mesh` ranks layouts by is then SHARD_GRAD_OP's; without a pipeline FULL_SHARD
     gathers the blocks twice (forward and backward)."""
     from shardwise.composable import plan_memory
-    from shardwise.composable._planner import _comm
+    from shardwise.composable._plan._planner import _comm
     model = _meta_llama(vocab_size=1000, dim=64, n_layers=8, n_heads=4)
     full, zero2 = (plan_memory(model, (1, 4), s) for s in ("FULL_SHARD", "SHARD_GRAD_OP"))
     args = (8, 1, 100e9, 25e9)

@@ -1,6 +1,6 @@
 """A backward that raises, caught by the training loop (the batch skipped): the next step
 trains as if the failed one had never run ([Note: a backward that raised] in
-``composable/_state.py``)."""
+``composable/_fsdp/_state.py``)."""
 
 from __future__ import annotations
 

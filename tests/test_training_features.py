@@ -220,7 +220,7 @@ def _eval_frees(rank, world_size):
     model.eval()
     with torch.no_grad():
         model(torch.randint(0, 11, (2, 5)))
-    from shardwise.composable._state import get_state
+    from shardwise.composable._fsdp._state import get_state
 
     allocated = [p.fqn for m in model.modules() if get_state(m) is not None
                  for p in get_state(m).group.params if p.unsharded_allocated]
@@ -261,7 +261,7 @@ def _forward_without_backward(rank, world_size):
     _shard(model, mesh)
     tokens = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(rank))
     model(tokens)  # output dropped: no backward for this forward
-    from shardwise.composable._state import get_state
+    from shardwise.composable._fsdp._state import get_state
 
     fired_early, in_final = [], []
     root, block = get_state(model), get_state(model.blocks[1])
@@ -292,7 +292,7 @@ def _params_freed_before_reduce(rank, world_size, raf):
     mesh = make_mesh((world_size,))
     _, model = reference_and_copy()
     _shard(model, mesh, reshard_after_forward=raf)
-    from shardwise.composable._state import get_state
+    from shardwise.composable._fsdp._state import get_state
 
     seen = {}
     for m in model.modules():

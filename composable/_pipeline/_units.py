@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .._fully_shard import FSDPModule
+from .._fsdp import FSDPModule
 
 __all__ = ["StageUnits"]
 

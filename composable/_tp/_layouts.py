@@ -25,7 +25,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from .._layout import chunk_range, chunk_sizes
+from .._chunks import chunk_range, chunk_sizes
 from .._mesh_utils import all_gather_single, same_mesh
 
 __all__ = [

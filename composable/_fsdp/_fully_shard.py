@@ -10,8 +10,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._compat import is_strided_shard
-from ._mesh_utils import mesh_device
+from .._compat import is_strided_shard
+from .._mesh_utils import mesh_device
 from ._param_group import ParamGroup
 from ._policies import MixedPrecisionPolicy, OffloadPolicy
 from ._state import FSDPState, TrainingState, get_state, units_under

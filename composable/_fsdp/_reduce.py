@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ._layout import scatter_rows
-from ._mesh_utils import reduce_scatter_single
+from .._mesh_utils import reduce_scatter_single
 
 __all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads", "resolve_unused"]
 

@@ -28,6 +28,10 @@ from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
+from .._pipeline._stages import plan_stages
+from .._wrap import ShardingPolicy
+from ._units import declares_units, fmt_bytes, plan_units
+
 __all__ = ["PipelineMemoryPlan", "plan_pipeline_memory"]
 
 
@@ -51,8 +55,6 @@ class PipelineMemoryPlan:
         return max(range(len(self.stages)), key=lambda s: self.stages[s].peak)
 
     def __str__(self) -> str:
-        from .._planner import fmt_bytes
-
         lines = [f"pipeline pp={self.pp}, {self.schedule}, {self.microbatches} microbatches; peak per GPU "
                  f"{fmt_bytes(self.peak)} (stage {self.worst_stage})"]
         for s, p in enumerate(self.stages):
@@ -92,10 +94,6 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
                          reduce_every_microbatch: bool = False, **kwargs) -> PipelineMemoryPlan:
     """Plan each of the ``pp`` stages of ``model`` with `plan_memory`; see
     [Note: the memory of a pipeline stage]. ``kwargs`` go to `plan_memory`."""
-    from .._planner import _declares_units, plan_memory
-    from .._wrap import ShardingPolicy
-    from ._stages import plan_stages
-
     if schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
         raise ValueError(f"plan_memory: schedule={schedule!r}; choose gpipe, 1f1b or interleaved_1f1b")
     if microbatches < 1:
@@ -103,7 +101,7 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
     plan, path, names, pre, post = plan_stages(model, pp, layers=layers, cost="params", split_points=stage_bounds)
     blocks = list(path[-1]._modules[names[-1]])
     if not isinstance(policy, ShardingPolicy):
-        policy = ShardingPolicy(policy, no_split_modules=_declares_units(model))
+        policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
     if not reshard_between_microbatches and policy.reshard_after_forward is None:
         policy = replace(policy, reshard_after_forward=False)  # gathered for the whole step
     classes = sorted({c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or [])})
@@ -123,7 +121,7 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
                 view.add_module(f"post_{d}_{n}", path[d]._modules[n])
         share = len(plan.blocks(s)) / len(blocks)
         act = activation_bytes * share * _in_flight(schedule, pp, microbatches, s) / microbatches
-        stage = plan_memory(view, mesh_shape, policy, activation_bytes=int(act), **kwargs)
+        stage = plan_units(view, mesh_shape, policy, activation_bytes=int(act), **kwargs)
         if microbatches > 1 and not reduce_every_microbatch:
             stage = replace(stage, accumulated_grads=_accumulated(stage, kwargs.get("mp_policy")))
         stages.append(stage)

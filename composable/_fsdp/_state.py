@@ -62,7 +62,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from ._compat import backward_running, run_eagerly, tree_flatten, tree_map, tree_unflatten
+from .._compat import backward_running, run_eagerly, tree_flatten, tree_map, tree_unflatten
 from ._root import DEFAULT_UNSHARD_LIMIT, RootContext
 from ._trace import TraceNames, unit_name
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ._compat import queue_backward_callback
+from .._compat import queue_backward_callback
 from ._reduce import resolve_unused
 
 __all__ = ["RootContext", "DEFAULT_UNSHARD_LIMIT"]

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._compat import TorchDispatchMode, storage_key, tree_flatten
+from .._compat import TorchDispatchMode, storage_key, tree_flatten
 from ._layout import byte_columns, gather_rows, scatter_rows
-from ._mesh_utils import all_gather_single
+from .._mesh_utils import all_gather_single
 from ._state import get_state, units_under
 
 __all__ = ["materialize", "broadcast_from_rank0"]

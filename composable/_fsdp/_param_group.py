@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from ._layout import DimZeroLayout, byte_columns, gather_rows, scatter_rows
-from ._mesh_utils import all_gather_single, mesh_device
+from .._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
 from ._sharded_param import ShardedParam

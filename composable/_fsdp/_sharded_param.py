@@ -50,9 +50,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._compat import root_mesh, set_local_tensor, strided_shard
+from .._compat import root_mesh, set_local_tensor, strided_shard
 from ._layout import DimZeroLayout, scatter_rows
-from ._mesh_utils import same_mesh
+from .._mesh_utils import same_mesh
 
 __all__ = ["ShardedParam"]
 

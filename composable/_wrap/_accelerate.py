@@ -30,9 +30,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._materialize import broadcast_from_rank0
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._wrap import ShardingPolicy, apply_fully_shard, select_units
+from .._fsdp import broadcast_from_rank0
+from .._fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._policy import ShardingPolicy, apply_fully_shard, select_units
 
 __all__ = ["AccelerateConfig", "from_accelerate_config"]
 

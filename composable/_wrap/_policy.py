@@ -24,8 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.mesh import init_mesh
 
-from ._fully_shard import FSDPModule, fully_shard
-from ._policies import MixedPrecisionPolicy, OffloadPolicy
+from .._fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 __all__ = ["ShardingStrategy", "ShardingPolicy", "select_units", "strategy_mesh", "apply_fully_shard"]
 
@@ -117,17 +116,6 @@ class ShardingPolicy:
         if not isinstance(self.mp_policy, MixedPrecisionPolicy) or not isinstance(self.offload_policy, OffloadPolicy):
             raise TypeError("ShardingPolicy: mp_policy must be a MixedPrecisionPolicy and offload_policy an "
                             "OffloadPolicy")
-
-    @classmethod
-    def from_accelerate(cls, config: dict) -> "ShardingPolicy":
-        """A policy from Accelerate's FSDP config (its ``fsdp_config`` keys, with or without the
-        ``fsdp_`` prefix, or the whole YAML as a dict). Keys that a policy cannot carry
-        (``sync_module_states``, activation checkpointing, ...) are refused unless they ask for
-        the default: use ``from_accelerate_config(config).apply(model)`` for those. See
-        docs/accelerate.md for every key."""
-        from ._accelerate import from_accelerate_config
-
-        return from_accelerate_config(config).policy_only()
 
 
 def _class_names(model: nn.Module, policy: ShardingPolicy) -> set[str]:

@@ -1,0 +1,25 @@
+"""The fully_shard wing: FSDP / ZeRO-3 on a 1-D mesh, HSDP on a 2-D replicate x shard mesh.
+
+One file per concept (see docs/architecture.md): the shard layout (``_layout.py``), one
+parameter (``_sharded_param.py``), one unit's flat buffers and collectives
+(``_param_group.py``), gradient reduction (``_reduce.py``), per-unit hooks (``_state.py``),
+root-only state (``_root.py``), deferred init (``_materialize.py``), the API
+(``_fully_shard.py``). This wing imports only the shared leaves of ``composable``
+(``_compat``, ``_mesh_utils``, ``_chunks``); the other wings use it through the names below.
+"""
+
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._materialize import broadcast_from_rank0, materialize
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "materialize",
+    "broadcast_from_rank0",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+]
