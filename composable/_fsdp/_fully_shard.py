@@ -162,6 +162,18 @@ def _load_post_hook(module, incompatible_keys) -> None:
     _readopt(get_state(module))
 
 
+_UNIT_ATTR = "_shardwise_param_unit"  # on a module holding a unit's parameters: the unit's module
+
+
+def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
+    """``state_dict()`` holds the sharded DTensors whenever it is called: a unit left unsharded
+    by a forward (the root by default, ``reshard_after_forward=False``) reshards first, as FSDP2
+    does; its next backward gathers again. Registered on every module that holds one of the
+    unit's parameters, so ``submodule.state_dict()`` sees shards too; the unit is found through
+    the module (a copied module finds its own copy)."""
+    _reshard_for_update(get_state(module.__dict__[_UNIT_ATTR]), "state_dict()")
+
+
 def _state_of(module: nn.Module, where: str) -> FSDPState:
     s = get_state(module)
     if s is None:
@@ -354,6 +366,10 @@ def fully_shard(
             setattr(p, _OWNER_ATTR, sp.owner)
             setattr(sp.sharded, _OWNER_ATTR, sp.owner)
             sp.register(unsharded=False)
+    if group is not None:
+        for m in {id(m): m for sp in group.params for m, _ in sp.uses}.values():
+            m.__dict__[_UNIT_ATTR] = modules[0]
+            m.register_state_dict_pre_hook(_state_dict_pre_hook)
     for m in modules:
         # load_state_dict(assign=True) replaces parameters: re-adopt them (the hooks find the
         # state on the module, so a copied module does not reach back to this one)

@@ -184,6 +184,24 @@ class ParamGroup:
         self.buckets = make_buckets(self.params, self.mp.reduce_dtype)
         self.drop_post_forward()
 
+    def adopt_replaced(self) -> None:
+        """At the root's lazy init: take parameters set on the modules since ``fully_shard``
+        (``module.weight = nn.Parameter(...)``, a common re-init pattern after a meta-device
+        ``fully_shard``) as FSDP2 does ([Note: re-adopting parameters]); then refuse, naming
+        them, parameters that are still on the meta device."""
+        if self.state is not ShardState.SHARDED:
+            return  # unsharded by the user before the first forward: the modules hold the gathered ones
+        current = [p.registered() for p in self.params]
+        meta = [p.fqn for p, c in zip(self.params, current) if c.device.type == "meta"]
+        if not meta:
+            self.readopt()
+            meta = [p.fqn for p in self.params if p.padded.device.type == "meta"]
+        if meta:
+            raise RuntimeError(
+                f"fully_shard({self.label}): parameters {meta} are still on the meta device at the first forward; "
+                "materialize them first: module.to_empty(device=...) and then initialize them (reset_parameters() "
+                "or load a state dict), or shardwise.composable.materialize(module)")
+
     def _new_storage(self) -> torch.Tensor:
         t = torch.zeros(self.master_bytes, dtype=torch.uint8, device=self.storage_device)
         return t.pin_memory() if self.pin and t.device.type == "cpu" else t

@@ -193,6 +193,9 @@ class FSDPState:
             raise ValueError(
                 f"set_unshard_limit was called on {len(limits)} unit(s) that are not the root (the root is the "
                 "module whose forward runs first, usually the whole model); call it on the root")
+        for s in states:  # before anything is set up: an error here leaves lazy init to run again
+            if s.group is not None:
+                s.group.adopt_replaced()
         ctx = RootContext(self, states, self.requested_unshard_limit or DEFAULT_UNSHARD_LIMIT)
         paths: dict[int, str] = {}
         for top in self.modules:
