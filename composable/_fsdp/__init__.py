@@ -10,7 +10,7 @@ root-only state (``_root.py``), deferred init (``_materialize.py``), the API
 
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._materialize import broadcast_from_rank0, materialize
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
@@ -22,4 +22,5 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
 ]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._compat import TorchDispatchMode, storage_key, tree_flatten
-from ._layout import byte_columns, gather_rows, scatter_rows
+from ._layout import byte_columns
 from .._mesh_utils import all_gather_single
 from ._state import get_state, units_under
 
@@ -110,14 +110,14 @@ class _Placeholders:
             all_gather_single(rows, g.sharded_bytes, group=g.shard_group)
             rows = rows.view(g.world, g.master_bytes)
             for p, o in zip(g.params, g.master_offsets):
-                gather_rows(p.layout, byte_columns(rows, o, p.layout, p.orig_dtype), self.full[id(p)].data)
+                p.layout.gather(byte_columns(rows, o, p.layout, p.orig_dtype), self.full[id(p)].data)
         self.ever_active.add(id(g))
         self.current = g
 
     def _finalize(self, g) -> None:
         for p in g.params:
             t = self.full[id(p)].data
-            scatter_rows(p.layout, t, p.padded.view(1, -1), g.rank, g.rank + 1)
+            p.layout.scatter(t, p.padded.view(1, -1), g.rank, g.rank + 1)
             t.untyped_storage().resize_(0)
         self.current = None
 
@@ -220,7 +220,7 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
                     if tuple(full.shape) != p.layout.shape:
                         raise ValueError(f"broadcast_from_rank0: '{fqn}' has shape {tuple(full.shape)}, "
                                          f"the model expects {p.layout.shape}")
-                    scatter_rows(p.layout, full, byte_columns(send, o, p.layout, p.orig_dtype), 0, g.world)
+                    p.layout.scatter(full, byte_columns(send, o, p.layout, p.orig_dtype), 0, g.world)
                 send = list(send.unbind(0))
             dist.scatter(g.sharded_bytes, send, src=src_rank, group=g.shard_group)
         if g.replicate_group is not None:

@@ -55,7 +55,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from ._layout import DimZeroLayout, byte_columns, gather_rows, scatter_rows
+from ._layout import byte_columns, make_layout
 from .._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
@@ -100,7 +100,8 @@ class ParamGroup:
     """Parameters ``entries`` = ``[(fqn, param, uses), ...]`` of one unit, sharded over the
     last axis of ``mesh`` (and replicated over its first axis when the mesh is 2-D)."""
 
-    def __init__(self, entries, mesh, *, mp: MixedPrecisionPolicy, offload: OffloadPolicy, label: str) -> None:
+    def __init__(self, entries, mesh, *, mp: MixedPrecisionPolicy, offload: OffloadPolicy, label: str,
+                 placements: list | None = None) -> None:
         self.mesh, self.mp, self.label = mesh, mp, label
         self.trace = TraceNames.for_unit(label)  # the root renames it by module path at lazy init
         self.shard_group = mesh.get_group(mesh.ndim - 1)
@@ -116,8 +117,9 @@ class ParamGroup:
         self.pin = self.offload and (offload.pin_memory if offload.pin_memory is not None
                                      else self.compute_device.type != "cpu")
         # a tensor-parallel DTensor is sharded on its TP-local shape
-        layouts = [DimZeroLayout(tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape), self.world)
-                   for _, p, _ in entries]
+        placements = placements or [None] * len(entries)
+        layouts = [make_layout(tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape), self.world, pl)
+                   for (_, p, _), pl in zip(entries, placements)]
         dtypes = [p.dtype for _, p, _ in entries]
         cdtypes = [mp.param_dtype or d for d in dtypes]
         self._plan_bytes(layouts, dtypes, cdtypes)
@@ -272,7 +274,7 @@ class ParamGroup:
         with torch.no_grad(), record_function(self.trace.copy_out):
             for i, p in enumerate(self.params):
                 if not p.alias:
-                    gather_rows(p.layout, self._ag_block(rows, i), p.alloc_unsharded())
+                    p.layout.gather(self._ag_block(rows, i), p.alloc_unsharded())
         for p in self.params:
             p.register(unsharded=True)
         self._to(ShardState.UNSHARDED)
@@ -293,7 +295,7 @@ class ParamGroup:
             rows = buf.view(per, self.ag_bytes)
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    scatter_rows(p.layout, p.unsharded_data(), self._ag_block(rows, i), lo, lo + per)
+                    p.layout.scatter(p.unsharded_data(), self._ag_block(rows, i), lo, lo + per)
             self._post_forward = (buf, group)
         for p in self.params:
             p.register(unsharded=False)

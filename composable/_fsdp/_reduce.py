@@ -46,7 +46,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ._layout import scatter_rows
 from .._mesh_utils import reduce_scatter_single
 
 __all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads", "resolve_unused"]
@@ -182,7 +181,7 @@ def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
                 if grad is None:
                     block.zero_()
                 else:
-                    scatter_rows(p.layout, grad, block, 0, W)
+                    p.layout.scatter(grad, block, 0, W)
             rows[:, b.numel :].copy_(torch.tensor(used, dtype=b.dtype).expand(W, -1))
             if W == 1:  # nothing to scatter: the sum over one rank is the input
                 pending.append(PendingReduce(g, b, None, send, all_reduce))
@@ -197,8 +196,7 @@ def _store(g, b: Bucket, out: torch.Tensor) -> None:
     for i, (p, o) in enumerate(zip(b.params, b.offsets)):
         if p.sharded.grad is None:
             b.fresh.add(i)
-        n = p.layout.shard_rows(g.rank) * p.layout.row_numel
-        p.accumulate_sharded_grad(out[o : o + n].view(p.layout.shard_shape(g.rank)))
+        p.accumulate_sharded_grad(p.layout.local_view(out[o : o + p.layout.padded_numel], g.rank))
     counts = out[b.numel : b.row]
     b.seen = counts.clone() if b.seen is None else b.seen.add_(counts)
 

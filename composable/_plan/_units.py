@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from .._fsdp import MixedPrecisionPolicy
+from .._fsdp._layout import make_layout
 from .._wrap import ShardingPolicy, ShardingStrategy, select_units
 
 __all__ = ["UnitPlan", "MemoryPlan", "plan_units", "fmt_bytes", "declares_units"]
@@ -108,7 +109,8 @@ def _unit(name: str, params: list, shard: int, tp: int, mp: MixedPrecisionPolicy
     for p in params:
         rows = -(-p.shape[0] // tp) if tp > 1 and p.dim() >= 2 else p.shape[0]
         row, g, size = math.prod(p.shape[1:]), p.requires_grad, p.dtype.itemsize
-        full, padded, compute = rows * row, -(-rows // shard) * row, (mp.param_dtype or p.dtype).itemsize
+        padded = make_layout((rows, *p.shape[1:]), shard).padded_numel  # fully_shard's own layout
+        full, compute = rows * row, (mp.param_dtype or p.dtype).itemsize
         reduce = (mp.reduce_dtype or mp.param_dtype or p.dtype).itemsize
         cols.append((p.numel(), -(-padded * size // align) * align, g * padded, g * padded * size,
                      full * compute, g * full * compute, g * padded * shard * reduce))
