@@ -10,6 +10,7 @@ root-only state (``_root.py``), deferred init (``_materialize.py``), the API
 
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._materialize import broadcast_from_rank0, materialize
+from ._override import StepOverride, clear_override, configured, override_unit, units_of
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -23,4 +24,10 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
+    # the interface other wings drive units through ([Note: step overrides])
+    "StepOverride",
+    "override_unit",
+    "clear_override",
+    "configured",
+    "units_of",
 ]

@@ -124,7 +124,6 @@ class FSDPModule:
         for s in self._units(recurse):
             value = _check_reshard_after_forward(reshard_after_forward, s.mesh)
             s.user_reshard_after_forward = value
-            s.reshard_after_forward = s.configured_reshard_after_forward()
             if s.ctx is not None:  # lazy init done: it will not look at this again
                 s._setup_post_forward_group()
 

@@ -135,10 +135,12 @@ class FSDPState:
         self.group = group
         self.mesh = mesh
         self.mp = mp
+        # configured by the user (one writer each); the effective values are the properties
+        # below, which a StepOverride may replace for a step ([Note: step overrides])
         self.user_reshard_after_forward = reshard_after_forward
-        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
+        self.configured_reshard_after_backward = True
+        self.configured_requires_gradient_sync = True
+        self.override = None  # a StepOverride, installed by _override.override_unit
         self.requires_all_reduce = True
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (execution order)
         self.backward_prefetch: list[FSDPState] | None = None
@@ -169,6 +171,33 @@ class FSDPState:
     @property
     def is_root(self) -> bool | None:
         return None if self.ctx is None else self.ctx.root is self
+
+    @property
+    def reshard_after_forward(self) -> bool | int:
+        o = self.override
+        if o is not None and o.reshard_after_forward is not None:
+            return o.reshard_after_forward
+        return self.configured_reshard_after_forward()
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        o = self.override
+        return self.configured_reshard_after_backward if o is None or o.reshard_after_backward is None \
+            else o.reshard_after_backward
+
+    @reshard_after_backward.setter
+    def reshard_after_backward(self, value: bool) -> None:
+        self.configured_reshard_after_backward = value
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        o = self.override
+        return self.configured_requires_gradient_sync if o is None or o.requires_gradient_sync is None \
+            else o.requires_gradient_sync
+
+    @requires_gradient_sync.setter
+    def requires_gradient_sync(self, value: bool) -> None:
+        self.configured_requires_gradient_sync = value
 
     def configured_reshard_after_forward(self) -> bool | int:
         """``reshard_after_forward`` as the user set it, or its default (True, but False on the
@@ -205,8 +234,6 @@ class FSDPState:
             s.ctx = ctx
             if s.group is not None:
                 s.group.trace = TraceNames.for_unit(unit_name(s.modules, paths))
-        if self.user_reshard_after_forward is None:
-            self.reshard_after_forward = False
         for s in states:
             s._setup_post_forward_group()
 
@@ -214,7 +241,7 @@ class FSDPState:
         """The subgroup an int ``reshard_after_forward`` reshards onto (none for a bool).
         Called at lazy init and by ``set_reshard_after_forward`` after it (setters take effect
         whenever they are called); subgroups are made once per rank set, kept by the root."""
-        k = self.reshard_after_forward
+        k = self.configured_reshard_after_forward()
         self._post_forward_target = None
         if self.group is None or isinstance(k, bool):
             return
@@ -281,7 +308,7 @@ class FSDPState:
         if self.group is not None and len(self._forward_seen) == len(self.modules):
             if not torch.is_grad_enabled() or self.reshard_after_forward is True:
                 self.group.reshard()
-            elif self._post_forward_target is not None:
+            elif self._post_forward_target is not None and self.reshard_after_forward is not False:
                 self.group.reshard(to=self._post_forward_target)
         if len(self._forward_seen) == len(self.modules):  # the last of its modules is done
             self._forward_seen.clear()
