@@ -5,6 +5,7 @@ installed again), and import every library module from it, not from the checkout
 from __future__ import annotations
 
 import pathlib
+import shutil
 import site
 import subprocess
 import sys
@@ -29,8 +30,11 @@ def _library_modules() -> list[str]:
 
 
 def test_wheel_installs_every_module(tmp_path):
-    dist = tmp_path / "dist"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(REPO)],
+    dist, src = tmp_path / "dist", tmp_path / "src"
+    # from a copy: a build/ folder left in the checkout would carry stale modules into the wheel
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info",
+                                                             "__pycache__", ".hypothesis", ".pytest_cache"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, f"pip wheel failed:\n{build.stdout}\n{build.stderr}"
     (wheel,) = dist.glob("shardwise-*.whl")
