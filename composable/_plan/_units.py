@@ -125,7 +125,7 @@ def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...],
     """`plan_memory` of one model without a pipeline (its arguments, same meaning)."""
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
-    strategy = policy.strategy
+    strategy = ShardingStrategy(policy.strategy)
     R, S, T = _mesh_shape(mesh_shape, strategy)
     if not isinstance(prefetch, int) or prefetch < 1 or optimizer_states < 0:
         raise ValueError(f"plan_memory: prefetch={prefetch!r} must be an int >= 1, optimizer_states >= 0")
@@ -136,7 +136,8 @@ def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...],
     if missing:
         raise ValueError(f"plan_memory: units {missing} are not submodules of {type(model).__name__} "
                          f"(qualified names such as {list(modules)[1:4]})")
-    seen, plans = set(), []
+    seen: set[int] = set()
+    plans: list[UnitPlan] = []
     for name in names + [""]:
         own = [p for p in modules[name].parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)
