@@ -54,8 +54,11 @@ class ShardLayout(Protocol):
     into the ``[hi - lo, padded_numel]`` view ``dst`` (padding zeroed), ``gather(src, full)``
     is its inverse over all ranks (``src`` is ``[world, padded_numel]``)."""
 
-    shape: tuple[int, ...]
-    world: int
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def world(self) -> int: ...
 
     @property
     def padded_numel(self) -> int: ...

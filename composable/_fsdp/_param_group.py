@@ -50,12 +50,13 @@ pointer comparison each; this never runs during a step.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from ._layout import byte_columns, make_layout
+from ._layout import ShardLayout, byte_columns, make_layout
 from .._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
@@ -114,8 +115,8 @@ class ParamGroup:
         on_meta = entries[0][1].device.type == "meta"
         self.storage_device = torch.device("meta") if on_meta else (
             torch.device("cpu") if self.offload else self.compute_device)
-        self.pin = self.offload and (offload.pin_memory if offload.pin_memory is not None
-                                     else self.compute_device.type != "cpu")
+        pin = offload.pin_memory if isinstance(offload, CPUOffloadPolicy) else None
+        self.pin = self.offload and (pin if pin is not None else self.compute_device.type != "cpu")
         # a tensor-parallel DTensor is sharded on its TP-local shape
         placements = placements or [None] * len(entries)
         layouts = [make_layout(tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape), self.world, pl)
@@ -134,8 +135,10 @@ class ParamGroup:
         # instead of None ([Note: unused parameters] in _reduce.py)
         self.reduce_scatter_unused_params = False
         self.state = ShardState.SHARDED
-        self._pending = None  # (work, gathered bytes) of an issued all-gather (GATHERING)
-        self._post_forward = None  # (bytes, group) kept by reshard(to=...) (SHARDED_POST_FORWARD)
+        # (work, gathered bytes) of an issued all-gather (GATHERING)
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        # (bytes, group) kept by reshard(to=...) (SHARDED_POST_FORWARD)
+        self._post_forward: tuple[torch.Tensor, Any] | None = None
 
     def _to(self, state: ShardState) -> None:
         if state not in _NEXT[self.state]:
@@ -208,7 +211,7 @@ class ParamGroup:
         t = torch.zeros(self.master_bytes, dtype=torch.uint8, device=self.storage_device)
         return t.pin_memory() if self.pin and t.device.type == "cpu" else t
 
-    def _segment(self, offset: int, lay: DimZeroLayout, dtype: torch.dtype) -> torch.Tensor:
+    def _segment(self, offset: int, lay: ShardLayout, dtype: torch.dtype) -> torch.Tensor:
         return self.sharded_bytes[offset : offset + lay.padded_numel * dtype.itemsize].view(dtype)
 
     def materialize(self, full_tensors=None) -> None:
@@ -264,6 +267,7 @@ class ParamGroup:
         parameters on their modules."""
         if self.state is not ShardState.GATHERING:
             return
+        assert self._pending is not None, "GATHERING has an all-gather in flight"
         work, gathered = self._pending
         self._pending = None
         if work is not None:

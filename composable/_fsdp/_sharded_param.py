@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from .._compat import root_mesh, set_local_tensor, strided_shard
 from ._layout import ShardLayout
@@ -88,7 +89,9 @@ class ShardedParam:
         self.orig_dtype = param.dtype
         self.compute_dtype = compute_dtype
         self.requires_grad = param.requires_grad
-        dp = (layout.placement,) if mesh.ndim == 1 else (Replicate(), layout.placement)
+        dp: tuple = (layout.placement,) if mesh.ndim == 1 else (Replicate(), layout.placement)
+        self.tp_mesh: DeviceMesh | None
+        self.tp_placements: tuple | None
         if isinstance(param, DTensor):  # see [Note: sharding a tensor-parallel parameter]
             self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)
             if self.tp_placements[0] == layout.placement:  # TP split the same dim first
@@ -212,8 +215,8 @@ class ShardedParam:
     # -- unsharded storage (see [Note: freeing by storage resize]) ------------------------------
     def unsharded_data(self) -> torch.Tensor:
         """A writable alias of the unsharded parameter's (TP-local) data, outside autograd."""
-        t = self.unsharded
-        if self.tp_mesh is not None:
+        t: torch.Tensor = self.unsharded
+        if isinstance(t, DTensor):  # a tensor-parallel parameter
             with torch.no_grad():
                 t = t.to_local()
         return t.data
@@ -248,6 +251,7 @@ class ShardedParam:
         if g is None or self.tp_mesh is None:
             return g
         g = g.to(dtype)
+        assert isinstance(g, DTensor), "a tensor-parallel parameter's gradient is a DTensor"
         if tuple(g.placements) != self.tp_placements:
             g = g.redistribute(self.tp_mesh, self.tp_placements)
         return g.to_local()
@@ -281,7 +285,9 @@ class ShardedParam:
             self.sharded.grad = self._as_dtensor(local_grad.to(device=device, dtype=self.orig_dtype))
         else:
             with torch.no_grad():
-                self.sharded.grad.to_local().add_(local_grad.to(device))
+                grad = self.sharded.grad
+                assert isinstance(grad, DTensor)
+                grad.to_local().add_(local_grad.to(device))
 
 
 def _combined_mesh(dp_mesh, tp_mesh):

@@ -58,6 +58,7 @@ an earlier unit of that backward had already stored there is the user's to clear
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -140,7 +141,7 @@ class FSDPState:
         self.user_reshard_after_forward = reshard_after_forward
         self.configured_reshard_after_backward = True
         self.configured_requires_gradient_sync = True
-        self.override = None  # a StepOverride, installed by _override.override_unit
+        self.override: Any = None  # a StepOverride, installed by _override.override_unit
         self.requires_all_reduce = True
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (execution order)
         self.backward_prefetch: list[FSDPState] | None = None
@@ -148,7 +149,7 @@ class FSDPState:
         self.requested_unshard_limit: int | None = None  # set_unshard_limit before lazy init
         self.training = TrainingState.IDLE
         # per-unit, per-step
-        self._post_forward_target = None  # (group, k) for an int reshard_after_forward
+        self._post_forward_target: tuple | None = None  # (group, k) for an int reshard_after_forward
         self._forward_seen: set[int] = set()
         self._pending_post_backward = 0
         self._handles = []
@@ -248,11 +249,13 @@ class FSDPState:
         g = self.group
         shard_ranks = dist.get_process_group_ranks(g.shard_group)
         start = (g.rank // k) * k
+        assert self.ctx is not None, "called at or after lazy init"
         self._post_forward_target = (self.ctx.subgroup(tuple(shard_ranks[start : start + k])), k)
 
     # -- prefetch (see [Note: the unshard limit]) -------------------------------------------------
     def _prefetch(self, states) -> None:
         ctx = self.ctx
+        assert ctx is not None, "prefetches run after lazy init"
         for s in states:
             g = s.group
             if g is None or g.is_unsharded or g.unshard_pending:
@@ -261,7 +264,8 @@ class FSDPState:
                 continue
             g.unshard(async_op=True)
 
-    def _neighbour(self, step: int):
+    def _neighbour(self, step: int) -> list["FSDPState"]:
+        assert self.ctx is not None, "after lazy init"
         order = self.ctx.order
         if self not in order:
             return []
@@ -359,6 +363,7 @@ class FSDPState:
             return
         issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce)
         if issued:
+            assert self.ctx is not None, "a backward runs after lazy init"
             self.ctx.keep_in_flight(issued)
 
     def _end_step(self) -> None:
