@@ -158,10 +158,10 @@ def test_a_tensor_of_100k_boxes_is_inspected_and_loaded_within_seconds(tmp_path)
             f"x = {{'w': torch.zeros(1, {n})}}\nload(x, {path!r})\n"
             f"assert torch.equal(x['w'][0], torch.arange({n}.0))\n"
             f"print('SECONDS', t1, time.monotonic() - t - t1, file=sys.stderr)\n")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     inspect_s, load_s = map(float, run.stderr.split("SECONDS")[-1].split())
-    assert inspect_s < 30 and load_s < 60, (inspect_s, load_s)
+    assert inspect_s < 60 and load_s < 120, (inspect_s, load_s)  # 2-core machine under load: 8 s and 24 s measured
 
 
 def _header_file(path: str, spans: list[tuple[int, int]]) -> None:
