@@ -312,6 +312,24 @@ def _source(storage: Storage, path: str) -> tuple[str, str | None]:
                  "(under way, or interrupted: the next save of the series restores it)")
 
 
+def _open_source(storage: Storage, path: str, attempts: int = 5) -> CheckpointFiles:
+    """`open_checkpoint` of what `_source` names; when that vanished in between (a writer's
+    rename), resolved again, up to ``attempts`` times: a replace under way is not an error."""
+    for attempt in range(attempts):
+        source, said = _source(storage, path)
+        try:
+            files = open_checkpoint(source, storage)
+        except CheckpointError:
+            moved = storage.kind(source) != "dir" or _source(storage, path)[0] != source
+            if moved and attempt + 1 < attempts:
+                continue
+            raise
+        if said:
+            _log.warning("%s", said)
+        return files
+    raise AssertionError("unreachable")
+
+
 def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
          max_read_bytes: int = 64 << 20, storage: Storage | None = None) -> LoadStats:
     """Fill the tensors of ``state`` in place from the checkpoint at ``path``; collective.
@@ -338,11 +356,8 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
     where = f"loading checkpoint {storage.url(norm)}"
     files, error = None, None
     try:
-        source, said = _source(storage, norm)
-        if said:
-            _log.warning("%s", said)
         with phase("load/index"):
-            files = open_checkpoint(source, storage)
+            files = _open_source(storage, norm)
         index = files.index
         if verify:
             unchecked = [k for k, t in index.tensors.items()
