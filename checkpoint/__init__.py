@@ -28,7 +28,7 @@ from ._state_dict import (
 )
 from ._training_state import TrainingState, load_training_state, save_training_state
 from ._verify import VerifyReport, verify_checkpoint
-from ._writer import SaveHandle, async_save, save
+from ._writer import SaveHandle, async_save, check_save_target, save
 
 __all__ = [
     "CheckpointError",
@@ -38,6 +38,7 @@ __all__ = [
     "TrainingState",
     "VerifyReport",
     "async_save",
+    "check_save_target",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "load",

@@ -49,7 +49,7 @@ from ._series import abort_save, begin_save, default_series, finish_save
 from ._storage import Storage, storage_for
 from ._trace import phase
 
-__all__ = ["save", "async_save", "SaveHandle"]
+__all__ = ["save", "async_save", "SaveHandle", "check_save_target"]
 
 _log = logging.getLogger("shardwise.checkpoint")
 
@@ -362,6 +362,26 @@ def _start(state: dict, path: str | os.PathLike, keep_last: int | None, backgrou
                 snapshot_error = e
     return SaveHandle(storage, path, plan, temp_dir_for(storage, path, setup["token"]), setup["token"], keep_last,
                       background, snapshot_error, series, setup["said"])
+
+
+def check_save_target(path: str | os.PathLike, *, storage: Storage | None = None) -> None:
+    """Raise `CheckpointError` (one line naming ``path`` and the fix) unless `save` could write
+    a checkpoint at ``path`` now: it is missing, an empty folder or a shardwise checkpoint (not a
+    user's folder, not a symbolic link, not under a file), and its folder can be created and
+    written to (checked by creating and deleting a probe entry there). Not collective; nothing
+    is left behind. A training script calls it before the first step, so that a bad ``--save``
+    fails at once and not after hours of training."""
+    storage, norm = storage_for(path, storage)
+    check_target(storage, norm)
+    parent = storage.parent(norm)
+    probe = storage.join(parent, f".{storage.name(norm)}.probe-{secrets.token_hex(4)}")
+    try:
+        storage.mkdir(parent, parents=True)
+        storage.write_atomic(probe, b"")
+        storage.delete(probe)
+    except OSError as e:
+        raise CheckpointError(f"cannot save to {storage.url(norm)}: {storage.url(parent)} is not writable "
+                              f"({e.strerror or type(e).__name__}); choose a folder this job can write to") from None
 
 
 def save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None, series: str | None = None,
