@@ -154,6 +154,7 @@ def load_safetensors(state: dict, source: str | os.PathLike, *, prefix: str = ""
         error = e
     try:
         agree(error, f"loading safetensors from {source}")
+        assert files is not None  # else agree raised
         return load_from_index(state, files, strict=strict, verify=False, max_read_bytes=max_read_bytes,
                                where=f"safetensors {os.fspath(source)}")
     finally:

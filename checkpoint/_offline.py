@@ -239,7 +239,7 @@ def _merge(files: CheckpointFiles, out: str | os.PathLike, prefix: str | None, c
         if hf is not None:
             hf.write(tmp)
 
-    _into_place(files.where, out, fill, replace, _is_hf_export, _hf_own_files, "a merge output (a folder with "
+    _into_place(files.where, os.fspath(out), fill, replace, _is_hf_export, _hf_own_files, "a merge output (a folder with "
                 f"{HF_INDEX_FILE}, {TENSORS_INDEX_FILE} or model.safetensors)")
     return names
 
@@ -290,4 +290,4 @@ def _reshard(files: CheckpointFiles, out: str | os.PathLike, world_size: int, ch
                     save_id=os.path.basename(tmp).rsplit("-", 1)[-1])
         PosixStorage().write_atomic(os.path.join(tmp, INDEX_FILE), format_index(index_to_json(new)).encode())
 
-    _into_place(files.where, out, fill, replace)
+    _into_place(files.where, os.fspath(out), fill, replace)

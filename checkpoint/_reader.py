@@ -373,6 +373,7 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
         error = CheckpointError(f"{storage.url(norm)}: {e.strerror or type(e).__name__}")
     try:
         agree(error, where)
+        assert files is not None  # else agree raised
         ids = all_gather_json(f"{files.index.save_id}:{files.index.created_unix_ns}" if files else None)
         if len(set(ids)) > 1:  # ranks read different versions: a save replaced it in between
             raise CheckpointError(f"{where}: {_retry(files)}" if files else where)

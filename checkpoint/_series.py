@@ -149,6 +149,7 @@ def _clean_pending(storage: Storage, parent: str, entry: dict) -> list[str]:
         if _running(storage, p):
             still.append(p)
             continue
+        assert isinstance(name, str)
         path = storage.join(parent, name)
         tmp = temp_dir_for(storage, path, token)
         if remove_temp(storage, tmp):
@@ -175,7 +176,7 @@ def _delete_listed(storage: Storage, parent: str, entry: dict) -> list[str]:
     for d in entry["deleting"]:
         name = d.get("name") if isinstance(d, dict) else None
         files = d.get("files") if isinstance(d, dict) else None
-        if not _entry_name(name) or not isinstance(files, list):
+        if not _entry_name(name) or not isinstance(files, list) or not isinstance(name, str):
             continue
         full = storage.join(parent, name)
         kind = storage.kind(full)
@@ -256,7 +257,7 @@ def finish_save(storage: Storage, path: str, series: str, token: str, created: i
             doomed, kept = kept[max(keep_last, 1):], kept[:max(keep_last, 1)]
             for c in doomed:
                 cname = c.get("name")
-                full = storage.join(parent, cname) if _entry_name(cname) else None
+                full = storage.join(parent, cname) if isinstance(cname, str) and _entry_name(cname) else None
                 if full is None or storage.kind(full) == "missing":
                     said.append(f"forgot {cname!r} of the series record (already gone)")
                     continue

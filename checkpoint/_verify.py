@@ -75,8 +75,8 @@ def file_problems(files: CheckpointFiles, checksums: bool) -> tuple[list[str], i
             if b.file in bad:
                 continue
             if b.crc32 is not None or b.chunk_crc32 is not None:
-                e = files.header(b.file).entries[b.key]
-                checked += e.end - e.begin
+                entry = files.header(b.file).entries[b.key]
+                checked += entry.end - entry.begin
                 problems += [f"{where}: {p}" for p in _check_box(files, b, t.dtype.itemsize)]
     return problems, nboxes, checked
 
@@ -139,6 +139,7 @@ def _check_box(files: CheckpointFiles, b: SavedBox, itemsize: int) -> list[str]:
     if b.chunk_crc32 is None:
         return [] if crc.whole() == b.crc32 else ["checksum mismatch (the data is corrupted)"]
     problems = []
+    assert b.chunk_rows is not None and chunk_bytes is not None
     first = b.box.offsets[0] if b.box.offsets else 0
     for i, (got, want) in enumerate(zip(crc.chunks(), b.chunk_crc32)):
         if got != want:

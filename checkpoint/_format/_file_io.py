@@ -12,7 +12,7 @@ region of a row-major box is one byte range. The safetensors layout itself is in
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -81,7 +81,7 @@ def adjacent_groups(spans: list[tuple[int, int]]) -> list[list[int]]:
     return groups
 
 
-def crcs_of_ranges(fd: ReadHandle, ranges: list[tuple[int, int, int | None]], path: str) -> list[ChunkedCrc]:
+def crcs_of_ranges(fd: ReadHandle, ranges: Sequence[tuple[int, int, int | None]], path: str) -> list[ChunkedCrc]:
     """`crcs_of_range` for each ``(begin, end, chunk_bytes)`` of ``ranges``, in that order.
     Ranges that follow one another in the file (in any order in ``ranges``) are read together,
     4 MiB at a time, so many small adjacent ranges cost a few large reads."""

@@ -68,7 +68,8 @@ def _overlap_msg(a: Box, b: Box) -> str:
 def _corners_match(shape: tuple[int, ...], boxes: Sequence[Box], dims: list[int]) -> bool:
     """Step 2 of [Note: tiling in linear time] over the varying dimensions ``dims``."""
     if len(dims) == 1:  # the common cases, unrolled (the generic loop below is 5x slower)
-        d, one = dims[0], defaultdict(int)
+        d = dims[0]
+        one: dict[int, int] = defaultdict(int)
         one[0] -= 1
         one[shape[d]] += 1
         for b in boxes:

@@ -10,18 +10,12 @@ from __future__ import annotations
 
 import os
 
+from ._fsspec import FsspecStorage
 from ._protocol import DirView, Kind, ReadHandle, Storage, WriteHandle
 from ._posix import PosixStorage
 
 __all__ = ["DirView", "FsspecStorage", "Kind", "PosixStorage", "ReadHandle", "Storage", "WriteHandle",
            "storage_for"]
-
-
-def __getattr__(name: str):  # fsspec is imported only when a URL is used
-    if name == "FsspecStorage":
-        from ._fsspec import FsspecStorage
-        return FsspecStorage
-    raise AttributeError(name)
 
 
 def storage_for(path: str | os.PathLike, storage: Storage | None = None) -> tuple[Storage, str]:
@@ -34,7 +28,6 @@ def storage_for(path: str | os.PathLike, storage: Storage | None = None) -> tupl
     if storage is not None:
         return storage, storage.norm(text)
     if "://" in text:
-        from ._fsspec import FsspecStorage
         return FsspecStorage.from_url(text)
     posix = PosixStorage()
     return posix, posix.norm(text)
