@@ -37,7 +37,7 @@ def _pair(given: Any, desired: Any, what: str, names: tuple[str, str]) -> tuple[
     desired = as_layout_tuple(desired, f"{what}: {names[1]}")
     if given is not None and (desired is None or len(given) != len(desired)):
         raise LayoutsMismatchError(
-            f"{what}: {names[0]} and {names[1]} should have same length, got {given} and {desired}; "
+            f"{what}: {names[0]} and {names[1]} should have same length! Got {given} and {desired}; "
             "give both one entry per argument (None for an argument to leave alone)")
     return given, desired
 
@@ -102,7 +102,7 @@ class PrepareModuleInput(ParallelStyle):
         def prepare(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if given is not None:
                 if len(args) != len(given):
-                    raise ValueError(f"{where}: module inputs and input_layouts should have same length: "
+                    raise ValueError(f"{where}: module inputs and input_layouts should have same length! "
                                      f"forward got {len(args)} positional inputs, the plan lays out "
                                      f"{len(given)} ({given}); use None for inputs to leave alone")
                 args = tuple(_convert(a, mesh, g, d, local, uneven) for a, g, d in zip(args, given, desired))
@@ -147,7 +147,7 @@ class PrepareModuleOutput(ParallelStyle):
             single = not isinstance(out, tuple)
             outs = (out,) if single else out
             if len(outs) != len(given):
-                raise ValueError(f"{where}: module outputs and output_layouts should have same length: "
+                raise ValueError(f"{where}: module outputs and output_layouts should have same length! "
                                  f"forward returned {len(outs)} output(s), the plan lays out "
                                  f"{len(given)} ({given}); use None for outputs to leave alone")
             outs = tuple(_convert(o, mesh, g, d, local, uneven) for o, g, d in zip(outs, given, desired))
