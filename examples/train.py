@@ -84,16 +84,18 @@ def mean_over_mesh(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def build_and_shard(
-    cfg: LlamaConfig, dp_mesh: DeviceMesh, *, seed: int = 0, tp_mesh: DeviceMesh | None = None, **shard_kwargs
+    cfg: LlamaConfig, dp_mesh: DeviceMesh, *, seed: int = 0, tp_mesh: DeviceMesh | None = None,
+    uneven_shards: bool = False, **shard_kwargs
 ) -> Llama:
     """Build :class:`Llama` from ``seed`` (identical on every rank), tensor-parallelise it on
     ``tp_mesh`` when given (``apply_tp``), then shard it on ``dp_mesh`` (``apply_fsdp``: each
     block, then the root). A 2-D ``dp_mesh`` (``dp_replicate x dp_shard``) gives HSDP.
-    ``shard_kwargs`` go to every ``fully_shard`` call (e.g. ``reshard_after_forward``).
+    ``shard_kwargs`` go to every ``fully_shard`` call (e.g. ``reshard_after_forward``);
+    ``uneven_shards``: the sequence length is not a multiple of the tp size (``apply_tp``).
     """
     model = Llama(cfg, generator=torch.Generator().manual_seed(seed))
     if tp_mesh is not None and tp_mesh.size() > 1:
-        apply_tp(model, tp_mesh)
+        apply_tp(model, tp_mesh, uneven_shards=uneven_shards)
     return apply_fsdp(model, dp_mesh, **shard_kwargs)
 
 
@@ -311,7 +313,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         n_kv_heads=args.kv_heads,
         max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len),
     )
-    model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"])
+    model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"],
+                            uneven_shards=args.seq_len % mesh["tp"].size() != 0)
 
     local, full = param_bytes(model)
     device = mesh_device(mesh)
