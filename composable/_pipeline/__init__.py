@@ -3,6 +3,7 @@ schedules (a registry of schedule specs), composed with ``fully_shard`` and tens
 
 from ._checkpoint import (pipeline_optimizer_state_dict, pipeline_state_dict, set_pipeline_optimizer_state_dict,
                           set_pipeline_state_dict)
+from ._in_flight import InFlight, activations_in_flight
 from ._partition import StagePlan, balanced_bounds, uniform_bounds
 from ._registry import ScheduleSpec, register_schedule, unregister_schedule
 from ._runtime import RUNNABLE_KINDS, PipelineError, PipelineSchedule
@@ -14,6 +15,8 @@ __all__ = [
     "ActionKind",
     "RUNNABLE_KINDS",
     "ScheduleSpec",
+    "InFlight",
+    "activations_in_flight",
     "register_schedule",
     "unregister_schedule",
     "PipelineError",
