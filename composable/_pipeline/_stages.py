@@ -10,6 +10,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise.mesh import PP_AXIS, mesh_axes
+
+from .._compat import root_mesh
 from ._cost import COST_KINDS, measure_costs, param_costs
 from ._partition import StagePlan, balanced_plan, plan_from_bounds
 from ._split import StageShell, classify, find_layers, split_model
@@ -27,6 +30,9 @@ class PipelineSplit:
     `StageShell`s (one, or ``virtual_stages`` for interleaved schedules), to tensor-parallelise
     and ``fully_shard`` (each ``stage.blocks``, then ``stage.module``). ``plan``: the
     `StagePlan` of all stages. ``pp_group``/``pp_rank``/``pp_size``: the pipeline group.
+    ``stage_ranks``: the global ranks that hold this rank's stages (this rank's coordinate on
+    the ``pp`` axis, every other axis of the mesh), from the mesh; None when the mesh cannot
+    tell (a 1-D mesh over part of the world, not sliced from a mesh with that axis).
     """
 
     module: nn.Module
@@ -40,25 +46,51 @@ class PipelineSplit:
     # transfers of failed steps still in flight, kept alive for as long as the split: see
     # [Note: after a failed step] in _p2p.py
     in_flight: list = field(default_factory=list, repr=False, compare=False)
+    stage_ranks: tuple[int, ...] | None = None
 
     @property
     def num_stages(self) -> int:
         return self.plan.num_stages
 
 
-def _pp_group(pp_mesh: DeviceMesh | None):
+@dataclass(frozen=True)
+class _Pipeline:
+    group: object
+    rank: int
+    size: int
+    stage_ranks: tuple[int, ...] | None
+
+
+def _pipeline_of(pp_mesh: object) -> _Pipeline:
+    """This rank's pipeline from ``pp_mesh``: the 1-D ``pp`` mesh, or any mesh with a ``pp``
+    axis wherever it sits ([Note: meshes by axis name] in ``shardwise/mesh/_axes.py``)."""
     if pp_mesh is None:
         if not dist.is_initialized():
-            return None, 0, 1
-        return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+            return _Pipeline(None, 0, 1, (0,))
+        return _Pipeline(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), (dist.get_rank(),))
+    if not isinstance(pp_mesh, DeviceMesh):
+        raise TypeError(f"pipeline_split: pp_mesh must be a DeviceMesh (shardwise.mesh.pipeline_mesh(mesh), or the "
+                        f"mesh with a 'pp' axis itself) or None, got {type(pp_mesh).__name__} {pp_mesh!r:.40}")
     if pp_mesh.ndim != 1:
-        names = pp_mesh.mesh_dim_names
-        if names and "pp" in names:
-            pp_mesh = pp_mesh["pp"]
-        else:
-            raise ValueError(f"pipeline: pp_mesh must be the 1-D 'pp' mesh (shardwise.mesh.pipeline_mesh(mesh)), got "
-                             f"a {pp_mesh.ndim}-D mesh with axes {names}")
-    return pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size()
+        try:
+            pp_mesh = mesh_axes(pp_mesh, PP_AXIS, caller="pipeline_split").sub(PP_AXIS)
+        except ValueError:
+            raise ValueError(f"pipeline: pp_mesh must be the 1-D 'pp' mesh (shardwise.mesh.pipeline_mesh(mesh)) or a "
+                             f"mesh with a 'pp' axis, got a {pp_mesh.ndim}-D mesh with axes "
+                             f"{pp_mesh.mesh_dim_names}") from None
+    return _Pipeline(pp_mesh.get_group(), pp_mesh.get_local_rank(), pp_mesh.size(), _stage_ranks(pp_mesh))
+
+
+def _stage_ranks(pp_mesh: DeviceMesh) -> tuple[int, ...] | None:
+    """The ranks of this rank's stage: those of the mesh ``pp_mesh`` was sliced from that share
+    this rank's coordinate on its axis."""
+    names = pp_mesh.mesh_dim_names or ()
+    root = root_mesh(pp_mesh)
+    if names and root is not pp_mesh and names[0] in (root.mesh_dim_names or ()):
+        return mesh_axes(root).peers(names[0])
+    if pp_mesh.mesh.numel() == dist.get_world_size():
+        return (dist.get_rank(),)  # the pipeline is the whole world: one rank per stage
+    return None
 
 
 def plan_stages(model: nn.Module, num_stages: int, *, layers: str | None = None, cost: str = "time",
@@ -131,7 +163,8 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtu
     Errors (``ValueError``, the same on every rank): more stages than blocks, no blocks list,
     bad split points, parameters tied across stages.
     """
-    group, pp_rank, pp = _pp_group(pp_mesh)
+    pipe = _pipeline_of(pp_mesh)
+    group, pp_rank, pp = pipe.group, pipe.rank, pipe.size
     if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
         raise ValueError(f"pipeline: virtual_stages={virtual_stages!r}; it must be a positive int")
     fqns = tuple(n for n, _ in model.named_parameters())
@@ -144,4 +177,5 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtu
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
         print(plan.describe(pp), flush=True)
     shells = split_model(model, path, names, pre, post, plan.bounds, pp, pp_rank)
-    return PipelineSplit(model, shells, plan, group, pp_rank, pp, virtual_stages, fqns)
+    return PipelineSplit(model, shells, plan, group, pp_rank, pp, virtual_stages, fqns,
+                         stage_ranks=pipe.stage_ranks)
