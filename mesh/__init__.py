@@ -13,9 +13,11 @@ Meshes are 3-D with the axis names ``("dp_replicate", "dp_shard",
 "tp")``, ``tp`` innermost (consecutive ranks); with ``init_mesh(pp=N)``, N > 1,
 a ``"pp"`` axis comes first (outermost; `pipeline_mesh` slices it). `ParallelDims` holds the sizes
 and their validation; `host_fit_problem` is the pure check behind
-`HostLayoutWarning`.
+`HostLayoutWarning`. `mesh_axes` is how every entry point finds the axes it needs, by name
+in any order.
 """
 
+from ._axes import MeshAxes, mesh_axes
 from ._dims import AXIS_NAMES, PP_AXIS, ParallelDims
 from ._hosts import HostLayoutWarning, host_fit_problem
 from ._init import (
@@ -31,6 +33,7 @@ __all__ = [
     "AXIS_NAMES",
     "PP_AXIS",
     "HostLayoutWarning",
+    "MeshAxes",
     "ParallelDims",
     "data_parallel_mesh",
     "default_backend",
@@ -38,5 +41,6 @@ __all__ = [
     "host_fit_problem",
     "init_distributed",
     "init_mesh",
+    "mesh_axes",
     "pipeline_mesh",
 ]

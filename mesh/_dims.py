@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+__all__ = ["AXIS_NAMES", "PP_AXIS", "ParallelDims", "dp_axis_names"]
+
 AXIS_NAMES: tuple[str, str, str] = ("dp_replicate", "dp_shard", "tp")
 """Mesh axis names, outermost first. ``tp`` is innermost (consecutive ranks)."""
 
@@ -15,6 +17,14 @@ PP_AXIS = "pp"
 """Name of the pipeline axis; outermost when present (``pp > 1``)."""
 
 _SIZE_FIELDS = AXIS_NAMES
+
+
+def dp_axis_names(dp_replicate: int) -> tuple[str, ...]:
+    """The axes data-parallel sharding (``fully_shard``) spans: ``("dp_shard",)`` when
+    ``dp_replicate == 1`` (plain FSDP), otherwise ``("dp_replicate", "dp_shard")`` (HSDP:
+    replicate outer, shard inner). The one statement of that rule (`data_parallel_mesh`,
+    `ParallelDims.dp_axis_names`)."""
+    return ("dp_shard",) if dp_replicate == 1 else ("dp_replicate", "dp_shard")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,14 +147,9 @@ class ParallelDims:
 
     @property
     def dp_axis_names(self) -> tuple[str, ...]:
-        """Axes that data-parallel sharding (``fully_shard``) spans.
-
-        ``("dp_shard",)`` when ``dp_replicate == 1`` (plain FSDP), otherwise
-        ``("dp_replicate", "dp_shard")`` (HSDP: replicate outer, shard inner).
-        """
-        if self.dp_replicate == 1:
-            return ("dp_shard",)
-        return ("dp_replicate", "dp_shard")
+        """Axes that data-parallel sharding (``fully_shard``) spans: `dp_axis_names` of
+        ``dp_replicate`` (what `data_parallel_mesh` slices)."""
+        return dp_axis_names(self.dp_replicate)
 
 
 def _check_int(name: str, value: object) -> None:

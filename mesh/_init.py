@@ -10,8 +10,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ._dims import ParallelDims
+from ._axes import mesh_axes
+from ._dims import PP_AXIS, ParallelDims
 from ._hosts import HostLayoutWarning, host_fit_problem
+
+__all__ = ["data_parallel_mesh", "default_backend", "default_device_type", "init_distributed", "init_mesh",
+           "pipeline_mesh"]
 
 _BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -115,14 +119,16 @@ def init_mesh(
         dp_replicate, dp_shard, tp: axis sizes as in `ParallelDims` (one may
             be -1; ``dp_shard`` is by default).
         pp: pipeline stages, a positive int (default 1: no ``pp`` axis).
-        device_type: defaults to `default_device_type()`.
+        device_type: defaults to `default_device_type()`; ``"cpu"``, or an accelerator
+            type torch has and finds available here (``"cuda"`` needs
+            ``torch.cuda.is_available()``).
         world_size: defaults to the default group's size; when given, it must
             equal it (a check that the launch matches the intended size).
 
     Raises:
         RuntimeError: no default process group.
-        ValueError: invalid sizes (the message shows the arithmetic), or
-            ``world_size`` differs from the group's.
+        ValueError: invalid sizes (the message shows the arithmetic), ``world_size``
+            differs from the group's, or a ``device_type`` this host cannot use.
 
     When ``LOCAL_WORLD_SIZE`` is set (torchrun) and the job spans several
     hosts, global rank 0 emits `HostLayoutWarning` (a ``UserWarning``) if a
@@ -152,30 +158,40 @@ def init_mesh(
     problem = host_fit_problem(dims, _local_world_size_from_env())
     if problem is not None and dist.get_rank() == 0:
         warnings.warn(problem, HostLayoutWarning, stacklevel=2)
-    device_type = default_device_type() if device_type is None else device_type
+    device_type = default_device_type() if device_type is None else _check_device_type(device_type)
     return init_device_mesh(
         device_type, dims.mesh_shape, mesh_dim_names=dims.axis_names
     )
 
 
+def _check_device_type(device_type: object) -> str:
+    """``device_type`` if this host can build a mesh on it, else a one-line ``ValueError``."""
+    if not isinstance(device_type, str):
+        raise TypeError(f"init_mesh(device_type={device_type!r}): pass a device type string such as 'cpu' or "
+                        "'cuda', or None for default_device_type()")
+    if device_type == "cpu":
+        return device_type
+    module = getattr(torch, device_type, None)
+    available = getattr(module, "is_available", None)
+    if not callable(available):
+        raise ValueError(f"init_mesh(device_type={device_type!r}): not a device type torch knows here; use 'cpu' or "
+                         f"'cuda', or None for default_device_type() ({default_device_type()!r} on this host)")
+    if not available():
+        raise ValueError(f"init_mesh(device_type={device_type!r}): torch.{device_type}.is_available() is False on "
+                         f"this host; use device_type='cpu', or None for default_device_type() "
+                         f"({default_device_type()!r} here)")
+    return device_type
+
+
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The sub-mesh that ``fully_shard`` takes, from an `init_mesh` mesh.
+    """The sub-mesh that ``fully_shard`` takes, from an `init_mesh` mesh (or any mesh with
+    ``dp_replicate`` and ``dp_shard`` axes, in any order).
 
     ``mesh["dp_shard"]`` (1-D, FSDP) when the ``dp_replicate`` axis has size
-    1, else ``mesh["dp_replicate", "dp_shard"]`` (2-D, HSDP). Raises
-    ``ValueError`` if the mesh lacks either axis name.
+    1, else ``mesh["dp_replicate", "dp_shard"]`` (2-D, HSDP; `ParallelDims.dp_axis_names`).
+    Raises ``ValueError`` if the mesh lacks either axis name.
     """
-    names = mesh.mesh_dim_names or ()
-    missing = [name for name in ("dp_replicate", "dp_shard") if name not in names]
-    if missing:
-        raise ValueError(
-            f"data_parallel_mesh(): the mesh has axes {tuple(names)} but lacks "
-            f"{missing}; build it with shardwise.mesh.init_mesh(), which always "
-            "names ('dp_replicate', 'dp_shard', 'tp') (with 'pp' first when pp > 1)"
-        )
-    if mesh.shape[names.index("dp_replicate")] == 1:
-        return mesh["dp_shard"]
-    return mesh["dp_replicate", "dp_shard"]
+    return mesh_axes(mesh, "dp_replicate", "dp_shard", caller="data_parallel_mesh()").data_parallel()
 
 
 def _local_world_size_from_env() -> int | None:
@@ -192,9 +208,8 @@ def _local_world_size_from_env() -> int | None:
 
 
 def pipeline_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The 1-D ``pp`` sub-mesh of an `init_mesh` mesh (the ranks of this rank's pipeline,
-    one per stage), or None when the mesh has no ``pp`` axis (``pp == 1``)."""
-    names = mesh.mesh_dim_names or ()
-    if "pp" not in names:
-        return None
-    return mesh["pp"]
+    """The 1-D ``pp`` sub-mesh of an `init_mesh` mesh, or of any mesh with a ``pp`` axis
+    wherever it sits (the ranks of this rank's pipeline, one per stage), or None when the mesh
+    has no ``pp`` axis (``pp == 1``)."""
+    axes = mesh_axes(mesh, caller="pipeline_mesh()")
+    return axes.sub(PP_AXIS) if axes.has(PP_AXIS) else None

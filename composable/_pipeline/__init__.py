@@ -1,14 +1,24 @@
 """Pipeline parallelism: balanced automatic partitioning, GPipe / 1F1B / interleaved 1F1B
-schedules, composed with ``fully_shard`` and tensor parallelism. See docs/pipeline.md."""
+schedules (a registry of schedule specs), composed with ``fully_shard`` and tensor parallelism. See docs/pipeline.md."""
 
 from ._checkpoint import (pipeline_optimizer_state_dict, pipeline_state_dict, set_pipeline_optimizer_state_dict,
                           set_pipeline_state_dict)
+from ._in_flight import InFlight, activations_in_flight
 from ._partition import StagePlan, balanced_bounds, uniform_bounds
-from ._runtime import PipelineError, PipelineSchedule
-from ._schedule import SCHEDULES, build_schedule, simulate, theoretical_bubble
+from ._registry import ScheduleSpec, register_schedule, unregister_schedule
+from ._runtime import RUNNABLE_KINDS, PipelineError, PipelineSchedule
+from ._schedule import SCHEDULES, Action, ActionKind, build_schedule, simulate, theoretical_bubble
 from ._stages import PipelineSplit, pipeline_split, plan_stages
 
 __all__ = [
+    "Action",
+    "ActionKind",
+    "RUNNABLE_KINDS",
+    "ScheduleSpec",
+    "InFlight",
+    "activations_in_flight",
+    "register_schedule",
+    "unregister_schedule",
     "PipelineError",
     "PipelineSchedule",
     "PipelineSplit",

@@ -27,10 +27,14 @@ __all__ = ["pipeline_state_dict", "pipeline_optimizer_state_dict", "set_pipeline
 
 
 def _stage_ranks(split: PipelineSplit) -> list[int]:
-    world = dist.get_world_size()
-    size = world // split.pp_size
-    first = (dist.get_rank() // size) * size
-    return list(range(first, first + size))
+    """The global ranks holding this rank's stage: from the ``pp`` mesh (``split.stage_ranks``,
+    wherever the ``pp`` axis sits in it), or, for a 1-D mesh that cannot tell, the ranks of the
+    world on this rank's pipeline position (one all-gather, every rank saves together)."""
+    if split.stage_ranks is not None:
+        return list(split.stage_ranks)
+    positions: list = [None] * dist.get_world_size()
+    dist.all_gather_object(positions, split.pp_rank)
+    return [r for r, p in enumerate(positions) if p == split.pp_rank]
 
 
 def _describe(t: torch.Tensor, stage_ranks: list[int]) -> dict:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["COST_KINDS", "measure_costs", "param_costs"]
+__all__ = ["COST_KINDS", "average_costs", "measure_costs", "param_costs"]
 
 COST_KINDS = ("time", "params", "activations")
 
@@ -105,10 +105,11 @@ def _one_pass(model, blocks, run: Callable[[], torch.Tensor], kind: str, sync, c
 
 
 def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[], torch.Tensor], kind: str,
-                  repeats: int = 3):
+                  repeats: int = 3, average: bool = True):
     """``(pre, per block, post)`` measured on ``run()`` (forward + loss of a sample batch, returning the
-    loss) as described in [Note: measuring block costs]. Times are averaged over all ranks of the
-    default group when it is initialized, so every rank plans the same split."""
+    loss) as described in [Note: measuring block costs]. With ``average``, costs are averaged over
+    all ranks of the default group when it is initialized (`average_costs`), so every rank plans
+    the same split."""
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     clock = time.perf_counter if dev.type == "cuda" else time.process_time
@@ -120,6 +121,14 @@ def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[
     pre = statistics.median(r[0] for r in results)
     post = statistics.median(r[2] for r in results)
     per = [statistics.median(r[1][i] for r in results) for i in range(len(blocks))]
+    return average_costs((pre, per, post)) if average else (pre, per, post)
+
+
+def average_costs(costs: tuple[float, list[float], float]) -> tuple[float, list[float], float]:
+    """``(pre, per block, post)`` averaged over the default group (one all-reduce; unchanged
+    without a group). Every rank must pass as many blocks: agree on the model first
+    ([Note: agreeing before the first collective] in ``_agree.py``)."""
+    pre, per, post = costs
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         where = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
         t = torch.tensor([pre, post, *per], dtype=torch.float64, device=where)
@@ -127,4 +136,4 @@ def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[
         t /= dist.get_world_size()
         vals = t.tolist()
         pre, post, per = vals[0], vals[1], vals[2:]
-    return pre, per, post
+    return pre, list(per), post

@@ -29,11 +29,13 @@ import torch
 import torch.distributed as dist
 
 from ._p2p import P2P, PeerFailed
-from ._schedule import Action, build_schedule
+from ._registry import ScheduleSpec, get_schedule
+from ._schedule import Action, ActionKind
+from ._split import StageShell
 from ._stages import PipelineSplit
 from ._units import StageUnits
 
-__all__ = ["PipelineError", "PipelineSchedule"]
+__all__ = ["PipelineError", "PipelineSchedule", "RUNNABLE_KINDS"]
 
 
 class PipelineError(RuntimeError):
@@ -72,8 +74,10 @@ class PipelineSchedule:
 
     Args:
         split: from `pipeline_split` (after TP / ``fully_shard`` of its stages).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"`` (needs
-            ``virtual_stages > 1`` and ``microbatches % pp == 0``).
+        schedule: a registered schedule's name (``SCHEDULES``: ``"gpipe"``, ``"1f1b"``,
+            ``"interleaved_1f1b"``, which needs ``microbatches % pp == 0``, ...) or a
+            `ScheduleSpec`. Its actions must be of the kinds this runtime runs
+            (`RUNNABLE_KINDS`: F and B); others are refused here, on every rank.
         microbatches: ``m``; the batch size must be a multiple of it.
         loss_fn: ``loss_fn(output, targets) -> scalar`` on the last stage, mean-reduced over the
             microbatch (the step backpropagates ``loss / m``).
@@ -91,11 +95,17 @@ class PipelineSchedule:
     on the machine disturbs less) and ``step_s``.
     """
 
-    def __init__(self, split: PipelineSplit, *, schedule: str = "1f1b", microbatches: int,
+    def __init__(self, split: PipelineSplit, *, schedule: str | ScheduleSpec = "1f1b", microbatches: int,
                  loss_fn: Callable, loss_context: Callable | None = None,
                  reduce_every_microbatch: bool = False, reshard_between_microbatches: bool = False) -> None:
+        if not isinstance(split, PipelineSplit):
+            raise TypeError(f"PipelineSchedule: split must be the PipelineSplit that pipeline_split(model, pp_mesh) "
+                            f"returns, got {type(split).__name__}; split the model first")
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"pipeline: microbatches={microbatches!r}; it must be a positive int")
+        if not callable(loss_fn):
+            raise TypeError(f"PipelineSchedule: loss_fn must be a callable loss_fn(output, targets) -> scalar loss "
+                            f"(run on the last stage), got {loss_fn!r}")
         self.split = split
         self.m = microbatches
         self.loss_fn = loss_fn
@@ -103,7 +113,15 @@ class PipelineSchedule:
         self.reduce_every_microbatch = reduce_every_microbatch
         self.reshard_between_microbatches = reshard_between_microbatches
         pp, v = split.pp_size, split.virtual_stages
-        self.all_actions = build_schedule(schedule, pp, microbatches, v)
+        spec = get_schedule(schedule)
+        self.all_actions = spec.actions(pp, microbatches, v)
+        kinds = {a.kind for acts in self.all_actions for a in acts}
+        if kinds - RUNNABLE_KINDS:
+            raise ValueError(f"pipeline: schedule {spec.name!r} uses action kinds "
+                             f"{sorted(k.value for k in kinds - RUNNABLE_KINDS)}, which this runtime cannot run yet "
+                             f"(it runs {sorted(k.value for k in RUNNABLE_KINDS)}: forward and full backward); "
+                             "use a schedule of F and B actions")
+        self.schedule = spec
         self.actions = self.all_actions[split.pp_rank]
         self.stages = {st.index: st for st in split.stages}
         self.S = split.num_stages
@@ -119,7 +137,7 @@ class PipelineSchedule:
                 self._hooks.append(blocks[-1].register_forward_hook(self._make_capture(st)))
         self.last_b = {}
         for i, a in enumerate(self.actions):
-            if a.kind == "B":
+            if a.kind is ActionKind.B:
                 self.last_b[a.stage] = i
         param = next((p for p in split.module.parameters()), None)
         self.device = _device_of(param)
@@ -158,9 +176,9 @@ class PipelineSchedule:
         """(destination rank, key) of every message rank ``rank`` sends in a step, in its order."""
         out = []
         for a in self.all_actions[rank]:
-            if a.kind == "F" and a.stage + 1 < self.S and self._rank_of(a.stage + 1) != rank:
+            if a.kind.is_forward and a.stage + 1 < self.S and self._rank_of(a.stage + 1) != rank:
                 out.append((self._rank_of(a.stage + 1), ("act", a.stage + 1, a.microbatch)))
-            if a.kind == "B" and a.stage > 0 and self._rank_of(a.stage - 1) != rank:
+            if a.kind.gives_input_grad and a.stage > 0 and self._rank_of(a.stage - 1) != rank:
                 out.append((self._rank_of(a.stage - 1), ("grad", a.stage - 1, a.microbatch)))
         return out
 
@@ -176,7 +194,9 @@ class PipelineSchedule:
 
     def _receives(self, a: Action) -> bool:
         """Whether action ``a`` takes a message from another rank."""
-        if a.kind == "F":
+        if a.kind is ActionKind.W:
+            return False
+        if a.kind.is_forward:
             return a.stage > 0 and self._rank_of(a.stage - 1) != self.split.pp_rank
         return a.stage < self.S - 1 and self._rank_of(a.stage + 1) != self.split.pp_rank
 
@@ -220,69 +240,17 @@ class PipelineSchedule:
         return self._finish(losses, error, timing, t_start)
 
     def _run_actions(self, mb_in, mb_tg, losses, units: StageUnits):
-        """Run this rank's action list; returns (the error text or None, (compute s, compute CPU s))."""
-        local: dict = {}
-        saved: dict = {}
+        """Run this rank's action list, dispatching on each action's `ActionKind`; returns (the
+        error text or None, (compute s, compute CPU s))."""
+        run = {ActionKind.F: self._forward, ActionKind.B: self._backward}
+        step = _StepState(mb_in, mb_tg, losses, units)
         error = None
-        compute = cpu = 0.0
         for idx, a in enumerate(self.actions):
-            x = None
+            step.x = None
             try:
-                t0 = None
-                st = self.stages[a.stage]
                 if self.p2p is not None and not self._receives(a):
                     self.p2p.flush()  # see [Note: messages between stages]
-                if a.kind == "F":
-                    x = None
-                    if not st.is_first:
-                        x = self._get(("act", a.stage, a.microbatch), a.stage - 1, local)
-                        x = x.detach().requires_grad_(x.is_floating_point())
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    st.slot.value, st.slot.out = x, None
-                    args = mb_in[a.microbatch]
-                    out = st.module(*(args if isinstance(args, tuple) else (args,)))
-                    st.slot.value = None
-                    if st.is_last:
-                        ctx = self.loss_context() if self.loss_context else _null()
-                        with ctx:
-                            loss = self.loss_fn(out, mb_tg[a.microbatch])
-                        saved[(a.stage, a.microbatch)] = (x, loss)
-                        value = loss.detach()
-                        value = value.full_tensor() if hasattr(value, "full_tensor") else value
-                        losses[a.microbatch] = float(value)
-                    else:
-                        y = st.slot.out
-                        if not isinstance(y, torch.Tensor):
-                            raise TypeError(f"the last block of stage {a.stage} returned no tensor; a pipeline "
-                                            "boundary carries one tensor (the hidden state)")
-                        saved[(a.stage, a.microbatch)] = (x, y)
-                        compute += time.perf_counter() - t0
-                        cpu += time.thread_time() - c0
-                        t0 = None
-                        self._put(("act", a.stage + 1, a.microbatch), a.stage + 1, y, local)
-                else:
-                    x, y = saved.pop((a.stage, a.microbatch))
-                    g = None
-                    if not st.is_last:
-                        g = self._get(("grad", a.stage, a.microbatch), a.stage + 1, local)
-                    t0, c0 = time.perf_counter(), time.thread_time()
-                    units.before_backward(a.stage, self.last_b[a.stage] == idx)
-                    if st.is_last:
-                        ctx = self.loss_context() if self.loss_context else _null()
-                        with ctx:
-                            torch.autograd.backward(y / self.m)
-                    else:
-                        torch.autograd.backward(y, g)
-                    compute += time.perf_counter() - t0
-                    cpu += time.thread_time() - c0
-                    t0 = None
-                    if not st.is_first:
-                        if x is None or x.grad is None:
-                            raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
-                        self._put(("grad", a.stage - 1, a.microbatch), a.stage - 1, x.grad, local)
-                if t0 is not None:
-                    compute += time.perf_counter() - t0
-                    cpu += time.thread_time() - c0
+                run[a.kind](idx, a, self.stages[a.stage], step)
             except PeerFailed as exc:
                 error = str(exc)
                 self._notify(error)
@@ -290,14 +258,65 @@ class PipelineSchedule:
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 first = (str(exc).strip().splitlines() or [""])[0]
                 error = (f"pipeline stage {a.stage} (pp rank {self.split.pp_rank}) failed in "
-                         f"{'forward' if a.kind == 'F' else 'backward'} of microbatch {a.microbatch}: "
-                         f"{type(exc).__name__}: {first}")
-                if a.kind == "F" and isinstance(x, torch.Tensor):
-                    error += (f" (its input, from stage {a.stage - 1}, has shape {tuple(x.shape)} and dtype "
-                              f"{x.dtype}: check that stage boundaries carry what the next block takes)")
+                         f"{_PHASE[a.kind]} of microbatch {a.microbatch}: {type(exc).__name__}: {first}")
+                if a.kind is ActionKind.F and isinstance(step.x, torch.Tensor):
+                    error += (f" (its input, from stage {a.stage - 1}, has shape {tuple(step.x.shape)} and dtype "
+                              f"{step.x.dtype}: check that stage boundaries carry what the next block takes)")
                 self._notify(error)
                 break
-        return error, (compute, cpu)
+        return error, (step.compute, step.cpu)
+
+    def _forward(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
+        """``F(s, i)``: receive (or take) the input, run the stage shell, send the output or
+        compute the loss; see [Note: one pipeline step]."""
+        x = None
+        if not st.is_first:
+            x = self._get(("act", a.stage, a.microbatch), a.stage - 1, step.local)
+            x = x.detach().requires_grad_(x.is_floating_point())
+        step.x = x
+        t0, c0 = time.perf_counter(), time.thread_time()
+        st.slot.value, st.slot.out = x, None
+        args = step.mb_in[a.microbatch]
+        out = st.module(*(args if isinstance(args, tuple) else (args,)))
+        st.slot.value = None
+        if st.is_last:
+            ctx = self.loss_context() if self.loss_context else _null()
+            with ctx:
+                loss = self.loss_fn(out, step.mb_tg[a.microbatch])
+            step.saved[(a.stage, a.microbatch)] = (x, loss)
+            value = loss.detach()
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            step.losses[a.microbatch] = float(value)
+            step.timed(t0, c0)
+            return
+        y = st.slot.out
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"the last block of stage {a.stage} returned no tensor; a pipeline "
+                            "boundary carries one tensor (the hidden state)")
+        step.saved[(a.stage, a.microbatch)] = (x, y)
+        step.timed(t0, c0)
+        self._put(("act", a.stage + 1, a.microbatch), a.stage + 1, y, step.local)
+
+    def _backward(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
+        """``B(s, i)``: backpropagate ``loss_i / m`` (last stage) or the received gradient of the
+        stage's output, then send the gradient of its input back."""
+        x, y = step.saved.pop((a.stage, a.microbatch))
+        g = None
+        if not st.is_last:
+            g = self._get(("grad", a.stage, a.microbatch), a.stage + 1, step.local)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step.units.before_backward(a.stage, self.last_b[a.stage] == idx)
+        if st.is_last:
+            ctx = self.loss_context() if self.loss_context else _null()
+            with ctx:
+                torch.autograd.backward(y / self.m)
+        else:
+            torch.autograd.backward(y, g)
+        step.timed(t0, c0)
+        if not st.is_first:
+            if x is None or x.grad is None:
+                raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
+            self._put(("grad", a.stage - 1, a.microbatch), a.stage - 1, x.grad, step.local)
 
     def _notify(self, text: str) -> None:
         if self.p2p is None:
@@ -332,6 +351,28 @@ class PipelineSchedule:
         self.last_timing = {"compute_s": compute[0], "compute_cpu_s": compute[1],
                             "step_s": time.perf_counter() - t_start}
         return status[1:].clone()
+
+
+_PHASE = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "input-gradient backward",
+          ActionKind.W: "weight-gradient backward"}
+RUNNABLE_KINDS = frozenset({ActionKind.F, ActionKind.B})
+"""The action kinds this runtime executes; a schedule with others is refused when it is built."""
+
+
+class _StepState:
+    """What the actions of one step share: the microbatches, losses, saved activations, local
+    hand-offs between stages of this rank, and the compute time so far."""
+
+    def __init__(self, mb_in: list, mb_tg: list, losses: torch.Tensor, units: StageUnits) -> None:
+        self.mb_in, self.mb_tg, self.losses, self.units = mb_in, mb_tg, losses, units
+        self.local: dict = {}
+        self.saved: dict = {}
+        self.x: torch.Tensor | None = None  # the current forward's input, for the error message
+        self.compute = self.cpu = 0.0
+
+    def timed(self, t0: float, c0: float) -> None:
+        self.compute += time.perf_counter() - t0
+        self.cpu += time.thread_time() - c0
 
 
 class _null:

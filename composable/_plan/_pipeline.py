@@ -4,11 +4,15 @@
 Each stage is planned as a model of its own with `plan_memory` (its blocks as units, the
 embedding / head in the stage's root unit) on the stage's ``(dp_replicate, dp_shard, tp)`` mesh.
 Activations: ``activation_bytes`` is the peak of one forward + loss of the whole model on one
-data-parallel rank's batch (as for `plan_memory`); a stage holds its share of the blocks
-(``blocks_in_stage / blocks``) for the microbatches alive at once, each ``1 / m`` of the batch:
-``m`` of them under GPipe, ``min(pp - s, m)`` on stage ``s`` under 1F1B (the first stage holds
-the most), about ``pp + (v - 1) * pp / v`` per rank interleaved. Stage boundaries are those of
-the automatic split by parameter bytes unless given. Parameters: `PipelineSchedule` keeps a
+data-parallel rank's batch (as for `plan_memory`); a rank holds its share of the blocks
+(``blocks_on_rank / blocks``) for the microbatches alive at once, each ``1 / m`` of the batch.
+How many are alive is read off the schedule's own action lists (`activations_in_flight`,
+[Note: activations in flight] in ``_pipeline/_in_flight.py``), virtual stages weighted by their
+share of the rank's blocks: ``m`` under GPipe, ``min(pp - s, m)`` on rank ``s`` under 1F1B,
+2.5 on the last rank of interleaved 1F1B at ``pp=4, v=2``; any registered schedule gets its
+figures the same way. With ``virtual_stages = v > 1`` the model is split into ``pp * v``
+stages and rank ``r`` is planned holding stages ``r, r + pp, ...``. Stage boundaries are those
+of the automatic split by parameter bytes unless given. Parameters: `PipelineSchedule` keeps a
 unit's parameters gathered from its stage's first forward to its last backward unless
 ``reshard_between_microbatches=True`` or the unit set ``reshard_after_forward`` itself
 ([Note: fully_shard units in a pipeline step]), so by default a stage is planned with
@@ -28,6 +32,8 @@ from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
+from .._pipeline._in_flight import activations_in_flight
+from .._pipeline._registry import get_schedule
 from .._pipeline._stages import plan_stages
 from .._wrap import ShardingPolicy
 from ._units import declares_units, fmt_bytes, plan_units
@@ -37,14 +43,18 @@ __all__ = ["PipelineMemoryPlan", "plan_pipeline_memory"]
 
 @dataclass(frozen=True)
 class PipelineMemoryPlan:
-    """``stages[s]``: the `MemoryPlan` of stage ``s``; ``bounds``: its blocks; ``peak``: the
-    largest stage peak (what each GPU must hold)."""
+    """``stages[r]``: the `MemoryPlan` of pp rank ``r`` (its stage, or its ``virtual_stages``
+    stages); ``bounds``: the blocks of all ``pp * virtual_stages`` stages; ``in_flight[r]``: the
+    microbatch-units of activations rank ``r`` holds at its peak; ``peak``: the largest rank peak
+    (what each GPU must hold)."""
 
     pp: int
     schedule: str
     microbatches: int
     bounds: tuple[int, ...]
     stages: tuple
+    virtual_stages: int = 1
+    in_flight: tuple[float, ...] = ()
 
     @property
     def peak(self) -> int:
@@ -58,21 +68,15 @@ class PipelineMemoryPlan:
         lines = [f"pipeline pp={self.pp}, {self.schedule}, {self.microbatches} microbatches; peak per GPU "
                  f"{fmt_bytes(self.peak)} (stage {self.worst_stage})"]
         for s, p in enumerate(self.stages):
-            lines.append(f"  stage {s} blocks {self.bounds[s]}..{self.bounds[s + 1] - 1}: peak {fmt_bytes(p.peak)} "
+            blocks = ", ".join(f"{self.bounds[k]}..{self.bounds[k + 1] - 1}"
+                               for k in range(s, len(self.bounds) - 1, self.pp))
+            lines.append(f"  stage {s} blocks {blocks}: peak {fmt_bytes(p.peak)} "
                          f"(params {fmt_bytes(p.params)}, activations {fmt_bytes(p.activations)})")
         return "\n".join(lines)
 
 
 class _StageView(nn.Module):
     """A stage as a module: the pre/post-modules it holds and its blocks, for `plan_memory`."""
-
-
-def _in_flight(schedule: str, pp: int, m: int, s: int) -> float:
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(pp - s, m)
-    return min(pp + (pp - 1) / 2, m)  # interleaved, v = 2: a little more than 1F1B's first stage
 
 
 def _accumulated(plan, mp) -> int:
@@ -89,17 +93,24 @@ def _accumulated(plan, mp) -> int:
 
 
 def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, microbatches: int = 1,
-                         schedule: str = "1f1b", stage_bounds=None, layers: str | None = None,
-                         activation_bytes: int = 0, reshard_between_microbatches: bool = False,
-                         reduce_every_microbatch: bool = False, **kwargs) -> PipelineMemoryPlan:
-    """Plan each of the ``pp`` stages of ``model`` with `plan_memory`; see
-    [Note: the memory of a pipeline stage]. ``kwargs`` go to `plan_memory`."""
-    if schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
-        raise ValueError(f"plan_memory: schedule={schedule!r}; choose gpipe, 1f1b or interleaved_1f1b")
+                         schedule: str = "1f1b", virtual_stages: int | None = None, stage_bounds=None,
+                         layers: str | None = None, activation_bytes: int = 0,
+                         reshard_between_microbatches: bool = False, reduce_every_microbatch: bool = False,
+                         **kwargs) -> PipelineMemoryPlan:
+    """Plan each of the ``pp`` ranks of ``model`` with `plan_memory`; see
+    [Note: the memory of a pipeline stage]. ``virtual_stages``: stages per rank (default 2 for a
+    schedule with virtual stages, else 1). ``kwargs`` go to `plan_memory`."""
+    spec = get_schedule(schedule)
     if microbatches < 1:
         raise ValueError(f"plan_memory: microbatches={microbatches}; it must be >= 1")
-    plan, path, names, pre, post = plan_stages(model, pp, layers=layers, cost="params", split_points=stage_bounds)
+    v = (2 if spec.virtual else 1) if virtual_stages is None else virtual_stages
+    spec.check(pp, microbatches, v)
+    plan, path, names, pre, post = plan_stages(model, pp * v, layers=layers, cost="params",
+                                               split_points=stage_bounds)
     blocks = list(path[-1]._modules[names[-1]])
+    sizes = [len(plan.blocks(k)) for k in range(pp * v)]
+    on_rank = [sum(sizes[r::pp]) for r in range(pp)]
+    alive = activations_in_flight(spec, pp, microbatches, v, [sizes[k] / on_rank[k % pp] for k in range(pp * v)])
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
     if not reshard_between_microbatches and policy.reshard_after_forward is None:
@@ -113,16 +124,17 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
             for d, n in pre:
                 view.add_module(f"pre_{d}_{n}", path[d]._modules[n])
         holder = nn.Module()
-        for i in plan.blocks(s):
-            holder.add_module(str(i), blocks[i])
+        for k in range(s, pp * v, pp):
+            for i in plan.blocks(k):
+                holder.add_module(str(i), blocks[i])
         view.add_module("layers", holder)
         if s == pp - 1:
             for d, n in post:
                 view.add_module(f"post_{d}_{n}", path[d]._modules[n])
-        share = len(plan.blocks(s)) / len(blocks)
-        act = activation_bytes * share * _in_flight(schedule, pp, microbatches, s) / microbatches
+        share = on_rank[s] / len(blocks)
+        act = activation_bytes * share * alive.per_rank[s] / microbatches
         stage = plan_units(view, mesh_shape, policy, activation_bytes=int(act), **kwargs)
         if microbatches > 1 and not reduce_every_microbatch:
             stage = replace(stage, accumulated_grads=_accumulated(stage, kwargs.get("mp_policy")))
         stages.append(stage)
-    return PipelineMemoryPlan(pp, schedule, microbatches, plan.bounds, tuple(stages))
+    return PipelineMemoryPlan(pp, spec.name, microbatches, plan.bounds, tuple(stages), v, alive.per_rank)

@@ -62,7 +62,7 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
                 prefetch: int = 2, activation_bytes: int = 0, pp: int = 1, microbatches: int = 1,
                 schedule: str = "1f1b", stage_bounds=None, reshard_between_microbatches: bool = False,
-                reduce_every_microbatch: bool = False) -> MemoryPlan | PipelineMemoryPlan:
+                reduce_every_microbatch: bool = False, virtual_stages: int | None = None) -> MemoryPlan | PipelineMemoryPlan:
     """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
     devices (the model may be on the meta device). See [Note: the memory model].
 
@@ -83,13 +83,14 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
             of all stages (``.peak``: the worst). See [Note: the memory of a pipeline stage] in
             ``_plan/_pipeline.py``. ``reshard_between_microbatches``, ``reduce_every_microbatch``:
             as `PipelineSchedule`'s (by default units keep their parameters gathered for the
-            step and sum their gradients over the microbatches).
+            step and sum their gradients over the microbatches). ``virtual_stages``: stages per
+            rank (default 2 for ``interleaved_1f1b``, else 1).
 
     Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names.
     """
     if pp != 1:
         return plan_pipeline_memory(model, pp, mesh_shape, policy, microbatches=microbatches, schedule=schedule,
-                                    stage_bounds=stage_bounds, units=units, mp_policy=mp_policy,
+                                    virtual_stages=virtual_stages, stage_bounds=stage_bounds, units=units, mp_policy=mp_policy,
                                     optimizer_states=optimizer_states, optimizer_dtype=optimizer_dtype,
                                     prefetch=prefetch, activation_bytes=activation_bytes,
                                     reshard_between_microbatches=reshard_between_microbatches,

@@ -22,7 +22,7 @@ from einops import rearrange
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.mesh import init_mesh
+from shardwise.mesh import MeshAxes, init_mesh, mesh_axes
 
 from .._fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -184,20 +184,26 @@ def select_units(model: nn.Module, policy: ShardingPolicy) -> list[str]:
     return units
 
 
-def _axes(mesh: DeviceMesh) -> tuple[int, int]:
-    """(replicate, shard) sizes of a 1-D, 2-D or init_mesh 3-D mesh."""
+_DP = ("dp_replicate", "dp_shard")
+
+
+def _axes(mesh: DeviceMesh) -> tuple[int, int, MeshAxes | None]:
+    """(replicate, shard) sizes of a mesh with a named ``dp_shard`` axis (and ``dp_replicate``,
+    size 1 if absent; any other axes beside them, in any order: `mesh_axes`), or of an unnamed
+    1-D / 2-D mesh; the named view, or None for a positional mesh."""
+    axes = mesh_axes(mesh, caller="apply_fully_shard")
+    if axes.has("dp_shard"):
+        return axes.size("dp_replicate"), axes.size("dp_shard"), axes
     if mesh.ndim == 1:
-        return 1, mesh.size(0)
+        return 1, mesh.size(0), None
     if mesh.ndim == 2:
-        return mesh.size(0), mesh.size(1)
-    names = mesh.mesh_dim_names or ()
-    if mesh.ndim == 3 and "dp_replicate" in names and "dp_shard" in names:
-        return mesh.size(names.index("dp_replicate")), mesh.size(names.index("dp_shard"))
-    raise ValueError(f"apply_fully_shard: got a {mesh.ndim}-D mesh with axes {names or 'unnamed'}; pass a "
-                     "1-D or 2-D data-parallel mesh, or the 3-D mesh of shardwise.mesh.init_mesh")
+        return mesh.size(0), mesh.size(1), None
+    raise ValueError(f"apply_fully_shard: got a {mesh.ndim}-D mesh with axes {axes.names or 'unnamed'}; pass a "
+                     "1-D or 2-D data-parallel mesh, or a mesh with 'dp_replicate' and 'dp_shard' axes (the mesh of "
+                     "shardwise.mesh.init_mesh)")
 
 
-def _no_shard_mesh(mesh: DeviceMesh, dp: int) -> DeviceMesh:
+def _no_shard_mesh(mesh: DeviceMesh, dp: int, axes: MeshAxes | None) -> DeviceMesh:
     """The same data-parallel ranks regrouped as a ``(dp, 1)`` replicate x shard mesh."""
     if mesh.mesh.numel() != dist.get_world_size():
         raise ValueError(
@@ -205,20 +211,27 @@ def _no_shard_mesh(mesh: DeviceMesh, dp: int) -> DeviceMesh:
             "NO_SHARD regroups the ranks into a (D, 1) mesh, which every rank must build together. Pass the full "
             "init_mesh(...) mesh, or build the (D, 1) mesh yourself, e.g. "
             "init_device_mesh(device, (D, 1), mesh_dim_names=('dp_replicate', 'dp_shard')).")
-    if mesh.ndim == 3:
-        # every data-parallel rank onto the replicate axis, a shard axis of 1, tp unchanged
-        ranks = rearrange(mesh.mesh, f"{' '.join(mesh.mesh_dim_names)} -> (dp_replicate dp_shard) 1 tp")
-        full = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        return full["dp_replicate", "dp_shard"]
-    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    if axes is not None:
+        # every data-parallel rank onto the replicate axis, a shard axis of 1, the other axes unchanged
+        present = [n for n in axes.names if n in _DP]
+        first = min(axes.index(n) for n in present)
+        out = [n for n in axes.names[:first] if n not in _DP]
+        out += [f"({' '.join(present)}) 1"] + [n for n in axes.names[first:] if n not in _DP]
+        ranks = rearrange(mesh.mesh, f"{' '.join(axes.names)} -> {' '.join(out)}")
+        names = [n for n in axes.names[:first] if n not in _DP] + list(_DP)
+        names += [n for n in axes.names[first:] if n not in _DP]
+        return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))[_DP]
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(dp, 1), mesh_dim_names=_DP)
 
 
 def strategy_mesh(strategy: ShardingStrategy | str, mesh: DeviceMesh | None = None) -> DeviceMesh:
     """The data-parallel mesh ``fully_shard`` gets for ``strategy``, from ``mesh``.
 
-    ``mesh`` may be the 3-D mesh of ``shardwise.mesh.init_mesh``, a 1-D shard mesh, a 2-D
-    replicate x shard mesh, or None (``init_mesh()``: every rank on the shard axis; HYBRID_*
-    need a mesh). With ``R`` replicas and ``S`` shards in ``mesh``:
+    ``mesh`` may be any mesh with named ``dp_replicate`` and ``dp_shard`` axes (the 3-D mesh of
+    ``shardwise.mesh.init_mesh``, its 4-D one with ``pp``: this rank's stage's), found by name
+    whatever their position; an unnamed 1-D shard mesh or 2-D replicate x shard mesh; or None
+    (``init_mesh()``: every rank on the shard axis; HYBRID_* need a mesh). With ``R`` replicas
+    and ``S`` shards in ``mesh``:
 
     * FULL_SHARD, SHARD_GRAD_OP: need ``R == 1``; give the 1-D shard mesh.
     * HYBRID_SHARD, HYBRID_SHARD_ZERO2: need ``R > 1``; give the 2-D ``(R, S)`` mesh.
@@ -234,28 +247,28 @@ def strategy_mesh(strategy: ShardingStrategy | str, mesh: DeviceMesh | None = No
     mesh = init_mesh(dp_replicate=1, dp_shard=-1) if mesh is None else mesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"apply_fully_shard: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
-    R, S = _axes(mesh)
+    R, S, axes = _axes(mesh)
     if strategy is ShardingStrategy.NO_SHARD:
+        if S == 1 and axes is not None and axes.has("dp_replicate"):
+            return axes.sub(*_DP)
         if S == 1 and mesh.ndim == 2:
             return mesh
-        if S == 1 and mesh.ndim == 3:
-            return mesh["dp_replicate", "dp_shard"]
-        return _no_shard_mesh(mesh, R * S)
+        return _no_shard_mesh(mesh, R * S, axes)
     if strategy.is_hybrid:
         if R == 1:
             raise ValueError(f"{strategy.value} replicates over the outer axis and shards over the inner one, but "
                              f"the mesh has 1 replica x {S} shards. Pass a mesh with replicas: init_mesh(dp_replicate=R, "
                              f"dp_shard=S) with R > 1 and R * S = {S}, or use "
                              f"{'FULL_SHARD' if strategy.reshard_after_forward else 'SHARD_GRAD_OP'}")
-        return mesh["dp_replicate", "dp_shard"] if mesh.ndim == 3 else mesh
+        return axes.sub(*_DP) if axes is not None else mesh
     if R > 1:
         raise ValueError(f"{strategy.value} shards over one axis but the mesh has {R} replicas x {S} shards. Use "
                          f"HYBRID_SHARD{'' if strategy.reshard_after_forward else '_ZERO2'} to shard within the "
                          f"replicas, or build init_mesh(dp_replicate=1, dp_shard={R * S}) to shard over all ranks")
+    if axes is not None:
+        return axes.sub("dp_shard")
     if mesh.ndim == 1:
         return mesh
-    if mesh.ndim == 3:
-        return mesh["dp_shard"]
     names = mesh.mesh_dim_names
     return mesh[names[1]] if names else DeviceMesh.from_group(mesh.get_group(1), mesh.device_type)
 

@@ -1,0 +1,84 @@
+"""How many microbatches of activations each rank holds at once, from a schedule's action lists (pure).
+
+[Note: activations in flight]
+Walk rank ``r``'s action list in order, counting per virtual stage the microbatches whose
+activations are alive: ``F`` adds one, ``B`` (or ``W`` of a split backward) frees it, ``I``
+frees nothing ([Note: action kinds] in ``_actions.py``). A rank's activation memory after an
+action is ``sum over its stages s of alive_s * weight_s`` microbatch-units, where ``weight_s``
+is stage ``s``'s share of the rank's layers (default ``1 / v`` each: the ``v`` virtual stages of
+a rank hold equal parts of its blocks); its peak over the list is what the rank must hold. One
+unit is one microbatch's activations of all the rank's blocks, so 1F1B's rank ``r`` peaks at
+``min(pp - r, m)`` and GPipe's at ``m``. Interleaved 1F1B at ``pp=4, v=2`` peaks at 2.5 on its
+last rank (5 virtual-stage forwards of half its blocks each). Counting is after each action:
+the activations an action builds are counted once it is done, and not the boundary buffers
+in transit between ranks. Every registered schedule gets this model from its action lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._actions import Action, ActionKind
+from ._registry import ScheduleSpec
+from ._schedule import build_schedule
+
+__all__ = ["InFlight", "activations_in_flight", "walk_in_flight"]
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Peak activations alive, from the action lists (see [Note: activations in flight]).
+
+    ``per_rank[r]``: rank ``r``'s peak in microbatch-units of its blocks; ``per_stage[s]``: the
+    peak number of microbatches alive on virtual stage ``s`` (on its own)."""
+
+    per_rank: tuple[float, ...]
+    per_stage: tuple[int, ...]
+
+
+def walk_in_flight(actions: Sequence[Action], weights: dict[int, float]) -> tuple[float, dict[int, int]]:
+    """One rank's peak weighted activations and each of its stages' peak count."""
+    alive: dict[int, int] = {s: 0 for s in weights}
+    peak_stage = dict(alive)
+    level = peak = 0.0
+    for a in actions:
+        if a.kind is ActionKind.F:
+            delta = 1
+        elif a.kind.frees_activations:
+            delta = -1
+        else:
+            continue
+        if a.stage not in alive:
+            raise ValueError(f"pipeline: action {a!r} is on a stage with no weight (weights for {sorted(weights)})")
+        alive[a.stage] += delta
+        if alive[a.stage] < 0:
+            raise ValueError(f"pipeline: action {a!r} frees activations of a microbatch that has none alive")
+        peak_stage[a.stage] = max(peak_stage[a.stage], alive[a.stage])
+        level += delta * weights[a.stage]
+        peak = max(peak, level)
+    return peak, peak_stage
+
+
+def activations_in_flight(schedule: str | ScheduleSpec, pp: int, microbatches: int, virtual_stages: int = 1,
+                          stage_weights: Sequence[float] | None = None) -> InFlight:
+    """Peak activations alive per rank and per virtual stage under ``schedule``.
+
+    ``stage_weights[s]``: virtual stage ``s``'s share of its rank's blocks (``pp * v`` values;
+    those of one rank should sum to 1); default ``1 / virtual_stages`` each. See
+    [Note: activations in flight]."""
+    v = virtual_stages
+    acts = build_schedule(schedule, pp, microbatches, v)
+    if stage_weights is None:
+        stage_weights = [1.0 / v] * (pp * v)
+    if len(stage_weights) != pp * v:
+        raise ValueError(f"pipeline: {len(stage_weights)} stage weights for pp ({pp}) x virtual_stages ({v}) = "
+                         f"{pp * v} stages")
+    per_rank: list[float] = []
+    per_stage = [0] * (pp * v)
+    for r in range(pp):
+        peak, stages = walk_in_flight(acts[r], {s: stage_weights[s] for s in range(r, pp * v, pp)})
+        per_rank.append(peak)
+        for s, n in stages.items():
+            per_stage[s] = n
+    return InFlight(tuple(per_rank), tuple(per_stage))
