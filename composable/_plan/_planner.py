@@ -128,7 +128,7 @@ def _comm(plan: MemoryPlan, gpus_per_host: int, hosts: int, intra: float, inter:
     ``gather_once``: every unit all-gathers once per step (a pipeline stage keeps its parameters
     gathered for the step, [Note: fully_shard units in a pipeline step])."""
     (R, S, T), strategy = plan.mesh_shape, ShardingStrategy(plan.strategy)
-    shard, rep = (1, R * S) if strategy is ShardingStrategy.NO_SHARD else (S, R)
+    shard, rep = (1, R * S) if strategy.replicates_all else (S, R)
     others = sum(u.unsharded for u in plan.units[:-1])  # gathered again in backward when resharded
     gathered = others * (1 + (strategy.reshard_after_forward and not gather_once)) + plan.units[-1].unsharded
     reduced = sum(u.reduce_bytes for u in plan.units)

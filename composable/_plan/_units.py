@@ -94,12 +94,9 @@ def _mesh_shape(shape, strategy: ShardingStrategy) -> tuple[int, int, int]:
         raise ValueError(f"mesh_shape={shape!r}: give dp_shard, (dp_replicate, dp_shard) or "
                          "(dp_replicate, dp_shard, tp), each an int >= 1")
     R, S, _ = full
-    if strategy.is_hybrid and R == 1:
-        raise ValueError(f"{strategy.value} needs dp_replicate > 1, got mesh (1, {S}); use "
-                         f"{'FULL_SHARD' if strategy.reshard_after_forward else 'SHARD_GRAD_OP'} on (1, {S})")
-    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and R > 1:
-        raise ValueError(f"{strategy.value} shards over one axis but dp_replicate={R}; use HYBRID_SHARD"
-                         f"{'' if strategy.reshard_after_forward else '_ZERO2'} or mesh (1, {R * S})")
+    problem = strategy.spec.mesh_problem(R, S)  # the one rule, in the strategy table
+    if problem is not None:
+        raise ValueError(f"plan_memory: mesh_shape {tuple(full)}: {problem}")
     return full
 
 
@@ -129,7 +126,7 @@ def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...],
     R, S, T = _mesh_shape(mesh_shape, strategy)
     if not isinstance(prefetch, int) or prefetch < 1 or optimizer_states < 0:
         raise ValueError(f"plan_memory: prefetch={prefetch!r} must be an int >= 1, optimizer_states >= 0")
-    shard = 1 if strategy is ShardingStrategy.NO_SHARD else S
+    shard = 1 if strategy.replicates_all else S
     mp, modules = mp_policy or MixedPrecisionPolicy(), dict(model.named_modules())
     names = list(units) if units is not None else select_units(model, policy)
     missing = [n for n in names if n not in modules or n == ""]
