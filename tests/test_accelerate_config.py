@@ -105,6 +105,7 @@ def test_policy_from_accelerate_keeps_mixed_precision_and_offload_and_refuses_wh
     ({"downcast_bf16": "fp32"}, "downcast_bf16='fp32'"),
     ({"tpu_use_cluster": True}, "tpu_use_cluster=True"),
     ({"deepspeed_config": {"zero_stage": 3}}, "deepspeed_config="),
+    ({"parallelism_config": {"parallelism_config_dp_replicate_size": 2}}, "init_mesh(dp_replicate=R, dp_shard=S)"),
     ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, "dynamo_config="),
 ], ids=lambda v: None if isinstance(v, dict) else v[:30])
 def test_keys_that_cannot_take_effect_are_refused_by_name(config, needle):

@@ -195,3 +195,28 @@ def test_fsdp2_yaml_loads_on_rank0_broadcasts_and_trains_like_one_process(tmp_pa
             assert out["warned"] == [], (rank, "only rank 0 warns", out["warned"])
         assert not all(torch.equal(out["plain"][n], p.detach()) for n, p in want.named_parameters()), \
             (rank, "without cpu-ram-efficient loading nothing is broadcast: rank 1's half is its own init")
+
+
+def _fsdp2_on_a_replicated_mesh(rank: int, world_size: int) -> dict:
+    from shardwise.mesh import init_mesh
+
+    mesh = init_mesh(dp_replicate=2, dp_shard=2)
+    out: dict[str, Any] = {}
+    for name, raf in (("zero3", True), ("zero2", False)):
+        model = from_accelerate_config({"fsdp_version": 2, "fsdp_reshard_after_forward": raf}).apply(_llama(0), mesh)
+        w = model.output.weight
+        out[name] = (tuple(type(p).__name__ for p in w.placements), w.device_mesh.ndim)
+    try:
+        from_accelerate_config({"fsdp_version": 1, "fsdp_sharding_strategy": "FULL_SHARD"}).apply(_llama(0), mesh)
+        out["fsdp1"] = "not refused"
+    except ValueError as e:
+        out["fsdp1"] = str(e)
+    return out
+
+
+def test_fsdp2_takes_hybrid_sharding_from_the_mesh():
+    """Under FSDP2 a bool cannot name HYBRID_SHARD (Accelerate gets it from parallelism_config):
+    `apply` on a mesh with replicas shards within them; FSDP1's FULL_SHARD on it is refused."""
+    for rank, out in enumerate(run_ranks(_fsdp2_on_a_replicated_mesh, 4, timeout=120)):
+        assert out["zero3"] == out["zero2"] == (("Replicate", "Shard"), 2), (rank, "HSDP on the 2 x 2 mesh", out)
+        assert "HYBRID_SHARD" in out["fsdp1"], (rank, out["fsdp1"])

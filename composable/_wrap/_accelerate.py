@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._fsdp import broadcast_from_rank0
 from .._fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._policy import ShardingPolicy, apply_fully_shard, select_units
+from ._policy import ShardingPolicy, _axes, apply_fully_shard, select_units
+from ._strategies import ShardingStrategy
 
 __all__ = ["AccelerateConfig", "from_accelerate_config"]
 
@@ -114,12 +115,13 @@ class AccelerateConfig:
               ignored_params: Iterable[nn.Parameter] | None = None) -> nn.Module:
         """Shard ``model`` as the config says; collective. In order: compares the world size
         with ``num_processes`` (the launcher's world is used; rank 0 warns once if they
-        differ); keeps rank 0's full state dict (``sync_module_states``; with ``cpu_ram_efficient_loading`` the other ranks may build the model on the meta
-        device); wraps each unit's forward in non-reentrant ``torch.utils.checkpoint``
-        (``activation_checkpointing``); `apply_fully_shard` with ``policy``; sets explicit
-        forward prefetch in module order (``forward_prefetch``), no backward prefetch
-        (``NO_PREFETCH``), no all-gather limit (``limit_all_gathers: false``); then
-        ``broadcast_from_rank0``. Returns ``model``."""
+        differ); keeps rank 0's full state dict (``sync_module_states``; with
+        ``cpu_ram_efficient_loading`` the other ranks may build the model on the meta device);
+        wraps each unit's forward in non-reentrant ``torch.utils.checkpoint``
+        (``activation_checkpointing``); `apply_fully_shard` with ``policy`` (under FSDP2 its
+        hybrid counterpart on a mesh with replicas); sets explicit forward prefetch in module
+        order (``forward_prefetch``), no backward prefetch (``NO_PREFETCH``), no all-gather
+        limit (``limit_all_gathers: false``); then ``broadcast_from_rank0``. Returns ``model``."""
         self._check_world()
         full = None
         if self.sync_module_states:
@@ -141,7 +143,7 @@ class AccelerateConfig:
                                  "the policy selects none (NO_WRAP); name fsdp_transformer_layer_cls_to_wrap")
             for n in names:
                 _checkpoint_forward(modules[n])
-        apply_fully_shard(model, mesh, self.policy, ignored_params=ignored_params)
+        apply_fully_shard(model, mesh, self._policy_for(mesh), ignored_params=ignored_params)
         units = [model] + [modules[n] for n in names]
         if self.forward_prefetch:  # from the first step on, in module order (the root runs first)
             for unit, nxt in zip(units, units[1:]):
@@ -154,6 +156,16 @@ class AccelerateConfig:
         if self.sync_module_states:
             broadcast_from_rank0(model, full)
         return model
+
+    def _policy_for(self, mesh: DeviceMesh | None) -> ShardingPolicy:
+        """Under FSDP2 the mesh decides hybrid sharding (Accelerate takes it from
+        ``parallelism_config``; here from the mesh given to `apply`): a mesh with replicas turns
+        FULL_SHARD / SHARD_GRAD_OP into HYBRID_SHARD / HYBRID_SHARD_ZERO2."""
+        if self.fsdp_version != 2 or not isinstance(mesh, DeviceMesh) or _axes(mesh)[0] == 1:
+            return self.policy
+        hybrid = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}
+        name = ShardingStrategy.parse(self.policy.strategy).value
+        return replace(self.policy, strategy=hybrid.get(name, name))
 
     def _check_world(self) -> None:
         """The launcher's world size wins over ``num_processes`` (a job resumed at another
@@ -288,8 +300,8 @@ def _fsdp2_obsolete(c: dict, out: dict[str, Any]) -> None:
                               "backward prefetches the next one's all-gather whatever it says; remove it (or use "
                               "fsdp_version: 1, where NO_PREFETCH turns prefetching off)")
     if _bool("fsdp_forward_prefetch", c.pop("forward_prefetch", False)):
-        raise _refuse("fsdp_forward_prefetch", True, "Accelerate refuses it under fsdp_version: 2 (not implemented "
-                      "for FSDP2); remove it, or use fsdp_version: 1 for explicit forward prefetch")
+        raise _refuse("fsdp_forward_prefetch", True, "Accelerate's FSDP plugin refuses it under fsdp_version: 2 "
+                      "(not implemented for FSDP2); remove it, or use fsdp_version: 1 for explicit forward prefetch")
 
 
 def _fsdp(cfg: dict, mp: MixedPrecisionPolicy, launch: dict) -> AccelerateConfig:
@@ -381,6 +393,9 @@ def from_accelerate_config(source: str | os.PathLike | dict) -> AccelerateConfig
         if key in data:
             value = data.pop(key)
             if value not in (off, None, "", [], {}, False) and str(value).lower() not in ("no", "false"):
+                if key == "parallelism_config":
+                    raise _refuse(key, value, "shardwise takes the data-parallel layout from the mesh: remove it and "
+                                  "pass shardwise.mesh.init_mesh(dp_replicate=R, dp_shard=S) to apply")
                 raise _refuse(key, value, f"that is for another backend or tool; set it to {off!r} or remove it")
     dynamo = data.pop("dynamo_config", None) or {}
     if dynamo and str(dynamo.get("dynamo_backend", "NO")).upper() != "NO":
