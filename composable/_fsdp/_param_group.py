@@ -55,8 +55,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from ._comm import CommOptions, all_gather
 from ._layout import DimZeroLayout, byte_columns, gather_rows, scatter_rows
-from .._mesh_utils import all_gather_single, mesh_device
+from .._mesh_utils import mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
 from ._sharded_param import ShardedParam
@@ -131,6 +132,7 @@ class ParamGroup:
         # FSDP2's set_reduce_scatter_unused_params: unused parameters get zero gradients
         # instead of None ([Note: unused parameters] in _reduce.py)
         self.reduce_scatter_unused_params = False
+        self.comm = CommOptions()  # what the FSDPModule setters change about the collectives
         self.state = ShardState.SHARDED
         self._pending = None  # (work, gathered bytes) of an issued all-gather (GATHERING)
         self._post_forward = None  # (bytes, group) kept by reshard(to=...) (SHARDED_POST_FORWARD)
@@ -246,12 +248,11 @@ class ParamGroup:
             self._to(ShardState.GATHERING)
         else:
             with record_function(self.trace.all_gather):
-                gathered = torch.empty(self.world * self.ag_bytes, dtype=torch.uint8, device=self.compute_device)
                 if self._post_forward is not None:
                     src, group = self._post_forward
                 else:
                     src, group = self._all_gather_input(), self.shard_group
-                work = all_gather_single(gathered, src, group=group, async_op=True)
+                work, gathered = all_gather(self.comm, self.world * self.ag_bytes, src, group, self.compute_device)
             self._pending = (work, gathered)
             self._to(ShardState.GATHERING)
         if not async_op:

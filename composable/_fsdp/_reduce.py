@@ -35,6 +35,20 @@ it earlier would stall the host on the collective). Under HSDP accumulation the 
 summed over the micro-batches (``Bucket.seen``) and all-reduced with the sharded gradients.
 ``set_reduce_scatter_unused_params(True)`` (as FSDP2) sets every flag: unused parameters get
 zero gradients.
+
+[Note: dividing and the reduction hook]
+The collectives always sum (gloo has no average for every dtype, and a sum keeps the used
+flags exact); the division follows: by the data-parallel size ``R * W`` (the mean over the
+global batch), or by ``set_gradient_divide_factor(f)`` (gradients = sum / f). A hook set with
+``set_all_reduce_hook`` is called, in place, on a bucket's gradient elements (not its flags)
+once they are reduced: after the reduce-scatter on a 1-D mesh, after the replica all-reduce
+on a 2-D one, as FSDP2 does; it sees them divided (FSDP2's default: an averaging collective),
+or, with ``set_force_sum_reduction_for_comms(True)``, as sums divided after it. So a hook
+that all-reduces over another group with ``ReduceOp.AVG`` (torchft's replicas) gives the
+mean over both, and one that scales scales the result. Backwards that only accumulate
+(``set_requires_gradient_sync(False)``, HSDP with ``set_requires_all_reduce(False)``) call
+no hook; the HSDP all-reduce that finishes such an accumulation calls it on the accumulated
+(divided) shards.
 """
 
 from __future__ import annotations
@@ -46,8 +60,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from ._comm import reduce_scatter, send_buffer
 from ._layout import scatter_rows
-from .._mesh_utils import reduce_scatter_single
 
 __all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads", "resolve_unused"]
 
@@ -123,30 +137,38 @@ class PendingReduce:
         self.stage = stage
 
     def advance(self) -> bool:
-        """Move one stage on; True once the result is stored in the sharded ``.grad`` (DONE)."""
+        """Move one stage on; True once the result is stored in the sharded ``.grad`` (DONE).
+        [Note: dividing and the reduction hook]"""
         if self.work is not None:
             self.work.wait()
             self.work = None
         g, out, b = self.group, self.out, self.bucket
+        opts = g.comm
+        divisor = opts.gradient_divide_factor or g.world * g.replicate_world
         with torch.no_grad():
             if self.stage is ReduceStage.ALL_REDUCE:
+                _hook_and_divide(opts, out, b, divisor if opts.force_sum else None)
                 _store(g, b, out)
                 self._final(b)
                 self._to(ReduceStage.DONE)
                 return True
-            out.div_(g.world * g.replicate_world)
             if g.replicate_group is None:
+                _hook_and_divide(opts, out, b, divisor)
                 _store(g, b, out)
                 self._final(b)
             elif not self.all_reduce:  # HSDP accumulation: keep the replica-partial sum
+                out.div_(divisor)
                 _store(g, b, out)
                 b.partial_over_replicas = True
             elif not b.partial_over_replicas:
+                if not opts.force_sum:
+                    out.div_(divisor)
                 with record_function(g.trace.all_reduce):
                     self.work = dist.all_reduce(out, group=g.replicate_group, async_op=True)
                 self._to(ReduceStage.ALL_REDUCE)
                 return False
             else:  # last micro-batch: add it, then all-reduce the accumulated shards once
+                out.div_(divisor)
                 _store(g, b, out)
                 _all_reduce_sharded_grads(g, b)
                 b.partial_over_replicas = False
@@ -172,7 +194,7 @@ def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
     pending = []
     with torch.no_grad(), record_function(g.trace.reduce_scatter):
         for b in g.buckets:
-            send = torch.empty(W * b.row, dtype=b.dtype, device=g.compute_device)
+            send = send_buffer(g.comm, W * b.row, b.dtype, g.compute_device)
             rows = send.view(W, b.row)
             used = []  # [Note: unused parameters]
             for p, o in zip(b.params, b.offsets):
@@ -187,10 +209,20 @@ def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
             if W == 1:  # nothing to scatter: the sum over one rank is the input
                 pending.append(PendingReduce(g, b, None, send, all_reduce))
                 continue
-            out = torch.empty(b.row, dtype=b.dtype, device=g.compute_device)
-            work = reduce_scatter_single(out, send, group=g.shard_group, async_op=True)
+            work, out = reduce_scatter(g.comm, send, b.row, g.shard_group)
             pending.append(PendingReduce(g, b, work, out, all_reduce))
     return pending
+
+
+def _hook_and_divide(opts, out: torch.Tensor, b: Bucket, divisor: float | None) -> None:
+    """The reduced gradients of ``b`` in ``out``: divided by ``divisor`` (None: already divided)
+    before the user's reduction hook, or after it with ``force_sum``."""
+    if divisor is not None and not opts.force_sum:
+        out.div_(divisor)
+    if opts.all_reduce_hook is not None:
+        opts.all_reduce_hook(out[: b.numel])
+    if divisor is not None and opts.force_sum:
+        out.div_(divisor)
 
 
 def _store(g, b: Bucket, out: torch.Tensor) -> None:
@@ -209,6 +241,8 @@ def _all_reduce_sharded_grads(g, b: Bucket) -> None:
     flat = torch.cat(parts).to(g.compute_device)
     with record_function(g.trace.all_reduce):
         dist.all_reduce(flat, group=g.replicate_group)
+    if g.comm.all_reduce_hook is not None:
+        g.comm.all_reduce_hook(flat[: flat.numel() - b.seen.numel()])
     *chunks, seen = flat.split([t.numel() for t in parts])
     for t, chunk in zip(locals_, chunks):
         t.copy_(chunk.view_as(t))
