@@ -326,11 +326,11 @@ class ParamGroup:
             for p in b.params:
                 p.stash_unsharded_grad(b.dtype)
 
-    def reduce_grads(self, *, all_reduce: bool = True) -> list[PendingReduce]:
+    def reduce_grads(self, *, all_reduce: bool = True, replica_buckets=None) -> list[PendingReduce]:
         """Issue the reduce-scatter of the unsharded gradients (one per bucket, async) and
         free them; ``PendingReduce.advance`` stores the result (see [Note: the reduction
         pipeline] in ``_reduce.py``). ``all_reduce=False`` (HSDP gradient accumulation) skips
         the replicate all-reduce until a later call asks for it."""
         if not self.has_unsharded_grads():
             return []
-        return reduce_grads(self, all_reduce=all_reduce)
+        return reduce_grads(self, all_reduce=all_reduce, replica_buckets=replica_buckets)

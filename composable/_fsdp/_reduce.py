@@ -130,6 +130,13 @@ class PendingReduce:
     stage: ReduceStage = field(default=ReduceStage.SCATTER)
     # once DONE with final (not replica-partial) values: (bucket, used counts, fresh indices)
     unused_check: tuple | None = None
+    bucketed: bool = False  # its all-reduce is a replica bucket's ([Note: replica buckets] in _bucket.py)
+    divided: bool = False  # ALL_REDUCE: divided before the all-reduce was issued
+
+    def issued_all_reduce(self, work) -> None:
+        """Its replica bucket's all-reduce ``work`` was issued (nothing divided yet)."""
+        self.work = work
+        self._to(ReduceStage.ALL_REDUCE)
 
     def _to(self, stage: ReduceStage) -> None:
         if stage not in _NEXT[self.stage]:
@@ -147,7 +154,7 @@ class PendingReduce:
         divisor = opts.gradient_divide_factor or g.world * g.replicate_world
         with torch.no_grad():
             if self.stage is ReduceStage.ALL_REDUCE:
-                _hook_and_divide(opts, out, b, divisor if opts.force_sum else None)
+                _hook_and_divide(opts, out, b, None if self.divided else divisor)
                 _store(g, b, out)
                 self._final(b)
                 self._to(ReduceStage.DONE)
@@ -163,6 +170,7 @@ class PendingReduce:
             elif not b.partial_over_replicas:
                 if not opts.force_sum:
                     out.div_(divisor)
+                    self.divided = True
                 with record_function(g.trace.all_reduce):
                     self.work = dist.all_reduce(out, group=g.replicate_group, async_op=True)
                 self._to(ReduceStage.ALL_REDUCE)
@@ -187,14 +195,20 @@ class PendingReduce:
             pass
 
 
-def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
+def reduce_grads(g, *, all_reduce: bool, replica_buckets=None) -> list[PendingReduce]:
     """Issue the reduce-scatter of the unsharded gradients of ``g`` (a ``ParamGroup``; one per
-    bucket, async) and free them; frozen parameters never have one."""
+    bucket, async) and free them; frozen parameters never have one. On a 1-rank shard axis
+    with ``replica_buckets`` (the root's ``ReplicaBuckets``) the gradients go into a replica
+    bucket shared with other units instead ([Note: replica buckets] in ``_bucket.py``)."""
     W = g.world
     pending = []
     with torch.no_grad(), record_function(g.trace.reduce_scatter):
         for b in g.buckets:
-            send = send_buffer(g.comm, W * b.row, b.dtype, g.compute_device)
+            shared = replica_buckets is not None and replica_buckets.takes(g, b, all_reduce)
+            if shared:
+                send = replica_buckets.reserve(g, b)
+            else:
+                send = send_buffer(g.comm, W * b.row, b.dtype, g.compute_device)
             rows = send.view(W, b.row)
             used = []  # [Note: unused parameters]
             for p, o in zip(b.params, b.offsets):
@@ -208,6 +222,8 @@ def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
             rows[:, b.numel :].copy_(torch.tensor(used, dtype=b.dtype).expand(W, -1))
             if W == 1:  # nothing to scatter: the sum over one rank is the input
                 pending.append(PendingReduce(g, b, None, send, all_reduce))
+                if shared:
+                    replica_buckets.add(pending[-1])
                 continue
             work, out = reduce_scatter(g.comm, send, b.row, g.shard_group)
             pending.append(PendingReduce(g, b, work, out, all_reduce))

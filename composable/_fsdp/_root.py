@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .._compat import queue_backward_callback
+from ._bucket import ReplicaBuckets
 from ._reduce import ReduceStage, resolve_unused
 
 __all__ = ["RootContext", "DEFAULT_UNSHARD_LIMIT"]
@@ -43,6 +44,7 @@ class RootContext:
         # (finished by the next last backward), see [Note: backwards that are not the last]
         self.is_last_backward = True
         self.post_optim_event = None  # set_post_optim_event: waited for at the next root forward
+        self.replica_buckets = ReplicaBuckets()  # NO_SHARD's all-reduces, see _bucket.py
         self._subgroups: dict[tuple[int, ...], object] = {}  # rank set -> group
 
     def subgroup(self, ranks: tuple[int, ...]):
@@ -72,8 +74,11 @@ class RootContext:
         (reduce-scatter -> replica all-reduce -> stored) so that they run behind the computation."""
         limit = issued[0].group.comm.max_input_buffers if issued else 1
         earlier, self.reduces = self.reduces, []
-        scattering = sum(pr.stage is ReduceStage.SCATTER for pr in earlier)
+        scattering = sum(pr.stage is ReduceStage.SCATTER and not pr.bucketed for pr in earlier)
         for pr in earlier:
+            if pr.bucketed:  # its bucket's all-reduce runs behind the backward until its end
+                self.reduces.append(pr)
+                continue
             if pr.stage is ReduceStage.SCATTER:
                 if scattering < limit:  # set_reduce_scatter_max_input_buffers: may stay in flight
                     self.reduces.append(pr)
@@ -90,6 +95,7 @@ class RootContext:
                 if s.reshard_after_backward:
                     s.group.reshard()  # as in the post-backward: parameters go first
                 s._reduce()
+        self.replica_buckets.end_backward()
         if self.is_last_backward:
             while self.reduces:
                 pr = self.reduces.pop(0)
@@ -123,6 +129,7 @@ class RootContext:
             if pr.work is not None:  # every rank issued it: wait, so the collectives stay matched
                 pr.work.wait()
         self.reduces, self.done = [], []
+        self.replica_buckets.drop()
         for s in self.states:
             if s.group is not None:
                 s.group.drop_unsharded_grads()

@@ -340,7 +340,8 @@ class FSDPState:
         if not self.requires_gradient_sync:
             self.group.stash_unsharded_grads()
             return
-        issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce)
+        issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce,
+                                         replica_buckets=self.ctx.replica_buckets)
         if issued:
             self.ctx.keep_in_flight(issued)
 
