@@ -31,7 +31,8 @@ def _check_colwise_embedding(module: nn.Module) -> None:
 
 
 def _linear_in_width(module: nn.Module) -> tuple[int]:
-    return (module.weight.shape[1],)
+    assert isinstance(module, nn.Linear)
+    return (module.in_features,)
 
 
 LINEAR_COLWISE = ModuleRule(

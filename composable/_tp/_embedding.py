@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ._layouts import local_shard_range
 
@@ -44,6 +45,7 @@ def vocab_parallel_embedding(module: nn.Embedding, ids: torch.Tensor) -> torch.T
     (replicated) local token ids. Returns a plain tensor of shape ``[*ids.shape, dim]``.
     """
     weight = module.weight
+    assert isinstance(weight, DTensor), "the (RowwiseParallel, nn.Embedding) rule makes weight a DTensor"
     start, stop = local_shard_range(weight, 0)
     local_w = weight.to_local()
     local_ids = ids - start

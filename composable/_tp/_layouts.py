@@ -169,9 +169,12 @@ def to_layout(x: torch.Tensor, mesh: DeviceMesh, given: Placement | None, desire
     collective is the one ``redistribute`` picks: Shard -> Replicate all-gather, Partial ->
     Replicate all-reduce, Partial -> Shard reduce-scatter, Replicate -> Shard none.
     """
-    if given is None and not isinstance(x, DTensor):
-        return x
-    dt = as_dtensor(x, mesh, given, global_size=global_size, uneven=uneven)
+    if given is None:
+        if not isinstance(x, DTensor):
+            return x
+        dt = x
+    else:
+        dt = as_dtensor(x, mesh, given, global_size=global_size, uneven=uneven)
     if desired is not None and not same_layout(dt.placements[0], desired, dt.ndim):
         dt = dt.redistribute(mesh, [normalize(desired, dt.ndim)])
     return dt

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -95,8 +95,12 @@ class PrepareModuleInput(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
         where = ctx.where(self, module)
-        given, desired = self.input_layouts, self.desired_input_layouts
-        kw, dkw, local = self.input_kwarg_layouts, self.desired_input_kwarg_layouts, self.use_local_output
+        # tuples and read-only mappings after __post_init__
+        given = cast("tuple[Placement | None, ...] | None", self.input_layouts)
+        desired = cast("tuple[Placement | None, ...]", self.desired_input_layouts)
+        kw = cast(Mapping[str, Placement], self.input_kwarg_layouts)
+        dkw = cast(Mapping[str, Placement], self.desired_input_kwarg_layouts)
+        local = self.use_local_output
         uneven = self.uneven_shards
 
         def prepare(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -140,8 +144,9 @@ class PrepareModuleOutput(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
         where = ctx.where(self, module)
-        given, desired, local = self.output_layouts, self.desired_output_layouts, self.use_local_output
-        uneven = self.uneven_shards
+        given = cast("tuple[Placement | None, ...]", self.output_layouts)  # tuples after __post_init__
+        desired = cast("tuple[Placement | None, ...]", self.desired_output_layouts)
+        local, uneven = self.use_local_output, self.uneven_shards
 
         def prepare(mod: nn.Module, args: tuple, out: Any) -> Any:
             single = not isinstance(out, tuple)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -149,7 +150,7 @@ class ModuleParallel(ParallelStyle):
     def _layouts(self, rule: ModuleRule, where: str) -> tuple[tuple, Placement]:
         """(layout of each plain input, layout of the output) for this style and rule."""
         needed = rule.input_layouts
-        given = self.input_layouts or needed
+        given = cast("tuple[Placement | None, ...] | None", self.input_layouts) or needed  # a tuple after __post_init__
         if len(given) > len(needed):
             raise ValueError(f"{where}: input_layouts has {len(given)} entries but the rule lays out "
                              f"{len(needed)} input(s) {needed}; use PrepareModuleInput for the others")
@@ -199,8 +200,8 @@ class ModuleParallel(ParallelStyle):
 
         module.register_forward_pre_hook(lay_out_inputs)
         module.register_forward_hook(lay_out_output)
-        if local:
-            module.forward = functools.partial(rule.forward, module)
+        if rule.forward is not None:
+            module.forward = functools.partial(rule.forward, module)  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True, kw_only=True)
