@@ -89,6 +89,7 @@ class ReplicaBuckets:
         """``pr`` (a ``PendingReduce`` over the view ``reserve`` gave) joins the open bucket,
         which is issued once it holds its limit."""
         o = self._open
+        assert o is not None, "reserve opened the bucket this reduction writes into"
         pr.bucketed = True
         o.members.append(pr)
         if o.used >= o.limit:

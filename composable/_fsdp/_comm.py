@@ -20,6 +20,8 @@ follows the collective. Both are called with ``async_op=True`` and may return a 
 
 from __future__ import annotations
 
+from typing import Any
+
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,8 +74,8 @@ class CommOptions:
     may be in flight at once, each holding its send buffer. ``pg_allocate`` / ``symm_mem``:
     recorded CUDA-only switches (see docs/fully_shard.md)."""
 
-    all_gather_comm: object | None = None
-    reduce_scatter_comm: object | None = None
+    all_gather_comm: Any = None  # an AllGather (protocol above), or None
+    reduce_scatter_comm: Any = None  # a ReduceScatter, or None
     reduce_scatter_group: dist.ProcessGroup | None = None
     gradient_divide_factor: float | None = None
     force_sum: bool = False

@@ -25,12 +25,18 @@ from ._state import FSDPState, get_state
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
+def _unit(module: nn.Module) -> FSDPState:
+    state = get_state(module)
+    assert state is not None, "the hook is registered on a fully_shard unit"
+    return state
+
+
 def _load_pre_hook(module, *args) -> None:
-    _reshard_for_update(get_state(module), "load_state_dict")
+    _reshard_for_update(_unit(module), "load_state_dict")
 
 
 def _load_post_hook(module, incompatible_keys) -> None:
-    _readopt(get_state(module))
+    _readopt(_unit(module))
 
 
 _UNIT_ATTR = "_shardwise_param_unit"  # on a module holding a unit's parameters: the unit's module
@@ -42,7 +48,7 @@ def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
     does; its next backward gathers again. Registered on every module that holds one of the
     unit's parameters, so ``submodule.state_dict()`` sees shards too; the unit is found through
     the module (a copied module finds its own copy)."""
-    _reshard_for_update(get_state(module.__dict__[_UNIT_ATTR]), "state_dict()")
+    _reshard_for_update(_unit(module.__dict__[_UNIT_ATTR]), "state_dict()")
 
 
 def _default_mesh() -> DeviceMesh:
@@ -53,7 +59,9 @@ def _default_mesh() -> DeviceMesh:
             "or pass mesh= explicitly"
         )
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return DeviceMesh.from_group(dist.group.WORLD, device_type)
+    world = dist.group.WORLD
+    assert world is not None, "initialized above"
+    return DeviceMesh.from_group(world, device_type)
 
 
 def _check_mesh(mesh: DeviceMesh) -> None:
@@ -291,5 +299,5 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         args, kwargs = state._pre_forward(module, args, kwargs)
         return state._post_forward(module, args, method(*args, **kwargs))
 
-    wrapped.__wrapped__ = method
+    wrapped.__wrapped__ = method  # type: ignore[attr-defined]  # as functools.wraps sets it
     object.__setattr__(module, method_name, wrapped)

@@ -44,7 +44,9 @@ class FSDPModule:
     """
 
     def _fsdp_state(self) -> FSDPState:
-        return get_state(self)
+        state = get_state(self)
+        assert state is not None, "every FSDPModule is a fully_shard unit"
+        return state
 
     def _units(self, recurse: bool) -> list[FSDPState]:
         return units_under([self]) if recurse else [self._fsdp_state()]

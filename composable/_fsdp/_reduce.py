@@ -268,6 +268,7 @@ def _store(g: ReducingUnit, b: Bucket, out: torch.Tensor) -> None:
 
 def _all_reduce_sharded_grads(g: ReducingUnit, b: Bucket) -> None:
     locals_ = [p.sharded.grad.to_local() for p in b.params]
+    assert b.seen is not None, "_store ran first"
     parts = [t.reshape(-1).to(b.dtype) for t in locals_] + [b.seen]
     flat = torch.cat(parts).to(g.compute_device)
     with record_function(g.trace.all_reduce):

@@ -43,7 +43,7 @@ class RootContext:
         # set_is_last_backward(False): this backward's end leaves its reductions in flight
         # (finished by the next last backward), see [Note: backwards that are not the last]
         self.is_last_backward = True
-        self.post_optim_event = None  # set_post_optim_event: waited for at the next root forward
+        self.post_optim_event: object = None  # set_post_optim_event: waited for at the next root forward
         self.replica_buckets = ReplicaBuckets()  # NO_SHARD's all-reduces, see _bucket.py
         self._subgroups: dict[tuple[int, ...], object] = {}  # rank set -> group
 

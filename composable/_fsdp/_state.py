@@ -145,7 +145,7 @@ class FSDPState:
         self.requires_all_reduce = True
         self.unshard_in_backward = True  # False: backward needs none of the parameters (an embedding)
         self.requested_is_last_backward: bool | None = None  # set_is_last_backward before lazy init
-        self.requested_post_optim_event = None  # set_post_optim_event before lazy init
+        self.requested_post_optim_event: object = None  # set_post_optim_event before lazy init
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (execution order)
         self.backward_prefetch: list[FSDPState] | None = None
         self.ctx: RootContext | None = None
@@ -371,10 +371,10 @@ class FSDPState:
         if not self.requires_gradient_sync:
             self.group.stash_unsharded_grads()
             return
+        assert self.ctx is not None, "a backward runs after lazy init"
         issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce,
                                          replica_buckets=self.ctx.replica_buckets)
         if issued:
-            assert self.ctx is not None, "a backward runs after lazy init"
             self.ctx.keep_in_flight(issued)
 
     def _end_step(self) -> None:

@@ -201,7 +201,7 @@ class ModuleParallel(ParallelStyle):
         module.register_forward_pre_hook(lay_out_inputs)
         module.register_forward_hook(lay_out_output)
         if rule.forward is not None:
-            module.forward = functools.partial(rule.forward, module)  # type: ignore[method-assign]
+            module.forward = functools.partial(rule.forward, module)
 
 
 @dataclass(frozen=True, kw_only=True)
