@@ -3,7 +3,7 @@
 ``AllGather`` and ``ReduceScatter`` are the protocols of FSDP2's ``set_custom_all_gather`` /
 ``set_custom_reduce_scatter``: an object with ``allocate(size, *, dtype, device)`` for its
 buffers and a ``__call__`` that issues the collective. An object written against torch's own
-ABCs (``torch.distributed.fsdp``'s ``AllGather`` / ``ReduceScatter``) works unchanged: only the
+ABCs (FSDP2's ``AllGather`` / ``ReduceScatter``) works unchanged: only the
 two methods are called. ``CommOptions`` holds what the ``FSDPModule`` setters change about a
 unit's collectives; every unit has one (``ParamGroup.comm``).
 
