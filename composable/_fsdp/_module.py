@@ -44,7 +44,11 @@ class FSDPModule:
     """
 
     def _fsdp_state(self) -> FSDPState:
-        return get_state(self)
+        state = get_state(self)
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__} has no fully_shard state (a module whose class was changed "
+                               "by hand?); call fully_shard on it")
+        return state
 
     def _units(self, recurse: bool) -> list[FSDPState]:
         return units_under([self]) if recurse else [self._fsdp_state()]

@@ -62,6 +62,7 @@ from torch.profiler import record_function
 
 from ._comm import reduce_scatter, send_buffer
 from ._layout import scatter_rows
+from .._mesh_utils import reduce_scatter_single
 
 __all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads", "resolve_unused"]
 
@@ -225,7 +226,7 @@ def reduce_grads(g, *, all_reduce: bool, replica_buckets=None) -> list[PendingRe
                 if shared:
                     replica_buckets.add(pending[-1])
                 continue
-            work, out = reduce_scatter(g.comm, send, b.row, g.shard_group)
+            work, out = reduce_scatter(g.comm, send, b.row, g.shard_group, reduce_scatter_single)
             pending.append(PendingReduce(g, b, work, out, all_reduce))
     return pending
 
