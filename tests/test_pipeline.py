@@ -106,8 +106,8 @@ def _run(rank, world_size, opts):
                              loss_context=sw.loss_parallel if tp > 1 else None,
                              reduce_every_microbatch=opts.get("every", False),
                              reshard_between_microbatches=opts.get("between", False))
-    import shardwise.composable._fsdp._comm as pgroup  # units all-gather with all_gather_single
-    import shardwise.composable._fsdp._comm as pg  # the reduction pipeline calls reduce_scatter_single
+    import shardwise.composable._fsdp._param_group as pgroup  # units all-gather with all_gather_single
+    import shardwise.composable._fsdp._reduce as pg  # the reduction pipeline calls reduce_scatter_single
     calls, gathers = [0], [0]
     real, real_ag = pg.reduce_scatter_single, pgroup.all_gather_single
 
@@ -326,7 +326,7 @@ def _accumulate_over_steps(rank, world_size, schedule):
         sw.fully_shard(st.module, mesh=dp)
     sched = PipelineSchedule(split, schedule=schedule, microbatches=2, loss_fn=_ce)
     sl = slice(dp.get_local_rank() * 4, (dp.get_local_rank() + 1) * 4)
-    import shardwise.composable._fsdp._comm as pg  # the unit collectives
+    import shardwise.composable._fsdp._reduce as pg
     real, calls = pg.reduce_scatter_single, []
     pg.reduce_scatter_single = lambda *a, **k: calls.append(1) or real(*a, **k)
     roots = [st.module for st in split.stages]
@@ -380,7 +380,7 @@ def _policy_units_gather_once(rank, world_size):
     _, split, (inputs, targets, sl), units = _sharded_stages(sw.ShardingPolicy("FULL_SHARD", layer_cls="TransformerBlock"))
     sched = PipelineSchedule(split, schedule="gpipe", microbatches=4, loss_fn=_ce)
     sched.step(inputs[sl], targets[sl])
-    import shardwise.composable._fsdp._comm as pgroup  # the unit collectives
+    import shardwise.composable._fsdp._param_group as pgroup
     real, n = pgroup.all_gather_single, []
     pgroup.all_gather_single = lambda *a, **k: n.append(1) or real(*a, **k)
     try:

@@ -86,12 +86,14 @@ class CommOptions:
 
 
 def all_gather(opts: CommOptions, numel: int, src: torch.Tensor, group: dist.ProcessGroup,
-               device: torch.device) -> tuple[dist.Work | None, torch.Tensor]:
-    """Issue the all-gather of ``src`` over ``group`` into ``numel`` new bytes; ``(work, output)``."""
+               device: torch.device, default: Callable = all_gather_single) -> tuple[dist.Work | None, torch.Tensor]:
+    """Issue the all-gather of ``src`` over ``group`` into ``numel`` new bytes; ``(work, output)``.
+    ``default`` issues it when no custom all-gather is set (the caller's name for it, so that
+    tests can count the calls there)."""
     comm = opts.all_gather_comm
     if comm is None:
         out = torch.empty(numel, dtype=torch.uint8, device=device)
-        return all_gather_single(out, src, group=group, async_op=True), out
+        return default(out, src, group=group, async_op=True), out
     out = comm.allocate((numel,), dtype=torch.uint8, device=device)
     return comm(output_tensor=out, input_tensor=src, group=group, async_op=True), out
 
@@ -105,13 +107,13 @@ def send_buffer(opts: CommOptions, numel: int, dtype: torch.dtype, device: torch
 
 
 def reduce_scatter(opts: CommOptions, send: torch.Tensor, out_numel: int, group: dist.ProcessGroup,
-                   ) -> tuple[dist.Work | None, torch.Tensor]:
+                   default: Callable = reduce_scatter_single) -> tuple[dist.Work | None, torch.Tensor]:
     """Issue the sum reduce-scatter of ``send`` over ``group`` (``opts.reduce_scatter_group``
-    when set); ``(work, output)``."""
+    when set); ``(work, output)``. ``default``: as for ``all_gather``."""
     comm = opts.reduce_scatter_comm
     group = opts.reduce_scatter_group or group
     if comm is None:
         out = torch.empty(out_numel, dtype=send.dtype, device=send.device)
-        return reduce_scatter_single(out, send, group=group, async_op=True), out
+        return default(out, send, group=group, async_op=True), out
     out = comm.allocate((out_numel,), dtype=send.dtype, device=send.device)
     return comm(output_tensor=out, input_tensor=send, group=group, op=dist.ReduceOp.SUM, async_op=True), out

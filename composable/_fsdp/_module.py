@@ -45,7 +45,9 @@ class FSDPModule:
 
     def _fsdp_state(self) -> FSDPState:
         state = get_state(self)
-        assert state is not None, "every FSDPModule is a fully_shard unit"
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__} has no fully_shard state (a module whose class was changed "
+                               "by hand?); call fully_shard on it")
         return state
 
     def _units(self, recurse: bool) -> list[FSDPState]:

@@ -58,7 +58,7 @@ from torch.profiler import record_function
 
 from ._comm import CommOptions, all_gather
 from ._layout import ShardLayout, byte_columns, make_layout
-from .._mesh_utils import mesh_device
+from .._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
 from ._sharded_param import ShardedParam
@@ -257,7 +257,8 @@ class ParamGroup:
                     src, group = self._post_forward
                 else:
                     src, group = self._all_gather_input(), self.shard_group
-                work, gathered = all_gather(self.comm, self.world * self.ag_bytes, src, group, self.compute_device)
+                work, gathered = all_gather(self.comm, self.world * self.ag_bytes, src, group, self.compute_device,
+                                            all_gather_single)
             self._pending = (work, gathered)
             self._to(ShardState.GATHERING)
         if not async_op:

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from ._comm import reduce_scatter, send_buffer
+from .._mesh_utils import reduce_scatter_single
 
 __all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads", "resolve_unused"]
 
@@ -241,7 +242,7 @@ def reduce_grads(g: ReducingUnit, *, all_reduce: bool, replica_buckets: Any = No
                 if shared:
                     replica_buckets.add(pending[-1])
                 continue
-            work, out = reduce_scatter(g.comm, send, b.row, g.shard_group)
+            work, out = reduce_scatter(g.comm, send, b.row, g.shard_group, reduce_scatter_single)
             pending.append(PendingReduce(g, b, work, out, all_reduce))
     return pending
 
