@@ -91,7 +91,7 @@ def gather_json(obj: Any, dst: int = 0) -> list[Any] | None:
     padded[: data.numel()] = data
     out = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
     dist.gather(padded, out, dst=dst)
-    if rank != dst:
+    if rank != dst or out is None or sizes is None:
         return None
     return [_decode(o[: int(s.item())]) for o, s in zip(out, sizes)]
 
@@ -160,9 +160,10 @@ def scatter_json(objs: list[Any] | None, src: int = 0) -> Any:
     what a rank receives does not grow with the world size when the objects do not.
     """
     if not is_distributed():
+        assert objs is not None, "scatter_json: the source rank passes the objects"
         return json.loads(json.dumps(objs[0]))
     dev, world, rank = collective_device(), dist.get_world_size(), dist.get_rank()
-    datas = [_encode(o) for o in objs] if rank == src else None
+    datas = [_encode(o) for o in objs] if rank == src and objs is not None else None
     size = torch.zeros(1, dtype=torch.int64, device=dev)
     sizes = [torch.tensor([d.numel()], dtype=torch.int64, device=dev) for d in datas] if datas else None
     dist.scatter(size, sizes, src=src)

@@ -96,7 +96,7 @@ def scatter_full(state: dict, full: dict, *, from_rank0: bool = False, where: st
     """
     rank, _ = rank_and_world()
     problems: list[str] | None = None
-    error = None
+    error: BaseException | str | None = None
     try:
         if not from_rank0 or rank == 0:
             problems = _problems(state, full, where)

@@ -261,6 +261,7 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
     for name, group in zip(names, shards):
         writer = None
         if rank == 0:
+            assert tmp is not None
             writer = StreamingWriter(os.path.join(tmp, name), [(k, state[k].dtype, tuple(state[k].shape))
                                                                 for k in group], {"format": "pt"})
         order = broadcast_json(writer.keys if writer else None, src=0)
@@ -274,6 +275,7 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
         if writer is not None:
             writer.close()
     if rank == 0:
+        assert tmp is not None and token is not None and hf is not None
         write_index(tmp, index_file_name(len(names), True), weight_map,
                     sum(state[k].numel() * state[k].element_size() for k in weight_map))
         hf.write(tmp)

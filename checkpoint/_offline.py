@@ -49,7 +49,7 @@ from ._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE
 from ._hf_folder import (group_shards, index_file_name, model_prefix, read_config, shard_names,
                          write_index)
 from ._json_strict import parse_json_strict
-from ._reader import read_region
+from ._reads import read_region
 from ._storage import PosixStorage, Storage
 from ._verify import verify_checkpoint
 

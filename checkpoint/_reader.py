@@ -62,7 +62,6 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -74,13 +73,13 @@ from ._errors import CheckpointError
 from ._files import CheckpointFiles, open_checkpoint
 from ._flatten import Leaf, flatten, set_values
 from ._format import Header, Index, SavedBox, TensorEntry
-from ._format._file_io import adjacent_groups, byte_view, contiguous_run, pread_into, preadv_into
-from ._geometry import Box, LocalBox, ReadItem, covered_numel, distinct_boxes, local_boxes, plan_reads, split, tiling_problem
+from ._geometry import LocalBox, covered_numel, distinct_boxes, local_boxes, plan_reads, tiling_problem
 from ._load_checks import check_files
-from ._storage import ReadHandle, Storage, storage_for
+from ._reads import Read as _Read, read_all as _read
+from ._storage import Storage, storage_for
 from ._trace import phase
 
-__all__ = ["load", "LoadStats", "load_from_index", "read_region"]
+__all__ = ["load", "LoadStats", "load_from_index"]
 
 _log = logging.getLogger("shardwise.checkpoint")
 
@@ -101,14 +100,6 @@ class LoadStats:
     bytes_read: int
     bytes_verified: int
     files_opened: int
-
-
-@dataclass
-class _Read:
-    key: str
-    local: torch.Tensor
-    saved: SavedBox
-    item: ReadItem
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -168,88 +159,6 @@ def _plan_load(index: Index, leaves: list[Leaf], strict: bool, where: str):
                         f"all is almost certainly a mistake: a different model, or a prefix such as 'model/' missing; "
                         f"first target keys: {[leaf.key for leaf in leaves[:3]]}, first saved: {list(index.tensors)[:3]})")
     return reads, problems
-
-
-def _read_rows(h: ReadHandle, at: int, saved: tuple[int, ...], src_offsets: tuple[int, ...],
-               src_sizes: tuple[int, ...], dst: torch.Tensor, max_read_bytes: int) -> None:
-    """Fill ``dst`` with the region ``src_offsets``/``src_sizes`` of a row-major saved box of shape
-    ``saved`` whose bytes start at ``at``, by reading the dim-0 rows the region spans (at most
-    ``max_read_bytes`` of them at a time, or one row) and copying the region out of them."""
-    itemsize = dst.element_size()
-    row_elems = 1
-    for n in saved[1:]:
-        row_elems *= n
-    row_bytes = row_elems * itemsize
-    step = max(1, max_read_bytes // max(row_bytes, 1))
-    inner = tuple(slice(o, o + n) for o, n in zip(src_offsets[1:], src_sizes[1:]))
-    for lo in range(0, src_sizes[0], step):
-        rows = min(step, src_sizes[0] - lo)
-        buf = torch.empty((rows, *saved[1:]), dtype=dst.dtype)
-        pread_into(h, buf, at + (src_offsets[0] + lo) * row_bytes, h.name)
-        dst[lo : lo + rows].copy_(buf[(slice(None), *inner)])
-
-
-def read_region(files: CheckpointFiles, saved: SavedBox, src: Box, out: torch.Tensor,
-                max_read_bytes: int = 64 << 20) -> None:
-    """Fill ``out`` (a CPU tensor of ``src``'s shape) with the region ``src`` of saved box ``saved``
-    (``merge``/``reshard`` read their slabs so)."""
-    header = files.header(saved.file)
-    h = files.handle(saved.file)
-    start = header.data_start + header.entries[saved.key].begin
-    run = contiguous_run(src.offsets, src.sizes, saved.box.sizes)
-    if run is None:
-        _read_rows(h, start, saved.box.sizes, src.offsets, src.sizes, out, max_read_bytes)
-    elif out.is_contiguous():
-        pread_into(h, out, start + run[0] * out.element_size(), h.name)
-    else:
-        buf = torch.empty(out.shape, dtype=out.dtype)
-        pread_into(h, buf, start + run[0] * out.element_size(), h.name)
-        out.copy_(buf)
-
-
-def _read(files: CheckpointFiles, reads: list[_Read], max_read_bytes: int) -> tuple[int, int]:
-    """Step 2 of [Note: the steps of a load]; returns (bytes read, files opened).
-
-    A piece that is one contiguous byte range of its saved box (any dim-0 slab of a saved box,
-    as resharding FSDP/HSDP shards gives) is read straight into the destination when that is
-    contiguous on the CPU (else into a buffer of the piece's size). Direct pieces whose byte
-    ranges follow one another in the file (e.g. consecutive saved boxes that all land in this
-    rank's shards) are read by one request (``preadv``) into all their destinations: fewer,
-    larger reads. Other pieces (e.g. column slices) read the rows they span (`_read_rows`).
-    """
-    by_file: dict[str, list[_Read]] = defaultdict(list)
-    for r in reads:
-        by_file[r.saved.file].append(r)
-    nbytes = 0
-    with torch.no_grad():
-        for name, items in by_file.items():
-            header = files.header(name)
-            h = files.handle(name)
-            direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
-            for r in items:
-                entry = header.entries[r.saved.key]
-                itemsize = r.local.element_size()
-                for piece in split(r.item, max(1, max_read_bytes // itemsize)):
-                    dst = r.local[piece.dst.slices()]
-                    nbytes += dst.numel() * itemsize
-                    run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
-                    start = header.data_start + entry.begin
-                    if run is None:
-                        _read_rows(h, start, r.saved.box.sizes, piece.src.offsets, piece.src.sizes, dst,
-                                   max_read_bytes)
-                        continue
-                    at = start + run[0] * itemsize
-                    if dst.device.type == "cpu" and dst.is_contiguous():
-                        direct.append((at, dst.numel() * itemsize, dst))
-                    else:
-                        buf = torch.empty(dst.shape, dtype=dst.dtype)
-                        pread_into(h, buf, at, h.name)
-                        dst.copy_(buf)
-            for group in adjacent_groups([(at, at + n) for at, n, _ in direct]):
-                preadv_into(h, [byte_view(direct[i][2]) for i in group], direct[group[0]][0], h.name)
-                for i in group:
-                    torch.autograd.graph.increment_version(direct[i][2])  # as an in-place copy would
-    return nbytes, len(by_file)
 
 
 def _retry(files: CheckpointFiles) -> str:

@@ -54,7 +54,7 @@ import threading
 
 from ._commit import delete_own_files, index_of, recover_replaced, remove_temp, temp_dir_for
 from ._errors import CheckpointError
-from ._format import plain_file_name
+from ._format import INDEX_FILE, plain_file_name
 from ._json_strict import parse_json_strict
 from ._storage import Storage
 
@@ -230,7 +230,6 @@ def abort_save(storage: Storage, path: str, series: str, token: str) -> None:
 
 
 def _own_names(raw: dict | None) -> list[str]:
-    from ._format import INDEX_FILE
     files = raw.get("files") if raw else None
     names = {INDEX_FILE, INDEX_FILE + ".tmp"} | ({n for n in files if plain_file_name(n)}
                                                  if isinstance(files, dict) else set())

@@ -144,7 +144,7 @@ def save_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.
     """Save model, optimizer, LR ``scheduler`` (anything with ``state_dict()``), ``step``,
     ``extra`` (JSON: epoch, data position...) and every rank's RNG states to ``path``;
     collective, atomic (see `save`). ``keep_last`` as in `save`."""
-    state = {
+    state: dict[str, Any] = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optim),
         "scheduler": _json(scheduler.state_dict() if scheduler is not None else None, "the scheduler's state_dict()"),
@@ -167,7 +167,7 @@ def load_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.
         raise CheckpointError(f"{path} is a checkpoint but not a training state (no rng/torch or step); load it "
                               "with shardwise.checkpoint.load")
     saved_world = index.tensors["rng/torch"].shape[0]
-    state = {
+    state: dict[str, Any] = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optim),
         "scheduler": "", "step": None, "extra": "",

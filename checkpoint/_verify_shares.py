@@ -49,7 +49,9 @@ class Unit:
 
     @property
     def crc32(self) -> int:
-        return self.saved.crc32 if self.chunk is None else self.saved.chunk_crc32[self.chunk]
+        crc = self.saved.crc32 if self.chunk is None else self.saved.chunk_crc32[self.chunk]  # type: ignore[index]
+        assert crc is not None, "units are made only of boxes with a checksum"
+        return crc
 
     def where(self) -> str:
         box = self.saved.box
@@ -142,7 +144,7 @@ def share_of(index: Index, keys: Iterable[str], ids: dict[tuple[str, str], int],
             chunked = b.chunk_crc32 is not None
             if rows * row_bytes == 0 or (not chunked and b.crc32 is None):
                 continue  # no bytes, or no checksum
-            size = b.chunk_rows if chunked else rows
+            size = b.chunk_rows if chunked and b.chunk_rows else rows
             for p, q in owned_chunks(readers, rows, size, bid, rank, world):
                 mine += [Unit(k, b, bid, i if chunked else None, i * size, min((i + 1) * size, rows), row_bytes)
                          for i in range(p, q)]

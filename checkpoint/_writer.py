@@ -137,7 +137,7 @@ def _write_file(plan: _Plan, storage: Storage, tmp: str, rank: int) -> dict:
     sums = writer.close()
     boxes = [{"key": p.key, "file_key": k, "offsets": list(p.box.offsets), "sizes": list(p.box.sizes),
               "crc32": sums[k].crc32, "chunk_rows": sums[k].chunk_rows,
-              "chunk_crc32": None if sums[k].chunk_crc32 is None else crcs_to_hex(sums[k].chunk_crc32)}
+              "chunk_crc32": None if sums[k].chunk_crc32 is None else crcs_to_hex(sums[k].chunk_crc32 or ())}
              for k, p in by_key.items()]
     return {"file": name, "bytes": storage.size(path, follow=False), "boxes": boxes}
 
@@ -278,8 +278,9 @@ class SaveHandle:
             raise
         report = dict(self._report or {}, meta=_meta_digest(self._plan.meta))
         reports = gather_json(report, dst=0)
-        out = {"error": None, "said": []}
+        out: dict[str, Any] = {"error": None, "said": []}
         if rank == 0:
+            assert reports is not None
             committed = False
             try:
                 index = _build_index(self._plan, reports, world, self._token)
@@ -314,16 +315,17 @@ class SaveHandle:
 def _prepare(storage: Storage, path: str, series: str, rank: int) -> dict:
     """Step 2 of [Note: the steps of a save] (collective): rank 0 checks the target, cleans up
     the series and creates the temporary directory; every rank gets ``{"token", "said"}``."""
-    setup = {"token": secrets.token_hex(4), "error": None, "said": []}
+    token = secrets.token_hex(4)
+    setup: dict[str, Any] = {"token": token, "error": None, "said": []}
     if rank == 0:
         try:
             check_target(storage, path)
-            setup["said"] = begin_save(storage, path, series, setup["token"])
-            storage.mkdir(temp_dir_for(storage, path, setup["token"]))
+            setup["said"] = begin_save(storage, path, series, token)
+            storage.mkdir(temp_dir_for(storage, path, token))
         except Exception as e:
             setup["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
             try:  # begin_save may have recorded it: forget it (else the next save of the series does)
-                abort_save(storage, path, series, setup["token"])
+                abort_save(storage, path, series, token)
             except Exception:
                 pass
     setup = broadcast_json(setup, src=0)
@@ -341,7 +343,8 @@ def _start(state: dict, path: str | os.PathLike, keep_last: int | None, backgrou
     if not isinstance(series, str) or not series:
         raise ValueError(f"series must be a non-empty str, got {series!r}")
     rank, _ = rank_and_world()
-    plan, error = None, None
+    plan: _Plan | None = None
+    error: BaseException | None = None
     with phase("save/plan"):
         try:
             plan = _plan(state, rank)
@@ -349,6 +352,7 @@ def _start(state: dict, path: str | os.PathLike, keep_last: int | None, backgrou
         except Exception as e:
             error = e
         agree(error, f"saving checkpoint {storage.url(path)}")
+    assert plan is not None  # else agree raised
     with phase("save/owners"):
         _keep_own_pieces(plan, rank)
     with phase("save/prepare"):

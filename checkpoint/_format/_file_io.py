@@ -139,7 +139,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(bytearray())
     buf = (ctypes.c_ubyte * nbytes).from_address(flat.data_ptr())
-    buf._owner = flat  # the memoryview holds buf, buf holds the tensor's storage
+    buf._owner = flat  # type: ignore[attr-defined]  # the memoryview holds buf, buf holds the tensor's storage
     return memoryview(buf).cast("B")
 
 

@@ -112,7 +112,7 @@ class Index:
 
 
 def _box_to_json(b: SavedBox) -> dict:
-    out = {"offsets": list(b.box.offsets), "sizes": list(b.box.sizes), "file": b.file, "key": b.key,
+    out: dict[str, Any] = {"offsets": list(b.box.offsets), "sizes": list(b.box.sizes), "file": b.file, "key": b.key,
            "crc32": None if b.crc32 is None else f"{b.crc32:08x}"}
     if b.chunk_crc32 is not None:
         out["chunk_rows"] = b.chunk_rows
@@ -143,6 +143,7 @@ def _file_of(b: dict, tensor: str) -> str:
     if not plain_file_name(name):
         raise CheckpointError(f"tensor '{tensor}': data file name {_short(name)} is not a plain file name inside the "
                               "checkpoint directory (absolute, '..', a sub-directory or hidden); refusing to read it")
+    assert isinstance(name, str)
     return name
 
 

@@ -104,7 +104,8 @@ class StreamingWriter:
         self._file = (storage or PosixStorage()).open_write(path)
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self.keys = [k for k, _, _ in self._order]  # the order in which `append` expects the data
-        self._i, self._crc, self.checksums = 0, ChunkedCrc(0), {}
+        self._i, self._crc = 0, ChunkedCrc(0)
+        self.checksums: dict[str, BoxChecksums] = {}
         self._start_entry()
 
     def _start_entry(self) -> None:

@@ -180,7 +180,8 @@ def boxes_for(shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[i
     for axis, p in enumerate(placements):
         rule = _rule(p)
         if is_strided_shard(p) or isinstance(p, Shard):
-            held[p.dim] = rule(p, held[p.dim], mesh_shape[axis], coord[axis])
+            dim = p.dim  # type: ignore[attr-defined]  # both kinds of shard placement have one
+            held[dim] = rule(p, held[dim], mesh_shape[axis], coord[axis])
     if any(len(h) == 0 for h in held):
         return []
     per_dim = [_runs(h) for h in held]
