@@ -38,6 +38,11 @@ operation:
                 returned by read calls, cached or not (it misses reads through mmap)
     needed      per rank, the bytes of its target shards (what a load cannot do without)
 
+A last table (``--boxes N``, default 100000; 0 skips it; ``--boxes-only`` runs only it) times the
+checks of one ``[1, N]`` float32 tensor saved as N boxes of one element (the index and header
+such a save writes), in this process: ``inspect``, ``verify`` and ``load`` (verify=True) into a
+plain tensor. The tiling check was quadratic there (73 s for inspect at N = 4000).
+
 After every load each rank checks that every tensor holds what was saved (sum and sum of
 absolute values per tensor, over all ranks, against the values taken at save time). Rank 0 of
 the launcher prints a Markdown table (and ``--json`` writes every figure).
@@ -85,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dir", default=None, help="where the temporary directory goes (default: the system's)")
     p.add_argument("--no-drop", action="store_true", help="keep the page cache (warm reads; what non-root runs get)")
     p.add_argument("--json", default=None, help="also write every figure here")
+    p.add_argument("--boxes", type=int, default=100_000, help="boxes of the many-boxes row (0: skip it)")
+    p.add_argument("--boxes-only", action="store_true", help="run only the many-boxes row")
     p.add_argument("--phase", choices=("save", "load"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--root", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -363,7 +370,64 @@ def report(save: dict, sizes: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def many_boxes_checkpoint(path: str, n: int) -> None:
+    """A checkpoint of one ``[1, n]`` float32 tensor saved as n boxes of one element each."""
+    from shardwise.checkpoint._format import (Index, SavedBox, StreamingWriter, TensorEntry, format_index,
+                                              index_to_json)
+    from shardwise.checkpoint._geometry import Box
+
+    os.makedirs(path)
+    data = os.path.join(path, "rank-00000.safetensors")
+    writer = StreamingWriter(data, [(f"w@0,{i}", torch.float32, (1, 1)) for i in range(n)])
+    values = torch.arange(float(n))
+    for k in writer.keys:
+        writer.append(values[int(k.split(",")[1])].reshape(1, 1))
+    sums = writer.close()
+    boxes = tuple(SavedBox(Box((0, i), (1, 1)), "rank-00000.safetensors", f"w@0,{i}", sums[f"w@0,{i}"].crc32)
+                  for i in range(n))
+    index = Index({"w": TensorEntry(torch.float32, (1, n), boxes)}, {}, {"rank-00000.safetensors":
+                  os.path.getsize(data)}, 1, time.time_ns())
+    Path(path, "index.json").write_text(format_index(index_to_json(index)))
+
+
+def boxes_report(n: int, where: str | None) -> str:
+    """The many-boxes table: seconds of inspect, verify and load of `many_boxes_checkpoint`."""
+    import contextlib
+    import io
+
+    from shardwise.checkpoint import load, main as cli, verify_checkpoint
+
+    root = tempfile.mkdtemp(prefix="shardwise-boxes-", dir=where)
+    try:
+        path = os.path.join(root, "ck")
+        t = time.perf_counter()
+        many_boxes_checkpoint(path, n)
+        built = time.perf_counter() - t
+        times = {}
+        with contextlib.redirect_stdout(io.StringIO()):
+            t = time.perf_counter()
+            assert cli(["inspect", path]) == 0
+            times["inspect"] = time.perf_counter() - t
+        t = time.perf_counter()
+        assert verify_checkpoint(path).fully_checked
+        times["verify"] = time.perf_counter() - t
+        target = {"w": torch.zeros(1, n)}
+        t = time.perf_counter()
+        load(target, path)
+        times["load"] = time.perf_counter() - t
+        assert torch.equal(target["w"][0], torch.arange(float(n)))
+        index_mb = os.path.getsize(os.path.join(path, "index.json")) / 1e6
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return ("\n".join(["", f"one [1, {n}] float32 tensor saved as {n} boxes (index {index_mb:.1f} MB, built in "
+                        f"{built:.1f} s):", "", "| operation | seconds |", "| --- | --- |"]
+                       + [f"| {k} | {v:.2f} |" for k, v in times.items()]))
+
+
 def launcher(args, argv: list[str]) -> None:
+    if args.boxes_only:
+        print(boxes_report(args.boxes, args.dir))
+        return
     impls = args.impls.split(",")
     unknown = set(impls) - set(SAVE_IMPLS)
     if unknown:
@@ -397,6 +461,8 @@ def launcher(args, argv: list[str]) -> None:
     for res in loads:
         rows += _summary(res, [i for i in LOAD_SOURCE if LOAD_SOURCE[i] in impls], "load")
     print(report(save, sizes, rows))
+    if args.boxes:
+        print(boxes_report(args.boxes, args.dir))
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(argv=sys.argv, sizes=sizes, rows=rows, save=save, loads=loads),

@@ -10,6 +10,9 @@ Save from any layout, load into any other::
     load(state, "ckpt/step-100")                    # fills the tensors in place, resharding
     set_optimizer_state_dict(model, optim, state["optim"])
 
+``path`` may be an fsspec URL (``s3://bucket/ckpt/step-100``, ``memory://...``), or pass
+``storage=`` (`PosixStorage`, `FsspecStorage`, or any class implementing `Storage`).
+
 See ``docs/checkpoint.md`` (usage and API) and ``docs/checkpoint-format.md`` (the format).
 """
 
@@ -19,6 +22,7 @@ from ._hf import load_safetensors
 from ._hf_folder import save_hf_folder
 from ._offline import merge_checkpoint, reshard_checkpoint
 from ._reader import LoadStats, load
+from ._storage import FsspecStorage, PosixStorage, Storage
 from ._state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,21 +32,25 @@ from ._state_dict import (
 )
 from ._training_state import TrainingState, load_training_state, save_training_state
 from ._verify import VerifyReport, verify_checkpoint
-from ._writer import SaveHandle, async_save, save
+from ._writer import SaveHandle, async_save, check_save_target, save
 
 __all__ = [
     "CheckpointError",
+    "FsspecStorage",
     "LoadStats",
     "SaveHandle",
     "StateDictOptions",
+    "Storage",
     "TrainingState",
     "VerifyReport",
     "async_save",
+    "check_save_target",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "load",
     "load_training_state",
     "load_safetensors",
+    "PosixStorage",
     "main",
     "merge_checkpoint",
     "reshard_checkpoint",

@@ -26,11 +26,10 @@ from collections import Counter
 from datetime import datetime, timezone
 
 from ._errors import CheckpointError
-from ._format import Index, dtype_name, read_index
-from ._safetensors_io import DTYPE_CODES, read_header
-from ._tiling import saved_tiling_problem
+from ._files import open_checkpoint
+from ._format import Index, dtype_name
 from ._offline import merge_checkpoint, reshard_checkpoint
-from ._verify import data_file_size_problem, verify_checkpoint
+from ._verify import file_problems, verify_checkpoint
 
 __all__ = ["main"]
 
@@ -62,9 +61,9 @@ def _layout(layout: dict | None) -> str:
     return f"mesh {mesh}{axes} {', '.join(layout['placements'])}"
 
 
-def _summary(index: Index) -> dict:
+def _summary(index: Index, where: str) -> dict:
     return {
-        "path": index.root,
+        "path": where,
         "format_version": index.version,
         "created": (datetime.fromtimestamp(index.created_unix_ns / 1e9, timezone.utc).isoformat()
                     if index.created_unix_ns else None),
@@ -78,45 +77,15 @@ def _summary(index: Index) -> dict:
     }
 
 
-def _index_problems(index: Index) -> list[str]:
-    """What the index and the data files' sizes and headers show, without reading any data:
-    sizes as recorded, headers valid and holding every box's key with its dtype and shape,
-    every tensor tiled exactly, every box with a checksum."""
-    problems, root, headers = [], index.root, {}
-    for name, expected in sorted(index.files.items()):
-        file = os.path.join(root, name)
-        try:
-            size_problem = data_file_size_problem(file, expected)
-            if size_problem:
-                problems.append(size_problem)
-            else:
-                headers[name] = read_header(file, follow=False)
-        except CheckpointError as e:
-            problems.append(str(e))
-    for key, t in index.tensors.items():
-        gap = saved_tiling_problem(t.shape, [b.box for b in t.boxes])
-        if gap:
-            problems.append(f"{os.path.join(root, 'index.json')}: tensor '{key}': {gap}")
-        for b in t.boxes:
-            e = headers[b.file].entries.get(b.key) if b.file in headers else None
-            where = f"data file {os.path.join(root, b.file)}: tensor '{key}' box at {list(b.box.offsets)}"
-            if b.file in headers and (e is None or e.dtype != DTYPE_CODES[t.dtype] or e.shape != b.box.sizes):
-                problems.append(f"{where}: the file does not hold key '{b.key}' as {DTYPE_CODES[t.dtype]} "
-                                f"{list(b.box.sizes)}")
-            if b.crc32 is None and b.chunk_crc32 is None:
-                problems.append(f"{where}: the index records no checksum for it (crc32 null), which shardwise never "
-                                "writes")
-    return problems
-
-
 def _inspect(args) -> int:
-    index = read_index(os.path.abspath(args.path))
-    problems = _index_problems(index)
+    path = args.path if "://" in args.path else os.path.abspath(args.path)
+    with open_checkpoint(path) as files:  # reads the index, sizes and headers: never the data
+        problems, _, _ = file_problems(files, checksums=False)
+        s = _summary(files.index, files.where)
     if problems:
         for p in problems:
             _error(p)
         return 1
-    s = _summary(index)
     if args.json:
         print(json.dumps(s, indent=1))
         return 0

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ._boxes import local_boxes
+from ._geometry._boxes import local_boxes
 from ._comm import agree, broadcast_json, collective_device, is_distributed, rank_and_world
 from ._flatten import flatten
 

@@ -30,15 +30,16 @@ from collections.abc import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._boxes import Box
 from ._comm import agree
 from ._errors import CheckpointError
+from ._files import CheckpointFiles, open_folder
 from ._flatten import flatten, join_key
-from ._format import Index, SavedBox, TensorEntry
+from ._format import DTYPE_CODES, Index, SavedBox, TensorEntry, read_header
+from ._geometry import Box
 from ._reader import LoadStats, load_from_index
-from ._safetensors_io import DTYPE_CODES, read_header
+from ._storage import PosixStorage
 
-__all__ = ["HF_INDEX_FILE", "TENSORS_INDEX_FILE", "hf_index", "load_safetensors", "tied_groups"]
+__all__ = ["HF_INDEX_FILE", "TENSORS_INDEX_FILE", "hf_files", "load_safetensors", "tied_groups"]
 
 HF_INDEX_FILE = "model.safetensors.index.json"
 TENSORS_INDEX_FILE = "tensors.safetensors.index.json"  # merge without a config: not a transformers name
@@ -65,13 +66,19 @@ def _files(source: str) -> tuple[str, list[str]]:
     return source, names
 
 
-def hf_index(source: str | os.PathLike, prefix: str = "") -> Index:
-    """An `Index` of the tensors in a safetensors file or Hugging Face folder, each tensor's flat
-    key being ``prefix + name``."""
+def hf_files(source: str | os.PathLike, prefix: str = "") -> CheckpointFiles:
+    """The files of a safetensors file or Hugging Face folder, with an `Index` of their tensors,
+    each tensor's flat key being ``prefix + name`` (files may be symbolic links: a download
+    cache). The caller closes it."""
     root, names = _files(os.path.abspath(os.fspath(source)))
+    storage = PosixStorage()
     tensors: dict[str, TensorEntry] = {}
     for name in names:
-        header = read_header(os.path.join(root, name))
+        h = storage.open_read(os.path.join(root, name), follow=True)
+        try:
+            header = read_header(h)
+        finally:
+            h.close()
         for key, e in header.entries.items():
             if e.dtype not in _FROM_CODE:
                 raise CheckpointError(f"{os.path.join(root, name)}: tensor '{key}' has dtype {e.dtype}, unknown here")
@@ -79,7 +86,7 @@ def hf_index(source: str | os.PathLike, prefix: str = "") -> Index:
                 raise CheckpointError(f"tensor '{key}' appears in {name} and in {tensors[prefix + key].boxes[0].file}")
             box = SavedBox(Box((0,) * len(e.shape), e.shape), name, key, None)
             tensors[prefix + key] = TensorEntry(_FROM_CODE[e.dtype], e.shape, (box,) if 0 not in e.shape else ())
-    return Index(root, tensors)
+    return open_folder(storage, root, Index(tensors))
 
 
 def _storage_key(t: torch.Tensor):
@@ -137,14 +144,19 @@ def load_safetensors(state: dict, source: str | os.PathLike, *, prefix: str = ""
     error when it is the same tensor as a key that is there (``save_pretrained`` keeps one name
     per tied tensor; see [Note: tied weights]). Any other missing key is, as in `load`.
     """
-    index, error = None, None
+    files, error = None, None
     try:
-        index = hf_index(source, prefix)
-        drop = set(_tied_missing(state, index))
+        files = hf_files(source, prefix)
+        drop = set(_tied_missing(state, files.index))
         if drop:
             state = _without(state, drop)
     except Exception as e:
         error = e
-    agree(error, f"loading safetensors from {source}")
-    return load_from_index(state, index, strict=strict, verify=False, max_read_bytes=max_read_bytes,
-                           where=f"safetensors {os.fspath(source)}")
+    try:
+        agree(error, f"loading safetensors from {source}")
+        assert files is not None  # else agree raised
+        return load_from_index(state, files, strict=strict, verify=False, max_read_bytes=max_read_bytes,
+                               where=f"safetensors {os.fspath(source)}")
+    finally:
+        if files is not None:
+            files.close()

@@ -41,9 +41,14 @@ from torch.distributed.tensor import DTensor
 from ._comm import agree, broadcast_json, collective_device, is_distributed, rank_and_world
 from ._commit import check_target, commit, temp_dir_for
 from ._errors import CheckpointError
-from ._format import write_json
+from ._format import StreamingWriter
 from ._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE
-from ._safetensors_io import StreamingWriter
+from ._storage import PosixStorage
+
+
+def write_json(path: str, text: str) -> None:
+    """Write ``text`` to the local file ``path`` atomically (``Storage.write_atomic``)."""
+    PosixStorage().write_atomic(path, text.encode())
 
 __all__ = ["HFConfig", "read_config", "model_prefix", "shard_names", "index_file_name", "group_shards",
            "save_hf_folder"]
@@ -235,7 +240,7 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
             raise CheckpointError("save_hf_folder needs a config (config.json, its folder, a dict or a "
                                   "PretrainedConfig): without one from_pretrained builds a default model")
         if rank == 0:
-            check_target(os.path.abspath(os.fspath(out)))
+            check_target(PosixStorage(), os.path.abspath(os.fspath(out)))
         hf = read_config(config)
         shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
         keys = hf.select(shapes, lambda a, b: _same(state[a], state[b]))
@@ -250,7 +255,7 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
     tmp = token = None
     if rank == 0:
         token = secrets.token_hex(4)
-        tmp = temp_dir_for(os.path.abspath(os.fspath(out)), token)
+        tmp = temp_dir_for(PosixStorage(), os.path.abspath(os.fspath(out)), token)
         os.makedirs(tmp)
     weight_map: dict[str, str] = {}
     for name, group in zip(names, shards):
@@ -272,7 +277,7 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
         write_index(tmp, index_file_name(len(names), True), weight_map,
                     sum(state[k].numel() * state[k].element_size() for k in weight_map))
         hf.write(tmp)
-        commit(tmp, os.path.abspath(os.fspath(out)), token)
+        commit(PosixStorage(), tmp, os.path.abspath(os.fspath(out)), token)
     if is_distributed():
         dist.barrier()
     return names

@@ -10,15 +10,14 @@ problems as one error to agree on.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 
-from ._boxes import Box
 from ._comm import all_gather_json, rank_and_world
 from ._errors import CheckpointError
-from ._file_io import crcs_of_ranges, data_file_size, open_for_ranges
-from ._format import Index, SavedBox
-from ._safetensors_io import DTYPE_CODES, Header, read_header
+from ._files import CheckpointFiles
+from ._format import SavedBox
+from ._format._file_io import crcs_of_ranges
+from ._geometry import Box
 from ._verify_shares import Unit, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of, share_of
 
 __all__ = ["check_files"]
@@ -26,59 +25,46 @@ __all__ = ["check_files"]
 _MAX_PROBLEMS = 20
 
 
-def _check_headers(index: Index, uses: list[tuple[str, SavedBox]], headers: dict[str, Header | None],
+def _check_headers(files: CheckpointFiles, uses: list[tuple[str, SavedBox]],
                    problems: list[str]) -> set[tuple[str, str]]:
-    """Check the data files of ``uses`` (``(tensor key, saved box)``): present, of the recorded
-    size, holding each box's key with the tensor's dtype and the box's shape. Fills ``headers``
-    (file name -> header, None for a file with a problem); returns the boxes (``(file, key)``)
-    found as expected."""
+    """Check the data files of ``uses`` (``(tensor key, saved box)``) with the shared file checker
+    (``CheckpointFiles.header``: present, regular, of the recorded size, a valid header) and that
+    each holds its box's key with the tensor's dtype and the box's shape. Returns the boxes
+    (``(file, key)``) found as expected."""
     checked: set[tuple[str, str]] = set()
     good: set[tuple[str, str]] = set()
+    bad_files: set[str] = set()
     for key, box in uses:
         name = box.file
-        path = os.path.join(index.root, name)
-        if name not in headers:
-            headers[name] = None
-            try:
-                expected = index.files.get(name)
-                try:
-                    size = data_file_size(path, index.follow_links)
-                except CheckpointError as e:
-                    raise CheckpointError(f"{e} (it holds tensor '{key}')") from None
-                if expected is not None and size != expected:
-                    raise CheckpointError(f"data file {path} has {size} bytes but the index records {expected} "
-                                          f"(truncated or replaced; it holds tensor '{key}')")
-                headers[name] = read_header(path, index.follow_links)
-            except CheckpointError as e:
-                problems.append(str(e))
-        header = headers[name]
-        if header is None or (name, box.key) in checked:
+        if name in bad_files or (name, box.key) in checked:
+            continue
+        try:
+            files.header(name)
+        except CheckpointError as e:
+            problems.append(f"{e} (it holds tensor '{key}')")
+            bad_files.add(name)
             continue
         checked.add((name, box.key))
-        e = header.entries.get(box.key)
-        want = DTYPE_CODES[index.tensors[key].dtype]
-        if e is None or e.dtype != want or e.shape != box.box.sizes:
-            problems.append(f"data file {path} does not hold key '{box.key}' as {want} {list(box.box.sizes)} "
-                            f"(tensor '{key}'); the file does not belong to this index")
+        problem = files.box_problem(key, box)
+        if problem:
+            problems.append(problem)
         else:
             good.add((name, box.key))
     return good
 
 
-def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | None], good: set[tuple[str, str]],
-                 problems: list[str]) -> int:
+def _check_share(files: CheckpointFiles, share: list[Unit], good: set[tuple[str, str]], problems: list[str]) -> int:
     """Check the CRC-32 of every unit of ``share`` whose box passed `_check_headers` (is in
-    ``good``); returns the bytes checksummed. Each data file is opened once; consecutive
-    chunks of one box, and runs of chunks that follow one another in the file, are read as one
-    range (4 MiB at a time)."""
+    ``good``); returns the bytes checksummed. Each data file is opened once (and stays open for
+    the reads); consecutive chunks of one box, and runs of chunks that follow one another in the
+    file, are read as one range (4 MiB at a time)."""
     by_file: dict[str, list[list[Unit]]] = defaultdict(list)
     for run in contiguous_runs(u for u in share if (u.saved.file, u.saved.key) in good):
         by_file[run[0].saved.file].append(run)
     verified = 0
     for name, runs in sorted(by_file.items()):
-        header = headers[name]
-        path = os.path.join(index.root, name)
-        fd = open_for_ranges(path, index.follow_links)
+        header = files.header(name)
+        h = files.handle(name)
         try:
             spans = []
             for run in runs:
@@ -87,31 +73,29 @@ def _check_share(index: Index, share: list[Unit], headers: dict[str, Header | No
                 # a run starts at a chunk boundary, so its first chunk is full-sized (only a
                 # box's last chunk can be shorter): first.nbytes is the run's chunk size
                 spans.append((start + first.lo * first.row_bytes, start + last.hi * first.row_bytes, first.nbytes))
-            for run, crc in zip(runs, crcs_of_ranges(fd, spans, path)):
+            for run, crc in zip(runs, crcs_of_ranges(h, spans, h.name)):
                 verified += crc.total
                 for u, got in zip(run, crc.chunks()):
                     if got != u.crc32:
-                        problems.append(f"checksum mismatch in data file {path}, key '{u.saved.key}' (tensor "
+                        problems.append(f"checksum mismatch in data file {h.name}, key '{u.saved.key}' (tensor "
                                         f"'{u.tensor}', {u.where()}): the file is corrupted; restore it or load "
                                         "another checkpoint")
         except CheckpointError as e:
             problems.append(str(e))
-        finally:
-            os.close(fd)
     return verified
 
 
-def check_files(index: Index, keys: list[str], reads: list[tuple[str, SavedBox, Box, int]], verify: bool,
-                headers: dict[str, Header | None], problems: list[str],
-                error: BaseException | str | None) -> tuple[int, BaseException | str | None]:
+def check_files(files: CheckpointFiles, keys: list[str], reads: list[tuple[str, SavedBox, Box, int]], verify: bool,
+                problems: list[str], error: BaseException | str | None) -> tuple[int, BaseException | str | None]:
     """The file checks of step 1 of [Note: the steps of a load]: sizes and headers of the files
     read, and with ``verify`` the checksums of this rank's share (collective: one all-gather,
     taken part in even by a rank whose planning failed, so no rank hangs).
 
     ``keys``: the tensors this rank loads; ``reads``: ``(tensor key, saved box, region of the
     saved box, itemsize)`` for each planned read; ``problems``: the planning's, appended to;
-    ``error``: the planning's error, if any. Fills ``headers``; returns the bytes checksummed
+    ``error``: the planning's error, if any. Opens (and keeps open) every data file read; returns the bytes checksummed
     and the error to agree on (``error``, or one listing the problems)."""
+    index = files.index
     verified = 0
     share: list[Unit] = []
     if verify:  # every rank takes part, even one whose planning failed (no hang)
@@ -133,8 +117,8 @@ def check_files(index: Index, keys: list[str], reads: list[tuple[str, SavedBox, 
                              [g["needs"] for g in gathered], *rank_and_world())
         if error is None:
             uses = [(key, saved) for key, saved, _, _ in reads] + [(u.tensor, u.saved) for u in share]
-            good = _check_headers(index, uses, headers, problems)
-            verified = _check_share(index, share, headers, good, problems)
+            good = _check_headers(files, uses, problems)
+            verified = _check_share(files, share, good, problems)
     except Exception as e:
         error = e
     if problems and error is None:

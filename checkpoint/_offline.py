@@ -36,23 +36,21 @@ import time
 from collections.abc import Callable
 
 import torch
-from safetensors import safe_open
 from torch.distributed.tensor import Shard
 
-from ._boxes import Box, LocalBox, boxes_for
 from ._checksums import BoxChecksums
 from ._commit import commit, is_checkpoint, own_files, remove_temp, temp_dir_for
 from ._errors import CheckpointError
-from ._file_io import data_file_size
-from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, format_index,
-                      index_to_json, plain_file_name, read_index, write_json)
+from ._files import CheckpointFiles, open_checkpoint
+from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, StreamingWriter, TensorEntry, data_file_name,
+                      format_index, index_to_json, plain_file_name)
+from ._geometry import Box, LocalBox, boxes_for, distinct_boxes, plan_reads
 from ._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE
 from ._hf_folder import (group_shards, index_file_name, model_prefix, read_config, shard_names,
                          write_index)
 from ._json_strict import parse_json_strict
-from ._plan import plan_reads
-from ._safetensors_io import StreamingWriter
-from ._tiling import distinct_boxes
+from ._reader import read_region
+from ._storage import PosixStorage, Storage
 from ._verify import verify_checkpoint
 
 __all__ = ["merge_checkpoint", "reshard_checkpoint"]
@@ -79,30 +77,21 @@ class _Progress:
 
 
 class _Source:
-    """Reads regions of a checkpoint's tensors from its files (opened once each)."""
+    """Reads regions of a checkpoint's tensors from its files (opened once each, by ``files``)."""
 
-    def __init__(self, index: Index) -> None:
-        self.index = index
-        self._open: dict[str, object] = {}
-
-    def _file(self, name: str):
-        if name not in self._open:
-            path = os.path.join(self.index.root, name)
-            data_file_size(path, follow=False)  # a regular file, not a symbolic link (names were checked by read_index)
-            self._open[name] = safe_open(path, framework="pt", device="cpu")
-        return self._open[name]
+    def __init__(self, files: CheckpointFiles) -> None:
+        self.files, self.index = files, files.index
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         entry = self.index.tensors[key]
         saved = [entry.boxes[i] for i in distinct_boxes([b.box for b in entry.boxes])]
         items = plan_reads(LocalBox(box, (0,) * len(box.sizes)), [b.box for b in saved])
         if sum(it.src.numel for it in items) != box.numel:
-            raise CheckpointError(f"checkpoint {self.index.root} lacks part of tensor '{key}' (box at "
+            raise CheckpointError(f"checkpoint {self.files.where} lacks part of tensor '{key}' (box at "
                                   f"{list(box.offsets)} of size {list(box.sizes)}); run verify")
         out = torch.empty(box.sizes, dtype=entry.dtype)
         for it in items:
-            b = saved[it.source]
-            out[it.dst.slices()] = self._file(b.file).get_slice(b.key)[it.src.slices()]
+            read_region(self.files, saved[it.source], it.src, out[it.dst.slices()])
         return out
 
 
@@ -134,7 +123,7 @@ def _write(path: str, source: _Source, parts: list[tuple[str, str, Box]], chunk_
     return writer.close()
 
 
-def _verified_index(path: str | os.PathLike) -> Index:
+def _verified(path: str | os.PathLike) -> CheckpointFiles:
     """The index of the checkpoint at ``path`` after `verify_checkpoint` found it sound and fully
     checked (every box's checksum read and matched, every tensor tiled exactly): damage is
     never passed on into a new file with fresh checksums. An index without its own checksum
@@ -147,10 +136,11 @@ def _verified_index(path: str | os.PathLike) -> Index:
     boxes = [u for u in report.unchecked if "crc32 null" in u]
     if boxes:
         raise CheckpointError(f"{boxes[0]}; refusing to copy data that cannot be checked, nothing was written")
-    return read_index(path)
+    return open_checkpoint(path)
 
 
-def _refuse_target(source: str, out: str, replace: bool, replaceable: Callable[[str], bool], what: str) -> None:
+def _refuse_target(source: str, out: str, replace: bool, replaceable: Callable[[Storage, str], bool],
+                   what: str) -> None:
     src, dst = os.path.realpath(source), os.path.realpath(out)
     if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
         raise CheckpointError(f"{out} is the source checkpoint {source}, inside it or contains it; write to another "
@@ -160,43 +150,43 @@ def _refuse_target(source: str, out: str, replace: bool, replaceable: Callable[[
     if not replace:
         raise CheckpointError(f"{out} already exists; refusing to write over it. Choose a new path, or pass "
                               "replace=True (--replace) to replace an existing " + what)
-    if os.path.islink(out) or not replaceable(out):
+    if os.path.islink(out) or not replaceable(PosixStorage(), out):
         raise CheckpointError(f"{out} exists and is not {what}; refusing to replace it even with --replace")
 
 
 def _into_place(source: str, out: str, fill: Callable[[str], None], replace: bool,
-                replaceable: Callable[[str], bool] = is_checkpoint, own: Callable[[str], set[str]] = own_files,
-                what: str = "shardwise checkpoint") -> None:
+                replaceable: Callable[[Storage, str], bool] = is_checkpoint,
+                own: Callable[[Storage, str], set[str]] = own_files, what: str = "shardwise checkpoint") -> None:
     out = os.path.abspath(os.fspath(out))
     _refuse_target(source, out, replace, replaceable, what)
     token = secrets.token_hex(4)
-    tmp = temp_dir_for(out, token)
+    storage = PosixStorage()
+    tmp = temp_dir_for(storage, out, token)
     os.makedirs(tmp)
     try:
         fill(tmp)
-        commit(tmp, out, token, replaceable=replaceable, own=own)
+        commit(storage, tmp, out, token, replaceable=replaceable, own=own)
     except BaseException:
-        remove_temp(tmp)  # a failed merge or reshard leaves nothing behind
+        remove_temp(storage, tmp)  # a failed merge or reshard leaves nothing behind
         raise
 
 
 _MERGE_MARKS = (HF_INDEX_FILE, TENSORS_INDEX_FILE, "model.safetensors")  # one of them is in every merge output
 
 
-def _is_hf_export(path: str) -> bool:
-    return any(os.path.isfile(os.path.join(path, m)) and not os.path.islink(os.path.join(path, m))
-               for m in _MERGE_MARKS)
+def _is_hf_export(storage: Storage, path: str) -> bool:
+    return any(storage.kind(storage.join(path, m)) == "file" for m in _MERGE_MARKS)
 
 
-def _hf_own_files(path: str) -> set[str]:
+def _hf_own_files(storage: Storage, path: str) -> set[str]:
     """What a merge wrote into ``path``: its index file and the files of its weight map."""
     names = set(_MERGE_MARKS) | {HF_INDEX_FILE + ".tmp", TENSORS_INDEX_FILE + ".tmp"}
     for index_file in (HF_INDEX_FILE, TENSORS_INDEX_FILE):
         try:
-            with open(os.path.join(path, index_file), "rb") as f:
-                weight_map = parse_json_strict(f.read(64 << 20)).get("weight_map", {})
+            data = storage.read_small(storage.join(path, index_file), 64 << 20)
+            weight_map = parse_json_strict(data.decode("utf-8")).get("weight_map", {})
             names |= {n for n in weight_map.values() if plain_file_name(n)}
-        except (OSError, ValueError, AttributeError, RecursionError):
+        except (OSError, ValueError, AttributeError, RecursionError, CheckpointError):
             pass
     return names
 
@@ -213,14 +203,20 @@ def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix:
     `CheckpointError` and nothing is written. ``out`` must not exist (or be an empty folder)
     unless ``replace=True``, which replaces an earlier merge output (files a user added to it
     are kept); the source itself is never a valid ``out``."""
-    index = _verified_index(path)
+    with _verified(path) as files:
+        return _merge(files, out, prefix, config, max_shard_bytes, chunk_bytes, progress, replace)
+
+
+def _merge(files: CheckpointFiles, out: str | os.PathLike, prefix: str | None, config: object, max_shard_bytes: int,
+           chunk_bytes: int, progress: bool, replace: bool) -> list[str]:
+    index = files.index
     prefix = model_prefix(index.tensors, prefix)
     keys = [k for k in index.tensors if k.startswith(prefix)]
     if not keys:
-        raise CheckpointError(f"checkpoint {index.root} has no tensor whose key starts with {prefix!r}")
+        raise CheckpointError(f"checkpoint {files.where} has no tensor whose key starts with {prefix!r}")
     hf = read_config(config) if config is not None else None
     if hf is not None:
-        source = _Source(index)
+        source = _Source(files)
         full = {k: Box((0,) * len(index.tensors[k].shape), index.tensors[k].shape) for k in keys}
         names = hf.select({k[len(prefix):]: index.tensors[k].shape for k in keys},
                           lambda a, b: torch.equal(source.read(prefix + a, full[prefix + a]),
@@ -231,7 +227,7 @@ def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix:
     bar = _Progress("merge", sum(index.tensors[k].nbytes for k in keys), progress)
 
     def fill(tmp: str) -> None:
-        source = _Source(index)
+        source = _Source(files)
         weight_map = {}
         for name, group in zip(names, shards):
             parts = [(k[len(prefix):], k, Box((0,) * len(index.tensors[k].shape), index.tensors[k].shape))
@@ -243,7 +239,7 @@ def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix:
         if hf is not None:
             hf.write(tmp)
 
-    _into_place(index.root, out, fill, replace, _is_hf_export, _hf_own_files, "a merge output (a folder with "
+    _into_place(files.where, os.fspath(out), fill, replace, _is_hf_export, _hf_own_files, "a merge output (a folder with "
                 f"{HF_INDEX_FILE}, {TENSORS_INDEX_FILE} or model.safetensors)")
     return names
 
@@ -256,7 +252,13 @@ def reshard_checkpoint(path: str | os.PathLike, out: str | os.PathLike, world_si
     (``replace=True`` replaces an existing shardwise checkpoint)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    index = _verified_index(path)
+    with _verified(path) as files:
+        _reshard(files, out, world_size, chunk_bytes, progress, replace)
+
+
+def _reshard(files: CheckpointFiles, out: str | os.PathLike, world_size: int, chunk_bytes: int, progress: bool,
+             replace: bool) -> None:
+    index = files.index
     per_rank: list[list[tuple[str, str, Box]]] = [[] for _ in range(world_size)]
     layouts = {}
     for key, t in index.tensors.items():
@@ -270,22 +272,22 @@ def reshard_checkpoint(path: str | os.PathLike, out: str | os.PathLike, world_si
     bar = _Progress("reshard", sum(t.nbytes for t in index.tensors.values()), progress)
 
     def fill(tmp: str) -> None:
-        source = _Source(index)
+        source = _Source(files)
         boxes: dict[str, list[SavedBox]] = {k: [] for k in index.tensors}
-        files = {}
+        sizes: dict[str, int | None] = {}
         for r, parts in enumerate(per_rank):
             if not parts:
                 continue
             name = data_file_name(r)
             sums = _write(os.path.join(tmp, name), source, parts, chunk_bytes, bar,
                           {"format": FORMAT_NAME, "rank": str(r)})
-            files[name] = os.path.getsize(os.path.join(tmp, name))
+            sizes[name] = os.path.getsize(os.path.join(tmp, name))
             for fk, key, box in parts:
                 s = sums[fk]
                 boxes[key].append(SavedBox(box, name, fk, s.crc32, s.chunk_rows, s.chunk_crc32))
         tensors = {k: TensorEntry(t.dtype, t.shape, tuple(boxes[k]), layouts[k]) for k, t in index.tensors.items()}
-        new = Index(os.path.abspath(os.fspath(out)), tensors, index.values, files, world_size, time.time_ns(),
+        new = Index(tensors, index.values, sizes, world_size, time.time_ns(),
                     save_id=os.path.basename(tmp).rsplit("-", 1)[-1])
-        write_json(os.path.join(tmp, INDEX_FILE), format_index(index_to_json(new)))
+        PosixStorage().write_atomic(os.path.join(tmp, INDEX_FILE), format_index(index_to_json(new)).encode())
 
-    _into_place(index.root, out, fill, replace)
+    _into_place(files.where, os.fspath(out), fill, replace)

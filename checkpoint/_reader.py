@@ -15,9 +15,10 @@
    of the saved box, in pieces of at most ``max_read_bytes`` (``_plan.split``), each copied
    into the destination and dropped. A piece that is one contiguous byte range of the file
    (any run of dim-0 rows, which is what resharding dim-0 shards needs) is read with
-   ``pread``, straight into the destination when possible; other pieces (column slices)
-   through ``safe_open(file).get_slice(key)[region]``. Memory beyond the target tensors is
-   one piece; the bytes requested are the bytes this rank needs.
+   ``pread``, straight into the destination when possible; other pieces (column slices) by
+   reading the dim-0 rows they span, at most ``max_read_bytes`` of them at a time (or one
+   row), and copying the slice out. Every read goes through the storage, on the data files
+   opened once in step 1 (``_files.CheckpointFiles``).
 3. Plain values from the index replace the target's plain values; the call ends with one more
    agreement (an I/O error in step 2 is raised on every rank).
 
@@ -32,11 +33,32 @@ then mostly what it loads (step 2 finds those pages in the page cache); the extr
 parts of chunks that straddle its shard's boundaries, less than one chunk per boundary and
 saved box. ``LoadStats.bytes_verified`` counts the bytes it checksummed. ``verify=False``
 skips it; sizes and headers are always checked.
+
+[Note: readers and a writer]
+What a load sees while another job saves to the same path (docs/checkpoint.md, "Readers and a
+writer"): one whole version, or a `CheckpointError` saying the checkpoint is being replaced and
+to retry; never a mix of two versions, never a false corruption report, and a reader never
+changes the folder (a writer's in-progress state is the writer's to finish). How:
+
+* every rank pins the directory (``Storage.open_dir``) and reads index and data files through
+  that pin; on POSIX that is a directory descriptor, so a rename of a new version into place
+  does not change what is read, and every data file is opened in step 1 and kept open, so a
+  writer deleting the old version after the swap cannot take its bytes away;
+* the ranks agree that they read the same index (its ``save_id`` and creation time), else
+  "being replaced, retry";
+* a problem found while the path no longer names the pinned version (a data file gone because
+  the writer deleted the old copy before this rank opened it) is reported as "being replaced,
+  retry", not as damage;
+* where the storage cannot pin (an object store: ``DirView.is_current`` re-reads the index) a
+  load that finds the index changed after reading raises "being replaced, retry" (the target
+  may then hold part of the new data: load again);
+* a path that is missing while an intact ``.<name>.replaced-<hex>`` checkpoint exists (a replace
+  between its two renames, or one that crashed there) is read from that copy, without renaming
+  anything (so this works on a read-only mount too); the next save of the series restores it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import logging
 import os
@@ -44,23 +66,21 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch.distributed.tensor import DTensor
 
-from ._boxes import LocalBox, local_boxes
-from ._comm import agree, rank_and_world
-from ._commit import recover_replaced
+from ._comm import agree, all_gather_json, rank_and_world
+from ._commit import intact_replaced
 from ._errors import CheckpointError
-from ._file_io import adjacent_groups, byte_view, contiguous_run, open_for_ranges, pread_into, preadv_into
+from ._files import CheckpointFiles, open_checkpoint
 from ._flatten import Leaf, flatten, set_values
-from ._format import Index, SavedBox, TensorEntry, read_index
+from ._format import Header, Index, SavedBox, TensorEntry
+from ._format._file_io import adjacent_groups, byte_view, contiguous_run, pread_into, preadv_into
+from ._geometry import Box, LocalBox, ReadItem, covered_numel, distinct_boxes, local_boxes, plan_reads, split, tiling_problem
 from ._load_checks import check_files
-from ._plan import ReadItem, covered_numel, plan_reads, split
-from ._safetensors_io import Header
-from ._tiling import distinct_boxes, tiling_problem
+from ._storage import ReadHandle, Storage, storage_for
 from ._trace import phase
 
-__all__ = ["load", "LoadStats", "load_from_index"]
+__all__ = ["load", "LoadStats", "load_from_index", "read_region"]
 
 _log = logging.getLogger("shardwise.checkpoint")
 
@@ -150,56 +170,91 @@ def _plan_load(index: Index, leaves: list[Leaf], strict: bool, where: str):
     return reads, problems
 
 
-def _read(index: Index, reads: list[_Read], headers: dict[str, Header | None],
-          max_read_bytes: int) -> tuple[int, int]:
+def _read_rows(h: ReadHandle, at: int, saved: tuple[int, ...], src_offsets: tuple[int, ...],
+               src_sizes: tuple[int, ...], dst: torch.Tensor, max_read_bytes: int) -> None:
+    """Fill ``dst`` with the region ``src_offsets``/``src_sizes`` of a row-major saved box of shape
+    ``saved`` whose bytes start at ``at``, by reading the dim-0 rows the region spans (at most
+    ``max_read_bytes`` of them at a time, or one row) and copying the region out of them."""
+    itemsize = dst.element_size()
+    row_elems = 1
+    for n in saved[1:]:
+        row_elems *= n
+    row_bytes = row_elems * itemsize
+    step = max(1, max_read_bytes // max(row_bytes, 1))
+    inner = tuple(slice(o, o + n) for o, n in zip(src_offsets[1:], src_sizes[1:]))
+    for lo in range(0, src_sizes[0], step):
+        rows = min(step, src_sizes[0] - lo)
+        buf = torch.empty((rows, *saved[1:]), dtype=dst.dtype)
+        pread_into(h, buf, at + (src_offsets[0] + lo) * row_bytes, h.name)
+        dst[lo : lo + rows].copy_(buf[(slice(None), *inner)])
+
+
+def read_region(files: CheckpointFiles, saved: SavedBox, src: Box, out: torch.Tensor,
+                max_read_bytes: int = 64 << 20) -> None:
+    """Fill ``out`` (a CPU tensor of ``src``'s shape) with the region ``src`` of saved box ``saved``
+    (``merge``/``reshard`` read their slabs so)."""
+    header = files.header(saved.file)
+    h = files.handle(saved.file)
+    start = header.data_start + header.entries[saved.key].begin
+    run = contiguous_run(src.offsets, src.sizes, saved.box.sizes)
+    if run is None:
+        _read_rows(h, start, saved.box.sizes, src.offsets, src.sizes, out, max_read_bytes)
+    elif out.is_contiguous():
+        pread_into(h, out, start + run[0] * out.element_size(), h.name)
+    else:
+        buf = torch.empty(out.shape, dtype=out.dtype)
+        pread_into(h, buf, start + run[0] * out.element_size(), h.name)
+        out.copy_(buf)
+
+
+def _read(files: CheckpointFiles, reads: list[_Read], max_read_bytes: int) -> tuple[int, int]:
     """Step 2 of [Note: the steps of a load]; returns (bytes read, files opened).
 
     A piece that is one contiguous byte range of its saved box (any dim-0 slab of a saved box,
-    as resharding FSDP/HSDP shards gives) is read with ``pread`` straight into the destination
-    when that is contiguous on the CPU (else into a buffer of the piece's size). Direct pieces
-    whose byte ranges follow one another in the file (e.g. consecutive saved boxes that all
-    land in this rank's shards) are read by one ``preadv`` into all their destinations: fewer,
-    larger reads. Other pieces (e.g. column slices) go through
-    ``safe_open(...).get_slice(key)[region]``.
+    as resharding FSDP/HSDP shards gives) is read straight into the destination when that is
+    contiguous on the CPU (else into a buffer of the piece's size). Direct pieces whose byte
+    ranges follow one another in the file (e.g. consecutive saved boxes that all land in this
+    rank's shards) are read by one request (``preadv``) into all their destinations: fewer,
+    larger reads. Other pieces (e.g. column slices) read the rows they span (`_read_rows`).
     """
     by_file: dict[str, list[_Read]] = defaultdict(list)
     for r in reads:
         by_file[r.saved.file].append(r)
     nbytes = 0
-    with torch.no_grad(), contextlib.ExitStack() as stack:
+    with torch.no_grad():
         for name, items in by_file.items():
-            path = os.path.join(index.root, name)
-            header = headers[name]
-            fd = open_for_ranges(path, index.follow_links)
-            sliced = None  # safe_open maps the file; opened only for pieces that need it
+            header = files.header(name)
+            h = files.handle(name)
             direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
-            try:
-                for r in items:
-                    entry = header.entries[r.saved.key]
-                    itemsize = r.local.element_size()
-                    for piece in split(r.item, max(1, max_read_bytes // itemsize)):
-                        dst = r.local[piece.dst.slices()]
-                        nbytes += dst.numel() * itemsize
-                        run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
-                        if run is None:
-                            if sliced is None:
-                                sliced = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-                            dst.copy_(sliced.get_slice(r.saved.key)[piece.src.slices()])
-                            continue
-                        at = header.data_start + entry.begin + run[0] * itemsize
-                        if dst.device.type == "cpu" and dst.is_contiguous():
-                            direct.append((at, dst.numel() * itemsize, dst))
-                        else:
-                            buf = torch.empty(dst.shape, dtype=dst.dtype)
-                            pread_into(fd, buf, at, path)
-                            dst.copy_(buf)
-                for group in adjacent_groups([(at, at + n) for at, n, _ in direct]):
-                    preadv_into(fd, [byte_view(direct[i][2]) for i in group], direct[group[0]][0], path)
-                    for i in group:
-                        torch.autograd.graph.increment_version(direct[i][2])  # as an in-place copy would
-            finally:
-                os.close(fd)
+            for r in items:
+                entry = header.entries[r.saved.key]
+                itemsize = r.local.element_size()
+                for piece in split(r.item, max(1, max_read_bytes // itemsize)):
+                    dst = r.local[piece.dst.slices()]
+                    nbytes += dst.numel() * itemsize
+                    run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
+                    start = header.data_start + entry.begin
+                    if run is None:
+                        _read_rows(h, start, r.saved.box.sizes, piece.src.offsets, piece.src.sizes, dst,
+                                   max_read_bytes)
+                        continue
+                    at = start + run[0] * itemsize
+                    if dst.device.type == "cpu" and dst.is_contiguous():
+                        direct.append((at, dst.numel() * itemsize, dst))
+                    else:
+                        buf = torch.empty(dst.shape, dtype=dst.dtype)
+                        pread_into(h, buf, at, h.name)
+                        dst.copy_(buf)
+            for group in adjacent_groups([(at, at + n) for at, n, _ in direct]):
+                preadv_into(h, [byte_view(direct[i][2]) for i in group], direct[group[0]][0], h.name)
+                for i in group:
+                    torch.autograd.graph.increment_version(direct[i][2])  # as an in-place copy would
     return nbytes, len(by_file)
+
+
+def _retry(files: CheckpointFiles) -> str:
+    return (f"checkpoint {files.where} is being replaced by a save (its path now names another version than the one "
+            "this load started reading); nothing is damaged: retry the load")
 
 
 def _similar(key: str, names) -> str:
@@ -207,14 +262,15 @@ def _similar(key: str, names) -> str:
     return f" (similar names there: {close})" if close else ""
 
 
-def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: bool = True,
+def load_from_index(state: dict, files: CheckpointFiles, *, strict: bool = True, verify: bool = True,
                     max_read_bytes: int = 64 << 20, where: str | None = None) -> LoadStats:
-    """`load` from an already built `Index` (a checkpoint's, or one describing other files)."""
-    where = where or f"checkpoint {index.root}"
+    """`load` from the already opened ``files`` (a checkpoint's, or a folder described by an
+    index built elsewhere); ``files`` stays open (the caller closes it)."""
+    index = files.index
+    where = where or f"checkpoint {files.where}"
     what = f"loading {where}"
     reads, leaves, problems, verified = [], [], [], 0
-    headers: dict[str, Header | None] = {}
-    error: BaseException | None = None
+    error: BaseException | str | None = None
     with phase("load/plan"):
         try:
             leaves = flatten(state)
@@ -225,62 +281,103 @@ def load_from_index(state: dict, index: Index, *, strict: bool = True, verify: b
     with phase("load/verify"):  # sizes and headers always; checksums of this rank's share with verify
         keys = [leaf.key for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors]
         planned = [(r.key, r.saved, r.item.src, r.local.element_size()) for r in reads]
-        verified, error = check_files(index, keys, planned, verify, headers, problems, error)
+        verified, error = check_files(files, keys, planned, verify, problems, error)
+        if error is not None and files.replaced():
+            error = _retry(files)  # a writer swapped versions under us: not damage (see [Note: readers and a writer])
         agree(error, what)
     with phase("load/read"):  # straight into the targets where it can (see _read)
-        read_bytes, files = 0, 0
+        read_bytes, nfiles = 0, 0
         try:
-            read_bytes, files = _read(index, reads, headers, max_read_bytes)
+            read_bytes, nfiles = _read(files, reads, max_read_bytes)
             set_values(leaves, index.values)
         except Exception as e:
-            error = e
+            error = _retry(files) if files.replaced() else e
+        if error is None and not files.view.pinned and files.replaced():
+            error = _retry(files)  # an object store: the bytes read may be of the next version
         agree(error, what)
     needed = sum(r.item.dst.numel * r.local.element_size() for r in reads)
     ntensors = sum(1 for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors)
-    return LoadStats(ntensors, needed, read_bytes, verified, files)
+    return LoadStats(ntensors, needed, read_bytes, verified, nfiles)
+
+
+def _source(storage: Storage, path: str) -> tuple[str, str | None]:
+    """The directory a load of ``path`` reads: ``path`` itself, or, when it is missing, the intact
+    old copy a replace left (read in place, nothing renamed; see [Note: readers and a writer])."""
+    if storage.kind(path) != "missing":
+        return path, None
+    old = intact_replaced(storage, path)
+    if old is None:
+        return path, None
+    return old, (f"{storage.url(path)} is missing; reading {storage.url(old)}, the intact copy a replace of it left "
+                 "(under way, or interrupted: the next save of the series restores it)")
+
+
+def _open_source(storage: Storage, path: str, attempts: int = 5) -> CheckpointFiles:
+    """`open_checkpoint` of what `_source` names; when that vanished in between (a writer's
+    rename), resolved again, up to ``attempts`` times: a replace under way is not an error."""
+    for attempt in range(attempts):
+        source, said = _source(storage, path)
+        try:
+            files = open_checkpoint(source, storage)
+        except CheckpointError:
+            moved = storage.kind(source) != "dir" or _source(storage, path)[0] != source
+            if moved and attempt + 1 < attempts:
+                continue
+            raise
+        if said:
+            _log.warning("%s", said)
+        return files
+    raise AssertionError("unreachable")
 
 
 def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
-         max_read_bytes: int = 64 << 20) -> LoadStats:
+         max_read_bytes: int = 64 << 20, storage: Storage | None = None) -> LoadStats:
     """Fill the tensors of ``state`` in place from the checkpoint at ``path``; collective.
 
-    ``state`` has the structure that was saved (e.g. ``{"model": get_model_state_dict(model),
-    ...}``); its tensors may have any layout (plain, or DTensors with any supported placements
-    on any mesh), independent of the layout they were saved from. Plain values in ``state``
-    are replaced by the saved ones. ``strict=False`` skips keys of ``state`` that the checkpoint
-    lacks; keys of the checkpoint that ``state`` lacks are always ignored. ``verify`` checks the
-    CRC-32 of every checksum chunk (or whole saved box) of the loaded tensors, spread over the
-    ranks, before anything is written (see [Note: the steps of a load]). Reads that need a
-    buffer (a destination that is not contiguous on the CPU) take at most ``max_read_bytes`` at
-    a time; reads straight into the target may cover several pieces at once.
+    ``path`` is a local path or an fsspec URL (``memory://...``, ``s3://...``); ``storage``
+    chooses the storage explicitly (``_storage``). ``state`` has the structure that was saved
+    (e.g. ``{"model": get_model_state_dict(model), ...}``); its tensors may have any layout
+    (plain, or DTensors with any supported placements on any mesh), independent of the layout
+    they were saved from. Plain values in ``state`` are replaced by the saved ones.
+    ``strict=False`` skips keys of ``state`` that the checkpoint lacks; keys of the checkpoint
+    that ``state`` lacks are always ignored. ``verify`` checks the CRC-32 of every checksum
+    chunk (or whole saved box) of the loaded tensors, spread over the ranks, before anything is
+    written (see [Note: the steps of a load]). Reads that need a buffer (a destination that is
+    not contiguous on the CPU, a column slice) take at most ``max_read_bytes`` at a time; reads
+    straight into the target may cover several pieces at once.
 
     Raises `CheckpointError` on every rank, before modifying any tensor, if the directory is
     not a complete checkpoint or a tensor is missing, of another dtype or shape, or its data
-    file is missing, truncated or corrupted. Returns this rank's `LoadStats`.
+    file is missing, truncated or corrupted; while another job replaces the checkpoint, one
+    whole version is loaded or the error says to retry ([Note: readers and a writer]).
+    Returns this rank's `LoadStats`.
     """
-    path = os.path.abspath(os.fspath(path))
-    index, error = None, None
-    if rank_and_world()[0] == 0 and not os.path.lexists(path):
-        try:  # a replace of `path` that stopped between its two renames: restore the old copy
-            restored = recover_replaced(path)
-            if restored:
-                _log.warning("%s", restored)
-        except OSError as e:
-            error = e
-    agree(error, f"loading checkpoint {path}")  # also: no rank reads before rank 0 has restored
+    storage, norm = storage_for(path, storage)
+    where = f"loading checkpoint {storage.url(norm)}"
+    files, error = None, None
     try:
         with phase("load/index"):
-            index = read_index(path)
+            files = _open_source(storage, norm)
+        index = files.index
         if verify:
             unchecked = [k for k, t in index.tensors.items()
                          if any(b.crc32 is None and b.chunk_crc32 is None for b in t.boxes)]
             if unchecked:
-                raise CheckpointError(f"checkpoint {path}: tensor '{unchecked[0]}' (and {len(unchecked) - 1} more) has "
-                                      "a box without a checksum (crc32 null), which shardwise never writes: the index "
-                                      "is damaged or was edited. Restore it, or load with verify=False to load "
-                                      "unchecked data")
+                raise CheckpointError(f"checkpoint {files.where}: tensor '{unchecked[0]}' (and {len(unchecked) - 1} "
+                                      "more) has a box without a checksum (crc32 null), which shardwise never writes: "
+                                      "the index is damaged or was edited. Restore it, or load with verify=False to "
+                                      "load unchecked data")
     except CheckpointError as e:
         error = e
-    agree(error, f"loading checkpoint {path}")
-    return load_from_index(state, index, strict=strict, verify=verify, max_read_bytes=max_read_bytes)
-
+    except OSError as e:
+        error = CheckpointError(f"{storage.url(norm)}: {e.strerror or type(e).__name__}")
+    try:
+        agree(error, where)
+        assert files is not None  # else agree raised
+        ids = all_gather_json(f"{files.index.save_id}:{files.index.created_unix_ns}" if files else None)
+        if len(set(ids)) > 1:  # ranks read different versions: a save replaced it in between
+            raise CheckpointError(f"{where}: {_retry(files)}" if files else where)
+        return load_from_index(state, files, strict=strict, verify=verify, max_read_bytes=max_read_bytes)
+    finally:
+        if files is not None:
+            files.close()

@@ -48,7 +48,7 @@ import torch.nn as nn
 
 from ._comm import all_gather_json, collective_device, is_distributed, rank_and_world
 from ._errors import CheckpointError
-from ._format import read_index
+from ._files import open_checkpoint
 from ._reader import load
 from ._state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                           set_optimizer_state_dict)
@@ -160,7 +160,8 @@ def load_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.
     """Restore what `save_training_state` saved into ``model``, ``optim`` and ``scheduler``,
     at this or another world size and layout; collective. ``rng=False`` leaves the random
     states alone. Returns the step, extra and how the RNG states were restored."""
-    index = read_index(os.fspath(path))
+    with open_checkpoint(path) as files:
+        index = files.index
     rng_keys = sorted(k[4:] for k in index.tensors if k.startswith("rng/"))
     if "torch" not in rng_keys or "step" not in index.values:
         raise CheckpointError(f"{path} is a checkpoint but not a training state (no rng/torch or step); load it "

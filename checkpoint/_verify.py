@@ -27,22 +27,58 @@ from dataclasses import dataclass
 
 from ._checksums import box_rows, combine_chunks
 from ._errors import CheckpointError
-from ._file_io import crcs_of_range, data_file_size, open_for_ranges
-from ._format import SavedBox, read_index
-from ._safetensors_io import DTYPE_CODES, Header, read_header
-from ._tiling import saved_tiling_problem
+from ._files import CheckpointFiles, open_checkpoint
+from ._format import SavedBox
+from ._format._file_io import crcs_of_range
+from ._geometry import saved_tiling_problem
+from ._storage import Storage
 
-__all__ = ["VerifyReport", "data_file_size_problem", "verify_checkpoint"]
+__all__ = ["VerifyReport", "file_problems", "verify_checkpoint"]
 
 
-def data_file_size_problem(file: str, expected: int | None) -> str | None:
-    """None when the data file ``file`` (of a shardwise checkpoint: a regular file, not a
-    symbolic link) has ``expected`` bytes (None: any), else the sentence saying it has not;
-    a `CheckpointError` when it is missing or not a regular file."""
-    size = data_file_size(file, follow=False)
-    if expected is not None and size != expected:
-        return f"data file {file} has {size} bytes, the index records {expected} (truncated?)"
-    return None
+def file_problems(files: CheckpointFiles, checksums: bool) -> tuple[list[str], int, int]:
+    """The problems of ``files``'s data files and boxes, with the shared file checker
+    (``CheckpointFiles.header``, ``box_problem``), plus every tensor's tiling; with
+    ``checksums``, every box's CRC-32s too (what ``verify`` does; ``inspect`` reads no data and
+    instead reports a box without a checksum as a problem). Returns ``(problems, boxes, bytes
+    checksummed)``."""
+    index, problems = files.index, []
+    bad: set[str] = set()
+    names = set(index.files) | {b.file for t in index.tensors.values() for b in t.boxes}
+    for name in sorted(names):
+        if name not in index.files:
+            problems.append(f"data file {files.url(name)} is used by boxes but not listed in the index")
+        try:
+            files.header(name)
+        except CheckpointError as e:
+            problems.append(str(e))
+            bad.add(name)
+    nboxes = checked = 0
+    index_file = files.url("index.json")
+    for key, t in index.tensors.items():
+        gap = saved_tiling_problem(t.shape, [b.box for b in t.boxes])
+        if gap:
+            problems.append(f"{index_file}: tensor '{key}': {gap}")
+        for b in t.boxes:
+            nboxes += 1
+            where = f"data file {files.url(b.file)}: tensor '{key}' box at {list(b.box.offsets)} (key '{b.key}')"
+            if b.file not in bad:
+                problem = files.box_problem(key, b)
+                if problem:
+                    problems.append(problem)
+                    continue
+            if not checksums:
+                if b.crc32 is None and b.chunk_crc32 is None:
+                    problems.append(f"{where}: the index records no checksum for it (crc32 null), which shardwise "
+                                    "never writes")
+                continue
+            if b.file in bad:
+                continue
+            if b.crc32 is not None or b.chunk_crc32 is not None:
+                entry = files.header(b.file).entries[b.key]
+                checked += entry.end - entry.begin
+                problems += [f"{where}: {p}" for p in _check_box(files, b, t.dtype.itemsize)]
+    return problems, nboxes, checked
 
 
 @dataclass(frozen=True)
@@ -67,77 +103,43 @@ class VerifyReport:
         return not self.problems and not self.unchecked
 
 
-def verify_checkpoint(path: str | os.PathLike) -> VerifyReport:
-    """Check the checkpoint at ``path`` (see the module docstring)."""
-    path = os.path.abspath(os.fspath(path))
+def verify_checkpoint(path: str | os.PathLike, *, storage: Storage | None = None) -> VerifyReport:
+    """Check the checkpoint at ``path`` (a path or an fsspec URL; see the module docstring)."""
     try:
-        index = read_index(path)
+        files = open_checkpoint(path, storage)
     except CheckpointError as e:
-        return VerifyReport(path, (str(e),))
-    problems: list[str] = []
-    unchecked: list[str] = []
-    if not index.checksummed:
-        unchecked.append(f"{os.path.join(path, 'index.json')}: the index has no checksum of its own (written by an "
-                         "older shardwise), so its plain values and box list could not be checked")
-    headers = {}
-    names = set(index.files) | {b.file for t in index.tensors.values() for b in t.boxes}
-    for name in sorted(names):
-        file = os.path.join(path, name)
-        expected = index.files.get(name)
-        if name not in index.files:
-            problems.append(f"data file {file} is used by boxes but not listed in the index")
-        try:
-            size_problem = data_file_size_problem(file, expected)
-        except CheckpointError as e:
-            problems.append(str(e))
-            continue
-        if size_problem:
-            problems.append(size_problem)
-        try:
-            headers[name] = read_header(file, follow=False)
-        except CheckpointError as e:
-            problems.append(str(e))
-    nboxes = checked = 0
-    for key, t in index.tensors.items():
-        gap = saved_tiling_problem(t.shape, [b.box for b in t.boxes])
-        if gap:
-            problems.append(f"{os.path.join(path, 'index.json')}: tensor '{key}': {gap}")
-        for b in t.boxes:
-            nboxes += 1
-            header = headers.get(b.file)
-            if header is None:
-                continue
-            e = header.entries.get(b.key)
-            where = f"data file {os.path.join(path, b.file)}: tensor '{key}' box at {list(b.box.offsets)} (key '{b.key}')"
-            if e is None:
-                problems.append(f"{where}: the key is not in the file")
-            elif e.dtype != DTYPE_CODES[t.dtype] or e.shape != b.box.sizes:
-                problems.append(f"{where}: the file holds {e.dtype} {list(e.shape)}, the index says "
-                                f"{DTYPE_CODES[t.dtype]} {list(b.box.sizes)}")
-            elif b.crc32 is not None or b.chunk_crc32 is not None:
-                checked += e.end - e.begin
-                problems += [f"{where}: {p}" for p in _check_box(os.path.join(path, b.file), header, b,
-                                                                 t.dtype.itemsize)]
-            elif b.box.numel:
-                unchecked.append(f"{where}: not checked: the index records no checksum for it (crc32 null)")
-    return VerifyReport(path, tuple(problems), len(index.tensors), nboxes, checked, tuple(unchecked))
+        return VerifyReport(str(os.fspath(path)) if "://" in os.fspath(path) else os.path.abspath(os.fspath(path)),
+                            (str(e),))
+    with files:
+        index = files.index
+        unchecked: list[str] = []
+        if not index.checksummed:
+            unchecked.append(f"{files.url('index.json')}: the index has no checksum of its own (written by an older "
+                             "shardwise), so its plain values and box list could not be checked")
+        problems, nboxes, checked = file_problems(files, checksums=True)
+        for key, t in index.tensors.items():
+            for b in t.boxes:
+                if b.crc32 is None and b.chunk_crc32 is None and b.box.numel:
+                    unchecked.append(f"data file {files.url(b.file)}: tensor '{key}' box at {list(b.box.offsets)} (key "
+                                     f"'{b.key}'): not checked: the index records no checksum for it (crc32 null)")
+        return VerifyReport(files.where, tuple(problems), len(index.tensors), nboxes, checked, tuple(unchecked))
 
 
-def _check_box(file: str, header: Header, b: SavedBox, itemsize: int) -> list[str]:
+def _check_box(files: CheckpointFiles, b: SavedBox, itemsize: int) -> list[str]:
     """The checksum problems of saved box ``b`` (its header entry already checked)."""
+    header = files.header(b.file)
     e = header.entries[b.key]
     row_bytes = box_rows(b.box.sizes)[1] * itemsize
-    chunk_bytes = b.chunk_rows * row_bytes if b.chunk_crc32 is not None else None
-    fd = open_for_ranges(file, follow=False)
+    chunk_bytes = b.chunk_rows * row_bytes if b.chunk_crc32 is not None and b.chunk_rows else None
+    h = files.handle(b.file)
     try:
-        crc = crcs_of_range(fd, header.data_start + e.begin, header.data_start + e.end, file, chunk_bytes)
+        crc = crcs_of_range(h, header.data_start + e.begin, header.data_start + e.end, h.name, chunk_bytes)
     except CheckpointError as err:
         return [str(err)]
-    finally:
-        os.close(fd)
     if b.chunk_crc32 is None:
         return [] if crc.whole() == b.crc32 else ["checksum mismatch (the data is corrupted)"]
     problems = []
+    assert b.chunk_rows is not None and chunk_bytes is not None
     first = b.box.offsets[0] if b.box.offsets else 0
     for i, (got, want) in enumerate(zip(crc.chunks(), b.chunk_crc32)):
         if got != want:

@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ._boxes import Box
+from ._geometry._boxes import Box
 from ._checksums import box_rows
 from ._format import Index, SavedBox
 

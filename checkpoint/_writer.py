@@ -37,21 +37,19 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._boxes import Box, local_boxes, layout_of
 from ._checksums import crcs_from_hex, crcs_to_hex
 from ._comm import agree, broadcast_json, gather_json, rank_and_world
-from ._errors import CheckpointError
 from ._commit import check_target, commit, remove_temp, temp_dir_for
-from ._series import abort_save, begin_save, default_series, finish_save
+from ._errors import CheckpointError
 from ._flatten import flatten, to_json_value
-from ._owners import assign_writers, is_local_candidate
-from ._tiling import tiling_problem
+from ._format import (DTYPE_CODES, FORMAT_NAME, INDEX_FILE, Index, SavedBox, StreamingWriter, TensorEntry,
+                      data_file_name, dtype_name, format_index, index_to_json)
+from ._geometry import Box, assign_writers, is_local_candidate, layout_of, local_boxes, tiling_problem
+from ._series import abort_save, begin_save, default_series, finish_save
+from ._storage import Storage, storage_for
 from ._trace import phase
-from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name, dtype_name, format_index,
-                      index_to_json, write_json)
-from ._safetensors_io import DTYPE_CODES, StreamingWriter
 
-__all__ = ["save", "async_save", "SaveHandle"]
+__all__ = ["save", "async_save", "SaveHandle", "check_save_target"]
 
 _log = logging.getLogger("shardwise.checkpoint")
 
@@ -121,15 +119,15 @@ def _snapshot(plan: _Plan) -> None:
             p.region = None
 
 
-def _write_file(plan: _Plan, tmp: str, rank: int) -> dict:
+def _write_file(plan: _Plan, storage: Storage, tmp: str, rank: int) -> dict:
     """Write this rank's boxes; returns its report for the index."""
     if not plan.pieces:
         return {"file": None, "bytes": 0, "boxes": []}
     name = data_file_name(rank)
-    path = os.path.join(tmp, name)
+    path = storage.join(tmp, name)
     by_key = {p.file_key: p for p in plan.pieces}
     entries = [(k, p.data.dtype, p.box.sizes) for k, p in by_key.items()]
-    writer = StreamingWriter(path, entries, {"format": FORMAT_NAME, "rank": str(rank)})
+    writer = StreamingWriter(path, entries, {"format": FORMAT_NAME, "rank": str(rank)}, storage=storage)
     try:
         for k in writer.keys:
             writer.append(by_key[k].tensor())
@@ -141,14 +139,14 @@ def _write_file(plan: _Plan, tmp: str, rank: int) -> dict:
               "crc32": sums[k].crc32, "chunk_rows": sums[k].chunk_rows,
               "chunk_crc32": None if sums[k].chunk_crc32 is None else crcs_to_hex(sums[k].chunk_crc32)}
              for k, p in by_key.items()]
-    return {"file": name, "bytes": os.path.getsize(path), "boxes": boxes}
+    return {"file": name, "bytes": storage.size(path, follow=False), "boxes": boxes}
 
 
 def _meta_digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
 
-def _build_index(path: str, plan: _Plan, reports: list[dict], world: int, token: str) -> Index:
+def _build_index(plan: _Plan, reports: list[dict], world: int, token: str) -> Index:
     digest = _meta_digest(plan.meta)
     differ = [r for r, rep in enumerate(reports) if rep["meta"] != digest]
     if differ:
@@ -174,7 +172,7 @@ def _build_index(path: str, plan: _Plan, reports: list[dict], world: int, token:
         problem = tiling_problem(tensors[k].shape, [b.box for b in boxes[k]])
         if problem is not None:  # the written boxes themselves, checked once more before the commit
             raise CheckpointError(f"the boxes written for tensor '{k}' do not tile it: {problem}; nothing was committed")
-    return Index(path, tensors, plan.values, files, world, time.time_ns(), save_id=token)
+    return Index(tensors, plan.values, files, world, time.time_ns(), save_id=token)
 
 
 class SaveHandle:
@@ -185,9 +183,12 @@ class SaveHandle:
     temporary directory (see [Note: an async save never waited for]).
     """
 
-    def __init__(self, path: str, plan: _Plan, tmp: str, token: str, keep_last: int | None, background: bool,
-                 error: BaseException | None = None, series: str = "", said: list[str] | None = None):
-        self.path = path
+    def __init__(self, storage: Storage, path: str, plan: _Plan, tmp: str, token: str, keep_last: int | None,
+                 background: bool, error: BaseException | None = None, series: str = "",
+                 said: list[str] | None = None) -> None:
+        self._storage = storage
+        self.path = storage.url(path)
+        self._path = path
         self._plan, self._tmp, self._token, self._keep_last = plan, tmp, token, keep_last
         self._series, self._said = series, list(said or [])
         self._report: dict | None = None
@@ -207,7 +208,7 @@ class SaveHandle:
     def _write(self) -> None:
         try:
             with phase("save/write"):
-                self._report = _write_file(self._plan, self._tmp, rank_and_world()[0])
+                self._report = _write_file(self._plan, self._storage, self._tmp, rank_and_world()[0])
         except BaseException as e:  # surfaced by wait()
             self._error = e
 
@@ -229,8 +230,13 @@ class SaveHandle:
             rank = -1
         msg = (f"shardwise.checkpoint: async_save to {self.path} was never waited for (call handle.wait() on every "
                "rank); the checkpoint was NOT committed")
-        if rank == 0 and remove_temp(self._tmp):
-            msg += f" and its temporary directory {self._tmp} was deleted"
+        if rank == 0 and remove_temp(self._storage, self._tmp):
+            msg += f" and its temporary directory {self._storage.url(self._tmp)} was deleted"
+        if rank == 0:
+            try:
+                abort_save(self._storage, self._path, self._series, self._token)
+            except (OSError, CheckpointError):
+                pass  # the next save of the series cleans it up
         warnings.warn(msg, RuntimeWarning, stacklevel=1)
         print(f"WARNING: {msg}", file=sys.stderr, flush=True)
 
@@ -276,13 +282,14 @@ class SaveHandle:
         if rank == 0:
             committed = False
             try:
-                index = _build_index(self.path, self._plan, reports, world, self._token)
-                write_json(os.path.join(self._tmp, INDEX_FILE), format_index(index_to_json(index)))
-                left = commit(self._tmp, self.path, self._token)
+                index = _build_index(self._plan, reports, world, self._token)
+                st = self._storage
+                st.write_atomic(st.join(self._tmp, INDEX_FILE), format_index(index_to_json(index)).encode())
+                left = commit(st, self._tmp, self._path, self._token)
                 committed = True
                 said = self._said + [f"kept {p} of the replaced checkpoint (the new one has an entry of that name)"
                                      for p in left]
-                said += finish_save(self.path, self._series, self._token, index.created_unix_ns, self._keep_last)
+                said += finish_save(st, self._path, self._series, self._token, index.created_unix_ns, self._keep_last)
                 out["said"] = said
             except Exception as e:
                 error = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
@@ -297,35 +304,40 @@ class SaveHandle:
         return out
 
     def _abort(self) -> None:
-        remove_temp(self._tmp)
+        remove_temp(self._storage, self._tmp)
         try:
-            abort_save(self.path, self._series, self._token)
+            abort_save(self._storage, self._path, self._series, self._token)
         except (OSError, CheckpointError):
             pass  # the record keeps it pending; the next save of the series cleans it up
 
 
-def _prepare(path: str, series: str, rank: int) -> dict:
+def _prepare(storage: Storage, path: str, series: str, rank: int) -> dict:
     """Step 2 of [Note: the steps of a save] (collective): rank 0 checks the target, cleans up
     the series and creates the temporary directory; every rank gets ``{"token", "said"}``."""
     setup = {"token": secrets.token_hex(4), "error": None, "said": []}
     if rank == 0:
         try:
-            check_target(path)
-            setup["said"] = begin_save(path, series, setup["token"])
-            os.mkdir(temp_dir_for(path, setup["token"]))
+            check_target(storage, path)
+            setup["said"] = begin_save(storage, path, series, setup["token"])
+            storage.mkdir(temp_dir_for(storage, path, setup["token"]))
         except Exception as e:
             setup["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+            try:  # begin_save may have recorded it: forget it (else the next save of the series does)
+                abort_save(storage, path, series, setup["token"])
+            except Exception:
+                pass
     setup = broadcast_json(setup, src=0)
     if setup["error"] is not None:
-        raise CheckpointError(f"saving checkpoint {path} failed on rank 0: {setup['error']}")
+        raise CheckpointError(f"saving checkpoint {storage.url(path)} failed on rank 0: {setup['error']}")
     return setup
 
 
-def _start(state: dict, path: str, keep_last: int | None, background: bool, series: str | None) -> SaveHandle:
+def _start(state: dict, path: str | os.PathLike, keep_last: int | None, background: bool, series: str | None,
+           storage: Storage | None) -> SaveHandle:
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
-    path = os.path.abspath(os.fspath(path))
-    series = default_series(path) if series is None else series
+    storage, path = storage_for(path, storage)
+    series = default_series(storage.name(path)) if series is None else series
     if not isinstance(series, str) or not series:
         raise ValueError(f"series must be a non-empty str, got {series!r}")
     rank, _ = rank_and_world()
@@ -333,14 +345,14 @@ def _start(state: dict, path: str, keep_last: int | None, background: bool, seri
     with phase("save/plan"):
         try:
             plan = _plan(state, rank)
-            plan.path = path
+            plan.path = storage.url(path)
         except Exception as e:
             error = e
-        agree(error, f"saving checkpoint {path}")
+        agree(error, f"saving checkpoint {storage.url(path)}")
     with phase("save/owners"):
         _keep_own_pieces(plan, rank)
     with phase("save/prepare"):
-        setup = _prepare(path, series, rank)
+        setup = _prepare(storage, path, series, rank)
     snapshot_error = None
     if background:
         with phase("save/snapshot"):
@@ -348,11 +360,32 @@ def _start(state: dict, path: str, keep_last: int | None, background: bool, seri
                 _snapshot(plan)
             except Exception as e:  # e.g. out of CPU memory on this rank: every rank learns it in wait()
                 snapshot_error = e
-    return SaveHandle(path, plan, temp_dir_for(path, setup["token"]), setup["token"], keep_last, background,
-                      snapshot_error, series, setup["said"])
+    return SaveHandle(storage, path, plan, temp_dir_for(storage, path, setup["token"]), setup["token"], keep_last,
+                      background, snapshot_error, series, setup["said"])
 
 
-def save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None, series: str | None = None) -> list[str]:
+def check_save_target(path: str | os.PathLike, *, storage: Storage | None = None) -> None:
+    """Raise `CheckpointError` (one line naming ``path`` and the fix) unless `save` could write
+    a checkpoint at ``path`` now: it is missing, an empty folder or a shardwise checkpoint (not a
+    user's folder, not a symbolic link, not under a file), and its folder can be created and
+    written to (checked by creating and deleting a probe entry there). Not collective; nothing
+    is left behind. A training script calls it before the first step, so that a bad ``--save``
+    fails at once and not after hours of training."""
+    storage, norm = storage_for(path, storage)
+    check_target(storage, norm)
+    parent = storage.parent(norm)
+    probe = storage.join(parent, f".{storage.name(norm)}.probe-{secrets.token_hex(4)}")
+    try:
+        storage.mkdir(parent, parents=True)
+        storage.write_atomic(probe, b"")
+        storage.delete(probe)
+    except OSError as e:
+        raise CheckpointError(f"cannot save to {storage.url(norm)}: {storage.url(parent)} is not writable "
+                              f"({e.strerror or type(e).__name__}); choose a folder this job can write to") from None
+
+
+def save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None, series: str | None = None,
+         storage: Storage | None = None) -> list[str]:
     """Save ``state`` to the checkpoint directory ``path``; collective over the default group.
 
     ``state`` is a dict tree of tensors, DTensors and plain (JSON) values, the same structure on
@@ -364,16 +397,17 @@ def save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None, 
     parent folder ([Note: series] in ``_series.py``): it first cleans up the series' unfinished
     saves, and ``keep_last=N`` then deletes all but the ``N`` newest checkpoints of the series.
     Returns sentences saying what was removed or restored. Raises `CheckpointError` on every
-    rank on failure.
+    rank on failure. ``path`` is a local path or an fsspec URL (``s3://bucket/ckpt/step-100``);
+    ``storage`` chooses the storage explicitly (``_storage``).
     """
-    return _start(state, path, keep_last, False, series).wait()
+    return _start(state, path, keep_last, False, series, storage).wait()
 
 
 def async_save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None,
-               series: str | None = None) -> SaveHandle:
+               series: str | None = None, storage: Storage | None = None) -> SaveHandle:
     """Like `save`, but return once the state is copied to CPU memory; files are written in a
     background thread. Collective. Call ``handle.wait()`` (collective, on every rank) before
     the next save: it commits the checkpoint and raises any error from the background write.
     A handle never waited for commits nothing and warns at exit (`SaveHandle`).
     """
-    return _start(state, path, keep_last, True, series)
+    return _start(state, path, keep_last, True, series, storage)

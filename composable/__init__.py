@@ -5,7 +5,7 @@ The names follow torch's FSDP2 so that switching is one import::
     from shardwise.composable import fully_shard, FSDPModule, MixedPrecisionPolicy
 """
 
-from ._fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle,
+from ._fsdp import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle,
                     broadcast_from_rank0, fully_shard, materialize, register_fsdp_forward_method)
 from ._clip_grad import clip_grad_norm_
 from ._tp import *  # noqa: F403  tensor parallelism: the names in _tp.__all__
@@ -26,6 +26,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "ShardingPolicy",
     "ShardingStrategy",
     "apply_fully_shard",

@@ -32,7 +32,7 @@ __all__ = ["clip_grad_norm_"]
 
 def _local_grads(parameters: list[torch.Tensor]) -> list[tuple[torch.Tensor, tuple]]:
     """``[(tensor to measure, reduce key)]``; the key is the tuple of process groups to reduce over."""
-    out = []
+    out: list[tuple[torch.Tensor, tuple]] = []
     for p in parameters:
         g = p.grad
         if g is None:

@@ -91,7 +91,7 @@ def foreach_norm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
     Relies on: ``torch._foreach_norm``. The public ``torch.nn.utils.get_total_norm`` returns
     only the norm of all tensors together; ``clip_grad_norm_`` needs one per tensor to reduce
     each over its own mesh axes."""
-    return torch._foreach_norm(tensors, p)
+    return list(torch._foreach_norm(tensors, p))
 
 
 def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:

@@ -20,10 +20,17 @@ from torch.distributed.tensor import Replicate, Shard
 import shardwise.composable as sw
 
 
-def block_tp_plan(styles=sw, sequence_parallel: bool = True) -> dict:
+def _uneven(uneven_shards: bool) -> dict:
+    """Style keywords for sequence shards of unequal lengths (a sequence length the tp size does
+    not divide): shardwise's ``uneven_shards=True``; torch's styles assume equal shards."""
+    return {"uneven_shards": True} if uneven_shards else {}
+
+
+def block_tp_plan(styles=sw, sequence_parallel: bool = True, uneven_shards: bool = False) -> dict:
     """The TP plan of one ``TransformerBlock``. ``styles`` supplies the style classes:
-    shardwise.composable, or torch's ``torch.distributed.tensor.parallel`` (same plan code)."""
-    s = styles
+    shardwise.composable, or torch's ``torch.distributed.tensor.parallel`` (same plan code).
+    ``uneven_shards``: the sequence length need not divide by the tp size (shardwise only)."""
+    s, u = styles, _uneven(uneven_shards)
     if not sequence_parallel:
         return {
             "attention.wq": s.ColwiseParallel(), "attention.wk": s.ColwiseParallel(),
@@ -32,40 +39,41 @@ def block_tp_plan(styles=sw, sequence_parallel: bool = True) -> dict:
             "feed_forward.w2": s.RowwiseParallel(),
         }
     return {
-        "attention_norm": s.SequenceParallel(),
+        "attention_norm": s.SequenceParallel(**u),
         "attention": s.PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                          desired_input_layouts=(Replicate(), None, None)),
+                                          desired_input_layouts=(Replicate(), None, None), **u),
         "attention.wq": s.ColwiseParallel(), "attention.wk": s.ColwiseParallel(),
         "attention.wv": s.ColwiseParallel(), "attention.wo": s.RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": s.SequenceParallel(),
-        "feed_forward": s.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "ffn_norm": s.SequenceParallel(**u),
+        "feed_forward": s.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), **u),
         "feed_forward.w1": s.ColwiseParallel(), "feed_forward.w3": s.ColwiseParallel(),
         "feed_forward.w2": s.RowwiseParallel(output_layouts=Shard(1)),
     }
 
 
-def llama_tp_plan(styles=sw) -> dict:
+def llama_tp_plan(styles=sw, uneven_shards: bool = False) -> dict:
     """The TP plan of the whole ``Llama``: vocab-parallel embedding, sequence-parallel blocks,
-    class-sharded output for ``loss_parallel``."""
-    s = styles
+    class-sharded output for ``loss_parallel``; ``uneven_shards`` as in `block_tp_plan`."""
+    s, u = styles, _uneven(uneven_shards)
     plan = {
         "tok_embeddings": s.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": s.SequenceParallel(),
-        "output": s.ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+        "norm": s.SequenceParallel(**u),
+        "output": s.ColwiseParallel(input_layouts=Shard(1), use_local_output=False, **u),
     }
-    plan.update({f"layers.*.{k}": v for k, v in block_tp_plan(s, True).items()})
+    plan.update({f"layers.*.{k}": v for k, v in block_tp_plan(s, True, uneven_shards).items()})
     return plan
 
 
-def apply_tp(model, tp_mesh: DeviceMesh):
+def apply_tp(model, tp_mesh: DeviceMesh, uneven_shards: bool = False):
     """Tensor-parallelise ``model`` on the 1-D ``tp_mesh``. Attention reshapes by its head
-    counts, so each rank's counts become ``1/tp`` of them (they must divide)."""
+    counts, so each rank's counts become ``1/tp`` of them (they must divide).
+    ``uneven_shards=True`` when the sequence length is not a multiple of the tp size."""
     tp = tp_mesh.size()
     for m in model.modules():
         if hasattr(m, "n_kv_heads"):
             if m.n_heads % tp or m.n_kv_heads % tp:
                 raise ValueError(f"--tp {tp} must divide the heads ({m.n_heads}) and kv heads ({m.n_kv_heads})")
-    sw.parallelize_module(model, tp_mesh, llama_tp_plan())
+    sw.parallelize_module(model, tp_mesh, llama_tp_plan(uneven_shards=uneven_shards))
     for m in model.modules():
         if hasattr(m, "n_kv_heads"):
             m.n_heads //= tp

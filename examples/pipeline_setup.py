@@ -38,15 +38,18 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
                    help="what the automatic split balances")
 
 
-def tp_stage(stage, tp_mesh) -> None:
-    """Tensor-parallelise one stage: its blocks, and the embedding / head where it holds them."""
+def tp_stage(stage, tp_mesh, uneven_shards: bool = False) -> None:
+    """Tensor-parallelise one stage: its blocks, and the embedding / head where it holds them.
+    ``uneven_shards=True`` when the sequence length is not a multiple of the tp size."""
     tp = tp_mesh.size()
-    plan = {f"layers.{i}.{k}": v for i in stage.block_ids for k, v in block_tp_plan(sw, True).items()}
+    plan = {f"layers.{i}.{k}": v for i in stage.block_ids
+            for k, v in block_tp_plan(sw, True, uneven_shards).items()}
     if stage.is_first:
         plan["tok_embeddings"] = sw.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if stage.is_last:
-        plan["norm"] = sw.SequenceParallel()
-        plan["output"] = sw.ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+        plan["norm"] = sw.SequenceParallel(uneven_shards=uneven_shards)
+        plan["output"] = sw.ColwiseParallel(input_layouts=Shard(1), use_local_output=False,
+                                            uneven_shards=uneven_shards)
     sw.parallelize_module(stage.module, tp_mesh, plan)
     for blk in stage.blocks:
         if blk.attention.n_heads % tp or blk.attention.n_kv_heads % tp:
@@ -93,7 +96,7 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     model.zero_grad(set_to_none=True)
     for st in split.stages:
         if args.tp > 1:
-            tp_stage(st, mesh["tp"])
+            tp_stage(st, mesh["tp"], uneven_shards=args.seq_len % args.tp != 0)
         for blk in st.blocks:
             sw.fully_shard(blk, mesh=dp_mesh)
         sw.fully_shard(st.module, mesh=dp_mesh)

@@ -23,6 +23,7 @@ import argparse
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,16 +84,18 @@ def mean_over_mesh(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 
 
 def build_and_shard(
-    cfg: LlamaConfig, dp_mesh: DeviceMesh, *, seed: int = 0, tp_mesh: DeviceMesh | None = None, **shard_kwargs
+    cfg: LlamaConfig, dp_mesh: DeviceMesh, *, seed: int = 0, tp_mesh: DeviceMesh | None = None,
+    uneven_shards: bool = False, **shard_kwargs
 ) -> Llama:
     """Build :class:`Llama` from ``seed`` (identical on every rank), tensor-parallelise it on
     ``tp_mesh`` when given (``apply_tp``), then shard it on ``dp_mesh`` (``apply_fsdp``: each
     block, then the root). A 2-D ``dp_mesh`` (``dp_replicate x dp_shard``) gives HSDP.
-    ``shard_kwargs`` go to every ``fully_shard`` call (e.g. ``reshard_after_forward``).
+    ``shard_kwargs`` go to every ``fully_shard`` call (e.g. ``reshard_after_forward``);
+    ``uneven_shards``: the sequence length is not a multiple of the tp size (``apply_tp``).
     """
     model = Llama(cfg, generator=torch.Generator().manual_seed(seed))
     if tp_mesh is not None and tp_mesh.size() > 1:
-        apply_tp(model, tp_mesh)
+        apply_tp(model, tp_mesh, uneven_shards=uneven_shards)
     return apply_fsdp(model, dp_mesh, **shard_kwargs)
 
 
@@ -190,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data")
     p.add_argument("--log-every", type=int, default=5, help="print the loss every N steps (and first, last)")
-    p.add_argument("--save", metavar="DIR", help="save model + optimizer + step to DIR at the end")
+    p.add_argument("--save", metavar="DIR", help="save model + optimizer + step to DIR at the end (DIR is checked "
+                   "before step 1; if saving fails at the end, the weights go to a temporary folder, named)")
     p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint saved by --save (any world size); "
                    "training continues up to --steps")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs only)")
@@ -226,6 +230,28 @@ def dir_bytes(path: str) -> int:
     return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
 
 
+def save_or_rescue(state: dict, path: str, say) -> str:
+    """Save ``state`` to ``path``; if that fails after training (the disk filled up, the folder
+    went away), save it to a fresh folder under the system's temporary directory instead and say
+    so, so that the trained weights are not lost. Returns where it was saved; collective."""
+    try:
+        ckpt.save(state, path)
+        return path
+    except ckpt.CheckpointError as e:
+        first = str(e).splitlines()[0]
+    where = [os.path.join(tempfile.gettempdir(), f"shardwise-rescue-{time.strftime('%Y%m%d-%H%M%S')}-"
+                          f"{os.getpid()}", Path(path).name or "checkpoint")]
+    dist.broadcast_object_list(where)  # one folder for every rank (rank 0's name)
+    say(f"could not save to {path} ({first}); saving to {where[0]} instead", flush=True)
+    try:
+        ckpt.save(state, where[0])
+    except ckpt.CheckpointError as e2:
+        say(f"the trained weights are lost: saving to {where[0]} failed too "
+            f"({str(e2).splitlines()[0]})", flush=True)
+        raise
+    return where[0]
+
+
 def _fail(message: str) -> None:
     """One line on rank 0 (stderr), nothing on the others; exit status 2 like argparse.
 
@@ -248,6 +274,11 @@ def main(argv: list[str] | None = None) -> list[float]:
         checked = preflight(args, world_env)
     except UsageError as e:
         _fail(str(e))
+    if args.save:  # before step 1: a bad --save must not cost the training run
+        try:
+            ckpt.check_save_target(args.save)
+        except ckpt.CheckpointError as e:
+            _fail(f"--save {args.save}: {e}")
     if checked.resume_step is not None and checked.resume_step >= args.steps:
         if os.environ.get("RANK", "0") == "0":
             more = args.steps if checked.resume_step == args.steps else checked.resume_step
@@ -282,7 +313,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         n_kv_heads=args.kv_heads,
         max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len),
     )
-    model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"])
+    model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"],
+                            uneven_shards=args.seq_len % mesh["tp"].size() != 0)
 
     local, full = param_bytes(model)
     device = mesh_device(mesh)
@@ -325,12 +357,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         say(f"saving step {args.steps} to {args.save} ...", flush=True)
         ts = time.perf_counter()
         model_args = {name: getattr(args, name) for name in MODEL_ARGS}
-        ckpt.save(app_state(model, optim, args.steps, model_args), args.save)
+        where = save_or_rescue(app_state(model, optim, args.steps, model_args), args.save, say)
         if rank == 0:
-            say(f"saved step {args.steps} to {args.save}: {dir_bytes(args.save)} bytes in "
+            say(f"saved step {args.steps} to {where}: {dir_bytes(where)} bytes in "
                 f"{time.perf_counter() - ts:.2f}s")
             say(f"resume (on any world size) with: "
-                f"{resume_command(args, world_size, args.save, 2 * args.steps)}")
+                f"{resume_command(args, world_size, where, 2 * args.steps)}")
     dist.barrier()  # nobody tears down its connections while a peer still uses them
     dist.destroy_process_group()
     return losses

@@ -212,7 +212,7 @@ def mixed_state(world_size: int, swap: bool = False) -> dict:
 
 
 def _save_mixed(rank, world_size, path):
-    from shardwise.checkpoint._boxes import local_boxes
+    from shardwise.checkpoint._geometry._boxes import local_boxes
 
     state = mixed_state(world_size)
     got = full(state["tensors"])

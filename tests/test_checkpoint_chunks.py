@@ -24,7 +24,7 @@ from shardwise.checkpoint import CheckpointError, load, main, reshard_checkpoint
 from shardwise.checkpoint import _checksums, _load_checks, _reader, _verify_shares
 from shardwise.checkpoint._checksums import ChunkedCrc, ChunkRule, chunk_bounds, crc32_combine
 from shardwise.checkpoint._format import format_index, index_to_json, read_index
-from shardwise.checkpoint._safetensors_io import StreamingWriter, read_header, tensor_bytes
+from shardwise.checkpoint._format._safetensors_io import StreamingWriter, read_header, tensor_bytes
 from tests._dist import run_ranks
 from tests.test_checkpoint import _load_mixed, _save_mixed, assert_equal_states, full, mixed_full
 

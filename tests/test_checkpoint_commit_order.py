@@ -17,8 +17,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-import shardwise.checkpoint._format as fmt
-import shardwise.checkpoint._safetensors_io as sio
+import shardwise.checkpoint._format._safetensors_io as sio
+import shardwise.checkpoint._storage._posix as posix
 from shardwise.checkpoint import save
 from tests._dist import run_ranks
 
@@ -46,7 +46,7 @@ def _record(patch, events: list) -> None:
     patch(os, "fsync", fsync)
     patch(os, "rename", rename)
     patch(os, "replace", replace)
-    patch(fmt, "open", index_open)
+    patch(posix, "open", index_open)
 
 
 def check_order(events: list, path: str) -> None:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard, distribute_ten
 
 import shardwise.checkpoint
 from shardwise.checkpoint import _compat
-from shardwise.checkpoint._boxes import boxes_for, chunk_span, local_boxes, strided_positions
+from shardwise.checkpoint._geometry._boxes import boxes_for, chunk_span, local_boxes, strided_positions
 from tests._dist import run_ranks
 
 ROOT = pathlib.Path(shardwise.checkpoint.__file__).parent

@@ -155,7 +155,9 @@ def test_bad_save_input_is_refused_on_every_rank(tmp_path):
 # -- a rank dies in the middle of a save ---------------------------------------------------------
 
 def _killed_save(rank, world_size, root, victim, where):
-    from shardwise.checkpoint import _format, _safetensors_io, _writer
+    from shardwise.checkpoint import _format
+    from shardwise.checkpoint._format import _safetensors_io
+    from shardwise.checkpoint._storage import PosixStorage
 
     model, optim = build("fsdp2")
     save(app_state(model, optim, step=1), os.path.join(root, "step-1"))
@@ -170,12 +172,16 @@ def _killed_save(rank, world_size, root, victim, where):
 
         _safetensors_io.StreamingWriter.append = append_then_die
     if rank == victim and where == "index":
-        def write_half_then_die(path, text):
-            with open(path, "w") as f:
-                f.write(text[: len(text) // 2])
+        real_write = PosixStorage.write_atomic
+
+        def write_half_then_die(self, path, data):
+            if not path.endswith("index.json"):
+                return real_write(self, path, data)  # the series record
+            with open(path + ".tmp", "wb") as f:
+                f.write(data[: len(data) // 2])
             os._exit(3)  # killed while writing the index
 
-        _writer.write_json = write_half_then_die
+        PosixStorage.write_atomic = write_half_then_die
     save(app_state(model, optim, step=2), os.path.join(root, "step-2"))
     return _format  # not reached by the victim
 

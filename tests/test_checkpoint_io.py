@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.checkpoint import CheckpointError, load, save
-from shardwise.checkpoint import _safetensors_io as sio
-from shardwise.checkpoint._file_io import crcs_of_range, crcs_of_ranges, open_for_ranges, preadv_into
+from shardwise.checkpoint._format import _safetensors_io as sio
+from shardwise.checkpoint._format._file_io import crcs_of_range, crcs_of_ranges, open_for_ranges, preadv_into
 
 
 def _file(tmp_path, data: bytes) -> str:
@@ -36,7 +36,7 @@ def test_preadv_into_fills_buffers_in_order(tmp_path_factory, data, cuts, offset
     try:
         n = preadv_into(fd, [memoryview(b) for b in bufs], offset, path)
     finally:
-        os.close(fd)
+        fd.close()
     assert n == len(body)
     assert b"".join(bufs) == body
 
@@ -49,7 +49,7 @@ def test_preadv_into_more_buffers_than_one_call_takes(tmp_path):
     try:
         preadv_into(fd, [memoryview(b) for b in bufs], 0, path)
     finally:
-        os.close(fd)
+        fd.close()
     assert b"".join(bufs) == data
 
 
@@ -60,7 +60,7 @@ def test_preadv_into_a_short_file_names_it(tmp_path):
         with pytest.raises(CheckpointError, match="truncated"):
             preadv_into(fd, [memoryview(bytearray(5))], 0, path)
     finally:
-        os.close(fd)
+        fd.close()
 
 
 @settings(max_examples=100, deadline=None)
@@ -78,7 +78,7 @@ def test_crcs_of_ranges_equals_one_range_at_a_time(tmp_path_factory, data, cuts,
         got = crcs_of_ranges(fd, ranges, path)
         want = [crcs_of_range(fd, a, b, path, c) for a, b, c in ranges]
     finally:
-        os.close(fd)
+        fd.close()
     assert [g.chunks() for g in got] == [w.chunks() for w in want]
     assert [g.whole() for g in got] == [zlib.crc32(data[a:b]) for a, b, _ in ranges]
 
@@ -89,13 +89,13 @@ def test_a_load_reads_adjacent_pieces_with_one_preadv(tmp_path, monkeypatch):
     state = {f"t{i}": torch.randn(64, 8, generator=g) for i in range(10)}
     save(state, str(tmp_path / "c"))
     calls = []
-    real = sio.os.preadv
+    real = os.preadv
 
     def counting(fd, buffers, offset):
         calls.append(len(buffers))
         return real(fd, buffers, offset)
 
-    monkeypatch.setattr(sio.os, "preadv", counting)
+    monkeypatch.setattr(os, "preadv", counting)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     load(target, str(tmp_path / "c"), verify=False)
     assert all(torch.equal(target[k], state[k]) for k in state)

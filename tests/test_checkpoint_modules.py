@@ -1,6 +1,7 @@
 """The structure of ``checkpoint/``: every module imports, and no module imports itself back.
 
-The intra-package import graph is read from the source with ``ast`` (every import statement,
+The intra-package import graph (subpackages included: ``_storage``, ``_geometry``, ``_format``)
+is read from the source with ``ast`` (every import statement,
 including those under ``if TYPE_CHECKING:`` and inside functions: a cycle there still ties the
 modules together for a reader and for a type checker). It must have no cycle, and the leaf
 modules (the exception type, the CRC arithmetic) must import nothing of the package but
@@ -19,34 +20,65 @@ import shardwise.checkpoint
 
 PACKAGE = "shardwise.checkpoint"
 ROOT = pathlib.Path(shardwise.checkpoint.__file__).parent
-MODULES = sorted(p.stem for p in ROOT.glob("*.py") if p.stem != "__main__")  # __main__ runs the tool
+
+
+def _module_names(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """``{dotted name relative to the package: file}``: ``_reader``, ``_format._index``; a
+    subpackage's ``__init__.py`` is the subpackage's own name (``_format``), the package's is
+    ``__init__``."""
+    names = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    return names
+
+
+MODULES = sorted(n for n in _module_names(ROOT) if n != "__main__")  # __main__ runs the tool
 
 
 def import_graph(root: pathlib.Path, package: str = PACKAGE) -> dict[str, set[str]]:
-    """``{module: the package's modules it imports}`` for every ``*.py`` in ``root``."""
-    names = {p.stem for p in root.glob("*.py")}
+    """``{module: the package's modules it imports}`` for every ``*.py`` under ``root``
+    (subpackages included, their modules named ``_sub._mod``)."""
+    files = _module_names(root)
+    names = set(files)
+
+    def node(target: str) -> str | None:  # the module a dotted target lives in
+        parts = target.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in names:
+                return ".".join(parts[:n])
+        return None
+
     graph: dict[str, set[str]] = {}
-    for path in sorted(root.glob("*.py")):
+    for name, path in files.items():
+        is_pkg = path.name == "__init__.py" and name != "__init__"
+        here = name.split(".") if is_pkg else name.split(".")[:-1]  # the package this module is in
         deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom):
-                if node.level == 1:
-                    base = node.module or ""
-                elif node.level == 0 and (node.module or "").startswith(package + "."):
-                    base = node.module.removeprefix(package + ".")
-                elif node.level == 0 and node.module == package:
-                    base = ""
+        for nd in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(nd, ast.ImportFrom):
+                if nd.level >= 1:
+                    base = here[: len(here) - (nd.level - 1)] if nd.level > 1 else list(here)
+                    target = ".".join(base + ([nd.module] if nd.module else []))
+                elif (nd.module or "").startswith(package + "."):
+                    target = nd.module.removeprefix(package + ".")
+                elif nd.module == package:
+                    target = ""
                 else:
                     continue
-                if base:
-                    deps.add(base.split(".")[0])
-                else:  # from . import _x, _y
-                    deps.update(a.name for a in node.names if a.name in names)
-            elif isinstance(node, ast.Import):
-                for a in node.names:
+                for a in nd.names:
+                    full = f"{target}.{a.name}" if target else a.name
+                    found = full if full in names else node(target) if target else None
+                    if found:
+                        deps.add(found)
+            elif isinstance(nd, ast.Import):
+                for a in nd.names:
                     if a.name.startswith(package + "."):
-                        deps.add(a.name.removeprefix(package + ".").split(".")[0])
-        graph[path.stem] = (deps & names) - {path.stem}
+                        found = node(a.name.removeprefix(package + "."))
+                        if found:
+                            deps.add(found)
+        graph[name] = deps - {name}
     return graph
 
 
@@ -94,7 +126,7 @@ def test_the_graph_sees_relative_absolute_and_type_checking_imports(tmp_path):
 @pytest.mark.parametrize("name", MODULES)
 def test_every_checkpoint_module_imports(name):
     module = importlib.import_module(PACKAGE if name == "__init__" else f"{PACKAGE}.{name}")
-    assert pathlib.Path(module.__file__).parent == ROOT, module.__file__
+    assert pathlib.Path(module.__file__).is_relative_to(ROOT), module.__file__
 
 
 def test_checkpoint_modules_have_no_import_cycle():
@@ -110,10 +142,31 @@ def test_leaf_modules_import_only_the_error_module():
     assert graph["_checksums"] <= {"_errors"}, f"_checksums must be a leaf, imports {sorted(graph['_checksums'])}"
 
 
+_LEAVES = {"_errors", "_checksums", "_json_strict", "_compat", "_trace", "_comm"}
+
+
+def _outside(graph: dict[str, set[str]], room: str) -> dict[str, set[str]]:
+    """What the modules of subpackage ``room`` import from outside it."""
+    return {m: {d for d in deps if d != room and not d.startswith(room + ".")}
+            for m, deps in graph.items() if m == room or m.startswith(room + ".")}
+
+
+def test_the_rooms_import_only_the_layers_below_them():
+    """``_storage`` (where files live) imports only the error type; ``_geometry`` (boxes, tiling,
+    plans, owners: arithmetic) only the leaves; ``_format`` (index and safetensors io) the
+    leaves, ``_storage`` and ``_geometry``; nothing below imports the load/save modules."""
+    graph = import_graph(ROOT)
+    assert {"_storage", "_geometry", "_format", "_format._index", "_geometry._tiling"} <= set(graph), sorted(graph)
+    for room, allowed in [("_storage", {"_errors"}), ("_geometry", _LEAVES),
+                          ("_format", _LEAVES | {"_storage"} | {m for m in graph if m.startswith("_geometry")})]:
+        for module, deps in _outside(graph, room).items():
+            assert deps <= allowed, f"{module} imports {sorted(deps - allowed)}, above its layer"
+
+
 def test_only_the_communication_modules_import_the_communication_layer_for_the_error():
     """`CheckpointError` comes from ``_errors``; no module imports it from ``_comm``."""
     offenders = []
-    for path in sorted(ROOT.glob("*.py")):
+    for path in sorted(ROOT.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.ImportFrom) and node.module in ("_comm", f"{PACKAGE}._comm")
                     and any(a.name == "CheckpointError" for a in node.names)):

@@ -8,8 +8,8 @@ import json
 
 import torch.distributed as dist
 
-from shardwise.checkpoint._boxes import Box
-from shardwise.checkpoint._owners import assign_writers
+from shardwise.checkpoint._geometry._boxes import Box
+from shardwise.checkpoint._geometry._owners import assign_writers
 from tests._dist import run_ranks
 
 N = 200  # boxes per rank

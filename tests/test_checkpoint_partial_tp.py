@@ -101,7 +101,7 @@ def test_blocks_only_tp_checkpoint_loads_bit_exact(blocks_tp, layout, world):
 
 def _save_inconsistent(rank, world_size, path, mode):
     import shardwise.checkpoint._writer as writer
-    from shardwise.checkpoint._boxes import Box, LocalBox
+    from shardwise.checkpoint._geometry._boxes import Box, LocalBox
 
     mesh = init_device_mesh("cpu", (world_size,))
     t = distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
@@ -175,7 +175,7 @@ def test_the_written_boxes_are_checked_again_before_the_commit(tmp_path, monkeyp
     """Second line of defence: should the owner agreement let overlapping pieces through, rank 0
     still refuses to commit (checked on the boxes the ranks report having written)."""
     import shardwise.checkpoint._writer as writer
-    from shardwise.checkpoint._boxes import Box, LocalBox
+    from shardwise.checkpoint._geometry._boxes import Box, LocalBox
 
     monkeypatch.setattr(writer, "assign_writers", lambda keys, shapes, held, digest, rank: (
         {(k, b) for k, boxes in held.items() for b in boxes}, None))

@@ -16,10 +16,10 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
-from shardwise.checkpoint._boxes import Box, LocalBox, _contiguous_box, boxes_for, chunk_span, strided_positions
+from shardwise.checkpoint._geometry._boxes import Box, LocalBox, _contiguous_box, boxes_for, chunk_span, strided_positions
 from shardwise.checkpoint._flatten import flatten, join_key
-from shardwise.checkpoint._plan import covered_numel, partition_problem, plan_reads, split
-from shardwise.checkpoint._file_io import contiguous_run
+from shardwise.checkpoint._geometry._plan import covered_numel, partition_problem, plan_reads, split
+from shardwise.checkpoint._format._file_io import contiguous_run
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 

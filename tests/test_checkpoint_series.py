@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-import shardwise.checkpoint._commit as commit_mod
 from shardwise.checkpoint import CheckpointError, load, main, merge_checkpoint, reshard_checkpoint, save
 from shardwise.checkpoint._series import RECORD_FILE
 
@@ -53,7 +52,7 @@ def _kill_at_rename(monkeypatch, nth: int) -> None:
             raise _Killed()
         return real(src, dst, *a, **k)
 
-    monkeypatch.setattr(commit_mod.os, "rename", rename)
+    monkeypatch.setattr(os, "rename", rename)
 
 
 def test_a_killed_save_leaves_an_incomplete_dir_that_the_next_save_removes(tmp_path, monkeypatch):
@@ -80,7 +79,14 @@ def test_a_crash_between_the_two_renames_of_a_replace_is_recovered_by_load(tmp_p
         with pytest.raises(_Killed):
             save(_state(2.0), path)
     assert not os.path.exists(path) and any(".replaced-" in n for n in os.listdir(tmp_path))
-    assert torch.equal(_loaded(path)["w"], torch.full((4, 3), 1.0)), "load restores the intact old copy"
+    before = sorted(os.listdir(tmp_path))
+    assert torch.equal(_loaded(path)["w"], torch.full((4, 3), 1.0)), "load reads the intact old copy"
+    # issue 20 (1, 10): a reader never repairs a writer's state (it may be a replace under way,
+    # or a read-only mount); the next save of the series restores it
+    assert sorted(os.listdir(tmp_path)) == before, "load renamed nothing"
+    _as_if_dead(tmp_path)
+    said = save(_state(3.0), tmp_path / "latest")
+    assert any("restored" in x for x in said), said
     assert not any(".replaced-" in n for n in os.listdir(tmp_path))
 
 
@@ -239,14 +245,17 @@ def test_hugging_face_folder_of_symlinks_loads_but_a_symlinked_checkpoint_file_i
 
 def test_a_permission_error_is_named_as_such(tmp_path, monkeypatch, capsys):
     """(Tests run as root, where permissions do not stop reads: the error is injected.)"""
-    import shardwise.checkpoint._format as fmt
+    import shardwise.checkpoint._storage._posix as posix
 
     save(_state(1.0), tmp_path / "ck")
+    real = os.open
 
-    def denied(file, limit):
-        raise PermissionError(13, "Permission denied", file)
+    def denied(file, flags, *a, **k):
+        if str(file).endswith("index.json"):
+            raise PermissionError(13, "Permission denied", file)
+        return real(file, flags, *a, **k)
 
-    monkeypatch.setattr(fmt, "_read_regular", denied)
+    monkeypatch.setattr(posix.os, "open", denied)
     assert main(["merge", str(tmp_path / "ck"), str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "permission denied" in err and "index.json" in err and "No such file" not in err, err
@@ -283,10 +292,11 @@ def test_rotation_orders_records_without_seq_by_their_stored_order(tmp_path):
 def test_a_pending_entry_naming_the_folder_itself_is_ignored(tmp_path, name):
     """A damaged or hand-edited record must not make cleanup reach outside the folder."""
     from shardwise.checkpoint._commit import temp_dir_for
+    from shardwise.checkpoint._storage import PosixStorage
 
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    outside = temp_dir_for(os.path.join(folder, name), "t1")  # what that entry's temp dir would be
+    outside = temp_dir_for(PosixStorage(), os.path.join(folder, name), "t1")  # what that entry's temp dir would be
     os.makedirs(outside)
     (folder / RECORD_FILE).write_text(json.dumps({"format": "shardwise.series", "version": 1, "series": {
         "step-": {"checkpoints": [], "pending": [{"name": name, "token": "t1", "host": "elsewhere", "pid": 1}]}}}))

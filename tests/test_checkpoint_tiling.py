@@ -9,9 +9,9 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.checkpoint._boxes import Box
-from shardwise.checkpoint._owners import assign_writers
-from shardwise.checkpoint._tiling import distinct_boxes, tiling_problem
+from shardwise.checkpoint._geometry._boxes import Box
+from shardwise.checkpoint._geometry._owners import assign_writers
+from shardwise.checkpoint._geometry._tiling import distinct_boxes, tiling_problem
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from examples.model import Llama, LlamaConfig
 from shardwise.composable import broadcast_from_rank0, fully_shard, materialize
-from shardwise.composable import _materialize as mat
+from shardwise.composable._fsdp import _materialize as mat
 from tests._dist import run_ranks
 from tests._models import Block, make_mesh
 

@@ -205,3 +205,105 @@ def test_activation_checkpointed_unit_under_bf16(reentrant, output_dtype, root_d
         bad = {k: v for k, v in grad_errs.items() if v > 2e-2}
         assert not bad, f"rank {rank}: gradients differ from one bf16 process: {bad}"
 
+
+# -- state_dict() after a forward that left parameters unsharded --------------------------------------
+def _state_dict_mid_step(rank, world_size, raf):
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    mesh = make_mesh((world_size,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=raf)
+    fully_shard(model, mesh=mesh)  # the root keeps its parameters after forward by default
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per = 8 // world_size
+    problems, worst = [], 0.0
+    for tokens, target in batches(2, 8):
+        sl = slice(rank * per, (rank + 1) * per)
+        out = model(tokens[sl])
+        # mid-step: after forward, before backward; the whole model and one leaf module
+        for where, sd in (("model", model.state_dict()), ("blocks.0.up", model.blocks[0].up.state_dict())):
+            for k, v in sd.items():
+                if not isinstance(v, DTensor):
+                    problems.append(f"{where}: {k} is a {type(v).__name__}, not a sharded DTensor")
+        full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        ref_sd = ref.state_dict()
+        problems += [f"{k} differs from one process" for k, v in full.items()
+                     if (v - ref_sd[k]).abs().max() > TOL * ref_sd[k].abs().max().clamp_min(1e-12)]
+        loss = loss_fn(out, target[sl])
+        loss.backward()  # the resharded root gathers again for its backward
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(ref(tokens), target)
+        ref_loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        worst = max(worst, abs(mean.item() / world_size - ref_loss.item()) / abs(ref_loss.item()))
+    return problems, worst, max_param_error(ref, model)
+
+
+@pytest.mark.parametrize("raf", [True, False])
+def test_state_dict_after_forward_is_sharded(raf):
+    """FSDP2 reshards in a state-dict pre-hook: a state dict taken between forward and
+    backward holds the sharded DTensors, and the step then goes on unchanged."""
+    for rank, (problems, loss_err, errs) in enumerate(run_ranks(_state_dict_mid_step, 2, raf)):
+        assert not problems, f"rank {rank}: {problems[:5]}"
+        assert loss_err <= TOL, f"rank {rank}: loss differs by {loss_err:.2e}"
+        bad = {k: v for k, v in errs.items() if v > TOL}
+        assert not bad, f"rank {rank}: parameters differ: {bad}"
+
+
+# -- parameters replaced after a meta-device fully_shard ---------------------------------------------
+def _replaced_after_meta(rank, world_size, how):
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(0)
+    ref = Net()
+    with torch.device("meta"):
+        model = Net()
+    mesh = make_mesh((world_size,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ref_params = dict(ref.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    if how == "leave-one":
+        names.remove("head.weight")
+    for name in names:  # the re-init pattern: a new Parameter per name, from the sharded one's layout
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        old = getattr(mod, attr)
+        setattr(mod, attr, nn.Parameter(distribute_tensor(ref_params[name].detach().clone(), old.device_mesh,
+                                                          old.placements)))
+    for n, buf in ref.named_buffers():
+        model.get_submodule(n.rpartition(".")[0]).register_buffer(n.rpartition(".")[2], buf.clone())
+    tokens, target = batches(1, 8)[0]
+    per = 8 // world_size
+    sl = slice(rank * per, (rank + 1) * per)
+    try:
+        loss = loss_fn(model(tokens[sl]), target[sl])
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return type(e).__name__, str(e)
+    loss.backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    loss_fn(ref(tokens), target).backward()
+    ropt.step()
+    return "ok", max_param_error(ref, model)
+
+
+def test_parameter_replaced_after_meta_fully_shard_is_adopted():
+    for rank, (status, errs) in enumerate(run_ranks(_replaced_after_meta, 2, "all")):
+        assert status == "ok", f"rank {rank}: {status}: {errs}"
+        bad = {k: v for k, v in errs.items() if v > TOL}
+        assert not bad, f"rank {rank}: parameters differ: {bad}"
+
+
+def test_parameters_still_on_meta_are_named():
+    for rank, (status, msg) in enumerate(run_ranks(_replaced_after_meta, 2, "leave-one")):
+        assert status == "RuntimeError" and "head.weight" in msg and "to_empty" in msg, \
+            f"rank {rank}: {status}: {msg}"

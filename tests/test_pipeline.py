@@ -44,15 +44,16 @@ def _full(t):
 def _tp_stage(stage, tp_mesh, tp):
     """TP the blocks of a stage (and the embedding / head where it holds them)."""
     from torch.distributed.tensor import Replicate, Shard
-    plan = {f"layers.{i}.{k}": v for i in stage.block_ids for k, v in block_tp_plan(sw, True).items()}
+    # 7 tokens on 2 tp ranks: uneven sequence shards, shardwise's opt-in (uneven_shards=True)
+    plan = {f"layers.{i}.{k}": v for i in stage.block_ids for k, v in block_tp_plan(sw, True, True).items()}
     if stage.is_first:
         plan["tok_embeddings"] = sw.RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     else:
         # later stages get a sequence-sharded activation already
         pass
     if stage.is_last:
-        plan["norm"] = sw.SequenceParallel()
-        plan["output"] = sw.ColwiseParallel(input_layouts=Shard(1), use_local_output=False)
+        plan["norm"] = sw.SequenceParallel(uneven_shards=True)
+        plan["output"] = sw.ColwiseParallel(input_layouts=Shard(1), use_local_output=False, uneven_shards=True)
     sw.parallelize_module(stage.module, tp_mesh, plan)
     for i in stage.block_ids:
         att = stage.module.layers._modules[str(i)].attention

@@ -43,7 +43,7 @@ def _pp_model(dp_shard, pp=2, tp=1):
     if tp > 1:
         from examples.pipeline_setup import tp_stage
         for st in split.stages:
-            tp_stage(st, mesh["tp"])
+            tp_stage(st, mesh["tp"], uneven_shards=True)  # 7 tokens on 2 tp ranks
     if dp_shard > 1:
         for st in split.stages:
             for b in st.blocks:

@@ -7,6 +7,7 @@ is the same model, unsplit, in the same process. Tolerance: 1e-6 relative in fp3
 from __future__ import annotations
 
 import copy
+import warnings
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -285,9 +286,13 @@ def _plan_errors(rank, world_size):
             return f"{type(exc).__name__}: {exc}"
         return "no error"
 
-    out["typo"] = error({"layers.*.up": ColwiseParallel(), "layer.*.dwn": RowwiseParallel()})
+    out["typo"] = error({"layers.*.up": ColwiseParallel(), "layer.*.dwn": RowwiseParallel()}, strict=True)
     out["deep"] = error({"layers.*": ColwiseParallel()})  # matches the two MLPs themselves
-    out["depth"] = error({"*.up": ColwiseParallel()})  # '*' stays within one name
+    out["depth"] = error({"*.up": ColwiseParallel()}, strict=True)  # '*' stays within one name
+    with warnings.catch_warnings(record=True) as caught:  # the default, as torch: warn, skip, apply the rest
+        warnings.simplefilter("always")
+        lax = parallelize_module(Tower(), mesh, {"layers.*.up": ColwiseParallel(), "layer.*.dwn": RowwiseParallel()})
+    out["lax"] = ([f"{w.category.__name__}: {w.message}" for w in caught], sorted(placements_of(lax)))
     out["no_rule"] = error({"norm": ColwiseParallel()})
     out["overlap"] = error({"layers.*.up": ColwiseParallel(), "layers.0.up": ColwiseParallel()})
     out["torch_style"] = error({"layers.0.up": torch_tp.ColwiseParallel()})
@@ -309,6 +314,9 @@ def test_plan_patterns_and_errors():
     assert "PlanError" in out["typo"] and "'layer.*.dwn'" in out["typo"] and "'layers.*.down'" in out["typo"], out["typo"]
     assert "no rule for MLP" in out["deep"], out["deep"]
     assert "matches no submodule" in out["depth"] and "'layers.*.up'" in out["depth"], out["depth"]
+    warned, applied = out["lax"]
+    assert len(warned) == 1 and "PlanWarning" in warned[0] and "'layers.*.down'" in warned[0], warned
+    assert applied == [f"layers.{i}.up.{p}" for i in (0, 1) for p in ("bias", "weight")], applied
     assert "TypeError" in out["no_rule"] and "LayerNorm" in out["no_rule"] and "with_rule" in out["no_rule"], out["no_rule"]
     assert "'layers.*.up'" in out["overlap"] and "'layers.0.up'" in out["overlap"], out["overlap"]
     assert "shardwise.composable class of the same name" in out["torch_style"], out["torch_style"]
@@ -334,11 +342,13 @@ def _prepare(rank, world_size):
     parallelize_module(m, mesh, PrepareModuleInputOutput(
         input_layouts=Shard(0), desired_input_layouts=Replicate(),
         input_kwarg_layouts={"bias": Shard(0)}, desired_input_kwarg_layouts={"bias": Replicate()},
-        use_local_input=True, output_layouts=Replicate(), desired_output_layouts=Shard(0)))
+        use_local_input=True, output_layouts=Replicate(), desired_output_layouts=Shard(0),
+        uneven_shards=True))  # uneven pieces are opt-in: the ranks exchange their lengths
     out = m(x[mine], bias=bias[mine])  # this rank's rows in, this rank's rows out
     ok_io = torch.equal(out, (x * 2 + bias)[mine])
     n = AddBias()
-    parallelize_module(n, mesh, {"": PrepareModuleOutput(output_layouts=Shard(0), desired_output_layouts=Replicate())})
+    parallelize_module(n, mesh, {"": PrepareModuleOutput(output_layouts=Shard(0), desired_output_layouts=Replicate(),
+                                                         uneven_shards=True)})
     gathered = n(x[mine], bias=bias[mine])
     return ok_io, torch.equal(gathered, x * 2 + bias)
 

@@ -9,6 +9,7 @@ The last test applies the same plan with torch's own styles and compares.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -31,6 +32,13 @@ def block_plan(s, sequence_parallel: bool) -> dict:
 
 def llama_plan(s) -> dict:
     return llama_tp_plan(s)
+
+
+def uneven(plan: dict) -> dict:
+    """The plan with shardwise's opt-in for sequence shards of unequal lengths (a sequence the
+    tp size does not divide): every style that lays out plain tensors exchanges their lengths."""
+    return {k: dataclasses.replace(v, uneven_shards=True) if hasattr(v, "uneven_shards") else v
+            for k, v in plan.items()}
 
 
 def per_rank_heads(model, tp: int) -> None:
@@ -62,6 +70,8 @@ def _block_parity(rank, world_size, cfg_kw, seq, sequence_parallel):
         plan[""] = sw.PrepareModuleInputOutput(
             input_layouts=(Replicate(), None, None), desired_input_layouts=(Shard(1), None, None),
             use_local_input=True, output_layouts=Shard(1), desired_output_layouts=Replicate())
+    if seq % world_size:
+        plan = uneven(plan)
     sw.parallelize_module(model, tp_mesh(world_size), plan)
     per_rank_heads(model, world_size)
     pl = placements_of(model)
@@ -101,7 +111,8 @@ def _llama_parity(rank, world_size, vocab, seq):
     cfg = LlamaConfig(vocab_size=vocab, dim=16, n_layers=2, n_heads=4, n_kv_heads=kv_heads, ffn_hidden=24,
                       max_seq_len=16)
     ref = Llama(cfg, generator=torch.Generator().manual_seed(0))
-    model = sw.parallelize_module(copy.deepcopy(ref), tp_mesh(world_size), llama_plan(sw))
+    plan = llama_plan(sw) if seq % world_size == 0 else uneven(llama_plan(sw))
+    model = sw.parallelize_module(copy.deepcopy(ref), tp_mesh(world_size), plan)
     per_rank_heads(model, world_size)
     pl = placements_of(model)
     assert pl["tok_embeddings.weight"] == (Shard(0),) and pl["output.weight"] == (Shard(0),), pl

@@ -10,7 +10,8 @@ root-only state (``_root.py``), deferred init (``_materialize.py``), the API
 
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._materialize import broadcast_from_rank0, materialize
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._override import StepOverride, clear_override, configured, override_unit, units_of
+from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "fully_shard",
@@ -22,4 +23,11 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
+    # the interface other wings drive units through ([Note: step overrides])
+    "StepOverride",
+    "override_unit",
+    "clear_override",
+    "configured",
+    "units_of",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .._compat import is_strided_shard
 from .._mesh_utils import mesh_device
 from ._param_group import ParamGroup
-from ._policies import MixedPrecisionPolicy, OffloadPolicy
+from ._policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._spmd import spmd_mesh, to_tp_dtensor
 from ._state import FSDPState, TrainingState, get_state, units_under
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -123,7 +124,6 @@ class FSDPModule:
         for s in self._units(recurse):
             value = _check_reshard_after_forward(reshard_after_forward, s.mesh)
             s.user_reshard_after_forward = value
-            s.reshard_after_forward = s.configured_reshard_after_forward()
             if s.ctx is not None:  # lazy init done: it will not look at this again
                 s._setup_post_forward_group()
 
@@ -160,6 +160,18 @@ def _load_pre_hook(module, *args) -> None:
 
 def _load_post_hook(module, incompatible_keys) -> None:
     _readopt(get_state(module))
+
+
+_UNIT_ATTR = "_shardwise_param_unit"  # on a module holding a unit's parameters: the unit's module
+
+
+def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
+    """``state_dict()`` holds the sharded DTensors whenever it is called: a unit left unsharded
+    by a forward (the root by default, ``reshard_after_forward=False``) reshards first, as FSDP2
+    does; its next backward gathers again. Registered on every module that holds one of the
+    unit's parameters, so ``submodule.state_dict()`` sees shards too; the unit is found through
+    the module (a copied module finds its own copy)."""
+    _reshard_for_update(get_state(module.__dict__[_UNIT_ATTR]), "state_dict()")
 
 
 def _state_of(module: nn.Module, where: str) -> FSDPState:
@@ -277,6 +289,23 @@ def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
                 f"for '{p.device.type}'."
             )
 
+def _shard_placement(fn, fqn: str, param, label: str) -> Shard | None:
+    """What ``shard_placement_fn`` says for ``param``, checked (None: ``Shard(0)``)."""
+    if fn is None:
+        return None
+    placement = fn(param)
+    if placement is None:
+        return None
+    if not isinstance(placement, Shard) or is_strided_shard(placement):
+        raise TypeError(f"fully_shard({label}): shard_placement_fn returned {placement!r} for '{fqn}'; return "
+                        "torch.distributed.tensor.Shard(dim) or None (Shard(0))")
+    ndim = (param.to_local() if isinstance(param, DTensor) else param).dim()
+    if not -ndim <= placement.dim < ndim:
+        raise ValueError(f"fully_shard({label}): shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of "
+                         f"shape {tuple(param.shape)}; the dim must be in [-{ndim}, {ndim - 1}]")
+    return Shard(placement.dim % ndim)
+
+
 def _move_buffers(modules: list[nn.Module], mesh: DeviceMesh, dtype: torch.dtype | None) -> None:
     """Move the unit's CPU buffers (not those of nested units) to the mesh's device and cast
     its floating-point buffers to ``MixedPrecisionPolicy.buffer_dtype`` when set."""
@@ -299,9 +328,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ):
     """Shard the parameters of ``module`` (or of a list of modules, as one unit) over ``mesh``.
 
@@ -319,8 +350,18 @@ def fully_shard(
             False keeps them until after backward (ZeRO-2); an int ``k`` keeps ``1/k`` of them and
             all-gathers over ``k`` consecutive ranks in backward. None: True, except False for the
             root (the first unit to run forward).
+        shard_placement_fn: called once per parameter (the original one, before sharding);
+            returns ``Shard(d)`` to shard it on dim ``d`` instead of dim 0 (e.g. the largest
+            dim, or dim 1 of a wide embedding), or None for ``Shard(0)``. Any ``d`` and any
+            size: uneven splits follow ``torch.chunk`` as on dim 0. Gradients, optimizer state
+            and checkpoints follow the parameter's placement ([Note: the shard layout seam]).
         mp_policy, offload_policy: see ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``.
         ignored_params: parameters left as they are (not sharded, not reduced).
+        dp_mesh_dims: a `DataParallelMeshDims` naming the data-parallel axes of ``mesh`` when
+            ``mesh`` is the whole SPMD mesh (e.g. ``("dp", "tp")``) and the parameters are
+            DTensors on it with ``Replicate()`` on those axes (as after ``parallelize_module``
+            on the whole mesh): fully_shard then shards over ``mesh[shard]`` (HSDP with
+            ``replicate``) and keeps the parameters' other placements.
 
     Returns the module, whose class now also derives from ``FSDPModule``.
     """
@@ -336,6 +377,8 @@ def fully_shard(
                 "module.set_reshard_after_forward(...)."
             )
     mesh = _default_mesh() if mesh is None else mesh
+    if dp_mesh_dims is not None:
+        mesh = spmd_mesh(mesh, dp_mesh_dims)
     _check_mesh(mesh)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, mesh)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -343,17 +386,25 @@ def fully_shard(
     if not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got {type(offload_policy).__name__}")
     ignored = {id(p) for p in (ignored_params or ())}
-    entries = _collect_params(modules, ignored)
+    entries = originals = _collect_params(modules, ignored)
+    if dp_mesh_dims is not None:
+        entries = [(fqn, to_tp_dtensor(p, fqn, dp_mesh_dims), uses) for fqn, p, uses in entries]
     _check_params(entries, mesh, label)
+    placements = [_shard_placement(shard_placement_fn, fqn, p, label) for fqn, p, _ in entries]
     _move_buffers(modules, mesh, mp_policy.buffer_dtype)
-    group = ParamGroup(entries, mesh, mp=mp_policy, offload=offload_policy, label=label) if entries else None
+    group = ParamGroup(entries, mesh, mp=mp_policy, offload=offload_policy, label=label,
+                       placements=placements) if entries else None
     FSDPState(modules, group, mesh, reshard_after_forward, mp_policy)  # registers itself on the modules
     if group is not None:
-        for (fqn, p, _), sp in zip(entries, group.params):
+        for (fqn, p, _), sp in zip(originals, group.params):
             sp.owner = f"'{fqn}' of the unit fully_shard({label})"
             setattr(p, _OWNER_ATTR, sp.owner)
             setattr(sp.sharded, _OWNER_ATTR, sp.owner)
             sp.register(unsharded=False)
+    if group is not None:
+        for m in {id(m): m for sp in group.params for m, _ in sp.uses}.values():
+            m.__dict__[_UNIT_ATTR] = modules[0]
+            m.register_state_dict_pre_hook(_state_dict_pre_hook)
     for m in modules:
         # load_state_dict(assign=True) replaces parameters: re-adopt them (the hooks find the
         # state on the module, so a copied module does not reach back to this one)

@@ -1,74 +1,121 @@
-"""Index arithmetic of dim-0 sharding: which rows a rank owns, and the padded layout.
+"""The shard layout of one parameter: which slice of dim ``d`` a rank owns, and the padded form.
 
-A parameter of global shape ``(n, *rest)`` is split along dim 0 into ``W`` shards with
-``torch.chunk`` semantics (this is also how ``Shard(0)`` lays out a DTensor whose size does
-not divide the mesh axis):
+[Note: the shard layout seam]
+Everything in the fully_shard wing that sizes, copies or views a parameter's shard goes
+through one ``ShardLayout``: the unit's flat buffers (``_param_group.py``), the parameter's
+DTensor views (``_sharded_param.py``), the reduce-scatter (``_reduce.py``), deferred init
+(``_materialize.py``) and the planner (``_plan/_units.py``). A new way to shard a parameter is
+one class implementing the protocol below, chosen in `make_layout`.
 
-    c      = ceil(n / W)                    rows per shard ("chunk rows")
-    rows_r = clamp(n - r * c, 0, c)         rows held by rank r
-    start_r = min(r * c, n)                 first global row of rank r
+`DimLayout` splits dim ``d`` (``Shard(d)``; ``d = 0`` by default, any ``d`` with
+``fully_shard(shard_placement_fn=...)``) into ``W`` shards with ``torch.chunk`` semantics,
+which is also how ``Shard(d)`` lays out a DTensor whose size does not divide the mesh axis.
+With ``n = shape[d]``, ``pre = prod(shape[:d])`` and ``row = prod(shape[d+1:])``:
 
-so the leading ranks hold ``c`` rows, at most one rank holds a partial chunk and trailing
-ranks may hold nothing (7 rows on 4 ranks: 2, 2, 2, 1; 5 rows on 4 ranks: 2, 2, 1, 0;
-2 rows on 4 ranks: 1, 1, 0, 0).
+    c       = ceil(n / W)                   slices per shard ("chunk rows")
+    rows_r  = clamp(n - r * c, 0, c)        slices held by rank r
+    start_r = min(r * c, n)                 first global slice of rank r
 
-For collectives every rank stores its shard *padded* to ``c`` rows, so the all-gather of
-``W`` equal pieces lays the rows out as ``W * c >= n`` padded rows whose first ``n`` are
-the parameter. See [Note: flat buffers] in ``_param_group.py`` for how several parameters
-share one buffer.
+so the leading ranks hold ``c`` slices, at most one rank holds a partial chunk and trailing
+ranks may hold nothing (7 on 4 ranks: 2, 2, 2, 1; 5 on 4 ranks: 2, 2, 1, 0).
+
+For collectives every rank stores its shard *padded* to ``c`` slices, as a contiguous
+``(pre, c, row)`` block of ``padded_numel = pre * c * row`` elements; the all-gather of ``W``
+equal blocks gives ``[W, pre, c, row]``, which read as ``[pre, W * c, row]`` (a strided view,
+no copy for ``d = 0``) holds the parameter in its first ``n`` slices. The rank's real shard is
+the view ``block[:, :rows_r, :]``: contiguous for ``d = 0`` or an even split, strided (over
+its padding) otherwise, as FSDP2's is. See [Note: flat buffers] in ``_param_group.py`` for how
+several parameters share one buffer.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
-from .._chunks import chunk_range, chunk_rows, chunk_sizes
+import torch
+from torch.distributed.tensor import Shard
 
-__all__ = ["DimZeroLayout", "byte_columns", "scatter_rows", "gather_rows"]
+from .._chunks import chunk_range, chunk_rows
+
+__all__ = ["ShardLayout", "DimLayout", "DimZeroLayout", "make_layout", "byte_columns", "scatter_rows",
+           "gather_rows"]
 
 
-def byte_columns(rows, offset: int, layout: "DimZeroLayout", dtype):
-    """One tensor's column block of a rank-major ``[W, B]`` byte matrix, viewed as ``dtype``:
-    bytes ``[offset, offset + padded_numel * itemsize)`` of every row, i.e. a ``[W, padded_numel]``
-    view whose row ``r`` is rank ``r``'s padded shard. See [Note: flat buffers] in
-    ``_param_group.py``."""
-    return rows[:, offset : offset + layout.padded_numel * dtype.itemsize].view(dtype)
+class ShardLayout(Protocol):
+    """How one tensor of ``shape`` is split over ``world`` ranks of the shard axis.
+
+    ``padded_numel``: the elements every rank stores and communicates for it (equal on all
+    ranks: the all-gather and reduce-scatter take equal pieces). ``placement``: the DTensor
+    placement of the data-parallel shard axis. ``shard_shape(r)``: the shape of rank ``r``'s
+    real shard, and ``local_view(padded, r)`` that shard as a view of its padded segment.
+    ``scatter(full, dst, lo, hi)`` writes the padded pieces of ranks ``lo..hi-1`` of ``full``
+    into the ``[hi - lo, padded_numel]`` view ``dst`` (padding zeroed), ``gather(src, full)``
+    is its inverse over all ranks (``src`` is ``[world, padded_numel]``)."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def world(self) -> int: ...
+
+    @property
+    def padded_numel(self) -> int: ...
+
+    @property
+    def placement(self) -> Shard: ...
+
+    def shard_shape(self, rank: int) -> tuple[int, ...]: ...
+
+    def local_view(self, padded: torch.Tensor, rank: int) -> torch.Tensor: ...
+
+    def scatter(self, full: torch.Tensor, dst: torch.Tensor, lo: int, hi: int) -> None: ...
+
+    def gather(self, src: torch.Tensor, full: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
-class DimZeroLayout:
-    """The dim-0 split of one tensor of ``shape`` over ``world`` ranks.
-
-    ``row_numel`` is the number of elements in one row (``prod(shape[1:])``);
-    ``padded_numel`` is what every rank stores and communicates for this tensor.
-    """
+class DimLayout:
+    """The split of dim ``dim`` of a tensor of ``shape`` over ``world`` ranks (see the module
+    docstring). ``rows`` / ``row_numel`` / ``pre_numel``: ``n``, ``row`` and ``pre`` above."""
 
     shape: tuple[int, ...]
     world: int
+    dim: int = 0
 
     def __post_init__(self) -> None:
         if len(self.shape) == 0:
-            raise ValueError("a 0-d tensor has no dim 0 to shard")
+            raise ValueError("a 0-d tensor has no dim to shard")
+        if not 0 <= self.dim < len(self.shape):
+            raise ValueError(f"shard dim {self.dim} is out of range for a tensor of shape {self.shape}")
         if self.world < 1:
             raise ValueError(f"world must be >= 1, got {self.world}")
 
     @property
+    def placement(self) -> Shard:
+        return Shard(self.dim)
+
+    @property
     def rows(self) -> int:
-        return self.shape[0]
+        return self.shape[self.dim]
+
+    @property
+    def pre_numel(self) -> int:
+        return math.prod(self.shape[: self.dim])
 
     @property
     def row_numel(self) -> int:
-        return math.prod(self.shape[1:])
+        return math.prod(self.shape[self.dim + 1 :])
 
     @property
     def chunk_rows(self) -> int:
-        """``c = ceil(n / W)``: the rows of every non-trailing shard, padding included."""
+        """``c = ceil(n / W)``: the slices of every non-trailing shard, padding included."""
         return chunk_rows(self.rows, self.world)
 
     @property
     def padded_numel(self) -> int:
-        return self.chunk_rows * self.row_numel
+        return self.pre_numel * self.chunk_rows * self.row_numel
 
     def shard_start(self, rank: int) -> int:
         return chunk_range(self.rows, self.world, rank)[0]
@@ -78,52 +125,85 @@ class DimZeroLayout:
         return stop - start
 
     def shard_shape(self, rank: int) -> tuple[int, ...]:
-        return (self.shard_rows(rank), *self.shape[1:])
+        return (*self.shape[: self.dim], self.shard_rows(rank), *self.shape[self.dim + 1 :])
+
+    def shard_numel(self, rank: int) -> int:
+        return self.pre_numel * self.shard_rows(rank) * self.row_numel
 
     @property
     def full_ranks(self) -> int:
-        """Number of leading ranks that hold a whole chunk of ``c`` rows."""
+        """Number of leading ranks that hold a whole chunk of ``c`` slices."""
         return self.rows // self.chunk_rows if self.chunk_rows else 0
 
     @property
     def tail_rows(self) -> int:
-        """Rows of the one partial shard (0 when the split is even)."""
+        """Slices of the one partial shard (0 when the split is even)."""
         return self.rows - self.full_ranks * self.chunk_rows if self.chunk_rows else 0
 
+    def local_view(self, padded: torch.Tensor, rank: int) -> torch.Tensor:
+        real = padded[: self.padded_numel].view(self.pre_numel, self.chunk_rows, self.row_numel)[
+            :, : self.shard_rows(rank)]
+        if real.is_contiguous():  # dim 0, an even split, or an empty shard
+            return real.view(self.shard_shape(rank))
+        # (pre, rows_r, row) strided over the padding: split pre and row back, as views
+        real = real.unflatten(0, self.shape[: self.dim])
+        post = self.shape[self.dim + 1 :]
+        return real.unflatten(-1, post) if post else real.squeeze(-1)
 
-def scatter_rows(layout: DimZeroLayout, full, dst, lo: int, hi: int) -> None:
-    """Write the padded shards of ranks ``lo .. hi-1`` of ``full`` into ``dst``.
+    def scatter(self, full: torch.Tensor, dst: torch.Tensor, lo: int, hi: int) -> None:
+        c, pre, row = self.chunk_rows, self.pre_numel, self.row_numel
+        if c == 0 or row == 0 or pre == 0 or hi <= lo:
+            return
+        d = dst.unflatten(1, (pre, c, row))  # [ranks, pre, c, row]
+        f = full.reshape(pre, self.rows, row)
+        q, t = self.full_ranks, self.tail_rows
+        a, b = lo, min(hi, q)
+        if a < b:
+            d[a - lo : b - lo].copy_(f[:, a * c : b * c].unflatten(1, (b - a, c)).movedim(1, 0))
+        if lo <= q < hi:
+            d[q - lo, :, :t].copy_(f[:, q * c :])
+            d[q - lo, :, t:].zero_()
+        z = max(lo, q + 1)
+        if z < hi:
+            d[z - lo :].zero_()
 
-    ``full`` has ``layout.shape``; ``dst`` is a ``[hi - lo, padded_numel]`` view (rows may be
-    strided, as when ``dst`` is one parameter's columns of a rank-major flat buffer). Padding
-    rows are zeroed so that a sum over ranks never picks up stale memory.
-    """
-    c, row = layout.chunk_rows, layout.row_numel
-    if c == 0 or row == 0 or hi <= lo:
-        return
-    d = dst.unflatten(1, (c, row))
-    f = full.reshape(layout.rows, row)
-    q, t = layout.full_ranks, layout.tail_rows
-    a, b = lo, min(hi, q)
-    if a < b:
-        d[a - lo : b - lo].copy_(f[a * c : b * c].view(b - a, c, row))
-    if lo <= q < hi:
-        d[q - lo, :t].copy_(f[q * c :])
-        d[q - lo, t:].zero_()
-    z = max(lo, q + 1)
-    if z < hi:
-        d[z - lo :].zero_()
+    def gather(self, src: torch.Tensor, full: torch.Tensor) -> None:
+        c, pre, row = self.chunk_rows, self.pre_numel, self.row_numel
+        if c == 0 or row == 0 or pre == 0:
+            return
+        s = src.unflatten(1, (pre, c, row))
+        f = full.view(pre, self.rows, row)
+        q, t = self.full_ranks, self.tail_rows
+        f[:, : q * c].unflatten(1, (q, c)).copy_(s[:q].movedim(0, 1))
+        if t:
+            f[:, q * c :].copy_(s[q, :, :t])
 
 
-def gather_rows(layout: DimZeroLayout, src, full) -> None:
-    """Inverse of :func:`scatter_rows` over all ranks: ``src`` is ``[world, padded_numel]``
-    (the all-gathered pieces, rank-major), ``full`` a contiguous tensor of ``layout.shape``."""
-    c, row = layout.chunk_rows, layout.row_numel
-    if c == 0 or row == 0:
-        return
-    s = src.unflatten(1, (c, row))
-    f = full.view(layout.rows, row)
-    q, t = layout.full_ranks, layout.tail_rows
-    f[: q * c].view(q, c, row).copy_(s[:q])
-    if t:
-        f[q * c :].copy_(s[q, :t])
+DimZeroLayout = DimLayout  # the dim-0 split: ``DimLayout(shape, world)``
+
+
+def make_layout(shape: tuple[int, ...], world: int, placement: Shard | None = None) -> DimLayout:
+    """The layout for a parameter of (TP-local) ``shape``: ``placement`` is what
+    ``shard_placement_fn`` returned for it (None: ``Shard(0)``)."""
+    dim = 0 if placement is None else placement.dim
+    if dim < 0:
+        dim += len(shape)
+    return DimLayout(tuple(shape), world, dim)
+
+
+def byte_columns(rows: torch.Tensor, offset: int, layout: ShardLayout, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor's column block of a rank-major ``[W, B]`` byte matrix, viewed as ``dtype``:
+    bytes ``[offset, offset + padded_numel * itemsize)`` of every row, i.e. a ``[W, padded_numel]``
+    view whose row ``r`` is rank ``r``'s padded shard. See [Note: flat buffers] in
+    ``_param_group.py``."""
+    return rows[:, offset : offset + layout.padded_numel * dtype.itemsize].view(dtype)
+
+
+def scatter_rows(layout: ShardLayout, full: torch.Tensor, dst: torch.Tensor, lo: int, hi: int) -> None:
+    """``layout.scatter(full, dst, lo, hi)``."""
+    layout.scatter(full, dst, lo, hi)
+
+
+def gather_rows(layout: ShardLayout, src: torch.Tensor, full: torch.Tensor) -> None:
+    """``layout.gather(src, full)``."""
+    layout.gather(src, full)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._compat import TorchDispatchMode, storage_key, tree_flatten
-from ._layout import byte_columns, gather_rows, scatter_rows
+from ._layout import byte_columns
 from .._mesh_utils import all_gather_single
 from ._state import get_state, units_under
 
@@ -110,14 +110,14 @@ class _Placeholders:
             all_gather_single(rows, g.sharded_bytes, group=g.shard_group)
             rows = rows.view(g.world, g.master_bytes)
             for p, o in zip(g.params, g.master_offsets):
-                gather_rows(p.layout, byte_columns(rows, o, p.layout, p.orig_dtype), self.full[id(p)].data)
+                p.layout.gather(byte_columns(rows, o, p.layout, p.orig_dtype), self.full[id(p)].data)
         self.ever_active.add(id(g))
         self.current = g
 
     def _finalize(self, g) -> None:
         for p in g.params:
             t = self.full[id(p)].data
-            scatter_rows(p.layout, t, p.padded.view(1, -1), g.rank, g.rank + 1)
+            p.layout.scatter(t, p.padded.view(1, -1), g.rank, g.rank + 1)
             t.untyped_storage().resize_(0)
         self.current = None
 
@@ -150,8 +150,9 @@ class _TouchMode(TorchDispatchMode):
 
 def _default_init(model: nn.Module) -> None:
     for m in model.modules():
-        if callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
 
 
 def materialize(model: nn.Module, init_fn=None) -> None:
@@ -168,7 +169,7 @@ def materialize(model: nn.Module, init_fn=None) -> None:
     meta_buffers = _materialize_storage(model)
     groups = _groups(model)
     ph = _Placeholders(groups)
-    buffer_keys = {storage_key(m._buffers[n]): n for m, n in meta_buffers}
+    buffer_keys = {storage_key(b): n for m, n in meta_buffers if (b := m._buffers[n]) is not None}
     mode = _TouchMode(ph, buffer_keys)
     try:
         with torch.no_grad(), mode:
@@ -198,7 +199,7 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
     me = dist.get_rank()
     _refuse_tp(model, "broadcast_from_rank0")
     _materialize_storage(model)
-    names = {}
+    names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     for g in _groups(model):
@@ -209,8 +210,10 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
             raise ValueError(f"broadcast_from_rank0: src_rank {src_rank} is not in the mesh of unit {g.label}")
         in_src_shard_group = coords[:-1] == src_coords[:-1]
         if in_src_shard_group:
-            send = None
+            pieces: list[torch.Tensor] | None = None
             if me == src_rank:
+                if full_state_dict is None:
+                    raise ValueError("broadcast_from_rank0: the source rank must pass its full state dict")
                 send = torch.zeros(g.world, g.master_bytes, dtype=torch.uint8, device=g.sharded_bytes.device)
                 for p, o in zip(g.params, g.master_offsets):
                     fqn = names[id(p.sharded)]
@@ -220,9 +223,9 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
                     if tuple(full.shape) != p.layout.shape:
                         raise ValueError(f"broadcast_from_rank0: '{fqn}' has shape {tuple(full.shape)}, "
                                          f"the model expects {p.layout.shape}")
-                    scatter_rows(p.layout, full, byte_columns(send, o, p.layout, p.orig_dtype), 0, g.world)
-                send = list(send.unbind(0))
-            dist.scatter(g.sharded_bytes, send, src=src_rank, group=g.shard_group)
+                    p.layout.scatter(full, byte_columns(send, o, p.layout, p.orig_dtype), 0, g.world)
+                pieces = list(send.unbind(0))
+            dist.scatter(g.sharded_bytes, pieces, src=src_rank, group=g.shard_group)
         if g.replicate_group is not None:
             src_in_replicas = int(mesh.mesh[(slice(None), *coords[1:])][src_coords[0]])
             dist.broadcast(g.sharded_bytes, src=src_in_replicas, group=g.replicate_group)

@@ -50,12 +50,13 @@ pointer comparison each; this never runs during a step.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
-from ._layout import DimZeroLayout, byte_columns, gather_rows, scatter_rows
+from ._layout import ShardLayout, byte_columns, make_layout
 from .._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
@@ -100,7 +101,8 @@ class ParamGroup:
     """Parameters ``entries`` = ``[(fqn, param, uses), ...]`` of one unit, sharded over the
     last axis of ``mesh`` (and replicated over its first axis when the mesh is 2-D)."""
 
-    def __init__(self, entries, mesh, *, mp: MixedPrecisionPolicy, offload: OffloadPolicy, label: str) -> None:
+    def __init__(self, entries, mesh, *, mp: MixedPrecisionPolicy, offload: OffloadPolicy, label: str,
+                 placements: list | None = None) -> None:
         self.mesh, self.mp, self.label = mesh, mp, label
         self.trace = TraceNames.for_unit(label)  # the root renames it by module path at lazy init
         self.shard_group = mesh.get_group(mesh.ndim - 1)
@@ -113,11 +115,12 @@ class ParamGroup:
         on_meta = entries[0][1].device.type == "meta"
         self.storage_device = torch.device("meta") if on_meta else (
             torch.device("cpu") if self.offload else self.compute_device)
-        self.pin = self.offload and (offload.pin_memory if offload.pin_memory is not None
-                                     else self.compute_device.type != "cpu")
+        pin = offload.pin_memory if isinstance(offload, CPUOffloadPolicy) else None
+        self.pin = self.offload and (pin if pin is not None else self.compute_device.type != "cpu")
         # a tensor-parallel DTensor is sharded on its TP-local shape
-        layouts = [DimZeroLayout(tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape), self.world)
-                   for _, p, _ in entries]
+        placements = placements or [None] * len(entries)
+        layouts = [make_layout(tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape), self.world, pl)
+                   for (_, p, _), pl in zip(entries, placements)]
         dtypes = [p.dtype for _, p, _ in entries]
         cdtypes = [mp.param_dtype or d for d in dtypes]
         self._plan_bytes(layouts, dtypes, cdtypes)
@@ -132,8 +135,10 @@ class ParamGroup:
         # instead of None ([Note: unused parameters] in _reduce.py)
         self.reduce_scatter_unused_params = False
         self.state = ShardState.SHARDED
-        self._pending = None  # (work, gathered bytes) of an issued all-gather (GATHERING)
-        self._post_forward = None  # (bytes, group) kept by reshard(to=...) (SHARDED_POST_FORWARD)
+        # (work, gathered bytes) of an issued all-gather (GATHERING)
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        # (bytes, group) kept by reshard(to=...) (SHARDED_POST_FORWARD)
+        self._post_forward: tuple[torch.Tensor, Any] | None = None
 
     def _to(self, state: ShardState) -> None:
         if state not in _NEXT[self.state]:
@@ -184,11 +189,29 @@ class ParamGroup:
         self.buckets = make_buckets(self.params, self.mp.reduce_dtype)
         self.drop_post_forward()
 
+    def adopt_replaced(self) -> None:
+        """At the root's lazy init: take parameters set on the modules since ``fully_shard``
+        (``module.weight = nn.Parameter(...)``, a common re-init pattern after a meta-device
+        ``fully_shard``) as FSDP2 does ([Note: re-adopting parameters]); then refuse, naming
+        them, parameters that are still on the meta device."""
+        if self.state is not ShardState.SHARDED:
+            return  # unsharded by the user before the first forward: the modules hold the gathered ones
+        current = [p.registered() for p in self.params]
+        meta = [p.fqn for p, c in zip(self.params, current) if c.device.type == "meta"]
+        if not meta:
+            self.readopt()
+            meta = [p.fqn for p in self.params if p.padded.device.type == "meta"]
+        if meta:
+            raise RuntimeError(
+                f"fully_shard({self.label}): parameters {meta} are still on the meta device at the first forward; "
+                "materialize them first: module.to_empty(device=...) and then initialize them (reset_parameters() "
+                "or load a state dict), or shardwise.composable.materialize(module)")
+
     def _new_storage(self) -> torch.Tensor:
         t = torch.zeros(self.master_bytes, dtype=torch.uint8, device=self.storage_device)
         return t.pin_memory() if self.pin and t.device.type == "cpu" else t
 
-    def _segment(self, offset: int, lay: DimZeroLayout, dtype: torch.dtype) -> torch.Tensor:
+    def _segment(self, offset: int, lay: ShardLayout, dtype: torch.dtype) -> torch.Tensor:
         return self.sharded_bytes[offset : offset + lay.padded_numel * dtype.itemsize].view(dtype)
 
     def materialize(self, full_tensors=None) -> None:
@@ -244,6 +267,7 @@ class ParamGroup:
         parameters on their modules."""
         if self.state is not ShardState.GATHERING:
             return
+        assert self._pending is not None, "GATHERING has an all-gather in flight"
         work, gathered = self._pending
         self._pending = None
         if work is not None:
@@ -254,7 +278,7 @@ class ParamGroup:
         with torch.no_grad(), record_function(self.trace.copy_out):
             for i, p in enumerate(self.params):
                 if not p.alias:
-                    gather_rows(p.layout, self._ag_block(rows, i), p.alloc_unsharded())
+                    p.layout.gather(self._ag_block(rows, i), p.alloc_unsharded())
         for p in self.params:
             p.register(unsharded=True)
         self._to(ShardState.UNSHARDED)
@@ -275,7 +299,7 @@ class ParamGroup:
             rows = buf.view(per, self.ag_bytes)
             with torch.no_grad():
                 for i, p in enumerate(self.params):
-                    scatter_rows(p.layout, p.unsharded_data(), self._ag_block(rows, i), lo, lo + per)
+                    p.layout.scatter(p.unsharded_data(), self._ag_block(rows, i), lo, lo + per)
             self._post_forward = (buf, group)
         for p in self.params:
             p.register(unsharded=False)

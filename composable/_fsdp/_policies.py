@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"]
 
 
 @dataclass(frozen=True)
@@ -42,3 +42,31 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool | None = None
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Which axes of a whole SPMD mesh are data-parallel, for ``fully_shard(mesh=spmd_mesh,
+    dp_mesh_dims=...)`` (FSDP2's name). ``shard``: the axis fully_shard shards over;
+    ``replicate``: the HSDP replica axis. Each is an axis name, or a tuple of one name (several
+    axes flattened into one are not supported: name one axis per role, e.g. with
+    ``shardwise.mesh.init_mesh``). At least one must be set."""
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims: set shard= and/or replicate= to axis names of the mesh")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if value is None else (value,) if isinstance(value, str) else tuple(value)

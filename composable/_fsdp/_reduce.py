@@ -41,15 +41,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ._layout import scatter_rows
 from .._mesh_utils import reduce_scatter_single
 
 __all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads", "resolve_unused"]
+
+
+class ReducingUnit(Protocol):
+    """What the reduction needs of a unit (a ``ParamGroup``): its buckets, axes and names."""
+
+    label: str
+    world: int
+    rank: int
+    replicate_world: int
+    replicate_group: Any
+    shard_group: Any
+    compute_device: torch.device
+    trace: Any
+    buckets: list["Bucket"]
+    reduce_scatter_unused_params: bool
 
 
 class ReduceStage(Enum):
@@ -108,9 +123,9 @@ class PendingReduce:
     """One bucket's issued reduction of one unit (``group``, a ``ParamGroup``); see
     [Note: the reduction pipeline]. ``work`` is the collective in flight (None: none)."""
 
-    group: object
+    group: ReducingUnit
     bucket: Bucket
-    work: object
+    work: Any  # a c10d Work, or None
     out: torch.Tensor
     all_reduce: bool
     stage: ReduceStage = field(default=ReduceStage.SCATTER)
@@ -165,7 +180,7 @@ class PendingReduce:
             pass
 
 
-def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
+def reduce_grads(g: ReducingUnit, *, all_reduce: bool) -> list[PendingReduce]:
     """Issue the reduce-scatter of the unsharded gradients of ``g`` (a ``ParamGroup``; one per
     bucket, async) and free them; frozen parameters never have one."""
     W = g.world
@@ -182,7 +197,7 @@ def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
                 if grad is None:
                     block.zero_()
                 else:
-                    scatter_rows(p.layout, grad, block, 0, W)
+                    p.layout.scatter(grad, block, 0, W)
             rows[:, b.numel :].copy_(torch.tensor(used, dtype=b.dtype).expand(W, -1))
             if W == 1:  # nothing to scatter: the sum over one rank is the input
                 pending.append(PendingReduce(g, b, None, send, all_reduce))
@@ -193,17 +208,16 @@ def reduce_grads(g, *, all_reduce: bool) -> list[PendingReduce]:
     return pending
 
 
-def _store(g, b: Bucket, out: torch.Tensor) -> None:
+def _store(g: ReducingUnit, b: Bucket, out: torch.Tensor) -> None:
     for i, (p, o) in enumerate(zip(b.params, b.offsets)):
         if p.sharded.grad is None:
             b.fresh.add(i)
-        n = p.layout.shard_rows(g.rank) * p.layout.row_numel
-        p.accumulate_sharded_grad(out[o : o + n].view(p.layout.shard_shape(g.rank)))
+        p.accumulate_sharded_grad(p.layout.local_view(out[o : o + p.layout.padded_numel], g.rank))
     counts = out[b.numel : b.row]
     b.seen = counts.clone() if b.seen is None else b.seen.add_(counts)
 
 
-def _all_reduce_sharded_grads(g, b: Bucket) -> None:
+def _all_reduce_sharded_grads(g: ReducingUnit, b: Bucket) -> None:
     locals_ = [p.sharded.grad.to_local() for p in b.params]
     parts = [t.reshape(-1).to(b.dtype) for t in locals_] + [b.seen]
     flat = torch.cat(parts).to(g.compute_device)

@@ -48,10 +48,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 
 from .._compat import root_mesh, set_local_tensor, strided_shard
-from ._layout import DimZeroLayout, scatter_rows
+from ._layout import ShardLayout
 from .._mesh_utils import same_mesh
 
 __all__ = ["ShardedParam"]
@@ -59,7 +60,8 @@ __all__ = ["ShardedParam"]
 
 class ShardedParam:
     """One original parameter: ``fqn`` (its first name under the unit's module), ``uses``
-    (every ``(module, attribute)`` that holds it) and its dim-0 ``layout`` over the shard axis.
+    (every ``(module, attribute)`` that holds it) and its ``layout`` over the shard axis
+    (``Shard(d)``, dim 0 unless ``shard_placement_fn`` chose another; [Note: the shard layout seam]).
 
     ``padded`` is this rank's ``[layout.padded_numel]`` segment of the flat sharded buffer, in
     the original dtype; ``compute_dtype``/``compute_device`` describe the unsharded tensor.
@@ -70,7 +72,7 @@ class ShardedParam:
         fqn: str,
         param: nn.Parameter,
         uses: list[tuple[nn.Module, str]],
-        layout: DimZeroLayout,
+        layout: ShardLayout,
         padded: torch.Tensor,
         mesh,
         shard_rank: int,
@@ -87,11 +89,13 @@ class ShardedParam:
         self.orig_dtype = param.dtype
         self.compute_dtype = compute_dtype
         self.requires_grad = param.requires_grad
-        dp = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+        dp: tuple = (layout.placement,) if mesh.ndim == 1 else (Replicate(), layout.placement)
+        self.tp_mesh: DeviceMesh | None
+        self.tp_placements: tuple | None
         if isinstance(param, DTensor):  # see [Note: sharding a tensor-parallel parameter]
             self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)
-            if self.tp_placements[0] == Shard(0):
-                dp = dp[:-1] + (strided_shard(0, self.tp_mesh.size()),)
+            if self.tp_placements[0] == layout.placement:  # TP split the same dim first
+                dp = dp[:-1] + (strided_shard(layout.placement.dim, self.tp_mesh.size()),)
             self.mesh = _combined_mesh(mesh, self.tp_mesh)
             self.placements = dp + self.tp_placements
             self.global_shape = tuple(param.shape)
@@ -127,9 +131,8 @@ class ShardedParam:
         self.padded = padded
         if full is not None:
             with torch.no_grad():
-                scatter_rows(self.layout, full, padded.view(1, -1), self.shard_rank, self.shard_rank + 1)
-        n = self.layout.shard_rows(self.shard_rank) * self.layout.row_numel
-        local = padded[:n].view(self.layout.shard_shape(self.shard_rank))
+                self.layout.scatter(full, padded.view(1, -1), self.shard_rank, self.shard_rank + 1)
+        local = self.layout.local_view(padded, self.shard_rank)
         if not keep_sharded:
             self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
         if self.alias:
@@ -159,15 +162,14 @@ class ShardedParam:
         ``load_state_dict(assign=True)`` put there: a DTensor of this parameter's layout, or
         the full tensor. See [Note: re-adopting parameters] in ``_param_group.py``."""
         rank = self.shard_rank
-        n = self.layout.shard_rows(rank) * self.layout.row_numel
-        local = padded[:n].view(self.layout.shard_shape(rank))
+        local = self.layout.local_view(padded, rank)
         if isinstance(param, DTensor):
             self._check_layout(param)
             src = param.to_local()
             if padded.device.type != "meta" and src.device.type != "meta":
                 with torch.no_grad():
+                    padded.zero_()  # the padding, then the real shard
                     local.copy_(src)
-                    padded[n:].zero_()
             set_local_tensor(param, local)
             self.sharded = param if isinstance(param, nn.Parameter) else nn.Parameter(param, param.requires_grad)
         else:
@@ -178,7 +180,7 @@ class ShardedParam:
                     f"p.placements)) or, without tensor parallelism, the full tensor of shape {self.global_shape}")
             if padded.device.type != "meta" and param.device.type != "meta":
                 with torch.no_grad():
-                    scatter_rows(self.layout, param, padded.view(1, -1), rank, rank + 1)
+                    self.layout.scatter(param, padded.view(1, -1), rank, rank + 1)
             self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
         self.padded = padded
         self.requires_grad = self.sharded.requires_grad
@@ -213,8 +215,8 @@ class ShardedParam:
     # -- unsharded storage (see [Note: freeing by storage resize]) ------------------------------
     def unsharded_data(self) -> torch.Tensor:
         """A writable alias of the unsharded parameter's (TP-local) data, outside autograd."""
-        t = self.unsharded
-        if self.tp_mesh is not None:
+        t: torch.Tensor = self.unsharded
+        if isinstance(t, DTensor):  # a tensor-parallel parameter
             with torch.no_grad():
                 t = t.to_local()
         return t.data
@@ -249,6 +251,7 @@ class ShardedParam:
         if g is None or self.tp_mesh is None:
             return g
         g = g.to(dtype)
+        assert isinstance(g, DTensor), "a tensor-parallel parameter's gradient is a DTensor"
         if tuple(g.placements) != self.tp_placements:
             g = g.redistribute(self.tp_mesh, self.tp_placements)
         return g.to_local()
@@ -282,7 +285,9 @@ class ShardedParam:
             self.sharded.grad = self._as_dtensor(local_grad.to(device=device, dtype=self.orig_dtype))
         else:
             with torch.no_grad():
-                self.sharded.grad.to_local().add_(local_grad.to(device))
+                grad = self.sharded.grad
+                assert isinstance(grad, DTensor)
+                grad.to_local().add_(local_grad.to(device))
 
 
 def _combined_mesh(dp_mesh, tp_mesh):

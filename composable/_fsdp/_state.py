@@ -58,6 +58,7 @@ an earlier unit of that backward had already stored there is the user's to clear
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,10 +136,12 @@ class FSDPState:
         self.group = group
         self.mesh = mesh
         self.mp = mp
+        # configured by the user (one writer each); the effective values are the properties
+        # below, which a StepOverride may replace for a step ([Note: step overrides])
         self.user_reshard_after_forward = reshard_after_forward
-        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
+        self.configured_reshard_after_backward = True
+        self.configured_requires_gradient_sync = True
+        self.override: Any = None  # a StepOverride, installed by _override.override_unit
         self.requires_all_reduce = True
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (execution order)
         self.backward_prefetch: list[FSDPState] | None = None
@@ -146,7 +149,7 @@ class FSDPState:
         self.requested_unshard_limit: int | None = None  # set_unshard_limit before lazy init
         self.training = TrainingState.IDLE
         # per-unit, per-step
-        self._post_forward_target = None  # (group, k) for an int reshard_after_forward
+        self._post_forward_target: tuple | None = None  # (group, k) for an int reshard_after_forward
         self._forward_seen: set[int] = set()
         self._pending_post_backward = 0
         self._handles = []
@@ -169,6 +172,33 @@ class FSDPState:
     @property
     def is_root(self) -> bool | None:
         return None if self.ctx is None else self.ctx.root is self
+
+    @property
+    def reshard_after_forward(self) -> bool | int:
+        o = self.override
+        if o is not None and o.reshard_after_forward is not None:
+            return o.reshard_after_forward
+        return self.configured_reshard_after_forward()
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        o = self.override
+        return self.configured_reshard_after_backward if o is None or o.reshard_after_backward is None \
+            else o.reshard_after_backward
+
+    @reshard_after_backward.setter
+    def reshard_after_backward(self, value: bool) -> None:
+        self.configured_reshard_after_backward = value
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        o = self.override
+        return self.configured_requires_gradient_sync if o is None or o.requires_gradient_sync is None \
+            else o.requires_gradient_sync
+
+    @requires_gradient_sync.setter
+    def requires_gradient_sync(self, value: bool) -> None:
+        self.configured_requires_gradient_sync = value
 
     def configured_reshard_after_forward(self) -> bool | int:
         """``reshard_after_forward`` as the user set it, or its default (True, but False on the
@@ -193,6 +223,9 @@ class FSDPState:
             raise ValueError(
                 f"set_unshard_limit was called on {len(limits)} unit(s) that are not the root (the root is the "
                 "module whose forward runs first, usually the whole model); call it on the root")
+        for s in states:  # before anything is set up: an error here leaves lazy init to run again
+            if s.group is not None:
+                s.group.adopt_replaced()
         ctx = RootContext(self, states, self.requested_unshard_limit or DEFAULT_UNSHARD_LIMIT)
         paths: dict[int, str] = {}
         for top in self.modules:
@@ -202,8 +235,6 @@ class FSDPState:
             s.ctx = ctx
             if s.group is not None:
                 s.group.trace = TraceNames.for_unit(unit_name(s.modules, paths))
-        if self.user_reshard_after_forward is None:
-            self.reshard_after_forward = False
         for s in states:
             s._setup_post_forward_group()
 
@@ -211,18 +242,20 @@ class FSDPState:
         """The subgroup an int ``reshard_after_forward`` reshards onto (none for a bool).
         Called at lazy init and by ``set_reshard_after_forward`` after it (setters take effect
         whenever they are called); subgroups are made once per rank set, kept by the root."""
-        k = self.reshard_after_forward
+        k = self.configured_reshard_after_forward()
         self._post_forward_target = None
         if self.group is None or isinstance(k, bool):
             return
         g = self.group
         shard_ranks = dist.get_process_group_ranks(g.shard_group)
         start = (g.rank // k) * k
+        assert self.ctx is not None, "called at or after lazy init"
         self._post_forward_target = (self.ctx.subgroup(tuple(shard_ranks[start : start + k])), k)
 
     # -- prefetch (see [Note: the unshard limit]) -------------------------------------------------
     def _prefetch(self, states) -> None:
         ctx = self.ctx
+        assert ctx is not None, "prefetches run after lazy init"
         for s in states:
             g = s.group
             if g is None or g.is_unsharded or g.unshard_pending:
@@ -231,7 +264,8 @@ class FSDPState:
                 continue
             g.unshard(async_op=True)
 
-    def _neighbour(self, step: int):
+    def _neighbour(self, step: int) -> list["FSDPState"]:
+        assert self.ctx is not None, "after lazy init"
         order = self.ctx.order
         if self not in order:
             return []
@@ -278,7 +312,7 @@ class FSDPState:
         if self.group is not None and len(self._forward_seen) == len(self.modules):
             if not torch.is_grad_enabled() or self.reshard_after_forward is True:
                 self.group.reshard()
-            elif self._post_forward_target is not None:
+            elif self._post_forward_target is not None and self.reshard_after_forward is not False:
                 self.group.reshard(to=self._post_forward_target)
         if len(self._forward_seen) == len(self.modules):  # the last of its modules is done
             self._forward_seen.clear()
@@ -329,6 +363,7 @@ class FSDPState:
             return
         issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce)
         if issued:
+            assert self.ctx is not None, "a backward runs after lazy init"
             self.ctx.keep_in_flight(issued)
 
     def _end_step(self) -> None:

@@ -3,7 +3,9 @@
 [Note: fully_shard units in a pipeline step]
 A stage runs ``m`` forwards and ``m`` backwards per step; a unit left to FSDP's own rules would
 all-gather its parameters in each of them and could reduce in each backward. `StageUnits`
-changes three settings of every unit for the duration of one step, and puts them back after it:
+overrides three settings of every unit for the duration of one step, through the fully_shard
+wing's step overrides ([Note: step overrides] in ``_fsdp/_override.py``; the user's settings
+are never written):
 
 * ``requires_gradient_sync``: False in every backward of a stage but its last, so gradients
   accumulate unsharded and each unit issues one reduce-scatter per step (one replica
@@ -33,61 +35,52 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .._fsdp import FSDPModule
+from .._fsdp import StepOverride, clear_override, override_unit, units_of
 
 __all__ = ["StageUnits"]
-
-
-def _units_of(module: nn.Module) -> list:
-    """The ``fully_shard`` unit states in ``module`` (each once)."""
-    out = []
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            s = m._fsdp_state()
-            if all(s is not o for o in out):
-                out.append(s)
-    return out
 
 
 class StageUnits:
     """The units of this rank's stages for one step; see [Note: fully_shard units in a pipeline step].
 
     ``stages``: stage index -> module; ``keep``: keep parameters gathered between microbatches;
-    ``every_microbatch``: reduce after every backward."""
+    ``every_microbatch``: reduce after every backward. The units' settings are changed only
+    through step overrides ([Note: step overrides] in ``_fsdp/_override.py``): the user's
+    stay as they were."""
 
-    def __init__(self, stages: dict, keep: bool, every_microbatch: bool) -> None:
-        self.units = {i: _units_of(m) for i, m in stages.items()}
+    def __init__(self, stages: dict[int, nn.Module], keep: bool, every_microbatch: bool) -> None:
+        self.units = {i: units_of(m) for i, m in stages.items()}
         self.every_microbatch = every_microbatch
         self.keep = keep
-        self.user = {id(u): (u.reshard_after_backward, u.requires_gradient_sync)
-                     for us in self.units.values() for u in us}
-        if keep:
-            for u in self._all():
-                if u.user_reshard_after_forward is None:
-                    u.reshard_after_forward = False
+        for u in self._all():
+            # a unit that left reshard_after_forward at its default keeps its parameters
+            # gathered for the step; an explicit value is obeyed
+            keep_gathered = keep and u.user_reshard_after_forward is None
+            override_unit(u, StepOverride(reshard_after_forward=False if keep_gathered else None))
 
-    def _all(self):
-        return [u for us in self.units.values() for u in us]
+    def _all(self) -> list:
+        seen: list = []
+        for us in self.units.values():
+            seen += [u for u in us if all(u is not o for o in seen)]
+        return seen
 
     def before_backward(self, stage: int, last: bool) -> None:
         """Set the units of ``stage`` for its next backward (``last``: its last in the step)."""
         for s in self.units[stage]:
-            rab, sync = self.user[id(s)]
-            s.requires_gradient_sync = sync and (last or self.every_microbatch)
-            s.reshard_after_backward = rab if last or not self.keep else False
+            sync = s.configured_requires_gradient_sync and (last or self.every_microbatch)
+            keep = not last and self.keep
+            override_unit(s, StepOverride(requires_gradient_sync=sync, reshard_after_backward=False if keep else
+                                          s.configured_reshard_after_backward))
 
     def restore(self) -> None:
-        """Put every setting back as it was before the step."""
+        """The units' own settings again (the overrides dropped)."""
         for u in self._all():
-            u.reshard_after_backward, u.requires_gradient_sync = self.user[id(u)]
-            # as configured, not the value saved before the step: lazy init in the first step
-            # changes the root's
-            u.reshard_after_forward = u.configured_reshard_after_forward()
+            clear_override(u)
 
     def abandon(self) -> None:
         """After a failed step: settings back, parameters resharded, partial gradients dropped."""
         self.restore()
-        done = []
+        done: list = []
         for u in self._all():
             if u.ctx is not None and all(u.ctx is not c for c in done):
                 done.append(u.ctx)

@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from .._fsdp import MixedPrecisionPolicy
 from .._wrap import ShardingPolicy, ShardingStrategy
-from ._pipeline import plan_pipeline_memory
+from ._pipeline import PipelineMemoryPlan, plan_pipeline_memory
 from ._units import MemoryPlan, UnitPlan, declares_units, fmt_bytes, plan_units
 
 __all__ = ["UnitPlan", "MemoryPlan", "plan_memory", "MeshSuggestion", "suggest_mesh"]
@@ -62,7 +62,7 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
                 prefetch: int = 2, activation_bytes: int = 0, pp: int = 1, microbatches: int = 1,
                 schedule: str = "1f1b", stage_bounds=None, reshard_between_microbatches: bool = False,
-                reduce_every_microbatch: bool = False, virtual_stages: int | None = None) -> MemoryPlan:
+                reduce_every_microbatch: bool = False, virtual_stages: int | None = None) -> MemoryPlan | PipelineMemoryPlan:
     """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
     devices (the model may be on the meta device). See [Note: the memory model].
 
@@ -128,7 +128,7 @@ def _comm(plan: MemoryPlan, gpus_per_host: int, hosts: int, intra: float, inter:
     ``gather_once``: every unit all-gathers once per step (a pipeline stage keeps its parameters
     gathered for the step, [Note: fully_shard units in a pipeline step])."""
     (R, S, T), strategy = plan.mesh_shape, ShardingStrategy(plan.strategy)
-    shard, rep = (1, R * S) if strategy is ShardingStrategy.NO_SHARD else (S, R)
+    shard, rep = (1, R * S) if strategy.replicates_all else (S, R)
     others = sum(u.unsharded for u in plan.units[:-1])  # gathered again in backward when resharded
     gathered = others * (1 + (strategy.reshard_after_forward and not gather_once)) + plan.units[-1].unsharded
     reduced = sum(u.reduce_bytes for u in plan.units)
@@ -182,7 +182,7 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
                 plan = plan_memory(model, (R, S, tp), pol, mp_policy=mp_policy, optimizer_states=optimizer_states,
                                    activation_bytes=activation_bytes // tp, pp=pp, microbatches=microbatches,
                                    schedule=schedule)
-                if pp > 1:
+                if isinstance(plan, PipelineMemoryPlan):
                     plan = plan.stages[plan.worst_stage]
                 secs, cross = _comm(plan, gpus_per_host, hosts // pp, intra_host_bandwidth, inter_host_bandwidth,
                                     gather_once=pp > 1)

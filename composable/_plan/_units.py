@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from .._fsdp import MixedPrecisionPolicy
+from .._fsdp._layout import make_layout
 from .._wrap import ShardingPolicy, ShardingStrategy, select_units
 
 __all__ = ["UnitPlan", "MemoryPlan", "plan_units", "fmt_bytes", "declares_units"]
@@ -93,12 +94,9 @@ def _mesh_shape(shape, strategy: ShardingStrategy) -> tuple[int, int, int]:
         raise ValueError(f"mesh_shape={shape!r}: give dp_shard, (dp_replicate, dp_shard) or "
                          "(dp_replicate, dp_shard, tp), each an int >= 1")
     R, S, _ = full
-    if strategy.is_hybrid and R == 1:
-        raise ValueError(f"{strategy.value} needs dp_replicate > 1, got mesh (1, {S}); use "
-                         f"{'FULL_SHARD' if strategy.reshard_after_forward else 'SHARD_GRAD_OP'} on (1, {S})")
-    if strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) and R > 1:
-        raise ValueError(f"{strategy.value} shards over one axis but dp_replicate={R}; use HYBRID_SHARD"
-                         f"{'' if strategy.reshard_after_forward else '_ZERO2'} or mesh (1, {R * S})")
+    problem = strategy.spec.mesh_problem(R, S)  # the one rule, in the strategy table
+    if problem is not None:
+        raise ValueError(f"plan_memory: mesh_shape {tuple(full)}: {problem}")
     return full
 
 
@@ -108,7 +106,8 @@ def _unit(name: str, params: list, shard: int, tp: int, mp: MixedPrecisionPolicy
     for p in params:
         rows = -(-p.shape[0] // tp) if tp > 1 and p.dim() >= 2 else p.shape[0]
         row, g, size = math.prod(p.shape[1:]), p.requires_grad, p.dtype.itemsize
-        full, padded, compute = rows * row, -(-rows // shard) * row, (mp.param_dtype or p.dtype).itemsize
+        padded = make_layout((rows, *p.shape[1:]), shard).padded_numel  # fully_shard's own layout
+        full, compute = rows * row, (mp.param_dtype or p.dtype).itemsize
         reduce = (mp.reduce_dtype or mp.param_dtype or p.dtype).itemsize
         cols.append((p.numel(), -(-padded * size // align) * align, g * padded, g * padded * size,
                      full * compute, g * full * compute, g * padded * shard * reduce))
@@ -123,18 +122,19 @@ def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...],
     """`plan_memory` of one model without a pipeline (its arguments, same meaning)."""
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
-    strategy = policy.strategy
+    strategy = ShardingStrategy(policy.strategy)
     R, S, T = _mesh_shape(mesh_shape, strategy)
     if not isinstance(prefetch, int) or prefetch < 1 or optimizer_states < 0:
         raise ValueError(f"plan_memory: prefetch={prefetch!r} must be an int >= 1, optimizer_states >= 0")
-    shard = 1 if strategy is ShardingStrategy.NO_SHARD else S
+    shard = 1 if strategy.replicates_all else S
     mp, modules = mp_policy or MixedPrecisionPolicy(), dict(model.named_modules())
     names = list(units) if units is not None else select_units(model, policy)
     missing = [n for n in names if n not in modules or n == ""]
     if missing:
         raise ValueError(f"plan_memory: units {missing} are not submodules of {type(model).__name__} "
                          f"(qualified names such as {list(modules)[1:4]})")
-    seen, plans = set(), []
+    seen: set[int] = set()
+    plans: list[UnitPlan] = []
     for name in names + [""]:
         own = [p for p in modules[name].parameters() if id(p) not in seen]
         seen.update(id(p) for p in own)

@@ -14,6 +14,7 @@ One file per concept:
 | `_prepare.py` | `PrepareModuleInput` / `PrepareModuleOutput` / `PrepareModuleInputOutput` |
 | `_plan.py` | `parallelize_module`: FQN patterns, near-miss errors |
 | `_loss.py` | `vocab_parallel_cross_entropy`, `loss_parallel` |
+| `_compat.py` | the one torch private API used: the mesh of a ``with mesh:`` block |
 
 See docs/tensor_parallel.md.
 """
@@ -21,11 +22,12 @@ See docs/tensor_parallel.md.
 from ._builtin import DEFAULT_REGISTRY
 from ._layouts import local_shard_range, to_local_share
 from ._loss import loss_parallel, vocab_parallel_cross_entropy
-from ._plan import PlanError, parallelize_module
-from ._prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
+from ._plan import NoMeshError, PlanError, PlanTypeError, PlanWarning, parallelize_module
+from ._prepare import LayoutsMismatchError, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from ._registry import ModuleRule, TPRegistry
 from ._sequence import SequenceParallel
-from ._styles import ApplyContext, ColwiseParallel, ModuleParallel, ParallelStyle, RowwiseParallel
+from ._styles import (ApplyContext, ColwiseParallel, ModuleParallel, ParallelStyle, RowwiseParallel,
+                      UnsupportedModuleTypeError)
 
 __all__ = [
     "parallelize_module",
@@ -42,6 +44,11 @@ __all__ = [
     "DEFAULT_REGISTRY",
     "ApplyContext",
     "PlanError",
+    "PlanTypeError",
+    "PlanWarning",
+    "NoMeshError",
+    "UnsupportedModuleTypeError",
+    "LayoutsMismatchError",
     "loss_parallel",
     "vocab_parallel_cross_entropy",
     "local_shard_range",

@@ -10,13 +10,27 @@ A *layout* is one DTensor placement on a 1-D ``tp`` mesh of ``p`` ranks:
 
 Turning a plain local tensor into a DTensor needs the *global* shape. For ``Replicate`` and
 ``Partial`` it is the local shape. For ``Shard(d)`` the global length of ``d`` cannot be read
-off one rank's piece when sizes are uneven (4 on rank 0 of 2 means 7 or 8), which is exactly
-why torch's ``RowwiseParallel`` fails on a hidden size of 7 with 2 ranks (it assumes
-``n = p * local``). Here the length comes from the caller when it is known (a Rowwise
-Linear's input width is ``in_features``); otherwise the ranks exchange their local lengths
-(`exchange_sizes`: one all-gather of one int64 per rank) and the pieces are checked against
-the ``torch.chunk`` layout. Passing DTensors between modules (``use_local_output=False``)
-carries the shape along and avoids the exchange.
+off one rank's piece when sizes are uneven (4 on rank 0 of 2 means 7 or 8). Three sources, in
+this order (`as_dtensor`):
+
+1. the caller knows it without communicating (a Rowwise Linear's input width is
+   ``in_features``): the piece is checked against the ``torch.chunk`` layout, so an uneven
+   hidden size works (torch's ``RowwiseParallel`` fails on 7 features over 2 ranks);
+2. the user said the pieces may be uneven (``uneven_shards=True`` on the style): the ranks
+   exchange their lengths (`exchange_sizes`, one all-gather of one int64 each, plus a host
+   read: a device sync per call on GPUs) and check them against the ``torch.chunk`` layout;
+3. otherwise, as torch: equal pieces, global length ``p * local``, no communication.
+
+A DTensor input carries its shape (``use_local_output=False`` upstream) and needs none of these.
+See [Note: no size exchange by default].
+
+[Note: no size exchange by default]
+Exchanging lengths on every call made every style with a plain ``Shard`` input (a
+``ColwiseParallel(input_layouts=Shard(1))``, ``SequenceParallel``, ``PrepareModuleInput``)
+issue one extra collective and a ``.tolist()`` per forward: on a GPU a host sync per layer.
+torch assumes equal pieces; so do we unless told otherwise, so that a plan costs what it costs
+under torch. A wrong assumption is not detectable without communicating: uneven pieces read as
+``p * local`` give a wrong global shape, exactly as in torch.
 """
 
 from __future__ import annotations
@@ -39,7 +53,13 @@ __all__ = [
     "to_layout",
     "to_local_share",
     "check_tp_mesh",
+    "NotATensorError",
 ]
+
+
+class NotATensorError(TypeError, ValueError):
+    """A style was told to lay out something that is not a tensor (torch raises ValueError
+    for ``SequenceParallel``; a ``TypeError`` in spirit)."""
 
 
 def check_tp_mesh(mesh: DeviceMesh, what: str) -> None:
@@ -115,12 +135,13 @@ def _global_shape(x: torch.Tensor, mesh: DeviceMesh, dim: int, global_size: int 
 
 
 def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placement: Placement, *,
-               global_size: int | None = None) -> DTensor:
+               global_size: int | None = None, uneven: bool = False) -> DTensor:
     """View this rank's local ``x`` as a DTensor with layout ``placement`` (differentiable).
 
-    A DTensor ``x`` is returned as is (its own layout wins, as in torch). For ``Shard(d)``
-    ``global_size`` is the global length of ``d``; ``None`` exchanges the ranks' lengths.
-    No data moves.
+    A DTensor ``x`` is returned as is (its own layout wins, as in torch). For ``Shard(d)``:
+    ``global_size`` (the global length of ``d``, when the caller knows it) is checked against
+    this rank's piece; else ``uneven=True`` exchanges the ranks' lengths; else the pieces are
+    taken to be equal (``p * local``, torch's assumption, no communication). No data moves.
     """
     if isinstance(x, DTensor):
         if not same_mesh(x.device_mesh, mesh):  # by value, never identity
@@ -128,9 +149,10 @@ def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placement: Placement, *,
                              "redistribute it onto the tensor-parallel mesh first")
         return x
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor to lay out as {placement}, got {type(x).__name__}")
+        raise NotATensorError(f"expected a torch.Tensor to lay out as {placement}, got "
+                              f"{type(x).__name__}; give this argument the layout None to leave it alone")
     placement = normalize(placement, x.ndim)
-    if not isinstance(placement, Shard):
+    if not isinstance(placement, Shard) or (global_size is None and not uneven):
         return DTensor.from_local(x, mesh, [placement], run_check=False)
     shape = _global_shape(x, mesh, placement.dim, global_size)
     stride = torch.empty(shape, device="meta").stride()
@@ -139,16 +161,17 @@ def as_dtensor(x: torch.Tensor, mesh: DeviceMesh, placement: Placement, *,
 
 
 def to_layout(x: torch.Tensor, mesh: DeviceMesh, given: Placement | None, desired: Placement | None,
-              *, global_size: int | None = None) -> torch.Tensor:
+              *, global_size: int | None = None, uneven: bool = False) -> torch.Tensor:
     """``x`` (plain, laid out as ``given``, or a DTensor) as a DTensor laid out as ``desired``.
 
-    ``given`` None leaves a plain ``x`` untouched; ``desired`` None keeps the layout. The
+    ``given`` None leaves a plain ``x`` untouched; ``desired`` None keeps the layout;
+    ``global_size`` / ``uneven`` as in `as_dtensor`. The
     collective is the one ``redistribute`` picks: Shard -> Replicate all-gather, Partial ->
     Replicate all-reduce, Partial -> Shard reduce-scatter, Replicate -> Shard none.
     """
     if given is None and not isinstance(x, DTensor):
         return x
-    dt = as_dtensor(x, mesh, given, global_size=global_size)
+    dt = as_dtensor(x, mesh, given, global_size=global_size, uneven=uneven)
     if desired is not None and not same_layout(dt.placements[0], desired, dt.ndim):
         dt = dt.redistribute(mesh, [normalize(desired, dt.ndim)])
     return dt

@@ -151,6 +151,13 @@ class _LossParallelMode(TorchFunctionMode):
             logits = args[0] if args else kwargs.get("input")
             if _is_class_sharded(logits):
                 return _routed_cross_entropy(*args, **kwargs)
+            if isinstance(logits, DTensor):  # as torch: a DTensor here must be class-sharded
+                raise ValueError(
+                    f"loss_parallel: F.cross_entropy got a DTensor with placements {logits.placements} "
+                    f"on a {logits.device_mesh.ndim}-D mesh; it needs logits sharded on the class "
+                    f"dimension (Shard({_class_dim(logits)})) on a 1-D mesh: use "
+                    "ColwiseParallel(use_local_output=False) on the output head, or call "
+                    "cross_entropy outside loss_parallel()")
         return func(*args, **kwargs)
 
 
@@ -173,7 +180,8 @@ def loss_parallel() -> Iterator[None]:
         loss.backward()
 
     Only ``F.cross_entropy`` / ``nn.CrossEntropyLoss`` are routed (not ``log_softmax`` +
-    ``nll_loss``); calls on anything else run unchanged.
+    ``nll_loss``); calls on plain tensors run unchanged. A DTensor that is not class-sharded on
+    a 1-D mesh is a ``ValueError`` inside the context, as in torch.
     """
     with _LossParallelMode():
         yield

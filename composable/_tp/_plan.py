@@ -6,17 +6,22 @@ pattern is a dotted module name relative to ``module`` (``"layers.0.attention.wq
 ``"layers.*.feed_forward.w1"`` matches every block's ``w1`` but ``"layers.*"`` does not match
 ``"layers.0.attention"``. ``""`` names ``module`` itself.
 
-The whole plan is checked before anything changes: a pattern that matches no module is an
-error listing the closest module names (``difflib``), so a typo cannot silently leave a layer
-unsharded (torch only warns); two patterns matching the same module are an error (merge them,
-e.g. into `PrepareModuleInputOutput`); every style validates its module (a rule exists, the
+The whole plan is checked before anything changes. A pattern that matches no module is
+skipped with a `PlanWarning` (a ``UserWarning``, as torch warns) that lists the closest module
+names (``difflib``), so a typo is visible; ``strict=True`` makes it a `PlanError` instead. Two
+patterns matching the same module are an error (merge them, e.g. into
+`PrepareModuleInputOutput`); every style validates its module (a rule exists, the
 configuration is supported). Then the styles are applied in plan order.
+
+The mesh and the plan may be omitted as in torch: no ``device_mesh`` takes the mesh of the
+innermost ``with mesh:`` block; no plan warns and returns the module unchanged.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import warnings
 from fnmatch import fnmatchcase
 from typing import Mapping
 
@@ -24,15 +29,28 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._builtin import DEFAULT_REGISTRY
+from ._compat import current_mesh
 from ._layouts import check_tp_mesh
 from ._registry import TPRegistry
 from ._styles import ApplyContext, ParallelStyle
 
-__all__ = ["parallelize_module", "match_plan", "PlanError"]
+__all__ = ["parallelize_module", "match_plan", "PlanError", "PlanTypeError", "PlanWarning", "NoMeshError"]
 
 
 class PlanError(ValueError):
-    """A plan that cannot be applied: unmatched or overlapping patterns, wrong types."""
+    """A plan that cannot be applied: overlapping patterns, unmatched ones under ``strict``."""
+
+
+class PlanTypeError(PlanError, TypeError):
+    """A plan, key or value of the wrong type (torch raises ``TypeError``)."""
+
+
+class PlanWarning(UserWarning):
+    """A plan pattern that matches no submodule and was skipped (torch warns too)."""
+
+
+class NoMeshError(RuntimeError):
+    """No ``device_mesh`` passed and no ``with mesh:`` block active (torch: ``RuntimeError``)."""
 
 
 def _matches(pattern: str, fqn: str) -> bool:
@@ -53,11 +71,13 @@ def _near_misses(pattern: str, fqns: list[str]) -> list[str]:
     return list(dict.fromkeys(close + same_end))[:5]
 
 
-def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tuple[str, nn.Module, ParallelStyle]]:
+def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle],
+               strict: bool = True) -> list[tuple[str, nn.Module, ParallelStyle]]:
     """``[(fqn, submodule, style)]`` in plan order, module order within a pattern.
 
-    Raises `PlanError` for a non-style value, a pattern matching nothing (with near misses),
-    or a module matched by two patterns.
+    Raises `PlanTypeError` for a non-string key or non-style value, `PlanError` for a module
+    matched by two patterns; a pattern matching nothing (the message names near misses) is a
+    `PlanError` if ``strict``, else a `PlanWarning` and skipped.
     """
     modules = dict(module.named_modules())
     fqns = list(modules)
@@ -65,17 +85,22 @@ def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tup
     owner: dict[str, str] = {}
     for pattern, style in plan.items():
         if not isinstance(pattern, str):
-            raise PlanError(f"plan key {pattern!r} is not a string module pattern")
+            raise PlanTypeError(f"plan key {pattern!r} is not a string module pattern; use dotted "
+                                "module names such as 'layers.*.attention.wq'")
         if not isinstance(style, ParallelStyle):
             hint = (" (one of torch's tensor-parallel styles? use the shardwise.composable "
                     "class of the same name)" if "torch" in type(style).__module__ else "")
-            raise PlanError(f"plan[{pattern!r}] = {style!r} is not a shardwise ParallelStyle{hint}")
+            raise PlanTypeError(f"plan[{pattern!r}] = {style!r} is not a shardwise ParallelStyle{hint}")
         hits = [f for f in fqns if _matches(pattern, f)]
         if not hits:
             near = _near_misses(pattern, fqns)
             hint = f"; did you mean {', '.join(repr(n) for n in near)}?" if near else ""
-            raise PlanError(f"plan pattern {pattern!r} matches no submodule of "
-                            f"{type(module).__name__}{hint} ('*' matches within one dotted name)")
+            msg = (f"plan pattern {pattern!r} matches no submodule of {type(module).__name__}{hint} "
+                   "('*' matches within one dotted name)")
+            if strict:
+                raise PlanError(msg)
+            warnings.warn(f"{msg}; skipping this plan entry", PlanWarning, stacklevel=3)
+            continue
         for f in hits:
             if f in owner:
                 raise PlanError(f"module '{f}' is matched by plan patterns {owner[f]!r} and "
@@ -86,35 +111,53 @@ def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> list[tup
     return out
 
 
-def parallelize_module(module: nn.Module, device_mesh: DeviceMesh,
-                       parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle], *,
-                       registry: TPRegistry = DEFAULT_REGISTRY,
-                       src_data_rank: int | None = 0) -> nn.Module:
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
+                       parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None, *,
+                       src_data_rank: int | None = 0, registry: TPRegistry = DEFAULT_REGISTRY,
+                       strict: bool = False) -> nn.Module:
     """Apply tensor-parallel styles to ``module`` in place and return it.
 
     Args:
         module: the model (or a part of it); every rank holds the same full module.
-        device_mesh: the 1-D tensor-parallel mesh, e.g. ``init_mesh(...)["tp"]``.
+        device_mesh: the 1-D tensor-parallel mesh, e.g. ``init_mesh(...)["tp"]``; None: the
+            mesh of the innermost ``with mesh:`` block (`NoMeshError` if there is none).
         parallelize_plan: a style for ``module`` itself, or ``{pattern: style}`` (see the
-            module docstring for patterns).
-        registry: the rules Colwise/Rowwise/ModuleParallel use per module class
-            (default: the immutable ``DEFAULT_REGISTRY`` for Linear and Embedding).
+            module docstring for patterns); None: warn and return ``module`` unchanged.
         src_data_rank: the rank whose parameter values are distributed (default 0, one
             scatter/broadcast per parameter); None: every rank slices its own copy, no
             communication (the copies must already agree).
+        registry: the rules Colwise/Rowwise/ModuleParallel use per module class
+            (default: the immutable ``DEFAULT_REGISTRY`` for Linear and Embedding).
+        strict: a pattern that matches nothing raises `PlanError` instead of warning.
 
-    Raises `PlanError` (a ``ValueError``) for an invalid plan and ``TypeError`` for a module
-    a style has no rule for, before anything is changed.
+    ``registry`` and ``strict`` are shardwise's; the rest is torch's signature and meaning.
+    Raises `PlanTypeError` (a ``TypeError``) for a plan of the wrong type, `PlanError` (a
+    ``ValueError``) for overlapping patterns, `UnsupportedModuleTypeError` (a ``TypeError``
+    and ``NotImplementedError``) for a module a style has no rule for: all before anything
+    is changed.
     """
+    if device_mesh is None:
+        device_mesh = current_mesh()
+        if device_mesh is None:
+            raise NoMeshError("parallelize_module: no device_mesh given and no `with mesh:` block is "
+                              "active; pass device_mesh=init_mesh(...)['tp'] or call it inside `with tp_mesh:`")
+    if parallelize_plan is None:
+        warnings.warn("parallelize_module: no parallelize_plan given, so the module is returned "
+                      "unchanged; pass a style or {pattern: style}", UserWarning, stacklevel=2)
+        return module
     check_tp_mesh(device_mesh, "parallelize_module")
     if not isinstance(registry, TPRegistry):
         raise TypeError(f"parallelize_module(registry=...) takes a TPRegistry, got {type(registry).__name__}")
+    if src_data_rank is not None and not (isinstance(src_data_rank, int)
+                                          and 0 <= src_data_rank < device_mesh.size()):
+        raise ValueError(f"parallelize_module(src_data_rank={src_data_rank!r}): use a rank of the "
+                         f"mesh, 0..{device_mesh.size() - 1}, or None to keep each rank's own values")
     if isinstance(parallelize_plan, ParallelStyle):
         parallelize_plan = {"": parallelize_plan}
     elif not isinstance(parallelize_plan, Mapping):
-        raise PlanError(f"parallelize_plan must be a ParallelStyle or a dict of pattern -> style, "
-                        f"got {type(parallelize_plan).__name__}")
-    entries = match_plan(module, parallelize_plan)
+        raise PlanTypeError(f"parallelize_plan must be a ParallelStyle or a dict of pattern -> style, "
+                            f"got {type(parallelize_plan).__name__}")
+    entries = match_plan(module, parallelize_plan, strict=strict)
     contexts = [ApplyContext(registry, src_data_rank, fqn) for fqn, _, _ in entries]
     for (fqn, sub, style), ctx in zip(entries, contexts):
         style.validate(sub, ctx)

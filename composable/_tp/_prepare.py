@@ -6,8 +6,10 @@ sequence-sharded activation before an attention block:
 ``PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))``
 (one all-gather forward, one reduce-scatter of the gradient backward). ``None`` marks an
 argument to leave alone (rotary tables, masks, non-tensors). A plain tensor is taken to have
-the given layout (see `as_dtensor` for how a sharded one's global shape is found); a DTensor
-keeps its own. Argument names and defaults follow torch's styles of the same names.
+the given layout (a sharded one is one of equal pieces, as in torch, unless the style says
+``uneven_shards=True``: see `as_dtensor`); a DTensor keeps its own. Argument names, defaults
+and the exceptions for bad arguments (`LayoutsMismatchError`, an ``AssertionError`` as in
+torch, and a ``ValueError``) follow torch's styles of the same names.
 """
 
 from __future__ import annotations
@@ -23,32 +25,39 @@ from torch.distributed.tensor import DTensor, Placement
 from ._layouts import to_layout
 from ._styles import ApplyContext, ParallelStyle, as_layout_tuple
 
-__all__ = ["PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"]
+__all__ = ["PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "LayoutsMismatchError"]
 
 
-def _pair(given, desired, what: str) -> tuple[tuple | None, tuple | None]:
-    given = as_layout_tuple(given, f"{what}: input_layouts")
-    desired = as_layout_tuple(desired, f"{what}: desired layouts")
+class LayoutsMismatchError(ValueError, AssertionError):
+    """Layouts and desired layouts that do not pair up (torch raises ``AssertionError``)."""
+
+
+def _pair(given: Any, desired: Any, what: str, names: tuple[str, str]) -> tuple[tuple | None, tuple | None]:
+    given = as_layout_tuple(given, f"{what}: {names[0]}")
+    desired = as_layout_tuple(desired, f"{what}: {names[1]}")
     if given is not None and (desired is None or len(given) != len(desired)):
-        raise ValueError(f"{what}: layouts {given} and desired layouts {desired} must have the "
-                         "same length (use None for an argument to leave alone)")
+        raise LayoutsMismatchError(
+            f"{what}: {names[0]} and {names[1]} should have same length! Got {given} and {desired}; "
+            "give both one entry per argument (None for an argument to leave alone)")
     return given, desired
 
 
-def _kwarg_pair(given, desired, what: str) -> tuple[Mapping, Mapping]:
+def _kwarg_pair(given: Any, desired: Any, what: str) -> tuple[Mapping, Mapping]:
     given, desired = dict(given or {}), dict(desired or {})
     if set(given) != set(desired):
-        raise ValueError(f"{what}: input_kwarg_layouts keys {sorted(given)} and "
-                         f"desired_input_kwarg_layouts keys {sorted(desired)} must be the same")
+        raise LayoutsMismatchError(
+            f"{what}: input_kwarg_layouts keys {sorted(given)} and desired_input_kwarg_layouts "
+            f"keys {sorted(desired)} should be the same; name each keyword in both")
     for d in (given, desired):
         as_layout_tuple(tuple(d.values()), f"{what}: kwarg layouts")
     return MappingProxyType(given), MappingProxyType(desired)
 
 
-def _convert(x: Any, mesh: DeviceMesh, given, desired, use_local: bool) -> Any:
+def _convert(x: Any, mesh: DeviceMesh, given: Placement | None, desired: Placement | None,
+             use_local: bool, uneven: bool) -> Any:
     if given is None:
         return x
-    x = to_layout(x, mesh, given, desired)
+    x = to_layout(x, mesh, given, desired, uneven=uneven)
     return x.to_local() if use_local and isinstance(x, DTensor) else x
 
 
@@ -63,6 +72,9 @@ class PrepareModuleInput(ParallelStyle):
         input_kwarg_layouts / desired_input_kwarg_layouts: the same for keyword arguments, by
             name (same keys); a keyword not passed in a call is skipped.
         use_local_output: hand the forward local tensors instead of DTensors (default False).
+        uneven_shards: plain ``Shard`` inputs may be uneven ``torch.chunk`` pieces (one small
+            all-gather of lengths per input per call; default: equal pieces, as torch). Not a
+            torch argument.
     """
 
     input_layouts: Placement | tuple[Placement | None, ...] | None = None
@@ -70,10 +82,12 @@ class PrepareModuleInput(ParallelStyle):
     input_kwarg_layouts: Mapping[str, Placement] | None = None
     desired_input_kwarg_layouts: Mapping[str, Placement] | None = None
     use_local_output: bool = False
+    uneven_shards: bool = False
 
     def __post_init__(self) -> None:
         what = type(self).__name__
-        given, desired = _pair(self.input_layouts, self.desired_input_layouts, what)
+        given, desired = _pair(self.input_layouts, self.desired_input_layouts, what,
+                               ("input_layouts", "desired_input_layouts"))
         kw, dkw = _kwarg_pair(self.input_kwarg_layouts, self.desired_input_kwarg_layouts, what)
         for name, value in (("input_layouts", given), ("desired_input_layouts", desired),
                             ("input_kwarg_layouts", kw), ("desired_input_kwarg_layouts", dkw)):
@@ -83,15 +97,17 @@ class PrepareModuleInput(ParallelStyle):
         where = ctx.where(self, module)
         given, desired = self.input_layouts, self.desired_input_layouts
         kw, dkw, local = self.input_kwarg_layouts, self.desired_input_kwarg_layouts, self.use_local_output
+        uneven = self.uneven_shards
 
         def prepare(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if given is not None:
                 if len(args) != len(given):
-                    raise ValueError(f"{where}: forward got {len(args)} positional inputs, the plan "
-                                     f"lays out {len(given)} ({given}); use None for inputs to leave alone")
-                args = tuple(_convert(a, mesh, g, d, local) for a, g, d in zip(args, given, desired))
+                    raise ValueError(f"{where}: module inputs and input_layouts should have same length! "
+                                     f"forward got {len(args)} positional inputs, the plan lays out "
+                                     f"{len(given)} ({given}); use None for inputs to leave alone")
+                args = tuple(_convert(a, mesh, g, d, local, uneven) for a, g, d in zip(args, given, desired))
             if kw:
-                kwargs = {k: _convert(v, mesh, kw.get(k), dkw.get(k), local) for k, v in kwargs.items()}
+                kwargs = {k: _convert(v, mesh, kw.get(k), dkw.get(k), local, uneven) for k, v in kwargs.items()}
             return args, kwargs
 
         module.register_forward_pre_hook(prepare, with_kwargs=True)
@@ -107,28 +123,34 @@ class PrepareModuleOutput(ParallelStyle):
             more than one).
         desired_output_layouts: the layout each is redistributed to; same length.
         use_local_output: return local tensors (default True).
+        uneven_shards: plain ``Shard`` outputs may be uneven ``torch.chunk`` pieces (see
+            `PrepareModuleInput`). Not a torch argument.
     """
 
     output_layouts: Placement | tuple[Placement | None, ...]
     desired_output_layouts: Placement | tuple[Placement | None, ...]
     use_local_output: bool = True
+    uneven_shards: bool = False
 
     def __post_init__(self) -> None:
-        given, desired = _pair(self.output_layouts, self.desired_output_layouts, type(self).__name__)
+        given, desired = _pair(self.output_layouts, self.desired_output_layouts, type(self).__name__,
+                               ("output_layouts", "desired_output_layouts"))
         object.__setattr__(self, "output_layouts", given)
         object.__setattr__(self, "desired_output_layouts", desired)
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
         where = ctx.where(self, module)
         given, desired, local = self.output_layouts, self.desired_output_layouts, self.use_local_output
+        uneven = self.uneven_shards
 
         def prepare(mod: nn.Module, args: tuple, out: Any) -> Any:
             single = not isinstance(out, tuple)
             outs = (out,) if single else out
             if len(outs) != len(given):
-                raise ValueError(f"{where}: forward returned {len(outs)} output(s), the plan lays out "
+                raise ValueError(f"{where}: module outputs and output_layouts should have same length! "
+                                 f"forward returned {len(outs)} output(s), the plan lays out "
                                  f"{len(given)} ({given}); use None for outputs to leave alone")
-            outs = tuple(_convert(o, mesh, g, d, local) for o, g, d in zip(outs, given, desired))
+            outs = tuple(_convert(o, mesh, g, d, local, uneven) for o, g, d in zip(outs, given, desired))
             return outs[0] if single else outs
 
         module.register_forward_hook(prepare)
@@ -137,7 +159,7 @@ class PrepareModuleOutput(ParallelStyle):
 @dataclass(frozen=True, kw_only=True)
 class PrepareModuleInputOutput(ParallelStyle):
     """`PrepareModuleInput` and `PrepareModuleOutput` on one module (``use_local_input`` is the
-    former's ``use_local_output``)."""
+    former's ``use_local_output``; ``uneven_shards`` applies to both)."""
 
     input_layouts: Placement | tuple[Placement | None, ...] | None = None
     desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None
@@ -147,6 +169,7 @@ class PrepareModuleInputOutput(ParallelStyle):
     output_layouts: Placement | tuple[Placement | None, ...]
     desired_output_layouts: Placement | tuple[Placement | None, ...]
     use_local_output: bool = True
+    uneven_shards: bool = False
     _parts: tuple = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -154,10 +177,10 @@ class PrepareModuleInputOutput(ParallelStyle):
             input_layouts=self.input_layouts, desired_input_layouts=self.desired_input_layouts,
             input_kwarg_layouts=self.input_kwarg_layouts,
             desired_input_kwarg_layouts=self.desired_input_kwarg_layouts,
-            use_local_output=self.use_local_input)
+            use_local_output=self.use_local_input, uneven_shards=self.uneven_shards)
         out = PrepareModuleOutput(output_layouts=self.output_layouts,
                                   desired_output_layouts=self.desired_output_layouts,
-                                  use_local_output=self.use_local_output)
+                                  use_local_output=self.use_local_output, uneven_shards=self.uneven_shards)
         object.__setattr__(self, "_parts", (inp, out))
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:

@@ -34,9 +34,10 @@ __all__ = ["SequenceParallel"]
 class SequenceParallel(ParallelStyle):
     """Shard a token-wise module's input and output along the sequence dimension.
 
-    Input 0: a plain tensor is this rank's block of the sequence (``torch.chunk`` layout; its
-    global length is found by one small all-gather of lengths, which a DTensor input, e.g.
-    ``use_local_output=False`` upstream, avoids); a DTensor in another layout is
+    Input 0: a plain tensor is this rank's block of the sequence, all blocks of one length
+    as in torch (``uneven_shards=True``: ``torch.chunk`` blocks of any lengths, found by one
+    small all-gather of lengths per call; a DTensor input, e.g. ``use_local_output=False``
+    upstream, carries its length and needs neither); a DTensor in another layout is
     redistributed to ``Shard(sequence_dim)`` (from ``Replicate``: no communication, from
     ``Partial``: a reduce-scatter). The module's own forward runs on DTensors.
 
@@ -44,10 +45,13 @@ class SequenceParallel(ParallelStyle):
         sequence_dim: the sequence dimension of input 0 (default 1, ``[B, T, D]``).
         use_local_output: return the local tensor instead of the DTensor (default False,
             as in torch: the next module usually wants the DTensor).
+        uneven_shards: plain inputs may be uneven ``torch.chunk`` blocks (see above); not a
+            torch argument.
     """
 
     sequence_dim: int = 1
     use_local_output: bool = False
+    uneven_shards: bool = False
 
     def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
         check_not_distributed(module, ctx.where(self, module))
@@ -62,7 +66,7 @@ class SequenceParallel(ParallelStyle):
             if not args:
                 raise TypeError(f"{where}: called without positional input; the sequence-sharded "
                                 "tensor must be the first positional argument")
-            return (to_layout(args[0], mesh, layout, layout), *args[1:])
+            return (to_layout(args[0], mesh, layout, layout, uneven=self.uneven_shards), *args[1:])
 
         def output(mod: nn.Module, args: tuple, out):
             if self.use_local_output and isinstance(out, DTensor):

@@ -25,7 +25,6 @@ is token ids); here the default is the rule's ``Replicate()``. Plans that pass
 from __future__ import annotations
 
 import functools
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from torch import nn
@@ -37,7 +36,7 @@ from ._params import check_not_distributed, distribute_params
 from ._registry import ModuleRule, TPRegistry
 
 __all__ = ["ApplyContext", "ParallelStyle", "ModuleParallel", "ColwiseParallel", "RowwiseParallel",
-           "as_layout_tuple"]
+           "UnsupportedModuleTypeError", "as_layout_tuple"]
 
 
 @dataclass(frozen=True)
@@ -53,19 +52,37 @@ class ApplyContext:
         return f"{type(style).__name__} on {name} ({type(module).__name__})"
 
 
-class ParallelStyle(ABC):
+class UnsupportedModuleTypeError(TypeError, NotImplementedError):
+    """A style has no rule for the module's class (torch raises ``NotImplementedError``)."""
+
+
+class ParallelStyle:
     """How to parallelize one module on a 1-D tensor-parallel mesh.
 
     Subclasses implement `apply`; `validate` runs first for every entry of a plan, before any
     module is changed, so a bad plan leaves the model untouched.
+
+    torch's protocol works too: a subclass that implements ``_apply(module, device_mesh)``
+    (and reads ``self.src_data_rank``, which `parallelize_module` sets first, as torch does)
+    is applied through it.
     """
+
+    src_data_rank: int | None = 0
 
     def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
         """Raise a clear error if this style cannot apply to ``module``; change nothing."""
 
-    @abstractmethod
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
-        """Parallelize ``module`` in place on ``mesh``."""
+        """Parallelize ``module`` in place on ``mesh`` (default: torch's ``_apply``)."""
+        if type(self)._apply is ParallelStyle._apply:
+            raise NotImplementedError(f"{type(self).__name__} implements neither apply(module, mesh, "
+                                      "ctx) nor torch's _apply(module, device_mesh); define one")
+        self.src_data_rank = ctx.src_data_rank
+        self._apply(module, mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        """torch's hook for user-defined styles; see the class docstring."""
+        raise NotImplementedError
 
 
 def as_layout_tuple(layouts: Placement | tuple | list | None, what: str) -> tuple | None:
@@ -100,11 +117,16 @@ class ModuleParallel(ParallelStyle):
         output_layouts: layout of the output; default: the rule's output layout, with
             ``Partial`` turned into ``Replicate`` (a partial sum is never handed out).
         use_local_output: return the local tensor (default) instead of the DTensor.
+        uneven_shards: a plain input laid out as ``Shard(d)`` may be an uneven
+            (``torch.chunk``) piece whose global length the module does not determine: the
+            ranks exchange lengths, one small all-gather per call (default False: equal
+            pieces, as torch; see `as_dtensor`). Not a torch argument.
     """
 
     input_layouts: Placement | tuple[Placement | None, ...] | None = None
     output_layouts: Placement | None = None
     use_local_output: bool = True
+    uneven_shards: bool = False
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -117,7 +139,7 @@ class ModuleParallel(ParallelStyle):
         rule = ctx.registry.find(self, module)
         if rule is None:
             known = ctx.registry.module_classes(self) or ["nothing"]
-            raise TypeError(
+            raise UnsupportedModuleTypeError(
                 f"{ctx.where(self, module)}: no rule for {type(module).__name__}; this style knows "
                 f"{', '.join(known)}. Register one: registry = DEFAULT_REGISTRY.with_rule("
                 f"{type(self).__name__}, {type(module).__name__}, ModuleRule(...)) and pass "
@@ -161,13 +183,13 @@ class ModuleParallel(ParallelStyle):
                 if i >= len(new) or want is None:
                     continue
                 size = sizes[i] if i < len(sizes) and have == want else None
-                t = to_layout(new[i], mesh, have, want, global_size=size)
+                t = to_layout(new[i], mesh, have, want, global_size=size, uneven=self.uneven_shards)
                 new[i] = to_local_share(t) if local and isinstance(t, DTensor) else t
             return tuple(new)
 
         def lay_out_output(mod: nn.Module, args: tuple, out):
             if local:
-                out = as_dtensor(out, mesh, rule.output_layout)
+                out = as_dtensor(out, mesh, rule.output_layout, uneven=self.uneven_shards)
             elif not isinstance(out, DTensor):
                 raise TypeError(f"{where}: forward returned {type(out).__name__}, not a DTensor; "
                                 "a module whose forward does not run on DTensors needs a rule with "

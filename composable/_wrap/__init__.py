@@ -8,7 +8,8 @@ classmethod is attached here, where both are known; neither module imports the o
 """
 
 from ._accelerate import AccelerateConfig, from_accelerate_config
-from ._policy import ShardingPolicy, ShardingStrategy, apply_fully_shard, select_units, strategy_mesh
+from ._policy import ShardingPolicy, apply_fully_shard, select_units, strategy_mesh
+from ._strategies import STRATEGIES, ShardingStrategy, StrategySpec
 
 
 def _from_accelerate(cls, config: dict) -> ShardingPolicy:
@@ -22,5 +23,5 @@ def _from_accelerate(cls, config: dict) -> ShardingPolicy:
 
 ShardingPolicy.from_accelerate = classmethod(_from_accelerate)  # type: ignore[attr-defined]
 
-__all__ = ["AccelerateConfig", "ShardingPolicy", "ShardingStrategy", "apply_fully_shard", "from_accelerate_config",
-           "select_units", "strategy_mesh"]
+__all__ = ["AccelerateConfig", "STRATEGIES", "ShardingPolicy", "ShardingStrategy", "StrategySpec", "apply_fully_shard",
+           "from_accelerate_config", "select_units", "strategy_mesh"]

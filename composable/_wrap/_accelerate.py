@@ -143,7 +143,7 @@ class AccelerateConfig:
             for unit in units:
                 unit.set_modules_to_backward_prefetch([])
         if not self.limit_all_gathers:
-            model.set_unshard_limit(len(units) + 1)
+            model.set_unshard_limit(len(units) + 1)  # type: ignore[operator]  # an FSDPModule now
         if self.sync_module_states:
             broadcast_from_rank0(model, full)
         return model
@@ -214,6 +214,7 @@ def _fsdp(cfg: dict, mp: MixedPrecisionPolicy, launch: dict) -> AccelerateConfig
     wrap = str(c.pop("auto_wrap_policy", "NO_WRAP") or "NO_WRAP").upper()
     layers = c.pop("transformer_layer_cls_to_wrap", None) or ()
     min_params = int(c.pop("min_num_params", 0) or 0)
+    units: dict[str, Any]
     if wrap == "TRANSFORMER_BASED_WRAP":
         units = dict(layer_cls=layers, no_split_modules=not layers)
     elif wrap == "SIZE_BASED_WRAP":

@@ -13,7 +13,6 @@ A *unit* is one ``fully_shard`` call, selected by class name, parameter count or
 from __future__ import annotations
 
 import difflib
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,45 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise.mesh import MeshAxes, init_mesh, mesh_axes
 
 from .._fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from ._strategies import ShardingStrategy
 
 __all__ = ["ShardingStrategy", "ShardingPolicy", "select_units", "strategy_mesh", "apply_fully_shard"]
-
-
-class ShardingStrategy(str, enum.Enum):
-    """Accelerate's (and FSDP1's) strategy names, as a data-parallel mesh + ``reshard_after_forward``.
-
-    * ``FULL_SHARD`` (ZeRO-3): 1-D mesh, shard over all D ranks; reshard_after_forward True.
-    * ``SHARD_GRAD_OP`` (ZeRO-2): 1-D mesh, shard over all D ranks; False.
-    * ``NO_SHARD`` (DDP-like): 2-D ``(D, 1)`` mesh, replicate over all, shard size 1; False.
-    * ``HYBRID_SHARD``: 2-D ``(R, S)`` mesh with ``R > 1``, shard within a replica; True.
-    * ``HYBRID_SHARD_ZERO2``: 2-D ``(R, S)`` mesh with ``R > 1``; False.
-    """
-
-    FULL_SHARD = "FULL_SHARD"
-    SHARD_GRAD_OP = "SHARD_GRAD_OP"
-    NO_SHARD = "NO_SHARD"
-    HYBRID_SHARD = "HYBRID_SHARD"
-    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-
-    @property
-    def is_hybrid(self) -> bool:
-        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
-
-    @classmethod
-    def parse(cls, value: "ShardingStrategy | str | int") -> "ShardingStrategy":
-        """A strategy from itself, its name in any case (``"ShardingStrategy.X"`` too), or Accelerate's
-        number 1-5."""
-        key = value.value if isinstance(value, cls) else str(value).strip().upper().rpartition(".")[2]
-        if key.isdigit() and 1 <= int(key) <= 5:
-            return list(cls)[int(key) - 1]
-        if key in cls.__members__:
-            return cls[key]
-        raise ValueError(f"unknown sharding strategy {value!r}; use one of {[s.value for s in cls]} "
-                         "(or Accelerate's numbers 1-5 in that order)")
 
 
 @dataclass(frozen=True)
@@ -248,23 +211,17 @@ def strategy_mesh(strategy: ShardingStrategy | str, mesh: DeviceMesh | None = No
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"apply_fully_shard: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
     R, S, axes = _axes(mesh)
-    if strategy is ShardingStrategy.NO_SHARD:
+    if strategy.replicates_all:
         if S == 1 and axes is not None and axes.has("dp_replicate"):
             return axes.sub(*_DP)
         if S == 1 and mesh.ndim == 2:
             return mesh
         return _no_shard_mesh(mesh, R * S, axes)
+    problem = strategy.spec.mesh_problem(R, S)  # [Note: the strategy table]
+    if problem is not None:
+        raise ValueError(problem)
     if strategy.is_hybrid:
-        if R == 1:
-            raise ValueError(f"{strategy.value} replicates over the outer axis and shards over the inner one, but "
-                             f"the mesh has 1 replica x {S} shards. Pass a mesh with replicas: init_mesh(dp_replicate=R, "
-                             f"dp_shard=S) with R > 1 and R * S = {S}, or use "
-                             f"{'FULL_SHARD' if strategy.reshard_after_forward else 'SHARD_GRAD_OP'}")
         return axes.sub(*_DP) if axes is not None else mesh
-    if R > 1:
-        raise ValueError(f"{strategy.value} shards over one axis but the mesh has {R} replicas x {S} shards. Use "
-                         f"HYBRID_SHARD{'' if strategy.reshard_after_forward else '_ZERO2'} to shard within the "
-                         f"replicas, or build init_mesh(dp_replicate=1, dp_shard={R * S}) to shard over all ranks")
     if axes is not None:
         return axes.sub("dp_shard")
     if mesh.ndim == 1:

@@ -13,7 +13,7 @@ data, a training step, and comparisons.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -43,6 +43,25 @@ class Impl:
     get_optimizer_state_dict: Callable
     set_model_state_dict: Callable
     set_optimizer_state_dict: Callable
+    # tensor parallelism beyond Colwise/Rowwise (filled by `_tp_names`)
+    SequenceParallel: Any = None
+    PrepareModuleInput: Any = None
+    PrepareModuleOutput: Any = None
+    PrepareModuleInputOutput: Any = None
+    ParallelStyle: Any = None
+    loss_parallel: Any = None
+
+
+def _tp_names(name: str) -> dict[str, Any]:
+    """The TP names of torch's public API (``torch.distributed.tensor.parallel.__all__``) that
+    `Impl` holds besides parallelize_module and Colwise/Rowwise, from one implementation."""
+    if name == "torch":
+        import torch.distributed.tensor.parallel as mod
+    else:
+        import shardwise.composable as mod  # type: ignore[no-redef]
+    keys = ("SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
+            "ParallelStyle", "loss_parallel")
+    return {k: getattr(mod, k) for k in keys}
 
 
 def impl(name: str) -> Impl:
@@ -53,17 +72,19 @@ def impl(name: str) -> Impl:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        return Impl("torch", fully_shard, FSDPModule, MixedPrecisionPolicy, parallelize_module, ColwiseParallel,
+        return replace(Impl("torch", fully_shard, FSDPModule, MixedPrecisionPolicy, parallelize_module, ColwiseParallel,
                     RowwiseParallel, lambda state, path: dcp.save(state, checkpoint_id=path),
                     lambda state, path: dcp.load(state, checkpoint_id=path), sd.get_model_state_dict,
-                    sd.get_optimizer_state_dict, sd.set_model_state_dict, sd.set_optimizer_state_dict)
+                    sd.get_optimizer_state_dict, sd.set_model_state_dict, sd.set_optimizer_state_dict),
+                       **_tp_names("torch"))
     if name == "shardwise":
         import shardwise.checkpoint as ck
         import shardwise.composable as sw
 
-        return Impl("shardwise", sw.fully_shard, sw.FSDPModule, sw.MixedPrecisionPolicy, sw.parallelize_module,
+        return replace(Impl("shardwise", sw.fully_shard, sw.FSDPModule, sw.MixedPrecisionPolicy, sw.parallelize_module,
                     sw.ColwiseParallel, sw.RowwiseParallel, ck.save, ck.load, ck.get_model_state_dict,
-                    ck.get_optimizer_state_dict, ck.set_model_state_dict, ck.set_optimizer_state_dict)
+                    ck.get_optimizer_state_dict, ck.set_model_state_dict, ck.set_optimizer_state_dict),
+                       **_tp_names("shardwise"))
     raise ValueError(f"unknown implementation {name!r}; use one of {IMPLS}")
 
 

@@ -18,7 +18,6 @@ them). Byte-range reads of the data (and of the header) are in ``_file_io.py``.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import sys
 from dataclasses import dataclass
@@ -26,11 +25,12 @@ from typing import Any
 
 import torch
 
-from . import _checksums
-from ._checksums import BoxChecksums, ChunkedCrc, ChunkRule, box_rows
-from ._errors import CheckpointError
-from ._file_io import byte_view, open_for_ranges, pread_exact
-from ._json_strict import parse_json_strict
+from .. import _checksums
+from .._checksums import BoxChecksums, ChunkedCrc, ChunkRule, box_rows
+from .._errors import CheckpointError
+from ._file_io import byte_view, pread_exact
+from .._json_strict import parse_json_strict
+from .._storage import PosixStorage, ReadHandle, Storage
 
 __all__ = ["DTYPE_CODES", "Entry", "Header", "StreamingWriter", "read_header", "tensor_bytes"]
 
@@ -77,7 +77,8 @@ class StreamingWriter:
     """
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None, chunk_rule: ChunkRule | None = None) -> None:
+                 metadata: dict[str, str] | None = None, chunk_rule: ChunkRule | None = None,
+                 storage: Storage | None = None) -> None:
         rule = chunk_rule or _checksums.CHUNK_RULE
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self._order: list[tuple[str, torch.dtype, int]] = []
@@ -100,7 +101,7 @@ class StreamingWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-(len(raw) + 8) % _ALIGN)
         self.path = path
-        self._file = open(path, "wb")
+        self._file = (storage or PosixStorage()).open_write(path)
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self.keys = [k for k, _, _ in self._order]  # the order in which `append` expects the data
         self._i, self._crc, self.checksums = 0, ChunkedCrc(0), {}
@@ -138,8 +139,7 @@ class StreamingWriter:
         if self._i < len(self._order):
             self._file.close()
             raise CheckpointError(f"{self.path}: tensor '{self._order[self._i][0]}' was not completely written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self._file.sync()
         self._file.close()
         return self.checksums
 
@@ -181,25 +181,38 @@ def _entry(path: str, key: Any, e: Any) -> Entry:
     return Entry(dtype, tuple(shape), offsets[0], offsets[1])
 
 
-def read_header(path: str, follow: bool = True) -> Header:
-    """Parse and check a safetensors header; a `CheckpointError` names ``path`` on any problem,
-    including a file shorter than its header declares (truncated). Nothing is allocated beyond
-    what the file's size allows, and no byte of the file appears in a message."""
-    fd = open_for_ranges(path, follow)
+def _overlap(path: str, entries: dict[str, Entry]) -> None:
+    """Refuse entries whose byte ranges overlap (the safetensors library refuses them too): two
+    keys reading the same bytes would let a damaged header serve one tensor's data as another's."""
+    spans = sorted((e.begin, e.end) for e in entries.values() if e.end > e.begin)
+    for (_, end), (begin, _) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: not a valid safetensors header: two entries' data_offsets overlap")
+
+
+def read_header(h: ReadHandle | str) -> Header:
+    """Parse and check the safetensors header of the open file ``h``; a `CheckpointError` names
+    the file on any problem, including a file shorter than its header declares (truncated) and
+    entries whose byte ranges overlap. Nothing is allocated beyond what the file's size allows,
+    and no byte of the file appears in a message. A ``str`` is a local file's path."""
+    if isinstance(h, str):
+        handle = PosixStorage().open_read(h)
+        try:
+            return read_header(handle)
+        finally:
+            handle.close()
+    path, size = h.name, h.size
     try:
-        size = os.fstat(fd).st_size
-        head = pread_exact(fd, 8, 0)
+        head = pread_exact(h, 8, 0)
         if len(head) < 8:
             raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors file (truncated?)")
         (n,) = struct.unpack("<Q", head)
         if n > min(_MAX_HEADER, size - 8):
             raise CheckpointError(f"{path}: not a safetensors file, or truncated (its header length field does not "
                                   f"fit in the {size}-byte file)")
-        raw = parse_json_strict(pread_exact(fd, n, 8).decode("utf-8"))
+        raw = parse_json_strict(pread_exact(h, n, 8).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{path}: not a safetensors file (its header is not valid JSON, or repeats a key)") from None
-    finally:
-        os.close(fd)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
     metadata = raw.pop("__metadata__", None) or {}
@@ -209,6 +222,7 @@ def read_header(path: str, follow: bool = True) -> Header:
     for key, e in raw.items():
         entries[key] = _entry(path, key, e)
         end = max(end, entries[key].end)
+    _overlap(path, entries)
     if 8 + n + end > size:
         raise CheckpointError(f"{path}: truncated: the header declares {8 + n + end} bytes, the file has {size}")
     return Header(entries, 8 + n, end, metadata)

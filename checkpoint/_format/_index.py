@@ -22,22 +22,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import stat
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ._boxes import Box
-from ._checksums import box_rows, chunk_count, crcs_from_hex, crcs_to_hex
-from ._errors import CheckpointError
+from .._geometry._boxes import Box
+from .._checksums import box_rows, chunk_count, crcs_from_hex, crcs_to_hex
+from .._errors import CheckpointError
 from ._file_io import pread_exact
-from ._json_strict import DuplicateKey, parse_json_strict
+from .._storage import DirView, Storage, storage_for
+from .._json_strict import DuplicateKey, parse_json_strict
 from ._safetensors_io import DTYPE_CODES
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "Index", "SavedBox", "TensorEntry",
-    "dtype_name", "dtype_from_name", "read_index", "index_to_json", "format_index", "write_json", "data_file_name",
+    "dtype_name", "dtype_from_name", "read_index", "index_to_json", "format_index", "data_file_name",
+    "describe_non_checkpoint", "MAX_INDEX_BYTES",
 ]
 
 FORMAT_NAME = "shardwise.checkpoint"
@@ -96,7 +98,9 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class Index:
-    root: str
+    """What an ``index.json`` says (nothing about where it was read from: the storage and the
+    directory are the reader's, ``_files.CheckpointFiles``)."""
+
     tensors: dict[str, TensorEntry]
     values: dict[str, Any] = field(default_factory=dict)
     files: dict[str, int | None] = field(default_factory=dict)  # name -> bytes (None: unknown)
@@ -105,7 +109,6 @@ class Index:
     version: int = FORMAT_VERSION
     checksummed: bool = False  # the index carried its own checksum and it matched
     save_id: str | None = None  # the save that wrote it (rotation compares it with the series record)
-    follow_links: bool = True  # False for a shardwise checkpoint: its data files must not be symlinks
 
 
 def _box_to_json(b: SavedBox) -> dict:
@@ -215,49 +218,46 @@ def format_index(obj: dict) -> str:
     return "{\n " + ",\n ".join(lines) + "\n}\n"
 
 
-def write_json(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: to ``path + ".tmp"``, fsync, rename."""
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def _describe_non_checkpoint(path: str) -> str:
+def describe_non_checkpoint(storage: Storage, path: str) -> str:
+    """Why the directory ``path`` of ``storage`` is not a checkpoint, as one sentence for the user."""
+    where = storage.url(path)
     try:
-        os.stat(path)
-        names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        kind = storage.kind(path)
+        names = storage.list(path) if kind == "dir" else []
     except PermissionError:
-        return f"{path}: permission denied (it may exist; this user cannot read it)"
+        return f"{where}: permission denied (it may exist; this user cannot read it)"
     except OSError:
-        return f"{path} does not exist"
-    if not os.path.isdir(path):
-        return f"{path} is a file, not a checkpoint directory"
-    if INCOMPLETE_MARK in os.path.basename(os.path.normpath(path)):
-        return (f"{path} is an incomplete save (the saving job stopped before committing it; see the "
+        return f"{where} does not exist"
+    if kind == "missing":
+        return f"{where} does not exist"
+    if kind != "dir":
+        return f"{where} is a file, not a checkpoint directory"
+    if INCOMPLETE_MARK in storage.name(path):
+        return (f"{where} is an incomplete save (the saving job stopped before committing it; see the "
                 "checkpoint with the same name without '.incomplete-...'); load the previous checkpoint instead")
     if any(n.endswith(".safetensors") for n in names):
-        return (f"{path} has safetensors files but no {INDEX_FILE}, so it is not a shardwise checkpoint (an "
+        return (f"{where} has safetensors files but no {INDEX_FILE}, so it is not a shardwise checkpoint (an "
                 "incomplete save or a Hugging Face folder? for the latter use load_safetensors)")
-    return f"{path} is not a shardwise checkpoint: it has no {INDEX_FILE} (contents: {names[:8]})"
+    return f"{where} is not a shardwise checkpoint: it has no {INDEX_FILE} (contents: {names[:8]})"
 
 
-def _read_regular(file: str, limit: int) -> bytes:
-    """The bytes of ``file``, which must be a regular file (not a symlink) of at most ``limit`` bytes."""
-    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+MAX_INDEX_BYTES = 256 << 20  # 1M boxes with chunk checksums take about 300 bytes each
+
+
+def _read_index_bytes(view: DirView, file: str) -> bytes:
+    """The bytes of the index, bounded before reading: at most `MAX_INDEX_BYTES`, and a file that
+    does not start like a JSON object (say, 900 MB of NULs) is refused after reading 64 bytes."""
+    h = view.open_read(INDEX_FILE, follow=False)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{file} is not a regular file")
-        if st.st_size > limit:
-            raise CheckpointError(f"{file} has {st.st_size} bytes, more than an index can have ({limit})")
-        return pread_exact(fd, st.st_size, 0)
+        if h.size > MAX_INDEX_BYTES:
+            raise CheckpointError(f"{file} has {h.size} bytes, more than an index can have ({MAX_INDEX_BYTES}); the "
+                                  "index is damaged")
+        head = pread_exact(h, 64, 0).lstrip(b" \t\r\n")
+        if not head.startswith(b"{"):
+            raise CheckpointError(f"{file} is not valid UTF-8 JSON; the index is damaged")
     finally:
-        os.close(fd)
-
-
-_MAX_INDEX_BYTES = 1 << 30
+        h.close()
+    return view.read_small(INDEX_FILE, MAX_INDEX_BYTES, follow=False)
 
 
 def _typed(raw: dict, field: str, kind: type, file: str, default: Any = None) -> Any:
@@ -268,24 +268,36 @@ def _typed(raw: dict, field: str, kind: type, file: str, default: Any = None) ->
     return v
 
 
-def read_index(path: str) -> Index:
-    """Read and check ``path/index.json``: a regular file (not a symlink) of valid JSON without
-    duplicate keys, of this format and version, with every field of the right type; data file
-    names plain names inside the directory, every box's file listed in ``files`` and no larger
-    than it; and its own checksum, when it has one, matching (``Index.checksummed``)."""
-    file = os.path.join(path, INDEX_FILE)
-    if INCOMPLETE_MARK in os.path.basename(os.path.normpath(path)):
-        raise CheckpointError(_describe_non_checkpoint(path))
+def read_index(view: DirView | str | os.PathLike, storage: Storage | None = None) -> Index:
+    """Read and check ``index.json`` of the directory ``view`` (of ``storage``; a path or URL is
+    opened first, ``_storage.storage_for``): a regular file (not
+    a symlink, never opened when it is a FIFO or a device) of valid JSON without duplicate keys,
+    of this format and version, with every field of the right type; data file names plain names
+    inside the directory, every box's file listed in ``files`` and no larger than it; and its own
+    checksum, when it has one, matching (``Index.checksummed``)."""
+    if isinstance(view, (str, os.PathLike)):
+        storage, norm = storage_for(view, storage)
+        pinned = storage.open_dir(norm)
+        try:
+            return read_index(pinned, storage)
+        finally:
+            pinned.close()
+    assert storage is not None, "read_index(view, storage): the storage of the view"
+    path = view.path
+    file = posixpath.join(storage.url(path), INDEX_FILE)
+    if INCOMPLETE_MARK in storage.name(path):
+        raise CheckpointError(describe_non_checkpoint(storage, path))
+    kind = view.kind(INDEX_FILE)
+    if kind == "missing":
+        raise CheckpointError(describe_non_checkpoint(storage, path))
+    if kind == "link":
+        raise CheckpointError(f"{file} is a symbolic link; an index must be a regular file inside the checkpoint")
+    if kind != "file":
+        raise CheckpointError(f"{file} is not a regular file")
     try:
-        if not os.path.lexists(file):
-            raise CheckpointError(_describe_non_checkpoint(path))
-        if os.path.islink(file):
-            raise CheckpointError(f"{file} is a symbolic link; an index must be a regular file inside the checkpoint")
-        text = _read_regular(file, _MAX_INDEX_BYTES)
+        text = _read_index_bytes(view, file)
     except PermissionError:
         raise CheckpointError(f"{file}: permission denied (cannot read the index)") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{file} is not a regular file") from None
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read the index ({e.strerror or type(e).__name__})") from None
     try:
@@ -327,9 +339,9 @@ def read_index(path: str) -> Index:
             tensors[key] = entry
         values = _typed(raw, "values", dict, file, {})
         created, world, save_id = raw.get("created_unix_ns"), raw.get("world_size"), raw.get("save_id")
-        return Index(path, tensors, values, files, world if isinstance(world, int) else None,
+        return Index(tensors, values, files, world if isinstance(world, int) else None,
                      created if isinstance(created, int) else None, version, checksummed,
-                     save_id if isinstance(save_id, str) else None, follow_links=False)
+                     save_id if isinstance(save_id, str) else None)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{file} is damaged: {type(e).__name__}: {e}") from None
 

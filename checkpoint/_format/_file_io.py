@@ -1,7 +1,7 @@
 """Byte ranges of data files: opening them safely, reading ranges into tensors, CRC-32s of ranges.
 
-Every read of a data file's bytes goes through here: `data_file_size` and `open_for_ranges`
-refuse what is not a regular file (and, for a shardwise checkpoint, a symbolic link);
+Every read of a data file's bytes goes through here, on a `ReadHandle` of the storage (which
+opened only a regular file, see [Note: storage semantics] in ``_storage/_protocol.py``):
 `pread_into`/`preadv_into` fill tensors' bytes (`byte_view`, no numpy) straight from the
 file; `crcs_of_range`/`crcs_of_ranges` checksum ranges 4 MiB at a time, reading ranges that
 follow one another in the file together (`adjacent_groups`). `contiguous_run` says whether a
@@ -12,66 +12,31 @@ region of a row-major box is one byte range. The safetensors layout itself is in
 from __future__ import annotations
 
 import ctypes
-import errno
-import os
-import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from ._checksums import ChunkedCrc
-from ._errors import CheckpointError
+from .._checksums import ChunkedCrc
+from .._errors import CheckpointError
+from .._storage import PosixStorage, ReadHandle
 
 __all__ = [
-    "adjacent_groups", "byte_view", "contiguous_run", "crcs_of_range", "crcs_of_ranges", "data_file_size",
-    "open_for_ranges", "pread_exact", "pread_into", "preadv_into", "read_pieces",
+    "adjacent_groups", "byte_view", "contiguous_run", "crcs_of_range", "crcs_of_ranges", "open_for_ranges",
+    "pread_exact", "pread_into",
+    "preadv_into", "read_pieces",
 ]
 
 
-def data_file_size(path: str, follow: bool = True) -> int:
-    """The size of the data file ``path``, which must be a regular file: a `CheckpointError`
-    says when it is missing, not a regular file, unreadable, or (``follow=False``, as for every
-    file of a shardwise checkpoint) a symbolic link, refused because it could point anywhere.
-    Hugging Face folders (``follow=True``) are often symlinks into a download cache."""
-    try:
-        st = os.stat(path) if follow else os.lstat(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"data file {path} is missing") from None
-    except OSError as e:
-        raise CheckpointError(f"data file {path}: {e.strerror or type(e).__name__}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise CheckpointError(f"data file {path} is a symbolic link; data files must be regular files inside the "
-                              "checkpoint directory (refusing to follow it)")
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"data file {path} is not a regular file")
-    return st.st_size
+def open_for_ranges(path: str, follow: bool = True) -> ReadHandle:
+    """The local file ``path`` open for byte ranges (`PosixStorage.open_read`: regular files only)."""
+    return PosixStorage().open_read(path, follow)
 
 
-def open_for_ranges(path: str, follow: bool = True) -> int:
-    """An fd for reading byte ranges of the regular file ``path`` (with ``follow=False`` never
-    through a symbolic link): the kernel is told not to read ahead past them (a read ahead of several MiB would
-    otherwise pull in neighbouring boxes this rank does not need)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | (0 if follow else getattr(os, "O_NOFOLLOW", 0)))
-    except FileNotFoundError:
-        raise CheckpointError(f"data file {path} is missing") from None
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CheckpointError(f"data file {path} is a symbolic link; refusing to follow it") from None
-        raise CheckpointError(f"data file {path}: {e.strerror or type(e).__name__}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"data file {path} is not a regular file")
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
-
-
-def pread_exact(fd: int, n: int, offset: int) -> bytes:
-    """``n`` bytes of ``fd`` from ``offset`` (fewer only at the end of the file), short reads resumed."""
+def pread_exact(h: ReadHandle, n: int, offset: int) -> bytes:
+    """``n`` bytes of ``h`` from ``offset`` (fewer only at the end of the file), short reads resumed."""
     parts, done = [], 0
     while done < n:
-        data = os.pread(fd, n - done, offset + done)
+        data = h.read(n - done, offset + done)
         if not data:
             break
         parts.append(data)
@@ -79,7 +44,7 @@ def pread_exact(fd: int, n: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
-def read_pieces(fd: int, begin: int, end: int, path: str, piece: int = 4 << 20,
+def read_pieces(fd: ReadHandle, begin: int, end: int, path: str, piece: int = 4 << 20,
                 buf: memoryview | None = None) -> Iterator[memoryview]:
     """Bytes ``[begin, end)`` of the open file ``fd`` (named ``path``), at most ``piece`` bytes at
     a time (or ``len(buf)``, when a byte buffer ``buf`` to reuse is given). Every piece is a view
@@ -88,14 +53,14 @@ def read_pieces(fd: int, begin: int, end: int, path: str, piece: int = 4 << 20,
         buf = memoryview(bytearray(max(0, min(piece, end - begin))))
     pos = begin
     while pos < end:
-        n = os.preadv(fd, [buf[: min(len(buf), end - pos)]], pos)
+        n = fd.readinto([buf[: min(len(buf), end - pos)]], pos)
         if n <= 0:
             raise CheckpointError(f"{path}: truncated: ended {end - pos} bytes before offset {end}")
         yield buf[:n]
         pos += n
 
 
-def crcs_of_range(fd: int, begin: int, end: int, path: str, chunk_bytes: int | None = None) -> ChunkedCrc:
+def crcs_of_range(fd: ReadHandle, begin: int, end: int, path: str, chunk_bytes: int | None = None) -> ChunkedCrc:
     """The CRC-32s of bytes ``[begin, end)`` of ``fd`` (named ``path``): of every ``chunk_bytes``
     (all of them when None) and of the whole; one piece of at most 4 MiB in memory."""
     crc = ChunkedCrc(end - begin, chunk_bytes)
@@ -116,7 +81,7 @@ def adjacent_groups(spans: list[tuple[int, int]]) -> list[list[int]]:
     return groups
 
 
-def crcs_of_ranges(fd: int, ranges: list[tuple[int, int, int | None]], path: str) -> list[ChunkedCrc]:
+def crcs_of_ranges(fd: ReadHandle, ranges: Sequence[tuple[int, int, int | None]], path: str) -> list[ChunkedCrc]:
     """`crcs_of_range` for each ``(begin, end, chunk_bytes)`` of ``ranges``, in that order.
     Ranges that follow one another in the file (in any order in ``ranges``) are read together,
     4 MiB at a time, so many small adjacent ranges cost a few large reads."""
@@ -178,14 +143,14 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(buf).cast("B")
 
 
-def preadv_into(fd: int, views: list[memoryview], offset: int, path: str) -> int:
+def preadv_into(fd: ReadHandle, views: list[memoryview], offset: int, path: str) -> int:
     """Fill the byte buffers ``views``, in order, from consecutive bytes of ``fd`` starting at
-    ``offset``: one ``preadv`` system call for up to 1024 buffers (short reads resumed).
+    ``offset``: one request (``preadv`` on POSIX) for up to 1024 buffers (short reads resumed).
     Returns the number of bytes read."""
     views = [v for v in views if len(v)]
     i, pos = 0, offset
     while i < len(views):
-        n = os.preadv(fd, views[i : i + _IOV_MAX], pos)
+        n = fd.readinto(views[i : i + _IOV_MAX], pos)
         if n <= 0:
             raise CheckpointError(f"{path}: truncated: no data at byte {pos}")
         pos += n
@@ -198,6 +163,6 @@ def preadv_into(fd: int, views: list[memoryview], offset: int, path: str) -> int
     return pos - offset
 
 
-def pread_into(fd: int, out: torch.Tensor, offset: int, path: str) -> None:
+def pread_into(fd: ReadHandle, out: torch.Tensor, offset: int, path: str) -> None:
     """Fill the contiguous CPU tensor ``out`` with the bytes of ``fd`` at ``offset``."""
     preadv_into(fd, [byte_view(out)], offset, path)

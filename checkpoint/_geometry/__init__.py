@@ -1,0 +1,19 @@
+"""Geometry of saved data: boxes of tensors, whether boxes tile a tensor, the reads that fill a
+box from saved boxes, and who writes each box. Arithmetic only: no file, no storage.
+
+| module | one line |
+| --- | --- |
+| `_boxes.py` | `Box`, `LocalBox`; which boxes a rank holds for a placement (own `torch.chunk` arithmetic) |
+| `_tiling.py` | do saved boxes tile a tensor exactly (linear in the boxes) |
+| `_plan.py` | the reads that fill a local box from saved boxes |
+| `_owners.py` | one writer per box over the whole world |
+"""
+
+from ._boxes import Box, LocalBox, boxes_for, layout_of, local_boxes
+from ._owners import assign_writers, is_local_candidate
+from ._plan import ReadItem, covered_numel, plan_reads, split
+from ._tiling import distinct_boxes, saved_tiling_problem, tiling_problem
+
+__all__ = ["Box", "LocalBox", "ReadItem", "assign_writers", "boxes_for", "covered_numel", "distinct_boxes",
+           "is_local_candidate", "layout_of", "local_boxes", "plan_reads", "saved_tiling_problem", "split",
+           "tiling_problem"]

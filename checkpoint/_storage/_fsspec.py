@@ -1,0 +1,293 @@
+"""`FsspecStorage`: any fsspec file system (``memory://``, ``file://``, ``s3://``, ``gs://``, ...).
+
+Implements [Note: storage semantics] in ``_protocol.py`` on an ``fsspec.AbstractFileSystem``.
+On the local file system (``file://``) rename is ``os.rename`` (atomic) and the lock an
+``flock``, as `PosixStorage`. Elsewhere (object stores, ``memory://``):
+
+[Note: commit on an object store]
+An object store has no atomic rename of a prefix: ``mv`` copies objects one by one. The commit
+stays atomic because a directory is a checkpoint exactly when its ``index.json`` exists and
+every reader reads the index first: `FsspecStorage.rename` copies every other object first and
+``index.json`` last (``dst`` becomes a checkpoint only when complete), then deletes ``src``'s
+``index.json`` first (``src`` stops being one at once) and the rest after. A single object PUT
+is atomic on the stores fsspec serves, so ``write_atomic`` is one ``pipe_file``. A kill at any
+point leaves at least one complete copy (the old one until the new one is complete). There is
+no cross-process lock: one job saves a series at a time (the lock here only orders the threads
+of this process). A reader cannot pin a version (no directory descriptors): `DirView.is_current`
+re-reads the ``index.json`` it read and compares, which is how a load detects a replace that
+happened while it read and says "being replaced, retry" (docs/checkpoint.md, "Readers and a
+writer").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import posixpath
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec  # type: ignore[import-untyped]
+
+from .._errors import CheckpointError
+from ._posix import PosixStorage, holder_alive, process_holder
+from ._protocol import Kind
+
+__all__ = ["FsspecStorage"]
+
+_INDEX = "index.json"
+_locks: dict[tuple[int, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+class _Reader:
+    def __init__(self, f: Any, name: str, size: int) -> None:
+        self._f, self.name, self.size = f, name, size
+
+    def readinto(self, views: Sequence[memoryview], offset: int) -> int:
+        self._f.seek(offset)
+        done = 0
+        for v in views:
+            n = self._f.readinto(v)
+            done += n or 0
+            if not n or n < len(v):
+                break
+        return done
+
+    def read(self, n: int, offset: int) -> bytes:
+        self._f.seek(offset)
+        return bytes(self._f.read(n))
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _Writer:
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def write(self, data: memoryview | bytes) -> None:
+        self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def sync(self) -> None:
+        self._f.flush()
+        with contextlib.suppress(AttributeError, OSError, ValueError, NotImplementedError):
+            os.fsync(self._f.fileno())  # the local file system; an object is durable once closed
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class _View:
+    """A directory read by path; `is_current` compares the small files read with what is there now."""
+
+    pinned = False
+
+    def __init__(self, storage: FsspecStorage, path: str) -> None:
+        self.path, self._s = path, storage
+        if storage.kind(path) != "dir":
+            kind = storage.kind(path)
+            raise CheckpointError(f"{storage.url(path)} does not exist" if kind == "missing" else
+                                  f"{storage.url(path)} is a file, not a checkpoint directory")
+        self._seen: dict[str, tuple[int, str]] = {}
+
+    def kind(self, name: str) -> Kind:
+        return self._s.kind(self._s.join(self.path, name))
+
+    def size(self, name: str, follow: bool = False) -> int:
+        return self._s.size(self._s.join(self.path, name), follow)
+
+    def open_read(self, name: str, follow: bool = False) -> _Reader:
+        return self._s.open_read(self._s.join(self.path, name), follow)
+
+    def read_small(self, name: str, limit: int, follow: bool = False) -> bytes:
+        data = self._s.read_small(self._s.join(self.path, name), limit, follow)
+        self._seen[name] = (limit, hashlib.sha256(data).hexdigest())
+        return data
+
+    def list(self) -> list[str]:
+        return self._s.list(self.path)
+
+    def is_current(self) -> bool:
+        for name, (limit, digest) in self._seen.items():
+            try:
+                data = self._s.read_small(self._s.join(self.path, name), limit)
+            except CheckpointError:
+                return False
+            if hashlib.sha256(data).hexdigest() != digest:
+                return False
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class FsspecStorage:
+    """Any fsspec file system (see the module docstring). ``FsspecStorage.from_url(url)`` gives
+    the storage and the path inside it."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        self.fs = fs
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.local = "file" in protocols or "local" in protocols
+        self.atomic_rename = self.local
+        self._posix = PosixStorage() if self.local else None
+
+    @classmethod
+    def from_url(cls, url: str) -> tuple[FsspecStorage, str]:
+        fs, path = fsspec.core.url_to_fs(url)
+        storage = cls(fs)
+        return storage, storage.norm(path)
+
+    def url(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def norm(self, path: str) -> str:
+        path = self.fs._strip_protocol(path)
+        return os.path.abspath(path) if self.local else path.rstrip("/") or "/"
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(*parts)
+
+    def parent(self, path: str) -> str:
+        return posixpath.dirname(path.rstrip("/")) or "/"
+
+    def name(self, path: str) -> str:
+        return posixpath.basename(path.rstrip("/"))
+
+    def kind(self, path: str) -> Kind:
+        try:
+            info = self.fs.info(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return "missing"
+        if info.get("islink"):
+            return "link"
+        return {"file": "file", "directory": "dir"}.get(info.get("type"), "other")  # type: ignore[return-value]
+
+    def _regular(self, path: str, follow: bool) -> int:
+        kind = self.kind(path)
+        if kind == "link" and follow:
+            info = self.fs.info(path)
+            kind = {"file": "file", "directory": "dir"}.get(info.get("type"), "other")  # type: ignore[assignment]
+        if kind == "missing":
+            raise CheckpointError(f"{self.url(path)} is missing")
+        if kind == "link":
+            raise CheckpointError(f"{self.url(path)} is a symbolic link; refusing to follow it (it must be a regular "
+                                  "file inside the checkpoint directory)")
+        if kind != "file":
+            raise CheckpointError(f"{self.url(path)} is not a regular file")
+        return int(self.fs.info(path)["size"])
+
+    def size(self, path: str, follow: bool = True) -> int:
+        return self._regular(path, follow)
+
+    def open_read(self, path: str, follow: bool = True) -> _Reader:
+        size = self._regular(path, follow)
+        try:
+            return _Reader(self.fs.open(path, "rb"), self.url(path), size)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.url(path)} is missing") from None
+
+    def read_small(self, path: str, limit: int, follow: bool = False) -> bytes:
+        size = self._regular(path, follow)
+        if size > limit:
+            raise CheckpointError(f"{self.url(path)} has {size} bytes, more than such a file can have ({limit}); "
+                                  "refusing to read it")
+        try:
+            return bytes(self.fs.cat_file(path))
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.url(path)} is missing") from None
+
+    def open_write(self, path: str) -> _Writer:
+        return _Writer(self.fs.open(path, "wb"))
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        if not self.atomic_rename:
+            self.fs.pipe_file(path, data)  # one PUT: atomic on an object store
+            return
+        tmp = path + ".tmp"
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                with contextlib.suppress(AttributeError, OSError, ValueError):
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.fs.rm_file(tmp)
+            raise
+
+    def mkdir(self, path: str, parents: bool = False) -> None:
+        if self.kind(path) != "missing" and not parents:
+            raise FileExistsError(path)
+        if not parents and self.kind(self.parent(path)) == "missing":
+            raise FileNotFoundError(self.parent(path))
+        self.fs.makedirs(path, exist_ok=True)
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.kind(dst) != "missing":
+            raise FileExistsError(f"{self.url(dst)} exists")
+        if self.local:
+            os.rename(src, dst)
+            return
+        if self.kind(src) != "dir":
+            self.fs.mv(src, dst)
+            return
+        files = sorted(p for p in self.fs.find(src) if self.kind(p) == "file")
+        rel = [posixpath.relpath(p, src) for p in files]
+        self.fs.makedirs(dst, exist_ok=True)
+        for p, r in sorted(zip(files, rel), key=lambda pr: pr[1] == _INDEX):  # the index last: see the note
+            self.fs.makedirs(posixpath.dirname(posixpath.join(dst, r)), exist_ok=True)
+            self.fs.cp_file(p, posixpath.join(dst, r))
+        if _INDEX in rel:
+            self.fs.rm_file(posixpath.join(src, _INDEX))  # src stops being a checkpoint first
+        self.fs.rm(src, recursive=True)
+
+    def fsync_dir(self, path: str) -> None:
+        if self._posix is not None:
+            self._posix.fsync_dir(path)
+
+    def list(self, path: str) -> list[str]:
+        return sorted(self.name(p) for p in self.fs.ls(path, detail=False) if self.name(p) not in ("", ".", ".."))
+
+    def delete(self, path: str) -> None:
+        if self.kind(path) == "missing":
+            raise FileNotFoundError(path)
+        self.fs.rm_file(path)
+
+    def rmdir(self, path: str) -> None:
+        if self.list(path):
+            raise OSError(f"{self.url(path)} is not empty")
+        self.fs.rmdir(path)
+
+    def rmtree(self, path: str) -> None:
+        self.fs.rm(path, recursive=True)
+        if self.kind(path) == "dir":
+            with contextlib.suppress(OSError, FileNotFoundError):
+                self.fs.rmdir(path)
+
+    @contextlib.contextmanager
+    def lock(self, folder: str) -> Iterator[None]:
+        with _locks_guard:
+            lock = _locks.setdefault((id(self.fs), folder), threading.Lock())
+        with lock:
+            if self._posix is not None:
+                with self._posix.lock(folder):
+                    yield
+            else:
+                yield
+
+    def holder(self) -> dict:
+        return process_holder()
+
+    def holder_alive(self, holder: dict) -> bool:
+        return holder_alive(holder)
+
+    def open_dir(self, path: str) -> _View:
+        return _View(self, path)

@@ -1,0 +1,159 @@
+"""The `Storage` protocol: every file-system call of ``shardwise.checkpoint`` goes through one.
+
+A storage holds named files in folders. Paths are the storage's own strings (an absolute local
+path for `PosixStorage`; an fsspec path without its protocol for `FsspecStorage`); `Storage.url`
+turns one back into what a user would type. The checkpoint code above this layer never calls
+``os`` or ``open`` on checkpoint files itself, so a new storage is one class implementing this
+protocol (see docs/checkpoint.md, "A new storage").
+
+[Note: storage semantics]
+What the commit protocol ([Note: atomic commit] in ``_commit.py``) relies on, per method:
+
+* ``kind(path)`` never follows a symbolic link and never opens anything: ``"missing"``,
+  ``"file"`` (a regular file), ``"dir"``, ``"link"`` or ``"other"`` (FIFO, device, socket).
+* ``open_read``/``read_small``/``size`` never open what is not a regular file (a FIFO would
+  block forever, a device never ends): they check first and raise `CheckpointError` naming the
+  file. With ``follow=False`` they refuse a symbolic link. ``read_small`` refuses a file larger
+  than its ``limit`` before reading a byte.
+* ``open_write(path)`` creates or truncates; ``WriteHandle.sync()`` returns once the bytes are
+  durable (fsync on POSIX; a completed upload on an object store, which happens at close).
+* ``write_atomic(path, data)``: readers see the old content or the new, whole; a failure leaves
+  no temporary file behind.
+* ``rename(src, dst)`` of a directory: ``dst`` must not exist. Where ``atomic_rename`` is True
+  (POSIX, the local file system through fsspec) it is one atomic step. Where it is False (object
+  stores, fsspec's ``memory://``) it copies: every entry but ``index.json`` first, ``index.json``
+  last (so ``dst`` is a checkpoint only once complete), then deletes ``src`` with its
+  ``index.json`` first (so ``src`` stops being one at once). At every moment one complete copy
+  exists.
+* ``fsync_dir(path)`` makes the entries of a folder (creations, renames, deletions) durable;
+  a no-op where the storage has no such notion.
+* ``list(path)`` the entry names of a folder (no ``.``/``..``); ``delete`` one file; ``rmdir``
+  an empty folder; ``rmtree`` a folder and everything in it, never following links.
+* ``lock(folder)`` is a context manager excluding every other holder of the same folder's lock,
+  in this process and in other processes using the same storage on the same host (``flock``
+  on POSIX); object stores have no such lock: one job saves a series at a time there
+  (documented in docs/checkpoint.md).
+* ``holder()`` describes the running process for the series record; ``holder_alive(h)`` says
+  whether such a process may still be running (its save then must not be cleaned up). A holder
+  of another host is taken as finished.
+* ``open_dir(path)`` pins a checkpoint directory for a reader: every read through the returned
+  `DirView` sees that one version of the directory even if a writer renames a new one into
+  place meanwhile (POSIX: a directory file descriptor, all opens relative to it), and
+  ``DirView.is_current()`` says whether ``path`` still names that version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Literal, Protocol
+
+__all__ = ["DirView", "Kind", "ReadHandle", "Storage", "WriteHandle"]
+
+Kind = Literal["missing", "file", "dir", "link", "other"]
+
+
+class ReadHandle(Protocol):
+    """An open regular file, read by byte ranges."""
+
+    name: str  # for messages: the file as the user would name it
+    size: int
+
+    def readinto(self, views: Sequence[memoryview], offset: int) -> int:
+        """Fill ``views`` in order from the bytes at ``offset``; returns the bytes read (fewer
+        than asked only at the end of the file; 0 there). One request where the storage can
+        (``preadv`` on POSIX)."""
+        ...
+
+    def read(self, n: int, offset: int) -> bytes:
+        """Up to ``n`` bytes at ``offset`` (fewer only at the end of the file, or on a short read)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class WriteHandle(Protocol):
+    def write(self, data: memoryview | bytes) -> None: ...
+
+    def flush(self) -> None:
+        """Hand buffered bytes to the storage (not yet durable: that is `sync`)."""
+        ...
+
+    def sync(self) -> None:
+        """Flush and make durable everything written so far (see [Note: storage semantics])."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class DirView(Protocol):
+    """One version of a directory, pinned for reading (see ``Storage.open_dir``)."""
+
+    path: str
+    pinned: bool  # True: reads see the pinned version whatever happens to the path (POSIX)
+
+    def kind(self, name: str) -> Kind: ...
+
+    def size(self, name: str, follow: bool = False) -> int: ...
+
+    def open_read(self, name: str, follow: bool = False) -> ReadHandle: ...
+
+    def read_small(self, name: str, limit: int, follow: bool = False) -> bytes: ...
+
+    def list(self) -> list[str]: ...
+
+    def is_current(self) -> bool:
+        """Whether the directory's path still names the version this view pinned."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Storage(Protocol):
+    atomic_rename: bool
+
+    def url(self, path: str) -> str: ...
+
+    def norm(self, path: str) -> str:
+        """The canonical form of ``path`` (absolute for POSIX)."""
+        ...
+
+    def join(self, *parts: str) -> str: ...
+
+    def parent(self, path: str) -> str: ...
+
+    def name(self, path: str) -> str: ...
+
+    def kind(self, path: str) -> Kind: ...
+
+    def size(self, path: str, follow: bool = True) -> int: ...
+
+    def open_read(self, path: str, follow: bool = True) -> ReadHandle: ...
+
+    def read_small(self, path: str, limit: int, follow: bool = False) -> bytes: ...
+
+    def open_write(self, path: str) -> WriteHandle: ...
+
+    def write_atomic(self, path: str, data: bytes) -> None: ...
+
+    def mkdir(self, path: str, parents: bool = False) -> None: ...
+
+    def rename(self, src: str, dst: str) -> None: ...
+
+    def fsync_dir(self, path: str) -> None: ...
+
+    def list(self, path: str) -> list[str]: ...
+
+    def delete(self, path: str) -> None: ...
+
+    def rmdir(self, path: str) -> None: ...
+
+    def rmtree(self, path: str) -> None: ...
+
+    def lock(self, folder: str) -> AbstractContextManager[None]: ...
+
+    def holder(self) -> dict: ...
+
+    def holder_alive(self, holder: dict) -> bool: ...
+
+    def open_dir(self, path: str) -> DirView: ...

@@ -1,0 +1,65 @@
+"""How another wing changes a unit's per-step behaviour without writing its fields.
+
+[Note: step overrides]
+A unit's settings have one writer each: the user (``fully_shard(...)`` and the
+``FSDPModule.set_*`` setters) sets the *configured* values, and lazy init derives the root's
+default ``reshard_after_forward`` (False) from them. A schedule that drives units through
+several forwards and backwards in one step (the pipeline: [Note: fully_shard units in a
+pipeline step]) must change some of them for that step only. It does so through
+`StepOverride`: a frozen set of values that, while installed with `override_unit`, take the
+place of the configured ones (a field left None keeps the configured value), and that
+`clear_override` removes, leaving the user's settings exactly as they were, whatever
+happened in between (a setter called during the step, lazy init in the first step).
+
+    unit = units_of(stage_module)[0]
+    override_unit(unit, StepOverride(reshard_after_forward=False))
+    ...                                     # forwards and backwards of the step
+    clear_override(unit)
+
+The unit reads its effective values (``FSDPState.reshard_after_forward`` and the like)
+through this override; the configured ones stay readable as `configured` says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from ._state import FSDPState, units_under
+
+__all__ = ["StepOverride", "override_unit", "clear_override", "units_of", "configured"]
+
+
+@dataclass(frozen=True)
+class StepOverride:
+    """Per-step values of a unit's settings; None keeps the configured value."""
+
+    reshard_after_forward: bool | int | None = None
+    reshard_after_backward: bool | None = None
+    requires_gradient_sync: bool | None = None
+
+    def merged(self, other: "StepOverride") -> "StepOverride":
+        """This override with ``other``'s set fields on top."""
+        return replace(self, **{f.name: getattr(other, f.name) for f in fields(other)
+                                if getattr(other, f.name) is not None})
+
+
+def override_unit(state: FSDPState, override: StepOverride) -> None:
+    """Install ``override`` on the unit ``state`` (an ``FSDPState``), on top of any installed."""
+    state.override = override if state.override is None else state.override.merged(override)
+
+
+def clear_override(state: FSDPState) -> None:
+    """Back to the configured settings."""
+    state.override = None
+
+
+def configured(state: FSDPState) -> StepOverride:
+    """The unit's configured settings (what the user set, the root default applied)."""
+    return StepOverride(state.configured_reshard_after_forward(), state.configured_reshard_after_backward,
+                        state.configured_requires_gradient_sync)
+
+
+def units_of(module) -> list[FSDPState]:
+    """The ``fully_shard`` units of ``module`` and of every module below it, each once, in
+    module order."""
+    return units_under([module])

@@ -1,0 +1,65 @@
+"""Issue 20 item 1: a second job loading ``latest`` while training replaces it, in a loop.
+
+A real writer process saves ``latest`` over and over (each version's tensors all hold its
+number); this process loads it in a loop meanwhile, with ``verify`` on and off. Every load must
+return one whole version, or fail with the "being replaced ... retry" error: never a mix of two
+versions, never a (false) checksum mismatch, and the writer must never trip over a reader.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from shardwise.checkpoint import CheckpointError, load
+
+VERSIONS = 40
+SHAPES = {"a": (256, 256), "b": (512, 128), "c": (64, 1024)}  # ~1 MiB of data per version
+
+WRITER = f"""
+import sys, torch
+from shardwise.checkpoint import save
+path = sys.argv[1]
+for v in range(1, {VERSIONS} + 1):
+    save({{k: torch.full(s, float(v)) for k, s in {SHAPES!r}.items()}} | {{"version": v}}, path)
+    print(v, flush=True)
+"""
+
+
+def _target() -> dict:
+    return {k: torch.zeros(s) for k, s in SHAPES.items()} | {"version": 0}
+
+
+def test_a_reader_sees_one_whole_version_or_a_retry_while_a_writer_replaces(tmp_path):
+    path = str(tmp_path / "latest")
+    first = subprocess.run([sys.executable, "-c", WRITER.replace(f"{VERSIONS} + 1", "2"), path], capture_output=True,
+                           text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    loads, retries, verify = [], [], False
+    deadline = time.monotonic() + 240
+    try:
+        while writer.poll() is None and time.monotonic() < deadline:
+            verify = not verify
+            got = _target()
+            try:
+                load(got, path, verify=verify)
+            except CheckpointError as e:
+                assert "being replaced" in str(e) and "retry" in str(e), f"verify={verify}: {e}"
+                retries.append(str(e))
+                continue
+            v = got["version"]
+            mixed = [k for k in SHAPES if not torch.equal(got[k], torch.full(SHAPES[k], float(v)))]
+            assert not mixed, f"verify={verify}: version {v} with tensors {mixed} of another version"
+            loads.append(v)
+    finally:
+        out, err = writer.communicate(timeout=240)
+    assert writer.returncode == 0, f"the writer failed (a reader got in its way?): {err[-2000:]}"
+    assert len(loads) >= 10 and len(set(loads)) >= 3, (loads, len(retries))
+    assert sorted(os.listdir(tmp_path)) == [".shardwise-series.json", "latest"], os.listdir(tmp_path)
+    print(f"{len(loads)} whole loads of {len(set(loads))} versions, {len(retries)} retries")

@@ -1,0 +1,132 @@
+"""Checkpoints through the `Storage` seam: fsspec's ``memory://`` (an object store's semantics:
+no atomic rename) and its local file system (``file://``), and a storage passed explicitly.
+
+Every round trip is bit-exact; ``verify`` and ``inspect`` take the same URLs.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import fsspec
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from shardwise.checkpoint import CheckpointError, load, main, save, verify_checkpoint
+from shardwise.checkpoint._storage import FsspecStorage, storage_for
+from tests._dist import run_ranks
+
+
+def _state(v: float) -> dict:
+    g = torch.Generator().manual_seed(int(v * 10))
+    return {"model": {"w": torch.randn(6, 5, generator=g) + v, "b": torch.arange(3, dtype=torch.int64) + int(v),
+                      "h": torch.randn(4, dtype=torch.bfloat16, generator=g)},
+            "step": int(v), "name": f"v{v}"}
+
+
+def _zeros() -> dict:
+    return {"model": {"w": torch.zeros(6, 5), "b": torch.zeros(3, dtype=torch.int64),
+                      "h": torch.zeros(4, dtype=torch.bfloat16)}, "step": 0, "name": ""}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]) and a["step"] == b["step"] \
+        and a["name"] == b["name"]
+
+
+@pytest.fixture(params=["memory", "file"])
+def root(request, tmp_path):
+    if request.param == "memory":
+        url = f"memory://ckpt-{uuid.uuid4().hex[:8]}"
+        yield url
+        fsspec.filesystem("memory").rm(url.removeprefix("memory:/"), recursive=True)
+    else:
+        yield f"file://{tmp_path}"
+
+
+def test_a_round_trip_through_an_fsspec_url_is_bit_exact_and_verify_and_inspect_take_it(root, capsys):
+    url = f"{root}/step-1"
+    save(_state(1.0), url)
+    got = _zeros()
+    load(got, url)
+    assert _same(got, _state(1.0))
+    report = verify_checkpoint(url)
+    assert report.fully_checked and report.bytes_checked > 0, report
+    assert main(["inspect", url]) == 0, capsys.readouterr().err
+    assert "model/w" in capsys.readouterr().out
+    assert main(["verify", url]) == 0
+
+
+def test_a_replace_through_fsspec_keeps_user_files_and_rotation_deletes_only_the_series(root):
+    storage, base = storage_for(root)
+    save(_state(1.0), f"{root}/latest")
+    storage.write_atomic(storage.join(base, "latest", "config.json"), b"{}")
+    save(_state(2.0), f"{root}/latest")
+    got = _zeros()
+    load(got, f"{root}/latest")
+    assert _same(got, _state(2.0)), "the replace is whole"
+    assert storage.read_small(storage.join(base, "latest", "config.json"), 10) == b"{}", "the user's file was kept"
+    assert not [n for n in storage.list(base) if ".replaced-" in n or ".incomplete-" in n], storage.list(base)
+    for step in (1, 2, 3):
+        save(_state(float(step)), f"{root}/step-{step}", keep_last=2)
+    names = storage.list(base)
+    assert "step-1" not in names and {"step-2", "step-3", "latest"} <= set(names), names
+
+
+def test_a_storage_can_be_passed_with_a_plain_path():
+    fs = fsspec.filesystem("memory")
+    storage = FsspecStorage(fs)
+    where = f"/explicit-{uuid.uuid4().hex[:8]}/step-1"
+    save(_state(3.0), where, storage=storage)
+    assert fs.exists(where + "/index.json")
+    got = _zeros()
+    load(got, where, storage=storage)
+    assert _same(got, _state(3.0))
+    assert verify_checkpoint(where, storage=storage).fully_checked
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load(_zeros(), where + "-missing", storage=storage)
+
+
+def test_on_an_object_store_the_commit_copies_the_index_last_and_deletes_it_first():
+    """[Note: commit on an object store]: ``index.json`` is the commit record."""
+    fs = fsspec.filesystem("memory")
+    storage = FsspecStorage(fs)
+    assert not storage.atomic_rename
+    base = f"/order-{uuid.uuid4().hex[:8]}"
+    save(_state(1.0), base + "/ck", storage=storage)
+    events: list[tuple[str, str]] = []
+    real_cp, real_rm = fs.cp_file, fs.rm_file
+    fs.cp_file = lambda a, b, **k: (events.append(("copy", b)), real_cp(a, b, **k))[1]
+    fs.rm_file = lambda p, **k: (events.append(("delete", p)), real_rm(p, **k))[1]
+    try:
+        save(_state(2.0), base + "/ck", storage=storage)
+    finally:
+        del fs.cp_file, fs.rm_file
+    copies = [p for k, p in events if k == "copy"]
+    into_place = [p for p in copies if p.startswith(base + "/ck/")]
+    assert into_place and into_place[-1].endswith("/index.json"), into_place
+    away = [p for p in copies if ".replaced-" in p]
+    assert away and away[-1].endswith("/index.json"), "the old copy is complete before the original goes"
+    deletes = [p for k, p in events if k == "delete"]
+    first_delete_of_ck = next(p for p in deletes if p.startswith(base + "/ck/"))
+    assert first_delete_of_ck.endswith("/ck/index.json"), deletes
+
+
+def _two_ranks(rank, world_size, url):
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = torch.arange(40.0).reshape(8, 5)
+    save({"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 7}, url)
+    got = {"w": distribute_tensor(torch.zeros(8, 5), mesh, [Shard(1)]), "step": 0}
+    load(got, url)
+    return got["w"].full_tensor(), got["step"]
+
+
+def test_two_ranks_save_and_load_through_a_file_url(tmp_path):
+    url = f"file://{tmp_path}/step-1"
+    for w, step in run_ranks(_two_ranks, 2, url, timeout=60):
+        assert torch.equal(w, torch.arange(40.0).reshape(8, 5)) and step == 7
+    assert sorted(os.listdir(tmp_path / "step-1")) == ["index.json", "rank-00000.safetensors",
+                                                      "rank-00001.safetensors"]
