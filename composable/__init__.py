@@ -5,8 +5,9 @@ The names follow torch's FSDP2 so that switching is one import::
     from shardwise.composable import fully_shard, FSDPModule, MixedPrecisionPolicy
 """
 
-from ._fsdp import (CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, UnshardHandle,
-                    broadcast_from_rank0, fully_shard, materialize, register_fsdp_forward_method)
+from ._fsdp import (AllGather, CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
+                    ReduceScatter, UnshardHandle, broadcast_from_rank0, fully_shard, materialize,
+                    register_fsdp_forward_method, share_comm_ctx)
 from ._clip_grad import clip_grad_norm_
 from ._tp import *  # noqa: F403  tensor parallelism: the names in _tp.__all__
 from ._tp import __all__ as _tp_all
@@ -21,6 +22,9 @@ __all__ = [
     "FSDPModule",
     "UnshardHandle",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "AllGather",
+    "ReduceScatter",
     "materialize",
     "broadcast_from_rank0",
     "MixedPrecisionPolicy",

@@ -23,6 +23,7 @@ __all__ = [
     "queue_backward_callback",
     "backward_running",
     "storage_key",
+    "storage_shared",
     "foreach_norm",
     "foreach_mul_",
     "TorchDispatchMode",
@@ -83,6 +84,14 @@ def storage_key(t: torch.Tensor) -> int:
     Relies on: ``UntypedStorage._cdata`` (the address of the C++ storage object). The public
     ``data_ptr()`` is not enough: every storage resized to 0 bytes has data pointer 0."""
     return t.untyped_storage()._cdata
+
+
+def storage_shared(t: torch.Tensor) -> bool:
+    """Whether another live tensor (a view, a gradient the user kept) uses ``t``'s storage.
+
+    Relies on: ``torch._C._storage_Use_Count`` (the reference count of the C++ storage: one
+    per tensor viewing it, plus one for the temporary ``UntypedStorage`` made to ask)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2
 
 
 def foreach_norm(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from shardwise.composable._compat import (
     run_eagerly,
     set_local_tensor,
     storage_key,
+    storage_shared,
     strided_shard,
     tree_flatten,
     tree_map,
@@ -174,3 +175,18 @@ def test_dispatch_mode_sees_ops_and_pytree_round_trips():
     assert torch.equal(back[0][0], torch.full((2,), 2.0)) and back[0][1] == 3 and back[1]["k"][0].shape == (1,)
     doubled = tree_map(lambda x: x + 1 if isinstance(x, torch.Tensor) else x, tree)
     assert torch.equal(doubled[1]["k"][0], torch.ones(1)) and doubled[0][1] == 3
+
+
+def test_storage_shared_sees_views_and_their_release():
+    a = torch.zeros(8)
+    assert not storage_shared(a), "a tensor alone must not count as shared"
+    view = a[2:5]
+    assert storage_shared(a) and storage_shared(view), "a live view shares the storage"
+    del view
+    assert not storage_shared(a), "a dropped view must no longer count"
+    grad = a.view(2, 4)[0]
+    kept = [grad]
+    del grad
+    assert storage_shared(a), "a view kept in a list still shares it"
+    kept.clear()
+    assert not storage_shared(a)

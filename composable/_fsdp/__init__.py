@@ -2,13 +2,15 @@
 
 One file per concept (see docs/architecture.md): the shard layout (``_layout.py``), one
 parameter (``_sharded_param.py``), one unit's flat buffers and collectives
-(``_param_group.py``), gradient reduction (``_reduce.py``), per-unit hooks (``_state.py``),
+(``_param_group.py``), gradient reduction (``_reduce.py``), per-unit hooks (``_state.py``), the collectives' protocols and options (``_comm.py``), the
+``FSDPModule`` methods (``_module.py``),
 root-only state (``_root.py``), deferred init (``_materialize.py``), the API
 (``_fully_shard.py``). This wing imports only the shared leaves of ``composable``
 (``_compat``, ``_mesh_utils``, ``_chunks``); the other wings use it through the names below.
 """
 
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from ._comm import AllGather, ReduceScatter
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._materialize import broadcast_from_rank0, materialize
 from ._override import StepOverride, clear_override, configured, override_unit, units_of
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -18,6 +20,9 @@ __all__ = [
     "FSDPModule",
     "UnshardHandle",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "AllGather",
+    "ReduceScatter",
     "materialize",
     "broadcast_from_rank0",
     "MixedPrecisionPolicy",

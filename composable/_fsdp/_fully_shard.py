@@ -14,144 +14,15 @@ from .._compat import is_strided_shard
 from .._mesh_utils import mesh_device
 from ._param_group import ParamGroup
 from ._policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._module import OWNER_ATTR as _OWNER_ATTR
+from ._module import FSDPModule, UnshardHandle, share_comm_ctx
+from ._module import check_reshard_after_forward as _check_reshard_after_forward
+from ._module import readopt as _readopt
+from ._module import reshard_for_update as _reshard_for_update
 from ._spmd import spmd_mesh, to_tp_dtensor
-from ._state import FSDPState, TrainingState, get_state, units_under
+from ._state import FSDPState, get_state
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
-
-_OWNER_ATTR = "_shardwise_sharded_as"  # set on an original parameter once a unit took it
-
-
-class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
-
-    def __init__(self, state: FSDPState | None) -> None:
-        self._state = state
-
-    def wait(self) -> None:
-        if self._state is not None and self._state.group is not None:
-            self._state.group.wait_unshard()
-        self._state = None
-
-
-class FSDPModule:
-    """Mixin added to the class of every module passed to ``fully_shard``.
-
-    ``isinstance(m, FSDPModule)`` tells whether ``m`` is the module of a unit. The methods act on
-    that unit (and with ``recurse=True`` on every unit below it).
-    """
-
-    def _fsdp_state(self) -> FSDPState:
-        return get_state(self)
-
-    def _units(self, recurse: bool):
-        return units_under([self]) if recurse else [self._fsdp_state()]
-
-    def _apply(self, fn, recurse: bool = True):
-        """``nn.Module._apply`` (``to_empty``, ``.to(dtype / device)``, ``.float()``, ...) with
-        the unit resharded first and its parameters re-adopted after: the conversion replaces
-        the sharded parameters' local tensors, which must become the unit's storage again.
-        See [Note: re-adopting parameters] in ``_param_group.py``."""
-        state = self._fsdp_state()
-        _reshard_for_update(state, "module._apply (.to(), to_empty(), .float(), ...)")
-        out = super()._apply(fn, recurse)
-        _readopt(state)
-        return out
-
-    def unshard(self, async_op: bool = False):
-        """All-gather this unit's parameters now. With ``async_op=True`` return a handle whose
-        ``wait()`` finishes it; otherwise return None once done."""
-        state = self._fsdp_state()
-        if state.group is not None:
-            state.group.unshard(async_op=True)
-        handle = UnshardHandle(state)
-        if not async_op:
-            handle.wait()
-            return None
-        return handle
-
-    def reshard(self) -> None:
-        """Free this unit's unsharded parameters and register the sharded ones."""
-        state = self._fsdp_state()
-        if state.group is not None:
-            state.group.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """With False, backward keeps accumulating unsharded gradients and issues no
-        reduce-scatter (gradient accumulation); set True again before the last micro-batch."""
-        for s in self._units(recurse):
-            s.requires_gradient_sync = requires_gradient_sync
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP gradient accumulation: with False, backward reduce-scatters within the shard axis
-        and accumulates the sharded sums, but skips the all-reduce across replicas; the next
-        backward with True all-reduces the accumulated shards once."""
-        for s in self._units(recurse):
-            s.requires_all_reduce = requires_all_reduce
-
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
-        """With True, a parameter that got no gradient in a backward gets a zero gradient
-        instead of keeping ``.grad`` None (FSDP2's switch for ranks whose control flow uses
-        different parameters). shardwise's reduction stays collective either way: ranks that
-        disagree reduce together and the parameter gets the mean of the gradients that exist
-        ([Note: unused parameters] in ``_reduce.py``)."""
-        for s in self._units(recurse):
-            if s.group is not None:
-                s.group.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
-
-    def set_unshard_limit(self, limit: int) -> None:
-        """At most ``limit`` resharding units unsharded or being all-gathered at once (call on
-        the root; default 2). Prefetches that would exceed it are skipped. See
-        [Note: the unshard limit] in ``_state.py``."""
-        if not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"set_unshard_limit: limit must be an int >= 1, got {limit!r}")
-        state = self._fsdp_state()
-        if state.ctx is not None and not state.is_root:
-            raise ValueError(f"set_unshard_limit: {type(self).__name__} is not the root unit (the module whose "
-                             "forward runs first, usually the whole model); call it on the root")
-        state.requested_unshard_limit = limit
-        if state.ctx is not None:
-            state.ctx.unshard_limit = limit
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        for s in self._units(recurse):
-            s.reshard_after_backward = reshard_after_backward
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
-        """As ``fully_shard(reshard_after_forward=...)``; takes effect from the next forward,
-        before or after the first step (an int ``k`` makes its subgroup then: collective over
-        the ranks of the unit's shard axis)."""
-        for s in self._units(recurse):
-            value = _check_reshard_after_forward(reshard_after_forward, s.mesh)
-            s.user_reshard_after_forward = value
-            if s.ctx is not None:  # lazy init done: it will not look at this again
-                s._setup_post_forward_group()
-
-    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
-        """Before this unit's forward, also issue the all-gathers of these units."""
-        self._fsdp_state().forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
-        """Before this unit's backward, also issue the all-gathers of these units."""
-        self._fsdp_state().backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
-
-
-def _reshard_for_update(state: FSDPState, what: str) -> None:
-    g = state.group
-    if g is None or not (g.is_unsharded or g.unshard_pending):
-        return
-    if state.training is TrainingState.BACKWARD:
-        raise RuntimeError(f"fully_shard({g.label}): {what} during backward; call it between steps")
-    g.reshard()
-
-
-def _readopt(state: FSDPState) -> None:
-    if state.group is None:
-        return
-    state.group.readopt()
-    for sp in state.group.params:  # swap_tensors swaps __dict__ too: put the mark back
-        if getattr(sp.sharded, _OWNER_ATTR, None) is None:
-            setattr(sp.sharded, _OWNER_ATTR, sp.owner)
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 def _load_pre_hook(module, *args) -> None:
@@ -172,13 +43,6 @@ def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
     unit's parameters, so ``submodule.state_dict()`` sees shards too; the unit is found through
     the module (a copied module finds its own copy)."""
     _reshard_for_update(get_state(module.__dict__[_UNIT_ATTR]), "state_dict()")
-
-
-def _state_of(module: nn.Module, where: str) -> FSDPState:
-    s = get_state(module)
-    if s is None:
-        raise ValueError(f"{where}: {type(module).__name__} is not a fully_shard unit; call fully_shard on it first")
-    return s
 
 
 def _default_mesh() -> DeviceMesh:
@@ -209,20 +73,6 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         "or 2-D replicate x shard), e.g. mesh['dp_replicate', 'dp_shard'] or "
         "shardwise.mesh.data_parallel_mesh(mesh)."
     )
-
-
-def _check_reshard_after_forward(value, mesh: DeviceMesh):
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        world = mesh.size(mesh.ndim - 1)
-        if value < 1 or world % value != 0:
-            raise ValueError(
-                f"reshard_after_forward={value}: an int must divide the shard axis size {world} "
-                f"(1 <= k <= {world}, {world} % k == 0)"
-            )
-        return True if value == world else (False if value == 1 else value)
-    raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {type(value).__name__}")
 
 
 def _collect_params(modules: list[nn.Module], ignored: set[int]):
@@ -427,13 +277,12 @@ def _fsdp_class(cls: type) -> type:
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>(...)`` (e.g. ``generate``) run like ``forward``: the unit
-    is unsharded before it and resharded after it, exactly as around ``module(...)``."""
+    is unsharded before it and resharded after it, exactly as around ``module(...)``. On a
+    module that is not a ``fully_shard`` unit it does nothing (as FSDP2: one script can call it
+    with or without sharding)."""
     state = get_state(module)
     if state is None:
-        raise ValueError(
-            f"register_fsdp_forward_method: {type(module).__name__} is not a fully_shard unit; "
-            "call fully_shard on it first"
-        )
+        return
     method = getattr(module, method_name, None)
     if method is None or not callable(method):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")

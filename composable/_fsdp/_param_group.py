@@ -56,8 +56,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from ._comm import CommOptions, all_gather
 from ._layout import ShardLayout, byte_columns, make_layout
-from .._mesh_utils import all_gather_single, mesh_device
+from .._mesh_utils import mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
 from ._sharded_param import ShardedParam
@@ -134,6 +135,7 @@ class ParamGroup:
         # FSDP2's set_reduce_scatter_unused_params: unused parameters get zero gradients
         # instead of None ([Note: unused parameters] in _reduce.py)
         self.reduce_scatter_unused_params = False
+        self.comm = CommOptions()  # what the FSDPModule setters change about the collectives
         self.state = ShardState.SHARDED
         # (work, gathered bytes) of an issued all-gather (GATHERING)
         self._pending: tuple[Any, torch.Tensor] | None = None
@@ -251,12 +253,11 @@ class ParamGroup:
             self._to(ShardState.GATHERING)
         else:
             with record_function(self.trace.all_gather):
-                gathered = torch.empty(self.world * self.ag_bytes, dtype=torch.uint8, device=self.compute_device)
                 if self._post_forward is not None:
                     src, group = self._post_forward
                 else:
                     src, group = self._all_gather_input(), self.shard_group
-                work = all_gather_single(gathered, src, group=group, async_op=True)
+                work, gathered = all_gather(self.comm, self.world * self.ag_bytes, src, group, self.compute_device)
             self._pending = (work, gathered)
             self._to(ShardState.GATHERING)
         if not async_op:
@@ -331,11 +332,11 @@ class ParamGroup:
             for p in b.params:
                 p.stash_unsharded_grad(b.dtype)
 
-    def reduce_grads(self, *, all_reduce: bool = True) -> list[PendingReduce]:
+    def reduce_grads(self, *, all_reduce: bool = True, replica_buckets=None) -> list[PendingReduce]:
         """Issue the reduce-scatter of the unsharded gradients (one per bucket, async) and
         free them; ``PendingReduce.advance`` stores the result (see [Note: the reduction
         pipeline] in ``_reduce.py``). ``all_reduce=False`` (HSDP gradient accumulation) skips
         the replicate all-reduce until a later call asks for it."""
         if not self.has_unsharded_grads():
             return []
-        return reduce_grads(self, all_reduce=all_reduce)
+        return reduce_grads(self, all_reduce=all_reduce, replica_buckets=replica_buckets)

@@ -35,6 +35,20 @@ it earlier would stall the host on the collective). Under HSDP accumulation the 
 summed over the micro-batches (``Bucket.seen``) and all-reduced with the sharded gradients.
 ``set_reduce_scatter_unused_params(True)`` (as FSDP2) sets every flag: unused parameters get
 zero gradients.
+
+[Note: dividing and the reduction hook]
+The collectives always sum (gloo has no average for every dtype, and a sum keeps the used
+flags exact); the division follows: by the data-parallel size ``R * W`` (the mean over the
+global batch), or by ``set_gradient_divide_factor(f)`` (gradients = sum / f). A hook set with
+``set_all_reduce_hook`` is called, in place, on a bucket's gradient elements (not its flags)
+once they are reduced: after the reduce-scatter on a 1-D mesh, after the replica all-reduce
+on a 2-D one, as FSDP2 does; it sees them divided (FSDP2's default: an averaging collective),
+or, with ``set_force_sum_reduction_for_comms(True)``, as sums divided after it. So a hook
+that all-reduces over another group with ``ReduceOp.AVG`` (torchft's replicas) gives the
+mean over both, and one that scales scales the result. Backwards that only accumulate
+(``set_requires_gradient_sync(False)``, HSDP with ``set_requires_all_reduce(False)``) call
+no hook; the HSDP all-reduce that finishes such an accumulation calls it on the accumulated
+(divided) shards.
 """
 
 from __future__ import annotations
@@ -47,7 +61,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .._mesh_utils import reduce_scatter_single
+from ._comm import reduce_scatter, send_buffer
 
 __all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads", "resolve_unused"]
 
@@ -65,6 +79,7 @@ class ReducingUnit(Protocol):
     trace: Any
     buckets: list["Bucket"]
     reduce_scatter_unused_params: bool
+    comm: Any  # CommOptions: what the FSDPModule setters change about the collectives
 
 
 class ReduceStage(Enum):
@@ -131,6 +146,13 @@ class PendingReduce:
     stage: ReduceStage = field(default=ReduceStage.SCATTER)
     # once DONE with final (not replica-partial) values: (bucket, used counts, fresh indices)
     unused_check: tuple | None = None
+    bucketed: bool = False  # its all-reduce is a replica bucket's ([Note: replica buckets] in _bucket.py)
+    divided: bool = False  # ALL_REDUCE: divided before the all-reduce was issued
+
+    def issued_all_reduce(self, work) -> None:
+        """Its replica bucket's all-reduce ``work`` was issued (nothing divided yet)."""
+        self.work = work
+        self._to(ReduceStage.ALL_REDUCE)
 
     def _to(self, stage: ReduceStage) -> None:
         if stage not in _NEXT[self.stage]:
@@ -138,30 +160,39 @@ class PendingReduce:
         self.stage = stage
 
     def advance(self) -> bool:
-        """Move one stage on; True once the result is stored in the sharded ``.grad`` (DONE)."""
+        """Move one stage on; True once the result is stored in the sharded ``.grad`` (DONE).
+        [Note: dividing and the reduction hook]"""
         if self.work is not None:
             self.work.wait()
             self.work = None
         g, out, b = self.group, self.out, self.bucket
+        opts = g.comm
+        divisor = opts.gradient_divide_factor or g.world * g.replicate_world
         with torch.no_grad():
             if self.stage is ReduceStage.ALL_REDUCE:
+                _hook_and_divide(opts, out, b, None if self.divided else divisor)
                 _store(g, b, out)
                 self._final(b)
                 self._to(ReduceStage.DONE)
                 return True
-            out.div_(g.world * g.replicate_world)
             if g.replicate_group is None:
+                _hook_and_divide(opts, out, b, divisor)
                 _store(g, b, out)
                 self._final(b)
             elif not self.all_reduce:  # HSDP accumulation: keep the replica-partial sum
+                out.div_(divisor)
                 _store(g, b, out)
                 b.partial_over_replicas = True
             elif not b.partial_over_replicas:
+                if not opts.force_sum:
+                    out.div_(divisor)
+                    self.divided = True
                 with record_function(g.trace.all_reduce):
                     self.work = dist.all_reduce(out, group=g.replicate_group, async_op=True)
                 self._to(ReduceStage.ALL_REDUCE)
                 return False
             else:  # last micro-batch: add it, then all-reduce the accumulated shards once
+                out.div_(divisor)
                 _store(g, b, out)
                 _all_reduce_sharded_grads(g, b)
                 b.partial_over_replicas = False
@@ -180,14 +211,20 @@ class PendingReduce:
             pass
 
 
-def reduce_grads(g: ReducingUnit, *, all_reduce: bool) -> list[PendingReduce]:
+def reduce_grads(g: ReducingUnit, *, all_reduce: bool, replica_buckets: Any = None) -> list[PendingReduce]:
     """Issue the reduce-scatter of the unsharded gradients of ``g`` (a ``ParamGroup``; one per
-    bucket, async) and free them; frozen parameters never have one."""
+    bucket, async) and free them; frozen parameters never have one. On a 1-rank shard axis
+    with ``replica_buckets`` (the root's ``ReplicaBuckets``) the gradients go into a replica
+    bucket shared with other units instead ([Note: replica buckets] in ``_bucket.py``)."""
     W = g.world
     pending = []
     with torch.no_grad(), record_function(g.trace.reduce_scatter):
         for b in g.buckets:
-            send = torch.empty(W * b.row, dtype=b.dtype, device=g.compute_device)
+            shared = replica_buckets is not None and replica_buckets.takes(g, b, all_reduce)
+            if shared:
+                send = replica_buckets.reserve(g, b)
+            else:
+                send = send_buffer(g.comm, W * b.row, b.dtype, g.compute_device)
             rows = send.view(W, b.row)
             used = []  # [Note: unused parameters]
             for p, o in zip(b.params, b.offsets):
@@ -201,11 +238,23 @@ def reduce_grads(g: ReducingUnit, *, all_reduce: bool) -> list[PendingReduce]:
             rows[:, b.numel :].copy_(torch.tensor(used, dtype=b.dtype).expand(W, -1))
             if W == 1:  # nothing to scatter: the sum over one rank is the input
                 pending.append(PendingReduce(g, b, None, send, all_reduce))
+                if shared:
+                    replica_buckets.add(pending[-1])
                 continue
-            out = torch.empty(b.row, dtype=b.dtype, device=g.compute_device)
-            work = reduce_scatter_single(out, send, group=g.shard_group, async_op=True)
+            work, out = reduce_scatter(g.comm, send, b.row, g.shard_group)
             pending.append(PendingReduce(g, b, work, out, all_reduce))
     return pending
+
+
+def _hook_and_divide(opts: Any, out: torch.Tensor, b: Bucket, divisor: float | None) -> None:
+    """The reduced gradients of ``b`` in ``out``: divided by ``divisor`` (None: already divided)
+    before the user's reduction hook, or after it with ``force_sum``."""
+    if divisor is not None and not opts.force_sum:
+        out.div_(divisor)
+    if opts.all_reduce_hook is not None:
+        opts.all_reduce_hook(out[: b.numel])
+    if divisor is not None and opts.force_sum:
+        out.div_(divisor)
 
 
 def _store(g: ReducingUnit, b: Bucket, out: torch.Tensor) -> None:
@@ -223,6 +272,8 @@ def _all_reduce_sharded_grads(g: ReducingUnit, b: Bucket) -> None:
     flat = torch.cat(parts).to(g.compute_device)
     with record_function(g.trace.all_reduce):
         dist.all_reduce(flat, group=g.replicate_group)
+    if g.comm.all_reduce_hook is not None:
+        g.comm.all_reduce_hook(flat[: flat.numel() - b.seen.numel()])
     *chunks, seen = flat.split([t.numel() for t in parts])
     for t, chunk in zip(locals_, chunks):
         t.copy_(chunk.view_as(t))

@@ -5,6 +5,14 @@ collects the units under it and gives each one a reference to this context; ever
 spans units lives here rather than on every ``FSDPState``: the units in forward order, the
 prefetch limit, the reductions in flight, the end-of-backward callback, the subgroups of an
 int ``reshard_after_forward``.
+
+[Note: backwards that are not the last]
+``set_is_last_backward(False)`` (FSDP2's switch for microbatching) says more backwards follow
+before the optimizer step: the end of this backward then leaves its reductions in flight
+instead of waiting for them, so they overlap the next microbatch's forward; the next
+backward's reductions move them on as usual, and the end of a backward with
+``is_last_backward`` True (the default) finishes them all and stores every gradient. Set it
+True again before the last backward of the step: gradients are complete only after that one.
 """
 
 from __future__ import annotations
@@ -12,7 +20,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from .._compat import queue_backward_callback
-from ._reduce import resolve_unused
+from ._bucket import ReplicaBuckets
+from ._reduce import ReduceStage, resolve_unused
 
 __all__ = ["RootContext", "DEFAULT_UNSHARD_LIMIT"]
 
@@ -31,6 +40,11 @@ class RootContext:
         self.reduces: list = []  # PendingReduce in flight, oldest first
         self.done: list = []  # PendingReduce of this backward already stored (for resolve_unused)
         self.callback_queued = False  # the end-of-backward callback of this step is queued
+        # set_is_last_backward(False): this backward's end leaves its reductions in flight
+        # (finished by the next last backward), see [Note: backwards that are not the last]
+        self.is_last_backward = True
+        self.post_optim_event = None  # set_post_optim_event: waited for at the next root forward
+        self.replica_buckets = ReplicaBuckets()  # NO_SHARD's all-reduces, see _bucket.py
         self._subgroups: dict[tuple[int, ...], object] = {}  # rank set -> group
 
     def subgroup(self, ranks: tuple[int, ...]):
@@ -58,8 +72,18 @@ class RootContext:
     def keep_in_flight(self, issued: list) -> None:
         """Add a unit's newly issued reductions, moving the earlier ones a stage on
         (reduce-scatter -> replica all-reduce -> stored) so that they run behind the computation."""
+        limit = issued[0].group.comm.max_input_buffers if issued else 1
         earlier, self.reduces = self.reduces, []
+        scattering = sum(pr.stage is ReduceStage.SCATTER and not pr.bucketed for pr in earlier)
         for pr in earlier:
+            if pr.bucketed:  # its bucket's all-reduce runs behind the backward until its end
+                self.reduces.append(pr)
+                continue
+            if pr.stage is ReduceStage.SCATTER:
+                if scattering < limit:  # set_reduce_scatter_max_input_buffers: may stay in flight
+                    self.reduces.append(pr)
+                    continue
+                scattering -= 1
             (self.done if pr.advance() else self.reduces).append(pr)
         self.reduces.extend(issued)
 
@@ -71,15 +95,29 @@ class RootContext:
                 if s.reshard_after_backward:
                     s.group.reshard()  # as in the post-backward: parameters go first
                 s._reduce()
-        while self.reduces:
-            pr = self.reduces.pop(0)
-            pr.finish()
-            self.done.append(pr)
-        done, self.done = self.done, []
-        resolve_unused(done)  # [Note: unused parameters] in _reduce.py
+        self.replica_buckets.end_backward()
+        if self.is_last_backward:
+            while self.reduces:
+                pr = self.reduces.pop(0)
+                pr.finish()
+                self.done.append(pr)
+            done, self.done = self.done, []
+            resolve_unused(done)  # [Note: unused parameters] in _reduce.py
         for s in self.states:
             s._end_step()
         self.callback_queued = False
+
+    def reset(self) -> None:
+        """``FSDPModule.reset_iter_state``: after an exception in forward or backward, the step is
+        abandoned (``abandon_step``) and every unit resharded, whatever its settings."""
+        self.abandon_step()
+        self.this_order = []
+        for s in self.states:
+            if s.group is not None:
+                s.group.reshard()
+                s.group.drop_post_forward()
+                for b in s.group.buckets:
+                    b.partial_over_replicas = False
 
     def abandon_step(self) -> None:
         """Clean up after a backward that raised (see [Note: a backward that raised] in
@@ -91,6 +129,7 @@ class RootContext:
             if pr.work is not None:  # every rank issued it: wait, so the collectives stay matched
                 pr.work.wait()
         self.reduces, self.done = [], []
+        self.replica_buckets.drop()
         for s in self.states:
             if s.group is not None:
                 s.group.drop_unsharded_grads()

@@ -143,6 +143,9 @@ class FSDPState:
         self.configured_requires_gradient_sync = True
         self.override: Any = None  # a StepOverride, installed by _override.override_unit
         self.requires_all_reduce = True
+        self.unshard_in_backward = True  # False: backward needs none of the parameters (an embedding)
+        self.requested_is_last_backward: bool | None = None  # set_is_last_backward before lazy init
+        self.requested_post_optim_event = None  # set_post_optim_event before lazy init
         self.forward_prefetch: list[FSDPState] | None = None  # None: implicit (execution order)
         self.backward_prefetch: list[FSDPState] | None = None
         self.ctx: RootContext | None = None
@@ -227,6 +230,9 @@ class FSDPState:
             if s.group is not None:
                 s.group.adopt_replaced()
         ctx = RootContext(self, states, self.requested_unshard_limit or DEFAULT_UNSHARD_LIMIT)
+        if self.requested_is_last_backward is not None:
+            ctx.is_last_backward = self.requested_is_last_backward
+        ctx.post_optim_event, self.requested_post_optim_event = self.requested_post_optim_event, None
         paths: dict[int, str] = {}
         for top in self.modules:
             for path, m in top.named_modules():
@@ -253,12 +259,12 @@ class FSDPState:
         self._post_forward_target = (self.ctx.subgroup(tuple(shard_ranks[start : start + k])), k)
 
     # -- prefetch (see [Note: the unshard limit]) -------------------------------------------------
-    def _prefetch(self, states) -> None:
+    def _prefetch(self, states, backward: bool = False) -> None:
         ctx = self.ctx
         assert ctx is not None, "prefetches run after lazy init"
         for s in states:
             g = s.group
-            if g is None or g.is_unsharded or g.unshard_pending:
+            if g is None or g.is_unsharded or g.unshard_pending or (backward and not s.unshard_in_backward):
                 continue
             if s.reshard_after_forward is not False and ctx.busy_units() >= ctx.unshard_limit:
                 continue
@@ -284,6 +290,9 @@ class FSDPState:
         self._set_training(TrainingState.FORWARD)
         if self is ctx.root and not self._forward_seen:
             ctx.this_order = []
+            event, ctx.post_optim_event = ctx.post_optim_event, None
+            if event is not None and self.group is not None and self.group.compute_device.type != "cpu":
+                event.wait()  # set_post_optim_event: the all-gathers follow the optimizer's event
             if not ctx.callback_queued:  # a new step: forget forwards that saw no backward
                 for s in ctx.states:
                     s._pending_post_backward = 0
@@ -340,9 +349,10 @@ class FSDPState:
     def _pre_backward(self, grad):
         self.ctx.start_backward()
         self._set_training(TrainingState.BACKWARD)
-        if self.group is not None:
+        if self.group is not None and self.unshard_in_backward:
             self.group.unshard()
-        self._prefetch(self.backward_prefetch if self.backward_prefetch is not None else self._neighbour(-1))
+        self._prefetch(self.backward_prefetch if self.backward_prefetch is not None else self._neighbour(-1),
+                       backward=True)
         return None
 
     def _post_backward_fired(self) -> None:
@@ -361,7 +371,8 @@ class FSDPState:
         if not self.requires_gradient_sync:
             self.group.stash_unsharded_grads()
             return
-        issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce)
+        issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce,
+                                         replica_buckets=self.ctx.replica_buckets)
         if issued:
             assert self.ctx is not None, "a backward runs after lazy init"
             self.ctx.keep_in_flight(issued)

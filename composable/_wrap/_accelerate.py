@@ -13,16 +13,22 @@ without the ``fsdp_`` prefix) into one of: a setting of `ShardingPolicy` (strate
 ``reshard_after_forward``, mixed precision, offload); a step of `AccelerateConfig.apply`
 (rank-0 sync, activation checkpointing, prefetch, the all-gather limit); a state-dict choice
 (`AccelerateConfig.state_dict_options`); a launcher setting (``num_processes`` ...: kept in
-``launch``, and the world size is checked against it in ``apply``); or a refusal, a
-``ValueError`` naming the key, its value and what to do. A key that is none of these (a typo,
-a newer Accelerate key) is refused too. docs/accelerate.md has the table.
+``launch``; ``apply`` trains on the launcher's world size and warns once if ``num_processes``
+differs); or a refusal, a ``ValueError`` naming the key, its value and what to do. A key that
+is none of these (a typo, a newer Accelerate key) is refused too. Keys are read with
+Accelerate 1.15's meaning for the file's ``fsdp_version``: under 2, ``reshard_after_forward``
+is a bool, ``cpu_ram_efficient_loading`` means rank 0 loads and broadcasts, and the FSDP1 keys
+Accelerate drops or refuses there (``sharding_strategy``, ``sync_module_states``,
+``backward_prefetch``, ``forward_prefetch``, ``use_orig_params``) are accepted only with the
+value that is what happens anyway. docs/accelerate.md has the table.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._fsdp import broadcast_from_rank0
 from .._fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._policy import ShardingPolicy, apply_fully_shard, select_units
+from ._policy import ShardingPolicy, _axes, apply_fully_shard, select_units
+from ._strategies import ShardingStrategy
 
 __all__ = ["AccelerateConfig", "from_accelerate_config"]
 
@@ -73,6 +80,7 @@ class AccelerateConfig:
     """
 
     policy: ShardingPolicy = ShardingPolicy()
+    fsdp_version: int = 1
     sync_module_states: bool = False
     cpu_ram_efficient_loading: bool = False
     activation_checkpointing: bool = False
@@ -105,14 +113,15 @@ class AccelerateConfig:
 
     def apply(self, model: nn.Module, mesh: DeviceMesh | None = None, *,
               ignored_params: Iterable[nn.Parameter] | None = None) -> nn.Module:
-        """Shard ``model`` as the config says; collective. In order: checks the world size
-        against ``num_processes``; keeps rank 0's full state dict (``sync_module_states``;
-        with ``cpu_ram_efficient_loading`` the other ranks may build the model on the meta
-        device); wraps each unit's forward in non-reentrant ``torch.utils.checkpoint``
-        (``activation_checkpointing``); `apply_fully_shard` with ``policy``; sets explicit
-        forward prefetch in module order (``forward_prefetch``), no backward prefetch
-        (``NO_PREFETCH``), no all-gather limit (``limit_all_gathers: false``); then
-        ``broadcast_from_rank0``. Returns ``model``."""
+        """Shard ``model`` as the config says; collective. In order: compares the world size
+        with ``num_processes`` (the launcher's world is used; rank 0 warns once if they
+        differ); keeps rank 0's full state dict (``sync_module_states``; with
+        ``cpu_ram_efficient_loading`` the other ranks may build the model on the meta device);
+        wraps each unit's forward in non-reentrant ``torch.utils.checkpoint``
+        (``activation_checkpointing``); `apply_fully_shard` with ``policy`` (under FSDP2 its
+        hybrid counterpart on a mesh with replicas); sets explicit forward prefetch in module
+        order (``forward_prefetch``), no backward prefetch (``NO_PREFETCH``), no all-gather
+        limit (``limit_all_gathers: false``); then ``broadcast_from_rank0``. Returns ``model``."""
         self._check_world()
         full = None
         if self.sync_module_states:
@@ -134,7 +143,7 @@ class AccelerateConfig:
                                  "the policy selects none (NO_WRAP); name fsdp_transformer_layer_cls_to_wrap")
             for n in names:
                 _checkpoint_forward(modules[n])
-        apply_fully_shard(model, mesh, self.policy, ignored_params=ignored_params)
+        apply_fully_shard(model, mesh, self._policy_for(mesh), ignored_params=ignored_params)
         units = [model] + [modules[n] for n in names]
         if self.forward_prefetch:  # from the first step on, in module order (the root runs first)
             for unit, nxt in zip(units, units[1:]):
@@ -148,16 +157,31 @@ class AccelerateConfig:
             broadcast_from_rank0(model, full)
         return model
 
+    def _policy_for(self, mesh: DeviceMesh | None) -> ShardingPolicy:
+        """Under FSDP2 the mesh decides hybrid sharding (Accelerate takes it from
+        ``parallelism_config``; here from the mesh given to `apply`): a mesh with replicas turns
+        FULL_SHARD / SHARD_GRAD_OP into HYBRID_SHARD / HYBRID_SHARD_ZERO2."""
+        if self.fsdp_version != 2 or not isinstance(mesh, DeviceMesh) or _axes(mesh)[0] == 1:
+            return self.policy
+        hybrid = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}
+        name = ShardingStrategy.parse(self.policy.strategy).value
+        return replace(self.policy, strategy=hybrid.get(name, name))
+
     def _check_world(self) -> None:
+        """The launcher's world size wins over ``num_processes`` (a job resumed at another
+        size runs with the same file); rank 0 warns once per process when they differ."""
         n = self.launch.get("num_processes")
         if n is None or not dist.is_initialized():
             return
-        world = dist.get_world_size()
-        if int(n) != world:
-            raise ValueError(f"Accelerate config: num_processes={n} (the total over all machines, as Accelerate "
-                             f"counts it) but the job has {world} ranks; launch with torchrun --nproc-per-node "
-                             f"{int(n) // int(self.launch.get('num_machines', 1))} --nnodes "
-                             f"{self.launch.get('num_machines', 1)}, or fix num_processes")
+        n, world = int(n), dist.get_world_size()
+        if n > 0 and n != world and dist.get_rank() == 0 and (n, world) not in _WORLD_WARNED:
+            _WORLD_WARNED.add((n, world))
+            warnings.warn(f"Accelerate config: num_processes={n} but the launcher started {world} ranks; training "
+                          f"on {world} (the launcher decides; set num_processes: {world} to silence this)",
+                          UserWarning, stacklevel=3)
+
+
+_WORLD_WARNED: set[tuple[int, int]] = set()  # (num_processes, world size) pairs rank 0 has warned about
 
 
 def _checkpoint_forward(module: nn.Module) -> None:
@@ -195,22 +219,103 @@ def _mixed_precision(value: Any) -> MixedPrecisionPolicy:
     raise _refuse("mixed_precision", value, "use 'no' or 'bf16' (fp8 is not offered)")
 
 
+def _flag(key: str, value: Any) -> bool | None:
+    """``value`` as a bool when it is one (a YAML bool or its spelling), else None."""
+    try:
+        return _bool(key, value)
+    except ValueError:
+        return None
+
+
+def _fsdp1_strategy(c: dict) -> str:
+    """FSDP1: ``sharding_strategy``, or ``reshard_after_forward`` as a strategy name (what
+    ``accelerate config`` writes for FSDP1) or a bool (with the hybrid-ness of the strategy)."""
+    strategy = str(c.pop("sharding_strategy", "FULL_SHARD"))
+    raf = c.pop("reshard_after_forward", None)
+    if raf is None:
+        return strategy
+    flag = str(raf).strip().lower()
+    if flag not in ("true", "false"):
+        return str(raf)
+    hybrid = strategy.upper().rpartition(".")[2].startswith("HYBRID") or strategy in ("4", "5")
+    return {("true", False): "FULL_SHARD", ("false", False): "SHARD_GRAD_OP",
+            ("true", True): "HYBRID_SHARD", ("false", True): "HYBRID_SHARD_ZERO2"}[flag, hybrid]
+
+
+def _fsdp2_strategy(c: dict) -> str:
+    """FSDP2 (Accelerate 1.15): ``reshard_after_forward`` is a bool, default true;
+    ``sharding_strategy`` is not read (Accelerate's launcher drops it under version 2)."""
+    if "sharding_strategy" in c:
+        raise _refuse("fsdp_sharding_strategy", c["sharding_strategy"], "Accelerate does not read it under "
+                      "fsdp_version: 2; use fsdp_reshard_after_forward: true (FULL_SHARD) or false (SHARD_GRAD_OP) "
+                      "instead (`accelerate to-fsdp2` converts the file)")
+    raf = c.pop("reshard_after_forward", True)
+    flag = _flag("fsdp_reshard_after_forward", raf)
+    if flag is None:
+        raise _refuse("fsdp_reshard_after_forward", raf, "under fsdp_version: 2 it is a bool, as Accelerate requires: "
+                      "true (FULL_SHARD) or false (SHARD_GRAD_OP)")
+    return "FULL_SHARD" if flag else "SHARD_GRAD_OP"
+
+
+def _prefetch_name(value: Any) -> str:
+    return str(value or "BACKWARD_PRE").upper().rpartition(".")[2]
+
+
+def _fsdp1_prefetch_and_sync(c: dict, out: dict[str, Any]) -> None:
+    """FSDP1: backward / forward prefetch as set; ``sync_module_states`` as set, implied by
+    ``cpu_ram_efficient_loading`` when absent (Accelerate's launcher and plugin both do so)."""
+    prefetch = _prefetch_name(c.pop("backward_prefetch", c.pop("backward_prefetch_policy", "BACKWARD_PRE")))
+    if prefetch not in _PREFETCH:
+        raise _refuse("fsdp_backward_prefetch", prefetch, "FSDP1's BACKWARD_POST has no counterpart here; use "
+                      "BACKWARD_PRE (the default: the next unit's all-gather is issued before this unit's backward) "
+                      "or NO_PREFETCH")
+    out["backward_prefetch"] = prefetch
+    for key in ("forward_prefetch", "sync_module_states", "cpu_ram_efficient_loading"):
+        if key in c:
+            out[key] = _bool(f"fsdp_{key}", c.pop(key))
+    if out.get("cpu_ram_efficient_loading"):
+        if out.setdefault("sync_module_states", True) is False:
+            raise _refuse("fsdp_sync_module_states", False, "with fsdp_cpu_ram_efficient_loading: true the other "
+                          "ranks hold empty weights until rank 0's are broadcast; set fsdp_sync_module_states: true "
+                          "or remove it (Accelerate's launcher refuses this pair too)")
+
+
+def _fsdp2_obsolete(c: dict, out: dict[str, Any]) -> None:
+    """FSDP2 (Accelerate 1.15): ``cpu_ram_efficient_loading`` means rank 0 loads and
+    broadcasts; the FSDP1 keys Accelerate drops or refuses under version 2 are accepted only
+    with the value that is what happens anyway, refused otherwise (see docs/accelerate.md)."""
+    cpu_ram = _bool("fsdp_cpu_ram_efficient_loading", c.pop("cpu_ram_efficient_loading", False))
+    out["cpu_ram_efficient_loading"] = out["sync_module_states"] = cpu_ram
+    if "sync_module_states" in c:
+        sync = _bool("fsdp_sync_module_states", c.pop("sync_module_states"))
+        if sync != cpu_ram:
+            raise _refuse("fsdp_sync_module_states", sync, "obsolete under fsdp_version: 2 (Accelerate drops it): "
+                          "rank 0's weights are broadcast exactly when fsdp_cpu_ram_efficient_loading is true; "
+                          "remove fsdp_sync_module_states")
+    for key in ("backward_prefetch", "backward_prefetch_policy"):
+        if key in c:
+            value = c.pop(key)
+            if _prefetch_name(value) != "BACKWARD_PRE":
+                raise _refuse(f"fsdp_{key}", value, "under fsdp_version: 2 Accelerate drops it and each unit's "
+                              "backward prefetches the next one's all-gather whatever it says; remove it (or use "
+                              "fsdp_version: 1, where NO_PREFETCH turns prefetching off)")
+    if _bool("fsdp_forward_prefetch", c.pop("forward_prefetch", False)):
+        raise _refuse("fsdp_forward_prefetch", True, "Accelerate's FSDP plugin refuses it under fsdp_version: 2 "
+                      "(not implemented for FSDP2); remove it, or use fsdp_version: 1 for explicit forward prefetch")
+
+
 def _fsdp(cfg: dict, mp: MixedPrecisionPolicy, launch: dict) -> AccelerateConfig:
     c = {k[5:] if k.startswith("fsdp_") else k: v for k, v in cfg.items()}
     out: dict[str, Any] = {"launch": launch}
-    version = int(c.pop("version", 1))
+    raw_version = c.pop("version", 1)
+    try:
+        version = int(raw_version)
+    except (TypeError, ValueError):
+        version = -1
     if version not in (1, 2):
-        raise _refuse("fsdp_version", version, "use 1 or 2 (both map onto fully_shard)")
-    strategy = str(c.pop("sharding_strategy", "FULL_SHARD"))
-    raf = c.pop("reshard_after_forward", None)
-    if raf is not None:
-        flag = str(raf).strip().lower()
-        if flag in ("true", "false"):
-            hybrid = strategy.upper().rpartition(".")[2].startswith("HYBRID") or strategy in ("4", "5")
-            strategy = {("true", False): "FULL_SHARD", ("false", False): "SHARD_GRAD_OP",
-                        ("true", True): "HYBRID_SHARD", ("false", True): "HYBRID_SHARD_ZERO2"}[flag, hybrid]
-        else:
-            strategy = str(raf)
+        raise _refuse("fsdp_version", raw_version, "use 1 or 2 (both map onto fully_shard)")
+    out["fsdp_version"] = version
+    strategy = _fsdp2_strategy(c) if version == 2 else _fsdp1_strategy(c)
     wrap = str(c.pop("auto_wrap_policy", "NO_WRAP") or "NO_WRAP").upper()
     layers = c.pop("transformer_layer_cls_to_wrap", None) or ()
     min_params = int(c.pop("min_num_params", 0) or 0)
@@ -237,20 +342,17 @@ def _fsdp(cfg: dict, mp: MixedPrecisionPolicy, launch: dict) -> AccelerateConfig
     policy = ShardingPolicy(strategy=strategy, mp_policy=mp, **units,
                             offload_policy=CPUOffloadPolicy(pin_memory=pin) if offload else OffloadPolicy())
     out["policy"] = policy
-    prefetch = c.pop("backward_prefetch", c.pop("backward_prefetch_policy", "BACKWARD_PRE")) or "BACKWARD_PRE"
-    prefetch = str(prefetch).upper().rpartition(".")[2]
-    if prefetch not in _PREFETCH:
-        raise _refuse("fsdp_backward_prefetch", prefetch, "FSDP1's BACKWARD_POST has no counterpart here; use "
-                      "BACKWARD_PRE (the default: the next unit's all-gather is issued before this unit's backward) "
-                      "or NO_PREFETCH")
-    out["backward_prefetch"] = prefetch
-    for key in ("forward_prefetch", "sync_module_states", "cpu_ram_efficient_loading", "activation_checkpointing",
-                "limit_all_gathers"):
-        if key in c:
-            out[key] = _bool(f"fsdp_{key}", c.pop(key))
-    if out.get("cpu_ram_efficient_loading") and not out.get("sync_module_states"):
-        raise _refuse("fsdp_cpu_ram_efficient_loading", True, "the other ranks would keep empty weights; set "
-                      "fsdp_sync_module_states: true as well (Accelerate requires it too)")
+    if version == 2:
+        _fsdp2_obsolete(c, out)
+    else:
+        _fsdp1_prefetch_and_sync(c, out)
+    if "activation_checkpointing" in c:
+        out["activation_checkpointing"] = _bool("fsdp_activation_checkpointing", c.pop("activation_checkpointing"))
+    if "limit_all_gathers" in c:
+        out["limit_all_gathers"] = _bool("fsdp_limit_all_gathers", c.pop("limit_all_gathers"))
+    if _bool("fsdp_activation_checkpointing_offload", c.pop("activation_checkpointing_offload", False)):
+        raise _refuse("fsdp_activation_checkpointing_offload", True, "offloading checkpointed inputs to CPU is not "
+                      "offered (checkpointed blocks keep their inputs where they are); set it to false or remove it")
     sd_type = str(c.pop("state_dict_type", "SHARDED_STATE_DICT") or "SHARDED_STATE_DICT").upper().rpartition(".")[2]
     if sd_type not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
         raise _refuse("fsdp_state_dict_type", sd_type, "FSDP1's flat LOCAL_STATE_DICT has no counterpart; use "
@@ -283,10 +385,17 @@ def from_accelerate_config(source: str | os.PathLike | dict) -> AccelerateConfig
         raise _refuse("compute_environment", env, "only LOCAL_MACHINE (launch with torchrun) is supported")
     mp = _mixed_precision(data.pop("mixed_precision", "no"))
     launch = {k: data.pop(k) for k in list(data) if k in _LAUNCH}
+    if "num_processes" in launch:
+        n = launch["num_processes"]
+        if isinstance(n, bool) or not isinstance(n, (int, str)) or not str(n).strip().lstrip("-").isdigit():
+            raise _refuse("num_processes", n, "it is the total number of ranks, an integer; fix it or remove it")
     for key, off in _OFF.items():
         if key in data:
             value = data.pop(key)
             if value not in (off, None, "", [], {}, False) and str(value).lower() not in ("no", "false"):
+                if key == "parallelism_config":
+                    raise _refuse(key, value, "shardwise takes the data-parallel layout from the mesh: remove it and "
+                                  "pass shardwise.mesh.init_mesh(dp_replicate=R, dp_shard=S) to apply")
                 raise _refuse(key, value, f"that is for another backend or tool; set it to {off!r} or remove it")
     dynamo = data.pop("dynamo_config", None) or {}
     if dynamo and str(dynamo.get("dynamo_backend", "NO")).upper() != "NO":

@@ -249,13 +249,16 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None,
     if not isinstance(policy, ShardingPolicy):
         raise TypeError(f"apply_fully_shard: policy must be a ShardingPolicy, got {type(policy).__name__}")
     dp_mesh = strategy_mesh(policy.strategy, mesh)
-    raf = policy.strategy.reshard_after_forward if policy.reshard_after_forward is None else policy.reshard_after_forward
-    kw = dict(ignored_params=list(ignored_params or ()),
-              mp_policy=policy.mp_policy if mp_policy is None else mp_policy,
-              offload_policy=policy.offload_policy if offload_policy is None else offload_policy)
+    strategy = ShardingStrategy.parse(policy.strategy)
+    raf = strategy.reshard_after_forward if policy.reshard_after_forward is None else policy.reshard_after_forward
+    ignored = list(ignored_params or ())
+    mp = policy.mp_policy if mp_policy is None else mp_policy
+    offload = policy.offload_policy if offload_policy is None else offload_policy
     modules = dict(model.named_modules())
     unit_raf = None if raf is True and policy.reshard_after_forward is None else raf  # True is the default
     for name in select_units(model, policy):
-        fully_shard(modules[name], mesh=dp_mesh, reshard_after_forward=unit_raf, **kw)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False if raf is False else None, **kw)
+        fully_shard(modules[name], mesh=dp_mesh, reshard_after_forward=unit_raf, ignored_params=ignored, mp_policy=mp,
+                    offload_policy=offload)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False if raf is False else None, ignored_params=ignored,
+                mp_policy=mp, offload_policy=offload)
     return model

@@ -3,7 +3,7 @@ first step and after it. Each setter's effect is observed (the all-gathers that 
 which modules hold unsharded parameters, gradient accumulation) and the training equals one
 process's throughout.
 
-Setters of torch's FSDPModule that shardwise lacks are listed in docs/testing.md; shardwise's
+The other methods of torch's FSDPModule are in `test_fsdp_module_api.py`; shardwise's
 ``set_unshard_limit`` has no torch counterpart."""
 
 from __future__ import annotations
