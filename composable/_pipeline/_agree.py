@@ -73,8 +73,8 @@ def agree(what: str, error: BaseException | None, blocks: int | None, digest: st
     if len(shapes) > 1:
         parts = []
         for b, d in shapes:
-            ranks = [r for r, o in enumerate(every) if (o.blocks, o.digest) == (b, d)]
-            parts.append(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {b} blocks "
+            group = [r for r, o in enumerate(every) if (o.blocks, o.digest) == (b, d)]
+            parts.append(f"rank{'s' if len(group) > 1 else ''} {', '.join(map(str, group))}: {b} blocks "
                          f"(parameters {d})")
         raise ValueError(f"{what}: the ranks were given different models ({'; '.join(parts)}); build the same "
                          "model (same configuration) on every rank")

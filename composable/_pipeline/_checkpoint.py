@@ -65,9 +65,9 @@ def _complete(split: PipelineSplit, mine: dict, order) -> dict:
     stage_ranks = _stage_ranks(split)
     meta = {k: _describe(v, stage_ranks) for k, v in mine.items() if isinstance(v, torch.Tensor)}
     values = {k: v for k, v in mine.items() if not isinstance(v, torch.Tensor)}
-    gathered = [None] * split.pp_size
+    gathered: list = [None] * split.pp_size
     dist.all_gather_object(gathered, (meta, values), group=split.pp_group)
-    out = {}
+    out: dict = {}
     for peer_meta, peer_values in gathered:
         for k, d in peer_meta.items():
             out.setdefault(k, _as_dtensor(mine.get(k), d) if k in mine else _as_dtensor(None, d))

@@ -49,7 +49,7 @@ def _first_tensor(x):
 def _one_pass(model, blocks, run: Callable[[], torch.Tensor], kind: str, sync, clock):
     n = len(blocks)
     region = ["pre"]
-    act = {"pre": 0.0, "post": 0.0, **{i: 0.0 for i in range(n)}}
+    act: dict[str | int, float] = {"pre": 0.0, "post": 0.0, **{i: 0.0 for i in range(n)}}
     f_start, f_end, g_in = [0.0] * n, [0.0] * n, [None] * n
     g_out = [None]
     param_ptrs = {p.data_ptr() for p in model.parameters()}

@@ -69,6 +69,7 @@ Cost: the few buffers of the transfers left open by each failure, for as long as
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,7 @@ class P2P:
         self.ahead = device.type == "cpu"
         self._posted: dict[int, tuple] = {}  # peer -> (key, buffer, work) of the receive posted ahead
 
-    def expect(self, peer: int, keys: list, sends: list = ()) -> None:
+    def expect(self, peer: int, keys: list, sends: Sequence = ()) -> None:
         """``keys``: what ``peer`` sends us this step, in its order; ``sends``: what we send it."""
         self._expected[peer] = deque(keys)
         self._to_send[peer] = deque(sends)

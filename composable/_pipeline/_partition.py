@@ -114,7 +114,8 @@ def balanced_bounds(costs: Sequence[float], stages: int, *, pre: float = 0.0, po
                     choice = (key, i)
             if choice is not None:
                 best[k][j], back[k][j] = choice
-    if best[stages - 1][n] is None or best[stages - 1][n][0] == inf:
+    last = best[stages - 1][n]
+    if last is None or last[0] == inf:
         raise AssertionError("unreachable: a feasible split always exists when stages <= blocks")
     bounds = [n]
     j = n

@@ -15,10 +15,17 @@ from typing import overload
 
 from ._actions import Action
 
-__all__ = ["SCHEDULES", "ScheduleSpec", "get_schedule", "register_schedule", "unregister_schedule"]
+__all__ = ["SCHEDULES", "ScheduleSpec", "get_schedule", "one_f_one_b_bubble", "register_schedule",
+           "unregister_schedule"]
 
 BuildFn = Callable[[int, int, int, int], list[Action]]
 BubbleFn = Callable[[int, int, int], float]
+
+
+def one_f_one_b_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """``(p - 1) / (v m + p - 1)``: idle fraction of a rank (backward twice the forward); also
+    GPipe's and interleaved 1F1B's."""
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ class PipelineSchedule:
                 self.last_b[a.stage] = i
         param = next((p for p in split.module.parameters()), None)
         self.device = _device_of(param)
-        self._order = None  # peer -> (keys it sends us, keys we send it), per step
+        self._order: dict[int, tuple[list, list]] | None = None  # peer -> (keys it sends us, we send it)
         self.p2p = (P2P(split.pp_group, self.device, _agree_on_tag(split.pp_group, self.device),
                         in_flight=split.in_flight) if pp > 1 else None)
 
@@ -189,6 +189,7 @@ class PipelineSchedule:
             mine = self._sends_of(me)
             self._order = {peer: ([k for d, k in self._sends_of(peer) if d == me], [k for d, k in mine if d == peer])
                            for peer in {(me - 1) % pp, (me + 1) % pp} - {me}}
+        assert self.p2p is not None, "only a pipeline of more than one rank expects messages"
         for peer, (keys, sends) in self._order.items():
             self.p2p.expect(peer, keys, sends)
 

@@ -11,17 +11,17 @@ its bubble: with forward time 1 and backward time 2, GPipe and 1F1B take ``3 (m 
 step, bubble ``(p - 1) / (m + p - 1)``; interleaving divides the bubble by about ``v``.
 
 A schedule is a `ScheduleSpec` in the registry (``_registry.py``); the built-in ones are one
-file each under ``_schedules/`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``).
+file each (``_schedule_gpipe.py``, ``_schedule_1f1b.py``, ``_schedule_interleaved_1f1b.py``),
+imported here in the order of ``SCHEDULES``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import _schedules  # noqa: F401  registers the built-in schedules
+from . import _schedule_gpipe, _schedule_1f1b, _schedule_interleaved_1f1b  # noqa: F401  register, in this order
 from ._actions import Action, ActionKind
-from ._registry import SCHEDULES, ScheduleSpec, get_schedule
-from ._schedules._bubble import one_f_one_b_bubble
+from ._registry import SCHEDULES, ScheduleSpec, get_schedule, one_f_one_b_bubble
 
 __all__ = ["Action", "ActionKind", "SCHEDULES", "build_schedule", "dependencies", "simulate", "theoretical_bubble"]
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-__all__ = ["Blocks", "StageShell", "find_layers", "split_model"]
+__all__ = ["Blocks", "StageShell", "blocks_list", "classify", "find_layers", "split_model"]
 
 
 class Blocks(nn.Module):
@@ -156,12 +156,26 @@ def _shallow(m: nn.Module) -> nn.Module:
     return c
 
 
+def _child(path: list[nn.Module], d: int, name: str) -> nn.Module:
+    child = path[d]._modules[name]
+    assert child is not None, f"classify picks only modules that exist ({name})"
+    return child
+
+
+def blocks_list(path: list[nn.Module], names: list[str]) -> nn.ModuleList | nn.Sequential | Blocks:
+    """The blocks list at the end of ``path`` (`find_layers` checked it is one)."""
+    blocks = path[-1]._modules[names[-1]]
+    assert isinstance(blocks, (nn.ModuleList, nn.Sequential, Blocks)), "find_layers returns a path to a blocks list"
+    return blocks
+
+
 def classify(path: list[nn.Module], names: list[str], order: Sequence[nn.Module] | None):
     """``(pre, post)``: lists of ``(path index, child name)`` of the parameter-holding children of
     the path modules, before / after the blocks. ``order``: modules in the order their forward
     first ran (from a sample pass); None: registration order."""
-    blocks = path[-1]._modules[names[-1]]
-    pre, post = [], []
+    blocks = blocks_list(path, names)
+    pre: list[tuple[int, str]] = []
+    post: list[tuple[int, str]] = []
     for d, node in enumerate(path):
         if any(True for _ in node._parameters.values() if _ is not None):
             bad = [n for n, p in node._parameters.items() if p is not None]
@@ -179,8 +193,8 @@ def classify(path: list[nn.Module], names: list[str], order: Sequence[nn.Module]
             else:
                 first = not seen_path
             (pre if first else post).append((d, name))
-    pre_params = {id(p) for d, n in pre for p in path[d]._modules[n].parameters()}
-    post_params = {id(p) for d, n in post for p in path[d]._modules[n].parameters()}
+    pre_params = {id(p) for d, n in pre for p in _child(path, d, n).parameters()}
+    post_params = {id(p) for d, n in post for p in _child(path, d, n).parameters()}
     block_params = {id(p) for p in blocks.parameters()}
     if pre_params & post_params or (pre_params | post_params) & block_params:
         raise ValueError("pipeline: a parameter is shared between modules that land on different stages (e.g. an "
@@ -194,7 +208,7 @@ def split_model(model: nn.Module, path: list[nn.Module], names: list[str], pre, 
     [Note: how a model is split]. Stage ``s`` (blocks ``bounds[s]..bounds[s+1]-1``) is on rank
     ``s % pp``."""
     num_stages = len(bounds) - 1
-    blocks = list(path[-1]._modules[names[-1]])
+    blocks = list(blocks_list(path, names))
     mine = [s for s in range(num_stages) if s % pp == pp_rank]
     originals = {(d, n): path[d]._modules[n] for d, n in [*pre, *post]}
     shells = []

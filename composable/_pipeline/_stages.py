@@ -17,7 +17,7 @@ from .._compat import root_mesh
 from ._agree import agree, fingerprint
 from ._cost import COST_KINDS, average_costs, measure_costs, param_costs
 from ._partition import StagePlan, balanced_plan, plan_from_bounds
-from ._split import StageShell, classify, find_layers, split_model
+from ._split import StageShell, blocks_list, classify, find_layers, split_model
 
 __all__ = ["PipelineSplit", "pipeline_split", "plan_stages"]
 
@@ -106,7 +106,7 @@ class _Local:
     post: list
     blocks: list
     plan: StagePlan | None
-    costs: tuple | None
+    costs: tuple[float, list[float], float] | None
     measured: bool
 
 
@@ -116,7 +116,7 @@ def _local_plan(model: nn.Module, num_stages: int, layers: str | None, cost: str
     if cost not in COST_KINDS:
         raise ValueError(f"pipeline: cost={cost!r}; choose one of {COST_KINDS}")
     path, names = find_layers(model, layers)
-    blocks = list(path[-1]._modules[names[-1]])
+    blocks = list(blocks_list(path, names))
     if num_stages > len(blocks):
         raise ValueError(
             f"pipeline: {num_stages} stages but the model has only {len(blocks)} blocks to split; every stage needs "
@@ -155,6 +155,7 @@ def _balance(local: _Local, num_stages: int, cost: str) -> StagePlan:
     """The plan; measured costs are averaged over the ranks first (a collective: agree before)."""
     if local.plan is not None:
         return local.plan
+    assert local.costs is not None, "a local plan has a plan or costs"
     c = average_costs(local.costs) if local.measured else local.costs
     return balanced_plan(c[1], num_stages, pre=c[0], post=c[2], cost_kind=cost)
 

@@ -78,6 +78,8 @@ class PipelineMemoryPlan:
 class _StageView(nn.Module):
     """A stage as a module: the pre/post-modules it holds and its blocks, for `plan_memory`."""
 
+    _no_split_modules: list[str] = []
+
 
 def _accumulated(plan, mp) -> int:
     """Bytes of the unsharded gradients a stage sums over microbatches beyond what ``plan``
@@ -116,7 +118,7 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
     if not reshard_between_microbatches and policy.reshard_after_forward is None:
         policy = replace(policy, reshard_after_forward=False)  # gathered for the whole step
     classes = sorted({c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or [])})
-    stages = []
+    stages: list = []
     for s in range(pp):
         view = _StageView()
         view._no_split_modules = classes

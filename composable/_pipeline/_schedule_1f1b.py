@@ -3,9 +3,8 @@ alternately, then the remaining backwards. GPipe's bubble, at most ``pp - r`` mi
 
 from __future__ import annotations
 
-from .._actions import Action, ActionKind
-from .._registry import ScheduleSpec, register_schedule
-from ._bubble import one_f_one_b_bubble
+from ._actions import Action, ActionKind
+from ._registry import ScheduleSpec, one_f_one_b_bubble, register_schedule
 
 __all__ = ["ONE_F_ONE_B"]
 

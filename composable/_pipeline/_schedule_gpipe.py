@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from .._actions import Action, ActionKind
-from .._registry import ScheduleSpec, register_schedule
-from ._bubble import one_f_one_b_bubble
+from ._actions import Action, ActionKind
+from ._registry import ScheduleSpec, one_f_one_b_bubble, register_schedule
 
 __all__ = ["GPIPE"]
 

@@ -1,0 +1,46 @@
+"""``zb_h1`` (zero bubble, ZB-H1 order; issue 23): 1F1B with every backward split into ``I``
+(input gradient, on the critical path) and ``W`` (weight gradients), rank ``r`` deferring ``r``
+of its ``W`` s into the cool-down, where 1F1B idles.
+
+Rank ``r``: ``pp - r - 1`` warm-up forwards; then per microbatch ``k`` one forward (while any
+is left), ``I(k)``, and ``W(k - r)`` once ``r`` inputs gradients are ahead of the weights; the
+remaining ``W`` s last. Every rank then keeps at most ``pp`` microbatches of activations alive
+(1F1B's peak, on its first rank) and, with forward, input-gradient and weight-gradient times
+equal, the bubble is ``(p - 1) / (3 m + p - 1)`` (1F1B: ``3 (p - 1) / (3 m + 3 (p - 1))``),
+about a third; `tests/test_pipeline_zb.py` checks both with `simulate` and the memory walk.
+
+Not registered yet: `PipelineSchedule` runs ``F`` and ``B`` only (`RUNNABLE_KINDS`), so the spec
+joins ``SCHEDULES`` with the runtime's split backward. ``register_schedule(ZB_H1)`` makes it
+available to `build_schedule`, `simulate` and `activations_in_flight` today.
+"""
+
+from __future__ import annotations
+
+from ._actions import Action, ActionKind
+from ._registry import ScheduleSpec
+
+__all__ = ["ZB_H1", "zb_h1_bubble"]
+
+
+def zb_h1_bubble(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """``(p - 1) / (3 m + p - 1)``: idle fraction of a rank with forward 1, input gradient 1 and
+    weight gradient 1 (a backward of 2 split in halves), for ``m >= p``."""
+    return (pp - 1) / (3 * microbatches + pp - 1)
+
+
+def _build(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    warm = min(pp - rank - 1, m)
+    acts = [Action(ActionKind.F, rank, i) for i in range(warm)]
+    w = 0
+    for k in range(m):
+        if warm + k < m:
+            acts.append(Action(ActionKind.F, rank, warm + k))
+        acts.append(Action(ActionKind.I, rank, k))
+        if k - w >= rank:
+            acts.append(Action(ActionKind.W, rank, w))
+            w += 1
+    return acts + [Action(ActionKind.W, rank, i) for i in range(w, m)]
+
+
+ZB_H1 = ScheduleSpec("zb_h1", _build, bubble=zb_h1_bubble,
+                     summary="1F1B with split backwards, rank r deferring r weight gradients (ZB-H1)")
