@@ -157,7 +157,7 @@ def test_bad_save_input_is_refused_on_every_rank(tmp_path):
 def _killed_save(rank, world_size, root, victim, where):
     from shardwise.checkpoint import _format
     from shardwise.checkpoint._format import _safetensors_io
-    from shardwise.checkpoint._storage import PosixStorage
+    from shardwise.checkpoint import PosixStorage
 
     model, optim = build("fsdp2")
     save(app_state(model, optim, step=1), os.path.join(root, "step-1"))

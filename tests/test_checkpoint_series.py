@@ -292,7 +292,7 @@ def test_rotation_orders_records_without_seq_by_their_stored_order(tmp_path):
 def test_a_pending_entry_naming_the_folder_itself_is_ignored(tmp_path, name):
     """A damaged or hand-edited record must not make cleanup reach outside the folder."""
     from shardwise.checkpoint._commit import temp_dir_for
-    from shardwise.checkpoint._storage import PosixStorage
+    from shardwise.checkpoint import PosixStorage
 
     folder = tmp_path / "ckpt"
     folder.mkdir()

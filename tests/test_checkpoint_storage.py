@@ -16,7 +16,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardwise.checkpoint import CheckpointError, load, main, save, verify_checkpoint
-from shardwise.checkpoint._storage import FsspecStorage, storage_for
+from shardwise.checkpoint import FsspecStorage
+from shardwise.checkpoint._storage import storage_for
 from tests._dist import run_ranks
 
 

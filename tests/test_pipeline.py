@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 import shardwise.composable as sw
 from examples.model import Llama, LlamaConfig
 from examples.parallel import block_tp_plan
-from shardwise.composable._pipeline import PipelineError, PipelineSchedule, pipeline_split
+from shardwise.composable import PipelineError, PipelineSchedule, pipeline_split
 from shardwise.mesh import data_parallel_mesh, init_mesh, pipeline_mesh
 from tests._dist import run_ranks
 

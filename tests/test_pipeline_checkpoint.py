@@ -14,9 +14,8 @@ from torch.distributed.tensor import DTensor
 import shardwise.checkpoint as ckpt
 import shardwise.composable as sw
 from examples.model import Llama, LlamaConfig
-from shardwise.composable._pipeline import PipelineSchedule, pipeline_split
-from shardwise.composable._pipeline._checkpoint import (pipeline_optimizer_state_dict, pipeline_state_dict,
-                                                        set_pipeline_optimizer_state_dict, set_pipeline_state_dict)
+from shardwise.composable import PipelineSchedule, pipeline_split
+from shardwise.composable import pipeline_optimizer_state_dict, pipeline_state_dict, set_pipeline_optimizer_state_dict, set_pipeline_state_dict
 from shardwise.mesh import data_parallel_mesh, init_mesh, pipeline_mesh
 from tests._dist import run_ranks
 

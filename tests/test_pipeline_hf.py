@@ -9,7 +9,7 @@ import torch
 import torch._dynamo  # noqa: F401  preloaded into the forkserver
 import torch.nn.functional as F
 
-from shardwise.composable._pipeline import PipelineSchedule, pipeline_split
+from shardwise.composable import PipelineSchedule, pipeline_split
 from tests._dist import run_ranks
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional; pip install "

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardwise.composable._pipeline import PipelineError, PipelineSchedule, pipeline_split
+from shardwise.composable import PipelineError, PipelineSchedule, pipeline_split
 from tests._dist import run_ranks
 
 TOL = 1e-6

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import fsspec  # type: ignore[import-untyped]
+import fsspec  # untyped: pyproject.toml [tool.mypy] ignores its missing stubs
 
 from .._errors import CheckpointError
 from ._posix import PosixStorage, holder_alive, process_holder
