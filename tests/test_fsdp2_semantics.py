@@ -307,3 +307,34 @@ def test_parameters_still_on_meta_are_named():
     for rank, (status, msg) in enumerate(run_ranks(_replaced_after_meta, 2, "leave-one")):
         assert status == "RuntimeError" and "head.weight" in msg and "to_empty" in msg, \
             f"rank {rank}: {status}: {msg}"
+
+
+def _host_reads(rank, world_size, use_adapter):
+    import shardwise.composable._fsdp._root as root_mod
+
+    torch.manual_seed(0)
+    model = AdapterNet()
+    del model.blocks[0].spare  # every parameter used when use_adapter
+    model.use_adapter = use_adapter
+    mesh = make_mesh((world_size,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    real, candidates = root_mod.resolve_unused, []
+    root_mod.resolve_unused = lambda done: (candidates.append(
+        sorted(i for pr in done if pr.unused_check for i in pr.unused_check[2])), real(done))[1]
+    try:
+        tokens, target = batches(1, 4)[0]
+        loss_fn(model(tokens), target).backward()
+    finally:
+        root_mod.resolve_unused = real
+    return candidates
+
+
+def test_a_step_that_uses_every_parameter_reads_no_counts():
+    """[Note: unused parameters]: counts are read only for parameters this rank had no
+    gradient for, so the usual step costs no host read; an unused one is still a candidate."""
+    for rank, cands in enumerate(run_ranks(_host_reads, 2, True)):
+        assert cands == [[]], f"rank {rank}: counts to read {cands}"
+    for rank, cands in enumerate(run_ranks(_host_reads, 2, False)):
+        assert cands and cands[0], f"rank {rank}: the unused adapter is not checked: {cands}"

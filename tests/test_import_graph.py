@@ -14,6 +14,7 @@ import pathlib
 import shardwise.checkpoint
 import shardwise.composable
 import shardwise.mesh
+from tests.test_checkpoint_modules import find_cycle  # one cycle finder for both graph tests
 
 PACKAGES = {p.__name__: pathlib.Path(p.__file__).parent for p in (shardwise.composable, shardwise.mesh,
                                                                  shardwise.checkpoint)}
@@ -68,32 +69,6 @@ def import_graph() -> dict[str, set[str]]:
                     break
         graph[mod] = deps
     return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        path.append(n)
-        for d in sorted(graph.get(n, ())):
-            if state.get(d) == 1:
-                return path[path.index(d):] + [d]
-            if d not in state:
-                found = visit(d)
-                if found:
-                    return found
-        path.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if n not in state:
-            found = visit(n)
-            if found:
-                return found
-    return None
 
 
 def test_graph_reader_sees_a_cycle():

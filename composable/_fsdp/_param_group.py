@@ -324,7 +324,7 @@ class ParamGroup:
             p.unsharded.grad = None
             p.accumulated_grad = None
         for b in self.buckets:
-            b.seen, b.fresh = None, set()
+            b.seen, b.fresh, b.used_here = None, set(), set()
 
     def stash_unsharded_grads(self) -> None:
         """After a backward that does not reduce: keep each gradient's running sum in its

@@ -30,8 +30,10 @@ this rank had a gradient, 0 where not. The flags travel in the same reduce-scatt
 replica all-reduce) as the gradients, so after the reduction every rank holds the same count
 of ranks that used each parameter, at no extra collective. A parameter whose ``.grad`` was
 None before the reduction and whose count is 0 gets ``.grad = None`` back when the step's
-reductions are finished (``resolve_unused``, one host read per backward, at its end; reading
-it earlier would stall the host on the collective). Under HSDP accumulation the counts are
+reductions are finished (``resolve_unused``, at the end of the backward; reading it earlier
+would stall the host on the collective). A rank that sent a 1 itself knows the count is not 0,
+so it reads counts only for parameters it had no gradient for in the window (``used_here``):
+in the usual step, where this rank used every parameter, there is no host read at all. Under HSDP accumulation the counts are
 summed over the micro-batches (``Bucket.seen``) and all-reduced with the sharded gradients.
 ``set_reduce_scatter_unused_params(True)`` (as FSDP2) sets every flag: unused parameters get
 zero gradients.
@@ -111,6 +113,7 @@ class Bucket:
     # indices of parameters whose sharded .grad the reductions since then created
     seen: torch.Tensor | None = None
     fresh: set[int] = field(default_factory=set)
+    used_here: set[int] = field(default_factory=set)  # indices this rank sent a 1 for
 
     @property
     def row(self) -> int:
@@ -203,8 +206,8 @@ class PendingReduce:
 
     def _final(self, b: Bucket) -> None:
         """The bucket's gradients are final: keep its used counts for ``resolve_unused``."""
-        self.unused_check = (b, b.seen, b.fresh)
-        b.seen, b.fresh = None, set()
+        self.unused_check = (b, b.seen, b.fresh - b.used_here)  # only these can have a count of 0
+        b.seen, b.fresh, b.used_here = None, set(), set()
 
     def finish(self) -> None:
         """Run to completion."""
@@ -228,10 +231,12 @@ def reduce_grads(g: ReducingUnit, *, all_reduce: bool, replica_buckets: Any = No
                 send = send_buffer(g.comm, W * b.row, b.dtype, g.compute_device)
             rows = send.view(W, b.row)
             used = []  # [Note: unused parameters]
-            for p, o in zip(b.params, b.offsets):
+            for i, (p, o) in enumerate(zip(b.params, b.offsets)):
                 block = rows[:, o : o + p.layout.padded_numel]
                 grad = p.take_unsharded_grad(b.dtype)
                 used.append(grad is not None or g.reduce_scatter_unused_params)
+                if used[-1]:
+                    b.used_here.add(i)
                 if grad is None:
                     block.zero_()
                 else:
