@@ -105,6 +105,15 @@ def open_checkpoint(path: str | os.PathLike, storage: Storage | None = None) -> 
     view = storage.open_dir(norm)
     try:
         return CheckpointFiles(storage, norm, view, read_index(view, storage), follow_links=False)
+    except CheckpointError as e:
+        # the pinned version lost its index because a save replaced it and is deleting the old
+        # copy (index first): the path names another version now, nothing is damaged
+        moved = not view.is_current()
+        view.close()
+        if moved:
+            raise CheckpointError(f"checkpoint {norm} is being replaced by a save (its path now names another "
+                                  "version than the one this load opened); nothing is damaged: retry the load") from e
+        raise
     except BaseException:
         view.close()
         raise
