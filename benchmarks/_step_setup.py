@@ -77,6 +77,10 @@ def build(cfg: LlamaConfig, layout: Layout, impl: str, mesh):
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, forward_sync_buffers=False)  # shardwise syncs no buffers
+    if layout.name == "DDP":  # the NO_SHARD strategy: replicate, plain parameters (docs/strategies.md)
+        from shardwise.composable import ShardingPolicy, apply_fully_shard
+
+        return apply_fully_shard(model, mesh, ShardingPolicy(strategy="NO_SHARD"))
     if impl == "shardwise":
         import shardwise.composable as styles
         from shardwise.composable import fully_shard, parallelize_module

@@ -12,7 +12,7 @@ one copy with shardwise and the other with the torch baseline using the same mes
     HSDP            fully_shard, 2-D mesh (2, W/2)              torch fully_shard, same mesh
     SHARD_GRAD_OP   fully_shard(reshard_after_forward=False)    torch, same flag
     FSDPxTP         parallelize_module (tp 2) + fully_shard     torch's parallelize_module + fully_shard
-    DDP             fully_shard NO_SHARD, (W, 1) mesh           DistributedDataParallel
+    DDP             apply_fully_shard NO_SHARD (replicate)      DistributedDataParallel
     NO_SHARD        fully_shard NO_SHARD, (W, 1) mesh           torch fully_shard, same mesh (opt-in)
 
 After two warm-up steps each, one step per implementation runs under

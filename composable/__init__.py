@@ -9,6 +9,7 @@ from ._fsdp import (AllGather, CPUOffloadPolicy, DataParallelMeshDims, FSDPModul
                     ReduceScatter, UnshardHandle, broadcast_from_rank0, fully_shard, materialize,
                     register_fsdp_forward_method, share_comm_ctx)
 from ._clip_grad import clip_grad_norm_
+from ._replicate import ReplicateModule, replicate
 from ._tp import *  # noqa: F403  tensor parallelism: the names in _tp.__all__
 from ._tp import __all__ as _tp_all
 from ._pipeline import *  # noqa: F403  pipeline parallelism: the names in _pipeline.__all__
@@ -26,6 +27,8 @@ __all__ = [
     "AllGather",
     "ReduceScatter",
     "materialize",
+    "replicate",
+    "ReplicateModule",
     "broadcast_from_rank0",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

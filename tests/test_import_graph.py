@@ -93,7 +93,8 @@ LEAVES = {f"{C}._compat", f"{C}._mesh_utils", f"{C}._chunks"}
 ALLOWED = {
     f"{C}._fsdp": set(),
     f"{C}._tp": set(),
-    f"{C}._wrap": {f"{C}._fsdp", "shardwise.mesh", "shardwise.checkpoint"},
+    f"{C}._replicate": {f"{C}._fsdp"},
+    f"{C}._wrap": {f"{C}._fsdp", f"{C}._replicate", "shardwise.mesh", "shardwise.checkpoint"},
     f"{C}._pipeline": {f"{C}._fsdp", f"{C}._tp", "shardwise.mesh", "shardwise.checkpoint"},
     f"{C}._plan": {f"{C}._fsdp", f"{C}._wrap", f"{C}._pipeline"},
 }

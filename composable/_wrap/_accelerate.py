@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._fsdp import broadcast_from_rank0
+from .._fsdp import FSDPModule, broadcast_from_rank0
 from .._fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._policy import ShardingPolicy, _axes, apply_fully_shard, select_units
 from ._strategies import ShardingStrategy
@@ -144,6 +144,8 @@ class AccelerateConfig:
             for n in names:
                 _checkpoint_forward(modules[n])
         apply_fully_shard(model, mesh, self._policy_for(mesh), ignored_params=ignored_params)
+        if not isinstance(model, FSDPModule):  # NO_SHARD through replicate: whole parameters, already
+            return model                       # broadcast from rank 0; no units to tune
         units = [model] + [modules[n] for n in names]
         if self.forward_prefetch:  # from the first step on, in module order (the root runs first)
             for unit, nxt in zip(units, units[1:]):

@@ -20,10 +20,12 @@ import torch.distributed as dist
 from einops import rearrange
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from shardwise.mesh import MeshAxes, init_mesh, mesh_axes
 
-from .._fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from .._fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from .._replicate import replicate
 from ._strategies import ShardingStrategy
 
 __all__ = ["ShardingStrategy", "ShardingPolicy", "select_units", "strategy_mesh", "apply_fully_shard"]
@@ -230,6 +232,32 @@ def strategy_mesh(strategy: ShardingStrategy | str, mesh: DeviceMesh | None = No
     return mesh[names[1]] if names else DeviceMesh.from_group(mesh.get_group(1), mesh.device_type)
 
 
+def replicate_fits(model: nn.Module, mp: MixedPrecisionPolicy, offload: OffloadPolicy,
+                   ignored: list[nn.Parameter]) -> str | None:
+    """Why the NO_SHARD strategy cannot use `replicate` for ``model``, or None when it can.
+
+    [Note: NO_SHARD through replicate]
+    NO_SHARD keeps a whole copy on every rank, so it needs none of fully_shard's machinery;
+    what it needs is DDP's speed. `replicate` keeps the parameters plain (the optimizer then
+    steps plain tensors: on a (D, 1) mesh fully_shard's DTensor parameters made the optimizer
+    step about 1.8x slower than DDP's, benchmarks/step.py --phases) and buckets the all-reduces
+    as DDP does. It has no per-unit casts, offload or ignored parameters, and needs materialized
+    plain parameters; where any of those is asked for, NO_SHARD stays `fully_shard` on the
+    ``(D, 1)`` mesh (DTensor parameters, FSDP2's behaviour on that mesh), as before.
+    """
+    if (mp.param_dtype, mp.reduce_dtype, mp.output_dtype, mp.buffer_dtype) != (None, None, None, None):
+        return "a mixed-precision cast"
+    if isinstance(offload, CPUOffloadPolicy):
+        return "CPU offload"
+    if ignored:
+        return "ignored parameters"
+    if any(p.is_meta or isinstance(p, DTensor) for p in model.parameters()):
+        return "meta-device or DTensor parameters"
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "fully_shard units inside"
+    return None
+
+
 def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None,
                       policy: ShardingPolicy = ShardingPolicy(), *,
                       ignored_params: Iterable[nn.Parameter] | None = None,
@@ -254,6 +282,8 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None,
     ignored = list(ignored_params or ())
     mp = policy.mp_policy if mp_policy is None else mp_policy
     offload = policy.offload_policy if offload_policy is None else offload_policy
+    if strategy.replicates_all and replicate_fits(model, mp, offload, ignored) is None:
+        return replicate(model, dp_mesh)  # [Note: NO_SHARD through replicate]
     modules = dict(model.named_modules())
     unit_raf = None if raf is True and policy.reshard_after_forward is None else raf  # True is the default
     for name in select_units(model, policy):

@@ -1,0 +1,120 @@
+"""Gradient buckets of `replicate`: which parameter goes where, and one bucket's all-reduce.
+
+[Note: replicate's buckets]
+A replicated module's gradients are all-reduced in a few large flat buckets, as DDP does,
+rather than one collective per parameter. The parameters that need a gradient are laid out in
+reverse registration order (the order their gradients usually become ready in backward: the
+last layer first), split by dtype and device, and cut into buckets of ``first_cap`` bytes (the
+first bucket: small, so communication starts early and overlaps the rest of the backward) and
+``cap`` bytes after that. A parameter is never split. A bucket of ``n`` parameters holding
+``numel`` elements is one flat buffer of ``numel + n`` elements: each parameter's gradient at
+its offset, then one *used* flag per parameter (1 where this rank had a gradient in this
+backward, else 0; [Note: unused parameters] of fully_shard, the same rule). After the sum over
+the ranks every rank holds, per parameter, how many ranks used it, at no extra collective.
+
+Buckets are all-reduced strictly in order (bucket ``k`` only after buckets ``0..k-1`` were
+started), each as soon as it is full, so the collectives match on every rank whatever order
+the gradients arrive in, and a rank that did not use some parameter simply starts that bucket
+later, at the end of its backward (the others' asynchronous collective waits for it there).
+
+The flat buffer is kept from step to step when nothing else holds its storage (gradients
+dropped by ``zero_grad()``), else a new one is allocated: the gradients stored in ``.grad``
+are views of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._compat import storage_shared
+
+__all__ = ["Bucket", "plan_buckets"]
+
+
+@dataclass
+class Bucket:
+    """One flat all-reduce: ``params[i]`` at ``offsets[i]``; its flag at ``numel + i``."""
+
+    dtype: torch.dtype
+    device: torch.device
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int
+    buffer: torch.Tensor | None = None
+    ready: set[int] = field(default_factory=set)  # indices whose gradient is in the buffer
+    work: dist.Work | None = None
+    started: bool = False
+
+    def begin(self) -> None:
+        """A new backward: a buffer nobody else holds, flags cleared."""
+        if self.buffer is None or storage_shared(self.buffer):
+            self.buffer = torch.empty(self.numel + len(self.params), dtype=self.dtype, device=self.device)
+        self.buffer[self.numel:].zero_()
+        self.ready.clear()
+        self.work = None
+        self.started = False
+
+    def region(self, i: int) -> torch.Tensor:
+        assert self.buffer is not None
+        p = self.params[i]
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+
+    def put(self, i: int, grad: torch.Tensor) -> None:
+        """This rank's gradient of ``params[i]`` into the buffer, its flag set."""
+        region = self.region(i)
+        if region.data_ptr() != grad.data_ptr():
+            region.copy_(grad)
+        assert self.buffer is not None
+        self.buffer[self.numel + i] = 1
+        self.ready.add(i)
+
+    def fill_missing(self, all_used: bool) -> list[int]:
+        """End of backward: parameters with no gradient this backward. One still holding a
+        ``.grad`` (accumulated while sync was off) sends it; the others send zeros with flag 0
+        (flag 1 if ``all_used``: unused parameters then get zero gradients). Returns the
+        indices this rank sent a 0 flag for."""
+        missing = []
+        for i, p in enumerate(self.params):
+            if i in self.ready:
+                continue
+            if p.grad is not None:
+                self.put(i, p.grad)
+                continue
+            self.region(i).zero_()
+            if all_used:
+                assert self.buffer is not None
+                self.buffer[self.numel + i] = 1
+            else:
+                missing.append(i)
+        return missing
+
+    def start(self, group: dist.ProcessGroup) -> None:
+        assert self.buffer is not None and not self.started
+        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+        self.started = True
+
+
+def plan_buckets(params: list[nn.Parameter], cap: int, first_cap: int) -> list[Bucket]:
+    """[Note: replicate's buckets]: ``params`` (registration order, no repeats) cut into buckets
+    of at most ``first_cap`` bytes for the first and ``cap`` after (a parameter larger than a
+    cap is a bucket of its own)."""
+    buckets: list[Bucket] = []
+    open_: dict[tuple[torch.dtype, torch.device], Bucket] = {}
+    for p in reversed(params):
+        key = (p.dtype, p.device)
+        b = open_.get(key)
+        limit = first_cap if b is not None and b is buckets[0] else cap
+        if b is not None and b.params and (b.numel + p.numel()) * p.element_size() > limit:
+            b = None
+        if b is None:
+            b = Bucket(p.dtype, p.device, [], [], 0)
+            buckets.append(b)
+            open_[key] = b
+        b.params.append(p)
+        b.offsets.append(b.numel)
+        b.numel += p.numel()
+    return buckets

@@ -1,0 +1,94 @@
+"""``replicate``: data parallelism with whole, plain parameters on every rank (DDP's way).
+
+    replicate(module, mesh=None, *, bucket_cap_mb=25.0, first_bucket_cap_mb=1.0,
+              sync_module_states=True) -> module
+
+The composable counterpart of ``DistributedDataParallel`` (torch's own composable
+``replicate`` wraps DDP): the module is not wrapped, its class gains `ReplicateModule`'s
+methods, and its parameters stay plain ``nn.Parameter`` objects. That is what makes it as fast
+as DDP where ``fully_shard`` on a ``(D, 1)`` mesh is not: the optimizer then steps plain
+tensors, not DTensors (measured in benchmarks/step.py, docs/benchmarks.md). The NO_SHARD
+strategy of `apply_fully_shard` uses it when nothing needs a per-unit cast or offload
+(docs/strategies.md).
+
+* ``mesh``: None (every rank), a 1-D mesh, or a 2-D ``(D, 1)`` replicate x shard mesh (what
+  ``strategy_mesh("NO_SHARD", ...)`` gives): the gradients are averaged over its ``D`` ranks.
+  A mesh whose second axis has more than one rank is refused (that is HSDP: `fully_shard`).
+* On the call, every parameter and buffer is broadcast from the mesh's first rank, as DDP does
+  (``sync_module_states=False`` skips it when every rank built the same values).
+* In backward every gradient is copied into its bucket, and the buckets are summed over the
+  ranks, each as soon as it is full and in the same order on every rank ([Note: replicate's
+  buckets]). At the end of the backward ``.grad`` is the sum divided by ``D`` (the mean over
+  the global batch; `ReplicateModule.set_gradient_divide_factor` changes the divisor), and a
+  parameter that no rank had a gradient for keeps ``.grad`` None, as with `fully_shard`.
+* Refused with a ValueError naming the fix: parameters on the meta device (materialize them
+  first), DTensor parameters (tensor parallelism: use `fully_shard` on the data-parallel
+  mesh), a module replicated or fully_shard'ed already.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .._fsdp import FSDPModule
+from ._buckets import plan_buckets
+from ._module import ReplicateModule
+from ._state import STATE_ATTR, ReplicateState, get_replicate_state
+
+__all__ = ["replicate"]
+
+
+def _group(mesh: DeviceMesh | None) -> tuple[dist.ProcessGroup, int, int]:
+    """(process group, its size, the global rank broadcasts come from)."""
+    if mesh is None:
+        group = dist.group.WORLD
+        assert group is not None
+        return group, dist.get_world_size(), 0
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"replicate: mesh must be a torch DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim == 2 and mesh.size(1) != 1:
+        raise ValueError(f"replicate: the mesh {tuple(mesh.shape)} shards over its second axis; replicate keeps whole "
+                         "parameters on every rank: pass a 1-D or (D, 1) mesh, or use fully_shard for HSDP")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"replicate: got a {mesh.ndim}-D mesh; pass a 1-D or (D, 1) data-parallel mesh "
+                         "(shardwise.composable.strategy_mesh('NO_SHARD', mesh) gives one)")
+    group = mesh.get_group(0)
+    return group, mesh.size(0), int(mesh.mesh.flatten()[0])
+
+
+def replicate(module: nn.Module, mesh: DeviceMesh | None = None, *, bucket_cap_mb: float = 25.0,
+              first_bucket_cap_mb: float = 1.0, sync_module_states: bool = True) -> nn.Module:
+    """Replicate ``module`` over ``mesh`` (see the module docstring). Call it on every rank,
+    before building the optimizer. Returns ``module``."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"replicate: expected an nn.Module, got {type(module).__name__}")
+    if get_replicate_state(module) is not None:
+        raise ValueError(f"replicate: {type(module).__name__} is replicated already; call replicate once per model")
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise ValueError(f"replicate: {type(module).__name__} holds fully_shard units; replicate a model that "
+                         "fully_shard has not touched, or use fully_shard on a (D, 1) mesh for all of it")
+    named = list(module.named_parameters())
+    meta = [n for n, p in named if p.is_meta]
+    if meta:
+        raise ValueError(f"replicate: parameters still on the meta device ({', '.join(meta[:3])}"
+                         f"{', ...' if len(meta) > 3 else ''}); materialize them first (to_empty + init, "
+                         "or shardwise.composable.materialize)")
+    dt = [n for n, p in named if isinstance(p, DTensor)]
+    if dt:
+        raise ValueError(f"replicate: {dt[0]} is a DTensor (tensor parallelism?); replicate keeps plain parameters. "
+                         "Use fully_shard over the data-parallel mesh for TP models")
+    group, world, src = _group(mesh)
+    if sync_module_states and world > 1:
+        with torch.no_grad():
+            for t in [p.detach() for _, p in named] + [b for b in module.buffers()]:
+                dist.broadcast(t, src=src, group=group)
+    params = list(dict.fromkeys(p for _, p in named if p.requires_grad))  # shared ones once
+    buckets = plan_buckets(params, int(bucket_cap_mb * (1 << 20)), int(first_bucket_cap_mb * (1 << 20)))
+    setattr(module, STATE_ATTR, ReplicateState(buckets, group, world))
+    cls = module.__class__
+    module.__class__ = type(f"Replicate{cls.__name__}", (ReplicateModule, cls), {})
+    return module
