@@ -183,3 +183,9 @@ def _checkpoint(rank, world_size, path):
 def test_checkpoint_round_trip(tmp_path):
     assert all(run_ranks(_checkpoint, 2, str(tmp_path / "ck")))
 
+
+
+def test_no_process_group_is_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        replicate(nn.Linear(2, 2))

@@ -45,31 +45,28 @@ class Bucket:
     offsets: list[int]
     numel: int
     buffer: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)  # params[i]'s gradient in buffer
     ready: set[int] = field(default_factory=set)  # indices whose gradient is in the buffer
     work: dist.Work | None = None
     started: bool = False
 
     def begin(self) -> None:
-        """A new backward: a buffer nobody else holds, flags cleared."""
+        """A new backward: a buffer nobody else holds (and its per-parameter views), flags cleared."""
         if self.buffer is None or storage_shared(self.buffer):
             self.buffer = torch.empty(self.numel + len(self.params), dtype=self.dtype, device=self.device)
-        self.buffer[self.numel:].zero_()
+            self.views = [self.buffer[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
         self.ready.clear()
         self.work = None
         self.started = False
 
     def region(self, i: int) -> torch.Tensor:
-        assert self.buffer is not None
-        p = self.params[i]
-        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+        return self.views[i]
 
     def put(self, i: int, grad: torch.Tensor) -> None:
-        """This rank's gradient of ``params[i]`` into the buffer, its flag set."""
-        region = self.region(i)
+        """This rank's gradient of ``params[i]`` into the buffer (its flag is written at `start`)."""
+        region = self.views[i]
         if region.data_ptr() != grad.data_ptr():
             region.copy_(grad)
-        assert self.buffer is not None
-        self.buffer[self.numel + i] = 1
         self.ready.add(i)
 
     def fill_missing(self, all_used: bool) -> list[int]:
@@ -84,16 +81,18 @@ class Bucket:
             if p.grad is not None:
                 self.put(i, p.grad)
                 continue
-            self.region(i).zero_()
-            if all_used:
-                assert self.buffer is not None
-                self.buffer[self.numel + i] = 1
-            else:
+            self.views[i].zero_()
+            if not all_used:
                 missing.append(i)
         return missing
 
-    def start(self, group: dist.ProcessGroup) -> None:
+    def start(self, group: dist.ProcessGroup, unflagged: list[int] | None = None) -> None:
+        """Write the flags (1, but 0 at ``unflagged``) and start the sum over ``group``."""
         assert self.buffer is not None and not self.started
+        flags = self.buffer[self.numel:]
+        flags.fill_(1)
+        if unflagged:
+            flags[torch.tensor(unflagged)] = 0
         self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
         self.started = True
 

@@ -50,3 +50,18 @@ class ReplicateModule:
 
     def reshard(self) -> None:
         """Accepted; nothing to free."""
+
+    def set_unshard_limit(self, limit: int) -> None:
+        """Accepted; there are no unshards to limit."""
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *, recurse: bool = True) -> None:
+        """Accepted; nothing is resharded."""
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Accepted; nothing is resharded."""
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        """Accepted; there is nothing to prefetch."""
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        """Accepted; there is nothing to prefetch."""

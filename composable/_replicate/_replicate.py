@@ -44,6 +44,9 @@ __all__ = ["replicate"]
 
 def _group(mesh: DeviceMesh | None) -> tuple[dist.ProcessGroup, int, int]:
     """(process group, its size, the global rank broadcasts come from)."""
+    if not dist.is_initialized():
+        raise RuntimeError("replicate: no default process group; call shardwise.mesh.init_distributed() "
+                           "(or torch.distributed.init_process_group) on every rank first")
     if mesh is None:
         group = dist.group.WORLD
         assert group is not None

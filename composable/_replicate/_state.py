@@ -75,7 +75,7 @@ class ReplicateState:
             if gone:
                 missing.append((b, gone))
             with record_function("shardwise::replicate::all_reduce"):
-                b.start(self.group)
+                b.start(self.group, gone)
         self._next = len(self.buckets)
         factor = float(self.world if self.divide_factor is None else self.divide_factor)
         for b in self.buckets:
@@ -94,8 +94,8 @@ class ReplicateState:
                         none.add(id(b.params[i]))
                 at += len(gone)
         for b in self.buckets:
-            for i, p in enumerate(b.params):
-                p.grad = None if id(p) in none else b.region(i)
+            for p, view in zip(b.params, b.views):
+                p.grad = None if none and id(p) in none else view
 
     def remove(self) -> None:
         for h in self._handles:

@@ -154,7 +154,7 @@ class AccelerateConfig:
             for unit in units:
                 unit.set_modules_to_backward_prefetch([])
         if not self.limit_all_gathers:
-            model.set_unshard_limit(len(units) + 1)  # type: ignore[operator]  # an FSDPModule now
+            model.set_unshard_limit(len(units) + 1)  # an FSDPModule (checked above)
         if self.sync_module_states:
             broadcast_from_rank0(model, full)
         return model
