@@ -125,3 +125,32 @@ def test_broadcast_from_rank0_fills_every_shard(world_size, mesh_shape):
     for rank, (bad, local, total) in enumerate(run_ranks(_from_rank0, world_size, mesh_shape)):
         assert not bad, f"rank {rank}: {bad}"
         assert local < total, f"rank {rank} holds only its shards ({local} of {total})"
+
+
+def _bad_source(rank, world_size, case):
+    mesh = make_mesh((world_size,))
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    full = dict(model.state_dict()) if rank == 0 else None
+    if case == "none":
+        full = None
+    elif case == "missing" and rank == 0:
+        full.pop("output.weight")
+    elif case == "shape" and rank == 0:
+        full["output.weight"] = full["output.weight"][:1]
+    _shard(model, mesh, model.layers)
+    try:
+        broadcast_from_rank0(model, full)
+    except (KeyError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case,text", [("none", "ValueError: broadcast_from_rank0: the source rank must pass"),
+                                       ("missing", "KeyError: \"broadcast_from_rank0: 'output.weight' is missing"),
+                                       ("shape", "ValueError: broadcast_from_rank0: 'output.weight' has shape (1,")])
+def test_a_bad_source_state_dict_is_one_error_on_every_rank(case, text):
+    """The source's state dict is checked before any scatter: every rank raises the same error
+    (before, only the source raised and the others waited in the scatter)."""
+    got = run_ranks(_bad_source, 2, case, timeout=60)
+    assert got[0] == got[1] and got[0].startswith(text), got

@@ -225,10 +225,11 @@ def test_pp2_x_dp2_x_tp2_on_8_ranks():
 class Chain(torch.nn.Module):
     """``head(layers(inp(x)))`` with Linear blocks of the given (in, out) widths."""
 
-    def __init__(self, widths, splittable=True):
+    def __init__(self, widths, splittable=True, between=None):
         super().__init__()
+        self.between = between  # a function applied between blocks, outside them ([Note: work between blocks])
         self.inp = torch.nn.Linear(4, widths[0][0])
-        blocks = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in widths)
+        blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.Tanh()) for a, b in widths)
         if splittable:
             self.layers = blocks
         else:
@@ -238,7 +239,7 @@ class Chain(torch.nn.Module):
     def forward(self, x):
         h = self.inp(x)
         for blk in (self.layers if hasattr(self, "layers") else self.body):
-            h = torch.tanh(blk(h))
+            h = blk(h) if self.between is None else self.between(blk(h))
         return self.head(h)
 
 
@@ -252,7 +253,8 @@ def _bad(rank, world_size, case):
             split = pipeline_split(Chain([(8, 8)] * 4, splittable=False), cost="params", verbose=False)
         else:
             widths = [(8, 8), (8, 8), (6, 8), (8, 8)] if case == "shapes" else [(8, 8)] * 4
-            split = pipeline_split(Chain(widths), cost="params", verbose=False)
+            split = pipeline_split(Chain(widths, between=torch.tanh if case == "between" else None), cost="params",
+                                   verbose=False)
             sched = PipelineSchedule(split, schedule="1f1b", microbatches=4, loss_fn=F.mse_loss)
             sched.step(x[:6] if case == "microbatches" else x, y[:6] if case == "microbatches" else y)
     except (ValueError, PipelineError) as exc:
@@ -265,6 +267,9 @@ def _bad(rank, world_size, case):
     ("nolist", "Chain has no splittable list of blocks"),
     ("microbatches", "inputs has batch size 6, not divisible by microbatches=4"),
     ("shapes", "pipeline stage 2 (pp rank 2) failed in forward of microbatch 0: RuntimeError: mat1 and mat2 shapes"),
+    # h = tanh(block(h)) in the model's loop: the split would skip the tanh at each boundary (silently wrong)
+    ("between", "pipeline stage 0 (pp rank 0) failed in forward of microbatch 0: ValueError: pipeline: stage 0's "
+                "forward changes its last block's output outside a module"),
 ])
 def test_bad_input_is_one_error_on_every_rank(case, text):
     got = run_ranks(_bad, 4, case, timeout=60)

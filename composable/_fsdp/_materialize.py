@@ -186,6 +186,24 @@ def materialize(model: nn.Module, init_fn=None) -> None:
         )
 
 
+def _source_problem(model: nn.Module, names: dict[int, str], full_state_dict: dict | None) -> tuple[str, str] | None:
+    """On the source rank: what is wrong with its ``full_state_dict`` for ``model``, as
+    ``(exception kind, message)``, or None."""
+    if full_state_dict is None:
+        return ("ValueError", "broadcast_from_rank0: the source rank must pass its full state dict "
+                "(model.state_dict() taken before fully_shard)")
+    for g in _groups(model):
+        for p in g.params:
+            fqn = names[id(p.sharded)]
+            if fqn not in full_state_dict:
+                return ("KeyError", f"broadcast_from_rank0: '{fqn}' is missing from the full state dict")
+            shape = tuple(full_state_dict[fqn].shape)
+            if shape != p.layout.shape:
+                return ("ValueError", f"broadcast_from_rank0: '{fqn}' has shape {shape}, the model expects "
+                        f"{p.layout.shape}")
+    return None
+
+
 def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_rank: int = 0) -> None:
     """Fill a sharded model from a full state dict that only ``src_rank`` holds (others pass
     None and may have built the model on the meta device): Accelerate's
@@ -195,6 +213,8 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
     Buffers are broadcast from the source's model. Collective: call it on every rank.
 
     On the source, take ``full_state_dict = model.state_dict()`` before calling ``fully_shard``.
+    A state dict the source cannot use (None, a missing name, a wrong shape) is checked before
+    any scatter and raises the same error on every rank (KeyError / ValueError), not a hang.
     """
     me = dist.get_rank()
     _refuse_tp(model, "broadcast_from_rank0")
@@ -202,6 +222,13 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
+    # the source checks its state dict before any scatter and tells every rank, so that a bad one
+    # is the same error everywhere instead of the others waiting in a scatter that never comes
+    verdict: list[tuple[str, str] | None] = [_source_problem(model, names, full_state_dict) if me == src_rank else None]
+    dist.broadcast_object_list(verdict, src=src_rank)
+    if verdict[0] is not None:
+        kind, text = verdict[0]
+        raise (KeyError if kind == "KeyError" else ValueError)(text)
     for g in _groups(model):
         mesh = g.mesh
         coords = list(mesh.get_coordinate())
@@ -212,17 +239,10 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_ran
         if in_src_shard_group:
             pieces: list[torch.Tensor] | None = None
             if me == src_rank:
-                if full_state_dict is None:
-                    raise ValueError("broadcast_from_rank0: the source rank must pass its full state dict")
+                assert full_state_dict is not None, "checked by _source_problem"
                 send = torch.zeros(g.world, g.master_bytes, dtype=torch.uint8, device=g.sharded_bytes.device)
                 for p, o in zip(g.params, g.master_offsets):
-                    fqn = names[id(p.sharded)]
-                    if fqn not in full_state_dict:
-                        raise KeyError(f"broadcast_from_rank0: '{fqn}' is missing from the full state dict")
-                    full = full_state_dict[fqn].detach().to(device=send.device, dtype=p.orig_dtype)
-                    if tuple(full.shape) != p.layout.shape:
-                        raise ValueError(f"broadcast_from_rank0: '{fqn}' has shape {tuple(full.shape)}, "
-                                         f"the model expects {p.layout.shape}")
+                    full = full_state_dict[names[id(p.sharded)]].detach().to(device=send.device, dtype=p.orig_dtype)
                     p.layout.scatter(full, byte_columns(send, o, p.layout, p.orig_dtype), 0, g.world)
                 pieces = list(send.unbind(0))
             dist.scatter(g.sharded_bytes, pieces, src=src_rank, group=g.shard_group)

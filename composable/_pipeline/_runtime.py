@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ._boundary import check_boundary
 from ._p2p import P2P, PeerFailed
 from ._registry import ScheduleSpec, get_schedule
 from ._schedule import Action, ActionKind
@@ -135,6 +136,7 @@ class PipelineSchedule:
                     self._make_inject(st), prepend=True, with_kwargs=True))
             if not st.is_last:
                 self._hooks.append(blocks[-1].register_forward_hook(self._make_capture(st)))
+        self._boundary_checked: set[int] = set()
         self.last_b = {}
         for i, a in enumerate(self.actions):
             if a.kind is ActionKind.B:
@@ -294,6 +296,9 @@ class PipelineSchedule:
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"the last block of stage {a.stage} returned no tensor; a pipeline "
                             "boundary carries one tensor (the hidden state)")
+        if a.stage not in self._boundary_checked:  # [Note: work between blocks], first step only
+            check_boundary(a.stage, _first_tensor(out), y)
+            self._boundary_checked.add(a.stage)
         step.saved[(a.stage, a.microbatch)] = (x, y)
         step.timed(t0, c0)
         self._put(("act", a.stage + 1, a.microbatch), a.stage + 1, y, step.local)
