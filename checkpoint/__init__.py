@@ -27,9 +27,12 @@ from ._state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
+from ._stateful import Stateful
 from ._training_state import TrainingState, load_training_state, save_training_state
 from ._verify import VerifyReport, verify_checkpoint
 from ._writer import SaveHandle, async_save, check_save_target, save
@@ -40,6 +43,7 @@ __all__ = [
     "LoadStats",
     "SaveHandle",
     "StateDictOptions",
+    "Stateful",
     "Storage",
     "TrainingState",
     "VerifyReport",
@@ -47,6 +51,7 @@ __all__ = [
     "check_save_target",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "get_state_dict",
     "load",
     "load_training_state",
     "load_safetensors",
@@ -59,5 +64,6 @@ __all__ = [
     "save_training_state",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "set_state_dict",
     "verify_checkpoint",
 ]
