@@ -22,6 +22,7 @@ from ._hf import load_safetensors
 from ._hf_folder import save_hf_folder
 from ._offline import merge_checkpoint, reshard_checkpoint
 from ._reader import LoadStats, load
+from ._save_pretrained import save_pretrained
 from ._storage import FsspecStorage, PosixStorage, Storage
 from ._state_dict import (
     StateDictOptions,
@@ -61,6 +62,7 @@ __all__ = [
     "reshard_checkpoint",
     "save",
     "save_hf_folder",
+    "save_pretrained",
     "save_training_state",
     "set_model_state_dict",
     "set_optimizer_state_dict",

@@ -37,8 +37,8 @@ from ._comm import broadcast_json, rank_and_world
 from ._errors import CheckpointError
 from ._flatten import to_json_value
 from ._full_state import gather_full, scatter_full
-from ._state_dict_forms import (as_optimizers, flatten_optim, merge_optims, select_model_keys, split_optim, to_cpu,
-                                unflatten_optim)
+from ._state_dict_forms import (as_optimizers, flatten_optim, merge_optims, select_model_keys, share_tied, split_optim,
+                                to_cpu, unflatten_optim)
 
 __all__ = [
     "StateDictOptions",
@@ -143,7 +143,7 @@ def get_model_state_dict(model: nn.Module, *, submodules: Iterable[nn.Module] | 
     """``model``'s parameters and persistent buffers by FQN (see the module docstring); with
     ``submodules`` only those modules' keys (``StateDictOptions.keep_submodule_prefixes``)."""
     options = options or StateDictOptions()
-    sd = select_model_keys(model, model.state_dict(), submodules, options.keep_submodule_prefixes,
+    sd = select_model_keys(model, share_tied(model, model.state_dict()), submodules, options.keep_submodule_prefixes,
                            options.ignore_frozen_params)
     return _finish(sd, options)
 

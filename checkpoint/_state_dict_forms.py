@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from ._errors import CheckpointError
 
-__all__ = ["as_optimizers", "flatten_optim", "merge_optims", "select_model_keys", "split_optim", "to_cpu",
-           "unflatten_optim"]
+__all__ = ["as_optimizers", "flatten_optim", "merge_optims", "select_model_keys", "share_tied", "split_optim",
+           "to_cpu", "unflatten_optim"]
 
 
 def as_optimizers(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
@@ -43,6 +43,20 @@ def as_optimizers(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
     if bad:
         raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {bad}")
     return out
+
+
+def share_tied(model: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` with the names of one tied parameter (one ``Parameter`` reached by two names, e.g.
+    an embedding and a head) holding one tensor object: ``state_dict()`` detaches each name
+    separately, and a full state dict must gather such a tensor once and keep it one tensor (so
+    ``save_pretrained`` and safetensors see the tie). Decided from the module, the same on
+    every rank."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first and name in sd and first[id(p)] in sd:
+            sd[name] = sd[first[id(p)]]
+        first.setdefault(id(p), name)
+    return sd
 
 
 def select_model_keys(model: nn.Module, sd: dict[str, Any], submodules: Iterable[nn.Module] | None,
