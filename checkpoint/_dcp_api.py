@@ -26,9 +26,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ._comm import alone
+from torch.distributed.tensor import DTensor
 
-__all__ = ["checkpoint_path", "dcp_scope", "refuse_dcp_extensions"]
+from ._comm import alone
+from ._flatten import flatten
+
+__all__ = ["check_alone_state", "checkpoint_path", "dcp_scope", "refuse_dcp_extensions"]
 
 _WAYS = {
     "storage_writer": "pass the checkpoint's path or fsspec URL (checkpoint_id= or the second argument), or "
@@ -89,3 +92,16 @@ def dcp_scope(call: str, process_group: Any = None, no_dist: bool = False) -> It
         _check_group(call, process_group)
     with alone(no_dist):
         yield
+
+
+def check_alone_state(call: str, state: Any, no_dist: bool) -> None:
+    """With ``no_dist``, refuse a DTensor spread over several ranks (this process holds only
+    part of it, and no other rank takes part)."""
+    if not no_dist:
+        return
+    for leaf in flatten(state):
+        v = leaf.value
+        if isinstance(v, DTensor) and v.device_mesh.size() > 1:
+            raise ValueError(f"shardwise.checkpoint.{call}(no_dist=True) runs in this process alone, but the DTensor "
+                             f"at '{leaf.key}' is spread over {v.device_mesh.size()} ranks: call {call} on every rank "
+                             "without no_dist, or pass full tensors (StateDictOptions(full_state_dict=True))")

@@ -70,7 +70,7 @@ from torch.distributed.tensor import DTensor
 
 from ._comm import agree, all_gather_json, rank_and_world
 from ._commit import intact_replaced
-from ._dcp_api import checkpoint_path, dcp_scope, refuse_dcp_extensions
+from ._dcp_api import check_alone_state, checkpoint_path, dcp_scope, refuse_dcp_extensions
 from ._errors import CheckpointError
 from ._files import CheckpointFiles, open_checkpoint
 from ._flatten import Leaf, flatten, set_values
@@ -274,6 +274,7 @@ def load(state_dict: dict, path: str | os.PathLike | None = None, *, strict: boo
     refuse_dcp_extensions("load", storage_reader=storage_reader, planner=planner)
     path = checkpoint_path("load", path, checkpoint_id)
     target, after = expand_stateful(state_dict)
+    check_alone_state("load", target, no_dist)
     with dcp_scope("load", process_group, no_dist):
         stats = _load(target, path, strict, verify, max_read_bytes, storage)
     for fn in after:

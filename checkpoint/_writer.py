@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from ._checksums import crcs_from_hex, crcs_to_hex
 from ._comm import agree, broadcast_json, gather_json, rank_and_world
 from ._commit import check_target, commit, remove_temp, temp_dir_for
-from ._dcp_api import checkpoint_path, dcp_scope, refuse_dcp_extensions
+from ._dcp_api import check_alone_state, checkpoint_path, dcp_scope, refuse_dcp_extensions
 from ._errors import CheckpointError
 from ._flatten import flatten, to_json_value
 from ._format import (DTYPE_CODES, FORMAT_NAME, INDEX_FILE, Index, SavedBox, StreamingWriter, TensorEntry,
@@ -411,8 +411,10 @@ def save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: 
     """
     refuse_dcp_extensions("save", storage_writer=storage_writer, planner=planner, use_collectives=use_collectives)
     path = checkpoint_path("save", path, checkpoint_id)
+    state = expand_stateful(state_dict)[0]
+    check_alone_state("save", state, no_dist)
     with dcp_scope("save", process_group, no_dist):
-        return _start(expand_stateful(state_dict)[0], path, keep_last, False, series, storage).wait()
+        return _start(state, path, keep_last, False, series, storage).wait()
 
 
 def async_save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: int | None = None,
@@ -432,5 +434,7 @@ def async_save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_
     refuse_dcp_extensions("async_save", storage_writer=storage_writer, planner=planner, async_stager=async_stager,
                           async_checkpointer_type=async_checkpointer_type, use_collectives=use_collectives)
     path = checkpoint_path("async_save", path, checkpoint_id)
+    state = expand_stateful(state_dict)[0]
+    check_alone_state("async_save", state, no_dist)
     with dcp_scope("async_save", process_group, no_dist):
-        return _start(expand_stateful(state_dict)[0], path, keep_last, True, series, storage)
+        return _start(state, path, keep_last, True, series, storage)

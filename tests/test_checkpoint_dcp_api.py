@@ -143,7 +143,12 @@ def _group_and_no_dist(rank, world_size, path):
         handle.result()
         got = {"rank": torch.tensor([-1]), "note": ""}
         ck.load(got, checkpoint_id=f"{path}/alone-async-{rank}", no_dist=True)
-        alone = (int(got["rank"]), got["note"])
+        try:
+            ck.save({"model": model}, checkpoint_id=f"{path}/sharded-alone", no_dist=True)
+            alone_sharded = "no error"
+        except ValueError as e:
+            alone_sharded = str(e)
+        alone = (int(got["rank"]), got["note"], "spread over 2 ranks" in alone_sharded)
     else:
         alone = None
     dist.barrier()
@@ -154,7 +159,7 @@ def test_process_group_and_no_dist(tmp_path):
     out = run_ranks(_group_and_no_dist, 2, str(tmp_path), timeout=90)
     assert all(same for same, _, _ in out), "module + optimizer passed as Stateful values did not round-trip"
     assert all("process_group has 1 of the 2 ranks" in r[1] for r in out), out
-    assert out[1][2] == (1, "r1")
+    assert out[1][2] == (1, "r1", True), out[1][2]
     assert os.path.isdir(tmp_path / "alone-1") and not os.path.exists(tmp_path / "sub")
 
 

@@ -16,10 +16,9 @@ group is destroyed after each snippet. All snippets of one world size share one 
 harness has them on ``sys.path``, a user's fresh directory does not); setups may.
 """
 
-import ast
-
 from __future__ import annotations
 
+import ast
 import os
 import re
 import socket
