@@ -91,6 +91,8 @@ if rank == 0:
                   "path/to/hf_model/model.safetensors")
 _dist.barrier()
 """),
+    # apply_tp, apply_fsdp: the two steps of examples/parallel.py (a page that shows the example's code)
+    "parallel_example": ((), "from examples.parallel import apply_fsdp, apply_tp\n"),
     # TinyMoE, moe_local_forward (tests/test_tp.py), rank, world_size, tp_mesh (all ranks),
     # model (a net whose .moe is a TinyMoE)
     "moe": (("torch",), """
