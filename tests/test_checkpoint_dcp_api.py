@@ -272,3 +272,20 @@ def test_full_flat_state_dict_broadcast_from_rank0():
     out = run_ranks(_full_options, 2, timeout=90)
     assert [has for has, _ in out] == [True, False], "cpu_offload + full_state_dict: rank 0 only"
     assert all(not bad for _, bad in out), out
+
+
+def test_result_with_a_timeout_waits_for_this_ranks_write_only(tmp_path, monkeypatch):
+    import threading
+
+    from shardwise.checkpoint import _writer
+
+    release = threading.Event()
+    real = _writer._write_file
+    monkeypatch.setattr(_writer, "_write_file", lambda *a: (release.wait(), real(*a))[1])
+    handle = ck.async_save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "a"))
+    with pytest.raises(concurrent.futures.TimeoutError, match="still being written"):
+        handle.result(timeout=0.05)
+    assert not handle.done() and handle.running() and not os.path.exists(tmp_path / "a")
+    release.set()
+    handle.result(timeout=60)  # the same handle finishes later
+    assert handle.done() and not handle.running() and os.path.isdir(tmp_path / "a")
