@@ -22,14 +22,18 @@ from ._hf import load_safetensors
 from ._hf_folder import save_hf_folder
 from ._offline import merge_checkpoint, reshard_checkpoint
 from ._reader import LoadStats, load
+from ._save_pretrained import save_pretrained
 from ._storage import FsspecStorage, PosixStorage, Storage
 from ._state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
+from ._stateful import Stateful
 from ._training_state import TrainingState, load_training_state, save_training_state
 from ._verify import VerifyReport, verify_checkpoint
 from ._writer import SaveHandle, async_save, check_save_target, save
@@ -40,6 +44,7 @@ __all__ = [
     "LoadStats",
     "SaveHandle",
     "StateDictOptions",
+    "Stateful",
     "Storage",
     "TrainingState",
     "VerifyReport",
@@ -47,6 +52,7 @@ __all__ = [
     "check_save_target",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "get_state_dict",
     "load",
     "load_training_state",
     "load_safetensors",
@@ -56,8 +62,10 @@ __all__ = [
     "reshard_checkpoint",
     "save",
     "save_hf_folder",
+    "save_pretrained",
     "save_training_state",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "set_state_dict",
     "verify_checkpoint",
 ]

@@ -15,8 +15,11 @@ accelerator for a backend without CPU support (NCCL).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -25,19 +28,32 @@ import torch.distributed as dist
 from ._errors import CheckpointError
 
 __all__ = [
-    "agree", "all_gather_json", "broadcast_json", "collective_device", "gather_json",
+    "agree", "all_gather_json", "alone", "broadcast_json", "collective_device", "gather_json",
     "is_distributed", "rank_and_world", "scatter_json",
 ]
 
+_ALONE = contextvars.ContextVar("shardwise_checkpoint_alone", default=False)
+
+
+@contextlib.contextmanager
+def alone(on: bool = True) -> Iterator[None]:
+    """Within it (when ``on``) this process acts as rank 0 of 1 even if a process group exists:
+    DCP's ``no_dist=True`` (see ``_dcp_api``). Per thread/context (a ``ContextVar``)."""
+    token = _ALONE.set(on or _ALONE.get())
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
 
 def rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
+    if not _ALONE.get() and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return not _ALONE.get() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def collective_device() -> torch.device:

@@ -47,12 +47,20 @@ def gather_full(state: dict, *, rank0_only: bool = True, cpu: bool = True) -> di
     """``state`` with every DTensor replaced by its full tensor; collective.
 
     ``cpu`` moves the full tensors to CPU memory; ``rank0_only`` returns ``{}`` on the other
-    ranks. Plain tensors are copied (to CPU with ``cpu``); plain values are kept.
+    ranks. Plain tensors are copied (to CPU with ``cpu``); plain values are kept. One tensor
+    object reached twice (tied weights) becomes one full tensor reached twice, so a writer that
+    recognises ties by storage (``save_pretrained``, safetensors) still sees the tie.
     """
     rank, _ = rank_and_world()
     keep = rank == 0 or not rank0_only
+    done: dict[int, Any] = {}  # a tensor reached by two names (tied weights) is gathered once, and stays one
 
     def full(t: torch.Tensor):
+        if id(t) not in done:
+            done[id(t)] = (t, gather(t))
+        return done[id(t)][1]
+
+    def gather(t: torch.Tensor):
         with torch.no_grad():
             if isinstance(t, DTensor):
                 f = t.full_tensor()

@@ -26,6 +26,7 @@ by `save_hf_folder` (from a live, possibly sharded, model; collective).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import secrets
@@ -220,7 +221,9 @@ def write_index(folder: str, name: str | None, weight_map: dict[str, str], total
 
 
 def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: Any = None,
-                   max_shard_bytes: int = 5 << 30) -> list[str]:
+                   max_shard_bytes: int = 5 << 30, extra_files: dict[str, bytes] | None = None,
+                   replaceable: Callable[[Any, str], bool] | None = None,
+                   own: Callable[[Any, str], set[str]] | None = None) -> list[str]:
     """Write ``model`` (a module, sharded or not, or its state dict) as a complete
     ``save_pretrained``-style folder ``out``; collective. Returns the weight file names.
 
@@ -228,7 +231,10 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
     as in [Note: checking a folder before writing it] before anything is written. Full
     tensors are gathered one at a time (``DTensor.full_tensor()``) and written by rank 0,
     which never holds more than one full tensor beyond its shards; ``out`` appears complete
-    or not at all.
+    or not at all. ``extra_files`` (name -> bytes) are written next to ``config.json``;
+    ``replaceable`` / ``own``: which existing folder at ``out`` may be replaced and which of its
+    files are the model's (the others are moved into the new folder), as ``_commit.commit``
+    (default: only a shardwise checkpoint or an empty folder; `save_pretrained` passes its own).
     """
     rank, _ = rank_and_world()
     state = model.state_dict() if isinstance(model, nn.Module) else model
@@ -240,8 +246,10 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
             raise CheckpointError("save_hf_folder needs a config (config.json, its folder, a dict or a "
                                   "PretrainedConfig): without one from_pretrained builds a default model")
         if rank == 0:
-            check_target(PosixStorage(), os.path.abspath(os.fspath(out)))
+            check_target(PosixStorage(), os.path.abspath(os.fspath(out)), replaceable)
         hf = read_config(config)
+        if extra_files:
+            hf = dataclasses.replace(hf, extra={**hf.extra, **extra_files})
         shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
         keys = hf.select(shapes, lambda a, b: _same(state[a], state[b]))
         sizes = {k: state[k].numel() * state[k].element_size() for k in keys}
@@ -279,7 +287,7 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
         write_index(tmp, index_file_name(len(names), True), weight_map,
                     sum(state[k].numel() * state[k].element_size() for k in weight_map))
         hf.write(tmp)
-        commit(PosixStorage(), tmp, os.path.abspath(os.fspath(out)), token)
+        commit(PosixStorage(), tmp, os.path.abspath(os.fspath(out)), token, replaceable, own)
     if is_distributed():
         dist.barrier()
     return names

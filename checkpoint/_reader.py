@@ -63,18 +63,21 @@ import difflib
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ._comm import agree, all_gather_json, rank_and_world
 from ._commit import intact_replaced
+from ._dcp_api import check_alone_state, checkpoint_path, dcp_scope, refuse_dcp_extensions
 from ._errors import CheckpointError
 from ._files import CheckpointFiles, open_checkpoint
 from ._flatten import Leaf, flatten, set_values
 from ._format import Header, Index, SavedBox, TensorEntry
 from ._geometry import LocalBox, covered_numel, distinct_boxes, local_boxes, plan_reads, tiling_problem
 from ._load_checks import check_files
+from ._stateful import expand_stateful
 from ._reads import Read as _Read, read_all as _read
 from ._storage import Storage, storage_for
 from ._trace import phase
@@ -239,9 +242,11 @@ def _open_source(storage: Storage, path: str, attempts: int = 5) -> CheckpointFi
     raise AssertionError("unreachable")
 
 
-def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: bool = True,
-         max_read_bytes: int = 64 << 20, storage: Storage | None = None) -> LoadStats:
-    """Fill the tensors of ``state`` in place from the checkpoint at ``path``; collective.
+def load(state_dict: dict, path: str | os.PathLike | None = None, *, strict: bool = True, verify: bool = True,
+         max_read_bytes: int = 64 << 20, storage: Storage | None = None,
+         checkpoint_id: str | os.PathLike | None = None, process_group: Any = None, no_dist: bool = False,
+         storage_reader: Any = None, planner: Any = None) -> LoadStats:
+    """Fill the tensors of ``state_dict`` in place from the checkpoint at ``path``; collective.
 
     ``path`` is a local path or an fsspec URL (``memory://...``, ``s3://...``); ``storage``
     chooses the storage explicitly (``_storage``). ``state`` has the structure that was saved
@@ -260,7 +265,25 @@ def load(state: dict, path: str | os.PathLike, *, strict: bool = True, verify: b
     file is missing, truncated or corrupted; while another job replaces the checkpoint, one
     whole version is loaded or the error says to retry ([Note: readers and a writer]).
     Returns this rank's `LoadStats`.
+
+    torch DCP's form works too: ``load(state_dict, checkpoint_id=path)``; a value with
+    ``state_dict()``/``load_state_dict()`` anywhere in the tree (`Stateful`) is loaded through
+    them (its ``state_dict()`` is filled, then passed to its ``load_state_dict``);
+    ``process_group`` (every rank) and ``no_dist`` (this process alone) as in `save`.
     """
+    refuse_dcp_extensions("load", storage_reader=storage_reader, planner=planner)
+    path = checkpoint_path("load", path, checkpoint_id)
+    target, after = expand_stateful(state_dict)
+    check_alone_state("load", target, no_dist)
+    with dcp_scope("load", process_group, no_dist):
+        stats = _load(target, path, strict, verify, max_read_bytes, storage)
+    for fn in after:
+        fn()
+    return stats
+
+
+def _load(state: dict, path: str | os.PathLike, strict: bool, verify: bool, max_read_bytes: int,
+          storage: Storage | None) -> LoadStats:
     storage, norm = storage_for(path, storage)
     where = f"loading checkpoint {storage.url(norm)}"
     files, error = None, None

@@ -14,15 +14,20 @@ switch with one import:
   `init_optimizer_state`) so the dict always has every tensor a load can fill.
 * ``set_model_state_dict`` / ``set_optimizer_state_dict`` put such dicts back.
 
-`StateDictOptions` selects full (unsharded) state dicts: ``full_state_dict=True`` gathers full
+* ``get_state_dict(model, optimizers)`` / ``set_state_dict(model, optimizers, *,
+  model_state_dict=..., optim_state_dict=...)`` do both at once, as DCP's do. ``optimizers`` is
+  one optimizer or several (their state dicts merged into one, ``_state_dict_forms``).
+
+`StateDictOptions` has DCP's fields and meanings: ``full_state_dict=True`` gathers full
 tensors one at a time (``cpu_offload=True``: on CPU, kept on rank 0 only), and setting from a
 full state dict copies each rank's shard out of it (``broadcast_from_rank0=True``: only rank 0
-passes it, and it is sent one tensor at a time).
+passes it, and it is sent one tensor at a time); the other fields are in its docstring.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,13 +37,17 @@ from ._comm import broadcast_json, rank_and_world
 from ._errors import CheckpointError
 from ._flatten import to_json_value
 from ._full_state import gather_full, scatter_full
+from ._state_dict_forms import (as_optimizers, flatten_optim, merge_optims, select_model_keys, share_tied, split_optim,
+                                to_cpu, unflatten_optim)
 
 __all__ = [
     "StateDictOptions",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "get_state_dict",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "set_state_dict",
     "init_optimizer_state",
 ]
 
@@ -47,17 +56,33 @@ __all__ = [
 class StateDictOptions:
     """How the state dict helpers treat sharded tensors.
 
+    The fields and meanings of torch DCP's ``StateDictOptions``:
+
     * ``full_state_dict``: get full tensors instead of shards / set from full tensors.
-    * ``cpu_offload``: with ``full_state_dict`` on get, full tensors go to CPU and only rank 0
-      keeps them (the other ranks get ``{}``).
-    * ``broadcast_from_rank0``: with ``full_state_dict`` on set, only rank 0's dict is read.
+    * ``cpu_offload``: on get, tensors go to CPU; with ``full_state_dict`` only rank 0 keeps
+      them (the other ranks get ``{}``), without it each rank's shards are copied to CPU.
+    * ``ignore_frozen_params``: on get, parameters with ``requires_grad=False`` are left out.
+    * ``keep_submodule_prefixes``: with ``submodules=`` on get, keys keep the submodule's
+      prefix (``pretrain.layer1.weight``, the default) or lose it (``layer1.weight``).
     * ``strict``: on set, every key of the model (or optimizer) must be given.
+    * ``broadcast_from_rank0``: with ``full_state_dict`` on set, only rank 0's dict is read.
+    * ``flatten_optimizer_state_dict``: the optimizer state dict has one level of keys
+      (``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>``; ``_state_dict_forms``); set
+      accepts either form whatever this says.
     """
 
     full_state_dict: bool = False
     cpu_offload: bool = False
-    broadcast_from_rank0: bool = False
+    ignore_frozen_params: bool = False
+    keep_submodule_prefixes: bool = True
     strict: bool = True
+    broadcast_from_rank0: bool = False
+    flatten_optimizer_state_dict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.broadcast_from_rank0 and not self.full_state_dict:
+            raise ValueError("StateDictOptions(broadcast_from_rank0=True) needs full_state_dict=True (rank 0 holds "
+                             "the full state dict and sends each rank its shards)")
 
 
 def _fqns(model: nn.Module) -> dict[int, str]:
@@ -107,29 +132,60 @@ def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
             p.grad = grad
 
 
-def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None) -> dict[str, Any]:
-    """``model``'s parameters and persistent buffers by FQN (see the module docstring)."""
-    options = options or StateDictOptions()
-    sd = model.state_dict()
+def _finish(sd: dict[str, Any], options: StateDictOptions) -> dict[str, Any]:
     if options.full_state_dict:
         return gather_full(sd, rank0_only=options.cpu_offload, cpu=options.cpu_offload)
-    return sd
+    return to_cpu(sd) if options.cpu_offload else sd
 
 
-def get_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *,
-                             options: StateDictOptions | None = None) -> dict[str, Any]:
-    """``optim``'s state keyed by parameter FQN (see the module docstring); creates missing state."""
+def get_model_state_dict(model: nn.Module, *, submodules: Iterable[nn.Module] | None = None,
+                         options: StateDictOptions | None = None) -> dict[str, Any]:
+    """``model``'s parameters and persistent buffers by FQN (see the module docstring); with
+    ``submodules`` only those modules' keys (``StateDictOptions.keep_submodule_prefixes``)."""
     options = options or StateDictOptions()
+    sd = select_model_keys(model, share_tied(model, model.state_dict()), submodules, options.keep_submodule_prefixes,
+                           options.ignore_frozen_params)
+    return _finish(sd, options)
+
+
+def _one_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     names = [fqn for fqn, _ in _optim_params(model, optim)]
     init_optimizer_state(optim)
     osd = optim.state_dict()
-    out = {
+    return {
         "state": {names[i]: v for i, v in osd["state"].items()},
         "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in osd["param_groups"]],
     }
-    if options.full_state_dict:
-        return gather_full(out, rank0_only=options.cpu_offload, cpu=options.cpu_offload)
-    return out
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                             *, submodules: Iterable[nn.Module] | None = None,
+                             options: StateDictOptions | None = None) -> dict[str, Any]:
+    """The state of ``optimizers`` (one or several, merged) keyed by parameter FQN (see the
+    module docstring); creates missing state. ``submodules`` is accepted for DCP's signature
+    and, as there, does not restrict the optimizer state."""
+    options = options or StateDictOptions()
+    out = merge_optims([_one_optim_state_dict(model, o) for o in as_optimizers(optimizers)])
+    if options.flatten_optimizer_state_dict:
+        out = flatten_optim(out)
+    return _finish(out, options)
+
+
+def get_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], *,
+                   submodules: Iterable[nn.Module] | None = None,
+                   options: StateDictOptions | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))``, DCP's call."""
+    return (get_model_state_dict(model, submodules=submodules, options=options),
+            get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options))
+
+
+def set_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], *,
+                   model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any],
+                   options: StateDictOptions | None = None):
+    """The counterpart of `get_state_dict` (DCP's call): sets the optimizers' state, then the
+    model's; returns ``model.load_state_dict``'s missing/unexpected keys."""
+    set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+    return set_model_state_dict(model, model_state_dict, options=options)
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
@@ -146,13 +202,27 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
     return model.load_state_dict(model_state_dict, strict=options.strict)
 
 
-def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any], *,
-                             options: StateDictOptions | None = None) -> None:
-    """Load an FQN-keyed optimizer state dict (from `get_optimizer_state_dict`) into ``optim``."""
+def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                             optim_state_dict: dict[str, Any], *, options: StateDictOptions | None = None) -> None:
+    """Load an FQN-keyed optimizer state dict (from `get_optimizer_state_dict`, nested or flat)
+    into ``optimizers`` (one or several: each takes the groups and state of its parameters)."""
     options = options or StateDictOptions()
+    optims = as_optimizers(optimizers)
+    for optim in optims:
+        names = [fqn for fqn, _ in _optim_params(model, optim)]
+        part = optim_state_dict
+        if part and "state" not in part:
+            part = unflatten_optim(part, optim, names)
+        elif part and len(optims) > 1:
+            part = split_optim(part, names)
+        _set_one_optim(model, optim, part, options)
+
+
+def _set_one_optim(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                   options: StateDictOptions) -> None:
     named = _optim_params(model, optim)
     if options.full_state_dict:
-        current = get_optimizer_state_dict(model, optim)
+        current = _one_optim_state_dict(model, optim)
         scatter_full({"state": current["state"]}, {"state": optim_state_dict.get("state", {})},
                      from_rank0=options.broadcast_from_rank0, where="the full optimizer state dict")
         groups = optim_state_dict.get("param_groups")

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import atexit
+import contextvars
 import hashlib
 import json
 import logging
@@ -40,12 +41,15 @@ from torch.distributed.tensor import DTensor
 from ._checksums import crcs_from_hex, crcs_to_hex
 from ._comm import agree, broadcast_json, gather_json, rank_and_world
 from ._commit import check_target, commit, remove_temp, temp_dir_for
+from ._dcp_api import check_alone_state, checkpoint_path, dcp_scope, refuse_dcp_extensions
 from ._errors import CheckpointError
 from ._flatten import flatten, to_json_value
 from ._format import (DTYPE_CODES, FORMAT_NAME, INDEX_FILE, Index, SavedBox, StreamingWriter, TensorEntry,
                       data_file_name, dtype_name, format_index, index_to_json)
 from ._geometry import Box, assign_writers, is_local_candidate, layout_of, local_boxes, tiling_problem
+from ._save_future import FutureMethods
 from ._series import abort_save, begin_save, default_series, finish_save
+from ._stateful import expand_stateful
 from ._storage import Storage, storage_for
 from ._trace import phase
 
@@ -175,8 +179,9 @@ def _build_index(plan: _Plan, reports: list[dict], world: int, token: str) -> In
     return Index(tensors, plan.values, files, world, time.time_ns(), save_id=token)
 
 
-class SaveHandle:
-    """A save in progress (from `async_save`). ``wait()`` finishes it.
+class SaveHandle(FutureMethods):
+    """A save in progress (from `async_save`). ``wait()`` (or ``result()``) finishes it; it is
+    also a ``concurrent.futures.Future`` and DCP's ``AsyncSaveResponse`` (``_save_future``).
 
     A handle that is never waited for commits nothing: at interpreter exit this rank warns
     (naming the checkpoint), waits for its background write to end, and rank 0 deletes the
@@ -193,14 +198,18 @@ class SaveHandle:
         self._series, self._said = series, list(said or [])
         self._report: dict | None = None
         self._error = error  # a failed snapshot: nothing to write, reported by wait()
+        self._snapshot_error = error
         self._finished = False
-        self._thread = None
+        self._thread: threading.Thread | None = None
+        self._alone = rank_and_world() == (0, 1)  # no_dist (or one process): the commit is too
         if background:
             atexit.register(self._at_exit)
         if error is not None:
             return
         if background:
-            self._thread = threading.Thread(target=self._write, name=f"shardwise-save {path}", daemon=True)
+            context = contextvars.copy_context()  # no_dist's "this process alone" reaches the thread
+            self._thread = threading.Thread(target=context.run, args=(self._write,), name=f"shardwise-save {path}",
+                                            daemon=True)
             self._thread.start()
         else:
             self._write()
@@ -225,7 +234,7 @@ class SaveHandle:
         if self._thread is not None:
             self._thread.join()
         try:
-            rank = rank_and_world()[0]
+            rank = 0 if self._alone else rank_and_world()[0]
         except Exception:  # the process group is already gone
             rank = -1
         msg = (f"shardwise.checkpoint: async_save to {self.path} was never waited for (call handle.wait() on every "
@@ -240,26 +249,15 @@ class SaveHandle:
         warnings.warn(msg, RuntimeWarning, stacklevel=1)
         print(f"WARNING: {msg}", file=sys.stderr, flush=True)
 
-    def done(self) -> bool:
-        """Whether this rank has finished writing its files (``wait()`` still has to commit)."""
-        return self._thread is None or not self._thread.is_alive()
-
-    def wait(self) -> list[str]:
-        """Collective: finish writing, commit the checkpoint, rotate old ones.
-
-        Raises `CheckpointError` on every rank if any rank failed; the checkpoint is then not
-        committed. Returns, on every rank, sentences saying what was removed or restored
-        (leftovers of the series' unfinished saves, checkpoints rotated away by
-        ``keep_last``), also logged at INFO on logger ``shardwise.checkpoint``. Calling it again
-        after it returned does nothing (and returns ``[]``).
-        """
+    def _wait_once(self) -> list[str]:
+        """``wait()``'s work (its docstring is in ``_save_future``)."""
         if self._finished:
             return []
         self._finished = True
         atexit.unregister(self._at_exit)
         if self._thread is not None:
             self._thread.join()
-        with phase("save/commit"):
+        with phase("save/commit"), dcp_scope("async_save", no_dist=self._alone):
             out = self._commit()
         for line in out["said"]:
             _log.info("%s", line)
@@ -388,11 +386,13 @@ def check_save_target(path: str | os.PathLike, *, storage: Storage | None = None
                               f"({e.strerror or type(e).__name__}); choose a folder this job can write to") from None
 
 
-def save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None, series: str | None = None,
-         storage: Storage | None = None) -> list[str]:
-    """Save ``state`` to the checkpoint directory ``path``; collective over the default group.
+def save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: int | None = None,
+         series: str | None = None, storage: Storage | None = None, checkpoint_id: str | os.PathLike | None = None,
+         process_group: Any = None, no_dist: bool = False, storage_writer: Any = None, planner: Any = None,
+         use_collectives: bool = True) -> list[str]:
+    """Save ``state_dict`` to the checkpoint directory ``path``; collective over the default group.
 
-    ``state`` is a dict tree of tensors, DTensors and plain (JSON) values, the same structure on
+    ``state_dict`` is a dict tree of tensors, DTensors and plain (JSON) values, the same structure on
     every rank. Each piece of tensor data is written once, by one rank holding it (agreed over
     the whole world); before anything is written the ranks check that their pieces tile every
     tensor exactly. The checkpoint appears at ``path`` atomically when complete (an existing
@@ -403,15 +403,38 @@ def save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None, 
     Returns sentences saying what was removed or restored. Raises `CheckpointError` on every
     rank on failure. ``path`` is a local path or an fsspec URL (``s3://bucket/ckpt/step-100``);
     ``storage`` chooses the storage explicitly (``_storage``).
+
+    torch DCP's form works too: ``save(state_dict, checkpoint_id=path)``, values with
+    ``state_dict()``/``load_state_dict()`` anywhere in the tree (`Stateful`: their
+    ``state_dict()`` is saved), ``process_group`` (every rank) and ``no_dist`` (this process
+    alone); DCP's ``storage_writer``/``planner`` are refused naming the shardwise way (``_dcp_api``).
     """
-    return _start(state, path, keep_last, False, series, storage).wait()
+    refuse_dcp_extensions("save", storage_writer=storage_writer, planner=planner, use_collectives=use_collectives)
+    path = checkpoint_path("save", path, checkpoint_id)
+    state = expand_stateful(state_dict)[0]
+    check_alone_state("save", state, no_dist)
+    with dcp_scope("save", process_group, no_dist):
+        return _start(state, path, keep_last, False, series, storage).wait()
 
 
-def async_save(state: dict, path: str | os.PathLike, *, keep_last: int | None = None,
-               series: str | None = None, storage: Storage | None = None) -> SaveHandle:
+def async_save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: int | None = None,
+               series: str | None = None, storage: Storage | None = None,
+               checkpoint_id: str | os.PathLike | None = None, process_group: Any = None, no_dist: bool = False,
+               storage_writer: Any = None, planner: Any = None, async_checkpointer_type: Any = None,
+               async_stager: Any = None, use_collectives: bool = True) -> SaveHandle:
     """Like `save`, but return once the state is copied to CPU memory; files are written in a
     background thread. Collective. Call ``handle.wait()`` (collective, on every rank) before
     the next save: it commits the checkpoint and raises any error from the background write.
     A handle never waited for commits nothing and warns at exit (`SaveHandle`).
+
+    Takes DCP's forms as `save` does; the handle is also a ``concurrent.futures.Future``
+    (``handle.result()`` is ``handle.wait()``) and DCP's ``AsyncSaveResponse``
+    (``.staging_completion``, ``.upload_completion``): see ``_save_future``.
     """
-    return _start(state, path, keep_last, True, series, storage)
+    refuse_dcp_extensions("async_save", storage_writer=storage_writer, planner=planner, async_stager=async_stager,
+                          async_checkpointer_type=async_checkpointer_type, use_collectives=use_collectives)
+    path = checkpoint_path("async_save", path, checkpoint_id)
+    state = expand_stateful(state_dict)[0]
+    check_alone_state("async_save", state, no_dist)
+    with dcp_scope("async_save", process_group, no_dist):
+        return _start(state, path, keep_last, True, series, storage)

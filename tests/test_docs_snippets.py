@@ -7,14 +7,18 @@ line right before a ```python fence says how the snippet runs; without one it ru
     <!-- snippet: needs model, sharded -->   these setups (`SETUPS`) run first, in its namespace
     <!-- snippet: ranks 4 -->                world size (default 2); parts combine with ";"
 
-Each snippet runs in a fresh namespace and its own empty working directory, on ranks that
-have torchrun's variables but no process group: a snippet (or its setup) must call
-``init_distributed()`` itself, as a script would. The group is destroyed after each snippet.
-All snippets of one world size share one launch of ranks (about a second per snippet).
+Each snippet runs in a fresh namespace and its own empty working directory (a temporary
+directory, never the repository root), on ranks that have torchrun's variables but no process
+group: a snippet (or its setup) must call ``init_distributed()`` itself, as a script would. The
+group is destroyed after each snippet. All snippets of one world size share one launch of ranks
+(about a second per snippet). A snippet's own code imports only installed packages: not
+``examples``, ``tests`` or ``benchmarks``, which exist only in a clone of the repository (the
+harness has them on ``sys.path``, a user's fresh directory does not); setups may.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import socket
@@ -87,6 +91,8 @@ if rank == 0:
                   "path/to/hf_model/model.safetensors")
 _dist.barrier()
 """),
+    # apply_tp, apply_fsdp: the two steps of examples/parallel.py (a page that shows the example's code)
+    "parallel_example": ((), "from examples.parallel import apply_fsdp, apply_tp\n"),
     # TinyMoE, moe_local_forward (tests/test_tp.py), rank, world_size, tp_mesh (all ranks),
     # model (a net whose .moe is a TinyMoE)
     "moe": (("torch",), """
@@ -222,6 +228,18 @@ def _run_snippets(rank, world_size, snippets, workdir):
 
 
 SNIPPETS = collect()
+REPOSITORY_ONLY = ("examples", "tests", "benchmarks")
+
+
+def repository_imports(code: str) -> list[str]:
+    """The modules of `REPOSITORY_ONLY` that ``code`` imports (a user outside the repository
+    has none of them)."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        found += [n for n in names if n.split(".")[0] in REPOSITORY_ONLY]
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -246,6 +264,10 @@ def outcomes(tmp_path_factory):
 def test_snippet_runs(snippet, outcomes):
     if snippet.skip is not None:
         pytest.skip(f"marked: {snippet.skip}")
+    assert not repository_imports(snippet.code), (
+        f"{snippet.id} imports {repository_imports(snippet.code)}, which exist only inside the repository: a user "
+        "running it from a fresh directory gets ModuleNotFoundError. Define what it needs in the snippet, or use a "
+        "setup (`<!-- snippet: needs ... -->`)")
     assert snippet.id not in outcomes, (
         f"{snippet.id} fails as written (needs: {', '.join(snippet.needs) or 'nothing'}):\n{outcomes[snippet.id]}")
 
@@ -263,6 +285,8 @@ def test_convention_catches_unmarked_broken_snippets(tmp_path):
     assert c.skip == "a signature", c
     errors = run_ranks(_run_snippets, 1, [a, b], str(tmp_path), init_group=False)[0]
     assert set(errors) == {a.id} and "NameError" in errors[a.id], errors
+    assert repository_imports("import examples.model\nfrom tests._dist import run_ranks\nimport torch\n"
+                              "from . import x\n") == ["examples.model", "tests._dist"]
     for bad in ("skip", "skip ()", "needs nothing_like_this", "ranks 99", "run fast"):
         page.write_text(f"<!-- snippet: {bad} -->\n```python\npass\n```\n")
         with pytest.raises(ValueError):

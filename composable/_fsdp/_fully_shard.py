@@ -21,6 +21,7 @@ from ._module import readopt as _readopt
 from ._module import reshard_for_update as _reshard_for_update
 from ._spmd import spmd_mesh, to_tp_dtensor
 from ._state import FSDPState, get_state
+from ._hf_save import save_pretrained_override
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -278,7 +279,8 @@ def _fsdp_class(cls: type) -> type:
         return cls
     made = cls.__dict__.get("_shardwise_fsdp_class")
     if made is None:
-        made = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        made = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                    {"__module__": cls.__module__, **save_pretrained_override(cls)})
         setattr(cls, "_shardwise_fsdp_class", made)
     return made
 
