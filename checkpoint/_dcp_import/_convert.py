@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -224,40 +226,54 @@ def _import(storage, path: str, dcp: DcpCheckpoint, handles: dict[str, ReadHandl
             where = f"{url(c.file)}: tensor '{key}' chunk at {list(c.offsets)}"
             rec = records[(key, c.offsets)] = tensor_record(handles[c.file], c.offset, c.length, where)
             _check_chunk(key, c, rec, t.dtype, url(c.file))
-    names, plain = shardwise_keys(dcp.paths, {k: (t.dtype, t.shape) for k, t in dcp.tensors.items()}, values)
+    names, plain, embedded = shardwise_keys(dcp.paths, {k: (t.dtype, t.shape) for k, t in dcp.tensors.items()},
+                                            values)
+    for key, t in embedded.items():
+        if t.dtype not in DTYPE_CODES:
+            raise CheckpointError(f"tensor '{key}' has dtype {t.dtype}, which safetensors cannot store")
     sources = sorted({c.file for t in dcp.tensors.values() for c in t.chunks},
                      key=lambda n: (_rank_of(n) is None, _rank_of(n) or 0, n))
     ranks = {_rank_of(n) for n in handles}
     world = len(ranks) if None not in ranks else len(handles)
     total = sum(t.dtype.itemsize * Box(c.offsets, c.sizes).numel for t in dcp.tensors.values() for c in t.chunks)
     copier = _Copier(chunk_bytes, _Progress("import-dcp", total, progress))
-    boxes: dict[str, list[SavedBox]] = {k: [] for k in dcp.tensors}
+    # output file i holds the chunks of source file i; file 0 also the tensors found inside values
+    files: list[dict[str, tuple[str, torch.dtype, Box, Callable[[StreamingWriter, str], None]]]] = []
+    for source in sources or ([None] if embedded else []):
+        parts = {}
+        for k, t in dcp.tensors.items():
+            for c in t.chunks:
+                if c.file == source:
+                    parts[f"{names[k]}@{','.join(map(str, c.offsets))}"] = (
+                        names[k], t.dtype, Box(c.offsets, c.sizes), partial(_copy_chunk, copier, handles[c.file],
+                                                                            records[(k, c.offsets)], k, c, url(c.file)))
+        files.append(parts)
+    for key, t in embedded.items():
+        if t.numel():
+            files[0][f"{key}@{','.join('0' * t.dim())}"] = (key, t.dtype, Box((0,) * t.dim(), tuple(t.shape)),
+                                                            partial(_append, t))
+    boxes: dict[str, list[SavedBox]] = {names[k]: [] for k in dcp.tensors} | {k: [] for k in embedded}
 
     def fill(tmp: str) -> None:
         sizes: dict[str, int | None] = {}
-        for i, source in enumerate(sources):
-            parts = {f"{names[k]}@{','.join(map(str, c.offsets))}": (k, c) for k, t in dcp.tensors.items()
-                     for c in t.chunks if c.file == source}
+        for i, parts in enumerate(files):
             name = data_file_name(i)
-            writer = StreamingWriter(os.path.join(tmp, name), [(fk, dcp.tensors[k].dtype, c.sizes)
-                                                               for fk, (k, c) in parts.items()],
+            writer = StreamingWriter(os.path.join(tmp, name), [(fk, p[1], p[2].sizes) for fk, p in parts.items()],
                                      {"format": FORMAT_NAME, "rank": str(i)})
             try:
                 for fk in writer.keys:
-                    key, c = parts[fk]
-                    rec = records[(key, c.offsets)]
-                    copier.copy(handles[source], rec, writer, f"{url(source)}: tensor '{key}'")
-                    _check_crc(rec, writer, fk, key, c, url(source))
+                    parts[fk][3](writer, fk)
             except BaseException:
                 writer.abort()
                 raise
             sums = writer.close()
             sizes[name] = os.path.getsize(os.path.join(tmp, name))
-            for fk, (key, c) in parts.items():
+            for fk, (key, _, box, _) in parts.items():
                 s = sums[fk]
-                boxes[key].append(SavedBox(Box(c.offsets, c.sizes), name, fk, s.crc32, s.chunk_rows, s.chunk_crc32))
-        tensors = {names[k]: TensorEntry(t.dtype, t.shape, tuple(boxes[k]), _layout(t.chunks, len(t.shape)))
+                boxes[key].append(SavedBox(box, name, fk, s.crc32, s.chunk_rows, s.chunk_crc32))
+        tensors = {names[k]: TensorEntry(t.dtype, t.shape, tuple(boxes[names[k]]), _layout(t.chunks, len(t.shape)))
                    for k, t in dcp.tensors.items()}
+        tensors |= {k: TensorEntry(t.dtype, tuple(t.shape), tuple(boxes[k])) for k, t in embedded.items()}
         index = Index(tensors, plain, sizes, world, time.time_ns(), save_id=os.path.basename(tmp).rsplit("-", 1)[-1])
         PosixStorage().write_atomic(os.path.join(tmp, INDEX_FILE), format_index(index_to_json(index)).encode())
 
@@ -267,8 +283,18 @@ def _import(storage, path: str, dcp: DcpCheckpoint, handles: dict[str, ReadHandl
         delete_own_files(PosixStorage(), out)
         raise CheckpointError(f"the imported checkpoint {out} failed verification, so it was removed: "
                               f"{(report.problems or report.unchecked)[0]}")
-    return ImportStats(len(dcp.tensors), sum(map(len, boxes.values())), len(plain), copier.copied, copier.largest,
-                       len(sources), world)
+    return ImportStats(len(boxes), sum(map(len, boxes.values())), len(plain), copier.copied, copier.largest,
+                       len(files), world)
+
+
+def _append(t: torch.Tensor, writer: StreamingWriter, fk: str) -> None:
+    writer.append(t)
+
+
+def _copy_chunk(copier: _Copier, h: ReadHandle, rec: TensorRecord, key: str, c: DcpChunk, where: str,
+                writer: StreamingWriter, fk: str) -> None:
+    copier.copy(h, rec, writer, f"{where}: tensor '{key}'")
+    _check_crc(rec, writer, fk, key, c, where)
 
 
 def _check_crc(rec: TensorRecord, writer: StreamingWriter, fk: str, key: str, c: DcpChunk, where: str) -> None:

@@ -65,18 +65,23 @@ def _lists(node: Any, made: dict[int, str]) -> Any:
 
 
 def shardwise_keys(paths: dict[str, tuple[str | int, ...]], tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                   values: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
-    """``({DCP key of each tensor: shardwise key}, {shardwise key of each plain value: its JSON
-    value})`` for a DCP checkpoint whose entries have ``paths``, tensor entries ``tensors``
-    (dtype and shape) and non-tensor entries ``values``."""
+                   values: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any], dict[str, torch.Tensor]]:
+    """``(tensor keys, plain values, embedded tensors)`` for a DCP checkpoint whose entries have
+    ``paths``, tensor entries ``tensors`` (dtype and shape) and non-tensor entries ``values``:
+    ``{DCP key of each tensor: shardwise key}``, ``{shardwise key: JSON value}``, and
+    ``{shardwise key: tensor}`` for tensors that were inside a non-tensor entry (DCP saves a
+    tuple holding tensors whole, as one entry; shardwise walks into it)."""
     placeholders = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in tensors.items()}
     by_id = {id(t): k for k, t in placeholders.items()}
     tree = _nest(paths, {**values, **placeholders})
     tensor_keys: dict[str, str] = {}
     plain: dict[str, Any] = {}
+    embedded: dict[str, torch.Tensor] = {}
     for leaf in flatten(tree):
-        if isinstance(leaf.value, torch.Tensor):
+        if isinstance(leaf.value, torch.Tensor) and id(leaf.value) in by_id:
             tensor_keys[by_id[id(leaf.value)]] = leaf.key
+        elif isinstance(leaf.value, torch.Tensor):
+            embedded[leaf.key] = leaf.value
         else:
             plain[leaf.key] = to_json_value(leaf.value, leaf.key)
-    return tensor_keys, plain
+    return tensor_keys, plain, embedded

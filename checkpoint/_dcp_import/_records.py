@@ -242,8 +242,46 @@ _VALUE_ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
+def _embedded_loaders(h: ReadHandle, found: dict[str, Member], where: str) -> tuple[dict, Any]:
+    """The allowlist and storage loader of a value record that holds tensors (a tuple of
+    tensors: DCP saves it whole, as one non-tensor entry): each becomes a real CPU tensor,
+    read from the record (which is in memory anyway)."""
+    storages: dict[str, torch.Tensor] = {}
+
+    def load_storage(pid: Any) -> _StorageRef:
+        ref = _persistent(pid)
+        if ref.key not in storages:
+            m = found.get(f"data/{ref.key}")
+            if m is None:
+                raise CheckpointError(f"{where}: the record lacks the data of storage {ref.key[:20]!r}")
+            storages[ref.key] = torch.frombuffer(bytearray(_read_member(h, m, where, m.size)) or bytearray(1),
+                                                 dtype=torch.uint8)[: m.size]
+        return ref
+
+    def rebuild(*args: Any) -> torch.Tensor:
+        ref, dtype, size, stride, offset = (_rebuild_v3 if len(args) >= 7 and isinstance(args[6], torch.dtype)
+                                            else _rebuild)(*args)
+        data = storages[ref.key]
+        if data.numel() % dtype.itemsize:
+            raise CheckpointError(f"{where}: a tensor's storage is not a whole number of {dtype} elements")
+        typed = data.view(dtype) if data.numel() else torch.empty(0, dtype=dtype)
+        numel = 1
+        for n in size:
+            numel *= n
+        if numel and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= typed.numel():
+            raise CheckpointError(f"{where}: a tensor reaches past the end of its storage")
+        return torch.as_strided(typed, size, stride, offset).clone() if numel else torch.empty(size, dtype=dtype)
+
+    allowed = {**_TENSOR_ALLOWED, **_VALUE_ALLOWED, ("torch._utils", "_rebuild_tensor_v2"): Call(rebuild),
+               ("torch._utils", "_rebuild_tensor_v3"): Call(rebuild)}
+    return allowed, load_storage
+
+
 def value_record(h: ReadHandle, offset: int, length: int, where: str) -> Any:
-    """The plain value (None, bool, int, float, str, bytes, and lists, tuples and dicts of
-    them) saved at ``[offset, offset + length)`` of ``h``."""
+    """The value saved at ``[offset, offset + length)`` of ``h``: None, bool, int, float, str,
+    bytes, lists, tuples and dicts of them, and tensors inside them (read whole: they are
+    part of this one entry)."""
     _, found = members(h, offset, length, where)
-    return safe_loads(_read_member(h, found["data.pkl"], where), _VALUE_ALLOWED, where)
+    _check_byteorder(h, found, where)
+    allowed, storage = _embedded_loaders(h, found, where)
+    return safe_loads(_read_member(h, found["data.pkl"], where), allowed, where, storage)

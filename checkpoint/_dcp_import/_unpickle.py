@@ -71,7 +71,7 @@ class SafeUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:
             raise CheckpointError(f"{self._where}: the pickle refers to external data (a persistent id), which this "
-                                  "kind of entry never has; refusing it")
+                                  "kind of file never has; refusing it")
         return self._persistent(pid)
 
 
