@@ -61,6 +61,9 @@ class ImportStats:
     source_world_size: int
 
 
+_Part = tuple[str, torch.dtype, Box, Callable[[StreamingWriter, str], None]]  # key, dtype, box, its copier
+
+
 def _source_dir(storage, path: str, src: str) -> list[str]:
     kind = storage.kind(path)
     if kind == "missing":
@@ -228,9 +231,9 @@ def _import(storage, path: str, dcp: DcpCheckpoint, handles: dict[str, ReadHandl
             _check_chunk(key, c, rec, t.dtype, url(c.file))
     names, plain, embedded = shardwise_keys(dcp.paths, {k: (t.dtype, t.shape) for k, t in dcp.tensors.items()},
                                             values)
-    for key, t in embedded.items():
-        if t.dtype not in DTYPE_CODES:
-            raise CheckpointError(f"tensor '{key}' has dtype {t.dtype}, which safetensors cannot store")
+    for key, e in embedded.items():
+        if e.dtype not in DTYPE_CODES:
+            raise CheckpointError(f"tensor '{key}' has dtype {e.dtype}, which safetensors cannot store")
     sources = sorted({c.file for t in dcp.tensors.values() for c in t.chunks},
                      key=lambda n: (_rank_of(n) is None, _rank_of(n) or 0, n))
     ranks = {_rank_of(n) for n in handles}
@@ -238,9 +241,10 @@ def _import(storage, path: str, dcp: DcpCheckpoint, handles: dict[str, ReadHandl
     total = sum(t.dtype.itemsize * Box(c.offsets, c.sizes).numel for t in dcp.tensors.values() for c in t.chunks)
     copier = _Copier(chunk_bytes, _Progress("import-dcp", total, progress))
     # output file i holds the chunks of source file i; file 0 also the tensors found inside values
-    files: list[dict[str, tuple[str, torch.dtype, Box, Callable[[StreamingWriter, str], None]]]] = []
-    for source in sources or ([None] if embedded else []):
-        parts = {}
+    files: list[dict[str, _Part]] = []
+    outputs: list[str | None] = [*sources] or ([None] if embedded else [])
+    for source in outputs:
+        parts: dict[str, _Part] = {}
         for k, t in dcp.tensors.items():
             for c in t.chunks:
                 if c.file == source:
@@ -248,11 +252,12 @@ def _import(storage, path: str, dcp: DcpCheckpoint, handles: dict[str, ReadHandl
                         names[k], t.dtype, Box(c.offsets, c.sizes), partial(_copy_chunk, copier, handles[c.file],
                                                                             records[(k, c.offsets)], k, c, url(c.file)))
         files.append(parts)
-    for key, t in embedded.items():
-        if t.numel():
-            files[0][f"{key}@{','.join('0' * t.dim())}"] = (key, t.dtype, Box((0,) * t.dim(), tuple(t.shape)),
-                                                            partial(_append, t))
-    boxes: dict[str, list[SavedBox]] = {names[k]: [] for k in dcp.tensors} | {k: [] for k in embedded}
+    for key, e in embedded.items():
+        if e.numel():
+            files[0][f"{key}@{','.join('0' * e.dim())}"] = (key, e.dtype, Box((0,) * e.dim(), tuple(e.shape)),
+                                                            partial(_append, e))
+    boxes: dict[str, list[SavedBox]] = {names[k]: [] for k in dcp.tensors}
+    boxes.update({k: [] for k in embedded})
 
     def fill(tmp: str) -> None:
         sizes: dict[str, int | None] = {}
@@ -273,7 +278,7 @@ def _import(storage, path: str, dcp: DcpCheckpoint, handles: dict[str, ReadHandl
                 boxes[key].append(SavedBox(box, name, fk, s.crc32, s.chunk_rows, s.chunk_crc32))
         tensors = {names[k]: TensorEntry(t.dtype, t.shape, tuple(boxes[names[k]]), _layout(t.chunks, len(t.shape)))
                    for k, t in dcp.tensors.items()}
-        tensors |= {k: TensorEntry(t.dtype, tuple(t.shape), tuple(boxes[k])) for k, t in embedded.items()}
+        tensors.update({k: TensorEntry(e.dtype, tuple(e.shape), tuple(boxes[k])) for k, e in embedded.items()})
         index = Index(tensors, plain, sizes, world, time.time_ns(), save_id=os.path.basename(tmp).rsplit("-", 1)[-1])
         PosixStorage().write_atomic(os.path.join(tmp, INDEX_FILE), format_index(index_to_json(index)).encode())
 
