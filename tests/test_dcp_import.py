@@ -17,6 +17,7 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -163,7 +164,9 @@ def _plain_dcp(path: str) -> dict:
              "i64": torch.tensor(7), "t": torch.randn(4, 3).t(), "big": torch.randn(512, 512),
              "tuple": (torch.ones(2), 3)}
     state = {"model": msd, "optim": osd, "extra": extra}
-    dcp.save(state, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "torch.distributed is disabled ... single process"
+        dcp.save(state, checkpoint_id=path, no_dist=True)
     return state
 
 
@@ -286,3 +289,37 @@ def test_bad_sources_and_targets_get_one_line_errors(tmp_path, capsys):
     (src / "__0_0.distcp").write_bytes(bytes(bad))
     assert "checksum mismatch" in _one_line_error(capsys, ["import-dcp", str(src), str(tmp_path / "o5")])
     assert not (tmp_path / "o5").exists() and not [n for n in os.listdir(tmp_path) if "incomplete" in n]
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\x80\x02cbuiltins\neval\nX\x04\x00\x00\x001+1q\x00\x85R.", r"refusing to unpickle builtins\.eval"),
+    # BUILD on an allowlisted function (would set its attributes for the rest of the process)
+    (b"\x80\x02ctorch\nSize\n}b.", "tries to change an allowlisted function"),
+    # BUILD on an allowlisted class object itself, and NEWOBJ of a function: both refused
+    (b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n}b.", "not a readable pickle"),
+    (b"\x80\x02ctorch\nSize\n)\x81.", "not a readable pickle"),
+    (b"\x80\x02}.", "holds a dict, not DCP Metadata"),
+    (b"\x80\x02ctorch\nSize\n", "not a readable pickle"),  # truncated
+])
+def test_hand_made_hostile_metadata_is_refused(tmp_path, data, message):
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(data)
+    with pytest.raises(CheckpointError, match=message):
+        import_dcp(str(tmp_path / "dcp"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_outside_the_directory_is_never_read_and_urls_are_sources(tmp_path):
+    src = tmp_path / "dcp"
+    _plain_dcp(str(src))
+    import fsspec
+    fs = fsspec.filesystem("memory")
+    for name in os.listdir(src):
+        fs.pipe(f"/dcp-import-test/{name}", (src / name).read_bytes())
+    stats = import_dcp("memory:///dcp-import-test", str(tmp_path / "from-url"))
+    assert stats.tensors == 22 and verify_checkpoint(str(tmp_path / "from-url")).fully_checked
+    md = pickle.loads((src / ".metadata").read_bytes())  # the test's own file; torch reads it here
+    next(iter(md.storage_data.values())).relative_path = "../secret.distcp"
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"'\.\./secret\.distcp' is not a plain file name"):
+        import_dcp(str(src), str(tmp_path / "out"))
