@@ -2,7 +2,7 @@
 
 Each DCP checkpoint is written in the test by ``torch.distributed.checkpoint`` itself (torch's
 ``fully_shard`` on 4 gloo ranks, HSDP on a 2 x 2 mesh, torch's tensor parallelism on 2 ranks,
-and one plain process), with torch's ``get_model_state_dict`` / ``get_optimizer_state_dict``
+FSDP on top of TP on a 2 x 2 mesh, and one plain process), with torch's ``get_model_state_dict`` / ``get_optimizer_state_dict``
 after two AdamW steps; the saving job also keeps the full tensors (``full_tensor()``). The
 converted checkpoint is loaded with ``shardwise.checkpoint.load`` into shardwise's
 ``fully_shard`` at another world size and into one plain process, and every tensor, model and
@@ -58,7 +58,7 @@ def _train(model, opt, steps: int = 2) -> None:
 def _net(layout: str) -> nn.Module:
     """A Net; for tensor parallelism with hidden size 8 (torch's TP needs the sharded dims even)."""
     model = Net()
-    if layout == "tp":
+    if layout in ("tp", "fsdp_tp"):
         model.blocks = nn.ModuleList(Block(6, hidden=8) for _ in range(2))
     return model
 
@@ -74,11 +74,16 @@ def _dcp_save(rank: int, world: int, layout: str, path: str, ref_path: str) -> N
 
     torch.manual_seed(0)
     model = _net(layout)
-    if layout == "tp":
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    if layout in ("tp", "fsdp_tp"):
+        mesh = init_device_mesh("cpu", (world // 2, 2) if layout == "fsdp_tp" else (1, world),
+                                mesh_dim_names=("dp", "tp"))
         plan = {f"blocks.{i}.{n}": s for i in range(2) for n, s in (("up", tp.ColwiseParallel()),
                                                                      ("down", tp.RowwiseParallel()))}
-        tp.parallelize_module(model, mesh, plan)
+        tp.parallelize_module(model, mesh["tp"], plan)
+        if layout == "fsdp_tp":  # torch's 2-D: FSDP over "dp" on top of TP (strided shards)
+            for b in model.blocks:
+                torch_fully_shard(b, mesh=mesh["dp"])
+            torch_fully_shard(model, mesh=mesh["dp"])
     else:
         mesh = (init_device_mesh("cpu", (world,)) if layout == "fsdp"
                 else init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard")))
@@ -132,7 +137,8 @@ def _sw_load(rank: int, world: int, path: str, ref_path: str, layout: str) -> li
     return _mismatches(state, torch.load(ref_path, weights_only=True))
 
 
-@pytest.mark.parametrize("layout, save_world, load_world", [("fsdp", 4, 2), ("hsdp", 4, 2), ("tp", 2, 4)])
+@pytest.mark.parametrize("layout, save_world, load_world", [("fsdp", 4, 2), ("hsdp", 4, 2), ("tp", 2, 4),
+                                                                 ("fsdp_tp", 4, 2)])
 def test_torch_dcp_checkpoint_imports_and_loads_at_another_world_size(tmp_path, layout, save_world, load_world):
     src, dst, ref = str(tmp_path / "dcp"), str(tmp_path / "sw"), str(tmp_path / "ref.pt")
     run_ranks(_dcp_save, save_world, layout, src, ref, timeout=90)
