@@ -35,7 +35,7 @@ from .._commit import delete_own_files
 from .._errors import CheckpointError
 from .._format import (DTYPE_CODES, FORMAT_NAME, INDEX_FILE, Index, SavedBox, StreamingWriter, TensorEntry,
                        data_file_name, format_index, index_to_json)
-from .._format._file_io import byte_view, pread_into
+from .._format._file_io import pread_into
 from .._geometry import Box, tiling_problem
 from .._offline import _into_place, _Progress
 from .._storage import PosixStorage, ReadHandle, storage_for
