@@ -203,18 +203,20 @@ def import_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, replace: bool 
         raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
     storage, path = storage_for(src)
     where_src = storage.url(path)
-    _source_dir(storage, path, where_src)
+    listed = _source_dir(storage, path, where_src)
     dcp = read_dcp_metadata(storage, path)
     handles = _open_files(storage, path, dcp, where_src)
+    ranks = {_rank_of(n) for n in listed if n.endswith(".distcp")} - {None}
     try:
-        return _import(storage, path, dcp, handles, os.path.abspath(os.fspath(dst)), replace, chunk_bytes, progress)
+        return _import(storage, path, dcp, handles, os.path.abspath(os.fspath(dst)), replace, chunk_bytes, progress,
+                       len(ranks) or len(handles))
     finally:
         for h in handles.values():
             h.close()
 
 
 def _import(storage, path: str, dcp: DcpCheckpoint, handles: dict[str, ReadHandle], out: str, replace: bool,
-            chunk_bytes: int, progress: bool) -> ImportStats:
+            chunk_bytes: int, progress: bool, world: int) -> ImportStats:
     url = lambda name: storage.url(storage.join(path, name))  # noqa: E731
     values = {k: value_record(handles[v.file], v.offset, v.length, f"{url(v.file)}: entry '{k}'")
               for k, v in dcp.values.items()}
@@ -236,8 +238,6 @@ def _import(storage, path: str, dcp: DcpCheckpoint, handles: dict[str, ReadHandl
             raise CheckpointError(f"tensor '{key}' has dtype {e.dtype}, which safetensors cannot store")
     sources = sorted({c.file for t in dcp.tensors.values() for c in t.chunks},
                      key=lambda n: (_rank_of(n) is None, _rank_of(n) or 0, n))
-    ranks = {_rank_of(n) for n in handles}
-    world = len(ranks) if None not in ranks else len(handles)
     total = sum(t.dtype.itemsize * Box(c.offsets, c.sizes).numel for t in dcp.tensors.values() for c in t.chunks)
     copier = _Copier(chunk_bytes, _Progress("import-dcp", total, progress))
     # output file i holds the chunks of source file i; file 0 also the tensors found inside values
