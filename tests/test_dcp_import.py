@@ -329,3 +329,14 @@ def test_a_file_outside_the_directory_is_never_read_and_urls_are_sources(tmp_pat
     (src / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointError, match=r"'\.\./secret\.distcp' is not a plain file name"):
         import_dcp(str(src), str(tmp_path / "out"))
+
+
+def test_what_import_dcp_does_not_read_is_refused_by_name(tmp_path, capsys):
+    src = tmp_path / "dcp"
+    _plain_dcp(str(src))
+    md = pickle.loads((src / ".metadata").read_bytes())  # the test's own file; torch reads it here
+    next(iter(md.storage_data.values())).transform_descriptors = ["zstd"]
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    assert "storage extensions ['zstd']" in _one_line_error(capsys, ["import-dcp", str(src), str(tmp_path / "o")])
+    (src / ".metadata").rename(src / "__0.metadata")
+    assert "rank-local __<rank>.metadata" in _one_line_error(capsys, ["import-dcp", str(src), str(tmp_path / "o")])
