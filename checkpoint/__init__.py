@@ -17,6 +17,7 @@ See ``docs/checkpoint.md`` (usage and API) and ``docs/checkpoint-format.md`` (th
 """
 
 from ._cli import main
+from ._dcp_import import ImportStats, import_dcp
 from ._errors import CheckpointError
 from ._hf import load_safetensors
 from ._hf_folder import save_hf_folder
@@ -41,6 +42,7 @@ from ._writer import SaveHandle, async_save, check_save_target, save
 __all__ = [
     "CheckpointError",
     "FsspecStorage",
+    "ImportStats",
     "LoadStats",
     "SaveHandle",
     "StateDictOptions",
@@ -53,6 +55,7 @@ __all__ = [
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "get_state_dict",
+    "import_dcp",
     "load",
     "load_training_state",
     "load_safetensors",

@@ -6,6 +6,7 @@
                                          full tensors; with --config a save_pretrained folder
     reshard DIR OUT --world-size N [--replace]
                                          a checkpoint laid out for N ranks
+    import-dcp SRC DST [--replace]       a torch DCP checkpoint directory as a verified shardwise checkpoint
 
 Every command works on one machine without torch.distributed. Exit status: 0 when all is
 well; 1 on any problem, each printed as one line on stderr that names the file and the
@@ -25,6 +26,7 @@ import sys
 from collections import Counter
 from datetime import datetime, timezone
 
+from ._dcp_import._cli import add_import_dcp
 from ._errors import CheckpointError
 from ._files import open_checkpoint
 from ._format import Index, dtype_name
@@ -174,6 +176,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true")
     c.add_argument("--replace", action="store_true", help="replace OUT if it is a shardwise checkpoint")
     c.set_defaults(run=_reshard)
+    add_import_dcp(sub)
     return p
 
 
