@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -41,7 +43,8 @@ from torch.utils.data import Dataset
 from examples.data import DEFAULT_BRANCHING, inputs_and_targets, successor_table
 import shardwise.checkpoint as ckpt
 from shardwise.composable import loss_parallel
-from shardwise.mesh import HeartbeatPolicy, data_parallel_mesh, init_distributed, init_mesh, start_heartbeat
+from shardwise.mesh import (HeartbeatPolicy, data_parallel_mesh, exit_for_restart, init_distributed, init_mesh,
+                            start_heartbeat)
 
 __all__ = ["WalkDataset", "add_elastic_args", "result_line", "parse_result", "run_elastic"]
 
@@ -88,6 +91,8 @@ def add_elastic_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--collective-timeout", type=float, default=600.0, help="process-group timeout in seconds: "
                    "the bound on a collective that hangs while every peer is alive")
     g.add_argument("--event-log", metavar="FILE", help="append JSON lines of events (start, step, saved, ...)")
+    g.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep after each step (tests and "
+                   "benchmarks: stands for a longer step, so that a failure can land mid-run)")
 
 
 def result_line(steps: int, trained: int, samples: int, loss: float | None) -> str:
@@ -137,12 +142,17 @@ def run_elastic(args: argparse.Namespace, dp_shard: int) -> list[float]:
     if args.checkpoint_every < 1 or args.keep_last < 1:
         _fail("--checkpoint-every and --keep-last must be >= 1")
     events = _Events(args.event_log, int(os.environ.get("RANK", "0")))
-    events("start", world=int(os.environ.get("WORLD_SIZE", "1")), restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
+    events("start", world=int(os.environ.get("WORLD_SIZE", "1")), pid=os.getpid(),
+           restart=os.environ.get("TORCHELASTIC_RESTART_COUNT"))
     rank, world = init_distributed(timeout_s=args.collective_timeout)
     say = print if rank == 0 else (lambda *a, **k: None)
     hb = None
     if args.heartbeat_timeout > 0 and world > 1:
-        hb = start_heartbeat(HeartbeatPolicy(args.heartbeat_interval, args.heartbeat_timeout))
+        def dead(message: str) -> None:
+            events("dead", all_ranks=True, error=message)
+            exit_for_restart(message)
+
+        hb = start_heartbeat(HeartbeatPolicy(args.heartbeat_interval, args.heartbeat_timeout), on_dead=dead)
     mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=dp_shard, tp=args.tp)
     dp_mesh = data_parallel_mesh(mesh)
     events("ready", world=world)
@@ -204,17 +214,23 @@ def run_elastic(args: argparse.Namespace, dp_shard: int) -> list[float]:
                 say(f"step {step:4d}  loss {losses[-1]:.4f}")
             if handle is not None:  # commit the previous step's async save: its files were written meanwhile
                 handle.wait()
-                events("saved", step=pending_step)
+                events("saved", step=pending_step, world=world)
                 handle = None
             if step % args.checkpoint_every == 0 and step != args.steps:
                 handle, pending_step = save(step, True), step
+            if args.step_delay:
+                time.sleep(args.step_delay)
         if handle is not None:
             handle.wait()
         if start <= args.steps:
             save(args.steps, False)
-            events("saved", step=args.steps)
-    except Exception as e:
+            events("saved", step=args.steps, world=world)
+    except Exception as e:  # a peer died mid-collective (gloo "Connection closed by peer"), a failed save, ...
         events("error", all_ranks=True, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        if world > 1 and os.environ.get("TORCHELASTIC_RUN_ID"):  # under torchrun: exit now for the restart (an
+            traceback.print_exc()  # interpreter exit would first tear down the broken process group, seconds)
+            sys.stderr.flush()
+            os._exit(1)
         raise
     final = losses[-1] if losses else last_loss
     line = result_line(args.steps, len(losses), sampler.samples_seen, final)

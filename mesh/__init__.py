@@ -20,7 +20,7 @@ in any order. `start_heartbeat` turns a dead peer into a prompt exit a launcher 
 
 from ._axes import MeshAxes, mesh_axes
 from ._dims import AXIS_NAMES, PP_AXIS, ParallelDims
-from ._heartbeat import Heartbeat, HeartbeatPolicy, start_heartbeat
+from ._heartbeat import Heartbeat, HeartbeatPolicy, exit_for_restart, start_heartbeat
 from ._hosts import HostLayoutWarning, host_fit_problem
 from ._init import (
     data_parallel_mesh,
@@ -42,6 +42,7 @@ __all__ = [
     "data_parallel_mesh",
     "default_backend",
     "default_device_type",
+    "exit_for_restart",
     "host_fit_problem",
     "init_distributed",
     "init_mesh",

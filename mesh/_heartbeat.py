@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["FINISHED", "Heartbeat", "HeartbeatPolicy", "start_heartbeat"]
+__all__ = ["FINISHED", "Heartbeat", "HeartbeatPolicy", "exit_for_restart", "start_heartbeat"]
 
 FINISHED = 1 << 40  # a counter at or above this belongs to a rank that stopped on purpose
 
@@ -90,9 +90,7 @@ class Heartbeat:
             pass  # the store is gone: nobody is watching any more
 
     def _exit(self, message: str) -> None:
-        print(f"shardwise heartbeat: {message}; exiting with status {self.policy.exit_code} so that the launcher "
-              "restarts the job", file=sys.stderr, flush=True)
-        os._exit(self.policy.exit_code)
+        exit_for_restart(message, self.policy.exit_code)
 
     def _run(self) -> None:
         p = self.policy
@@ -126,6 +124,14 @@ class Heartbeat:
             return
         self.dead = message
         self.on_dead(message)
+
+
+def exit_for_restart(message: str, code: int = 75) -> None:
+    """The default ``on_dead``: say why on stderr and end the process at once with ``code``
+    (``os._exit``: callable from any thread, while the main thread waits inside a collective)."""
+    print(f"shardwise heartbeat: {message}; exiting with status {code} so that the launcher restarts the job",
+          file=sys.stderr, flush=True)
+    os._exit(code)
 
 
 def _torchrun_store(timeout_s: float) -> dist.Store:
