@@ -182,19 +182,3 @@ class Scenario:
                 if a.proc.poll() is None:
                     a.kill()
 
-
-def restart_parts(ev: list[dict], t_kill: float) -> dict[str, float]:
-    """Seconds of one shrink restart, from the event log: ``detect`` (kill -> first survivor's
-    error or heartbeat exit), ``restart`` (-> the new workers' first line: agent restart,
-    rendezvous, process start), ``init`` (-> process group, heartbeat, mesh up), ``load``
-    (-> model built and the checkpoint loaded) and ``total``."""
-    after = [e for e in ev if e["t"] >= t_kill]
-    first = {}
-    for e in after:
-        first.setdefault(e["event"], e["t"])
-    detect = min(first.get("error", float("inf")), first.get("dead", float("inf")))
-    start = min(e["t"] for e in after if e["event"] == "start" and e["t"] > detect)
-    ready = min(e["t"] for e in after if e["event"] == "ready" and e["t"] > start)
-    loaded = min(e["t"] for e in after if e["event"] == "loaded" and e["t"] > ready)
-    return {"detect": detect - t_kill, "restart": start - detect, "init": ready - start, "load": loaded - ready,
-            "total": loaded - t_kill}
