@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=10,close_timeout=5"
 # torch issue #135712: with the agents' shared store, restarted workers can read the previous
 # generation's addresses (gloo "connectFullMesh ... Connection refused"); a store per generation
-AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+             "LOGLEVEL": "INFO"}  # the agents log their rendezvous and restarts (benchmarks/elastic.py reads them)
 MODEL = ["--dim", "32", "--layers", "1", "--heads", "4", "--vocab", "64", "--seq-len", "16", "--batch-size", "8",
          "--dataset-size", "28", "--log-every", "1000"]
 

@@ -66,8 +66,8 @@ def parts(events: list[dict], marks: list[tuple[float, str]], t0: float, detect_
     loaded = min(e["t"] for e in after if e["event"] == "loaded" and e["t"] >= ready)
     out = {"detect": detect - t0, "agent": noticed - detect, "rendezvous": started - noticed, "python": first - started,
            "init": ready - first, "load": loaded - ready, "total": loaded - t0}
-    if detect_events == ():
-        out["join"] = out.pop("agent") + out.pop("detect")
+    if detect_events == ():  # a grow: the new agent's start and join come first
+        out = {"join": out.pop("agent") + out.pop("detect"), **out}
     return out
 
 

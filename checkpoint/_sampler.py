@@ -23,7 +23,8 @@ order's first samples again (repeated as often as needed when ``n < B``).
 
 Ranks that differ only in other mesh axes (``tp``, ``pp``, ``cp``) have the same data-parallel
 coordinate and read the same samples: with ``mesh=``, the coordinate is the row-major index on
-the mesh's ``dp_replicate`` and ``dp_shard`` axes (every axis of an unnamed mesh).
+the mesh's ``dp_replicate`` and ``dp_shard`` axes (or a user's ``dp`` axis; every axis of an
+unnamed mesh; a named mesh without any of them is refused).
 
 A micro-batch handed out counts as consumed (iterate in the main process, or use
 `ElasticLoader`, which counts only batches it has delivered even when workers prefetch). A
@@ -106,7 +107,10 @@ def _dp_coordinate(mesh: Any) -> tuple[int, int]:
     from shardwise.mesh import mesh_axes
 
     axes = mesh_axes(mesh, caller="ElasticSampler")
-    dims = [n for n in ("dp_replicate", "dp_shard") if axes.has(n)] if axes.names else []
+    dims = [n for n in ("dp_replicate", "dp_shard", "dp") if axes.has(n)]
+    if axes.names and not dims:
+        raise ValueError(f"ElasticSampler: the mesh has axes {axes.names} and none of them is data-parallel "
+                         "('dp_replicate', 'dp_shard' or 'dp'); pass the data-parallel mesh, or dp_rank= and dp_size=")
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError(f"ElasticSampler: this rank is not in the mesh {mesh.mesh.tolist()}")

@@ -13,7 +13,9 @@ rank holds against the full model, the loss every ``--log-every`` steps (the
 mean over the data-parallel ranks) and finally the first and last loss.
 
 ``--steps`` is the total: ``--resume DIR`` continues from the saved step up to ``--steps``,
-and ``--save DIR`` prints the exact command that does so. Arguments are checked before
+and ``--save DIR`` prints the exact command that does so. ``--checkpoint-dir DIR`` resumes and
+saves by itself at any world size (:mod:`examples.elastic`, docs/elastic.md). The last line is
+``result: steps=S trained=T samples=N loss=L`` (``examples.elastic.parse_result``). Arguments are checked before
 anything is built (:mod:`examples.preflight`); see docs/example.md.
 """
 

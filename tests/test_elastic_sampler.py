@@ -249,6 +249,11 @@ def _save_and_resume(rank, world_size, path, phase):
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     sampler = ElasticSampler(50, 8, mesh=mesh, seed=7, micro_batch=2)
     seen = []
+    try:
+        ElasticSampler(50, 8, mesh=mesh["tp"])
+        raise AssertionError("a mesh without a data-parallel axis was taken")
+    except ValueError as e:
+        assert "none of them is data-parallel" in str(e), e
     if phase == "save":
         for _ in range(3 * sampler.plan.accumulation):
             seen += next(iter(sampler))
