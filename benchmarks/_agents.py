@@ -124,7 +124,7 @@ class Scenario:
     """One run of [Note: what the scenario does]; times are ``time.time()``."""
 
     workdir: Path
-    steps: int = 48
+    steps: int = 60  # the lone agent must not finish before the returning one has joined (~10-20 s here)
     every: int = 3
     delay: float = 0.6
     grow: bool = True
