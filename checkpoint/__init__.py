@@ -20,6 +20,9 @@ from ._cli import main
 from ._dcp_import import ImportStats, import_dcp
 from ._errors import CheckpointError
 from ._hf import load_safetensors
+from ._latest import latest_checkpoint
+from ._loader import ElasticLoader
+from ._sampler import BatchPlan, ElasticSampler, plan_batches
 from ._hf_folder import save_hf_folder
 from ._offline import merge_checkpoint, reshard_checkpoint
 from ._reader import LoadStats, load
@@ -35,11 +38,17 @@ from ._state_dict import (
     set_state_dict,
 )
 from ._stateful import Stateful
-from ._training_state import TrainingState, load_training_state, save_training_state
+from ._training_state import TrainingState, async_save_training_state, load_training_state, save_training_state
 from ._verify import VerifyReport, verify_checkpoint
 from ._writer import SaveHandle, async_save, check_save_target, save
 
 __all__ = [
+    "BatchPlan",
+    "ElasticLoader",
+    "ElasticSampler",
+    "async_save_training_state",
+    "latest_checkpoint",
+    "plan_batches",
     "CheckpointError",
     "FsspecStorage",
     "ImportStats",

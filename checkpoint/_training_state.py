@@ -31,6 +31,11 @@ On load:
 
 `TrainingState.rng` says, per generator, which happened (``"per-rank"``, ``"shared"``,
 ``"wrapped"``).
+
+``data=`` (an `ElasticSampler` or `ElasticLoader`, or anything with a JSON ``state_dict()`` and
+``load_state_dict``) keeps the data position as the plain value ``data``: it must be the same on
+every rank (checked on save), and the sampler loads it at any data-parallel size
+([Note: one global order, cut into global batches] in ``_sampler.py``).
 """
 
 from __future__ import annotations
@@ -52,9 +57,9 @@ from ._files import open_checkpoint
 from ._reader import load
 from ._state_dict import (get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
                           set_optimizer_state_dict)
-from ._writer import save
+from ._writer import SaveHandle, async_save, save
 
-__all__ = ["TrainingState", "save_training_state", "load_training_state"]
+__all__ = ["TrainingState", "save_training_state", "async_save_training_state", "load_training_state"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class TrainingState:
     extra: Any
     saved_world_size: int
     rng: dict
+    data: Any = None  # the saved data position (``data=`` of the save), None if none was saved
 
 
 def _gather_rows(row: torch.Tensor) -> torch.Tensor:
@@ -138,28 +144,56 @@ def _json(value: Any, what: str) -> str:
                               "model or optimizer, or convert them with .tolist()") from None
 
 
-def save_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.optim.Optimizer, *,
-                        scheduler: Any = None, step: int | None = None, extra: Any = None,
-                        keep_last: int | None = None) -> None:
-    """Save model, optimizer, LR ``scheduler`` (anything with ``state_dict()``), ``step``,
-    ``extra`` (JSON: epoch, data position...) and every rank's RNG states to ``path``;
-    collective, atomic (see `save`). ``keep_last`` as in `save`."""
-    state: dict[str, Any] = {
+def _data_state(data: Any) -> str:
+    """The data position as JSON text, checked to be the same on every rank."""
+    text = _json(data.state_dict() if data is not None else None, "data.state_dict()")
+    if is_distributed():
+        texts = all_gather_json(text)
+        differ = [r for r, t in enumerate(texts) if t != texts[0]]
+        if differ:
+            raise CheckpointError(f"save_training_state: the data position (data=) of ranks {differ} differs from "
+                                  f"rank 0's ({texts[0]}); every rank must step its sampler alike")
+    return text
+
+
+def _state(model: nn.Module, optim: torch.optim.Optimizer, scheduler: Any, step: int | None, extra: Any,
+           data: Any) -> dict[str, Any]:
+    return {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optim),
         "scheduler": _json(scheduler.state_dict() if scheduler is not None else None, "the scheduler's state_dict()"),
         "step": step,
         "extra": _json(extra, "extra"),
+        "data": _data_state(data),
         "rng": _gathered_rng(),
     }
-    save(state, path, keep_last=keep_last)
+
+
+def save_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.optim.Optimizer, *,
+                        scheduler: Any = None, step: int | None = None, extra: Any = None,
+                        data: Any = None, keep_last: int | None = None) -> None:
+    """Save model, optimizer, LR ``scheduler`` (anything with ``state_dict()``), ``step``,
+    ``extra`` (JSON), the data position ``data`` (an `ElasticSampler` / `ElasticLoader`) and
+    every rank's RNG states to ``path``; collective, atomic (see `save`). ``keep_last`` as in
+    `save`."""
+    save(_state(model, optim, scheduler, step, extra, data), path, keep_last=keep_last)
+
+
+def async_save_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.optim.Optimizer, *,
+                              scheduler: Any = None, step: int | None = None, extra: Any = None,
+                              data: Any = None, keep_last: int | None = None) -> SaveHandle:
+    """`save_training_state` with `async_save`: returns once the state is copied to CPU memory
+    (the RNG states and data position are taken now); ``handle.wait()`` (collective) commits it.
+    Training may change the model and optimizer meanwhile."""
+    return async_save(_state(model, optim, scheduler, step, extra, data), path, keep_last=keep_last)
 
 
 def load_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.optim.Optimizer, *,
-                        scheduler: Any = None, rng: bool = True) -> TrainingState:
-    """Restore what `save_training_state` saved into ``model``, ``optim`` and ``scheduler``,
-    at this or another world size and layout; collective. ``rng=False`` leaves the random
-    states alone. Returns the step, extra and how the RNG states were restored."""
+                        scheduler: Any = None, rng: bool = True, data: Any = None) -> TrainingState:
+    """Restore what `save_training_state` saved into ``model``, ``optim``, ``scheduler`` and
+    ``data`` (the sampler or loader, which resumes the saved position at this data-parallel
+    size), at this or another world size and layout; collective. ``rng=False`` leaves the random
+    states alone. Returns the step, extra, data position and how the RNG states were restored."""
     with open_checkpoint(path) as files:
         index = files.index
     rng_keys = sorted(k[4:] for k in index.tensors if k.startswith("rng/"))
@@ -170,7 +204,7 @@ def load_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.
     state: dict[str, Any] = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optim),
-        "scheduler": "", "step": None, "extra": "",
+        "scheduler": "", "step": None, "extra": "", **({"data": ""} if "data" in index.values else {}),
         "rng": {k: torch.empty(index.tensors[f"rng/{k}"].shape, dtype=index.tensors[f"rng/{k}"].dtype)
                 for k in rng_keys},
     }
@@ -182,6 +216,15 @@ def load_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.
         if sched is None:
             raise CheckpointError(f"{path} holds no scheduler state, but a scheduler was passed")
         scheduler.load_state_dict(sched)
+    saved_data = json.loads(state["data"]) if "data" in state else None
+    if data is not None:
+        if saved_data is None:
+            raise CheckpointError(f"{path} holds no data position (saved without data=), but data= was passed; "
+                                  "start the data from its beginning instead")
+        try:
+            data.load_state_dict(saved_data)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
     rank, world = rank_and_world()
     rows, how = state["rng"], {}
     pick: dict[str, int] = {}
@@ -195,4 +238,4 @@ def load_training_state(path: str | os.PathLike, model: nn.Module, optim: torch.
             how[gen], pick[gen] = "wrapped", rank % saved_world
     if rng:
         _set_rng({k: t[pick[k.split("_")[0]]] for k, t in rows.items()}, path)
-    return TrainingState(state["step"], json.loads(state["extra"]), saved_world, how if rng else {})
+    return TrainingState(state["step"], json.loads(state["extra"]), saved_world, how if rng else {}, saved_data)

@@ -13,7 +13,9 @@ rank holds against the full model, the loss every ``--log-every`` steps (the
 mean over the data-parallel ranks) and finally the first and last loss.
 
 ``--steps`` is the total: ``--resume DIR`` continues from the saved step up to ``--steps``,
-and ``--save DIR`` prints the exact command that does so. Arguments are checked before
+and ``--save DIR`` prints the exact command that does so. ``--checkpoint-dir DIR`` resumes and
+saves by itself at any world size (:mod:`examples.elastic`, docs/elastic.md). The last line is
+``result: steps=S trained=T samples=N loss=L`` (``examples.elastic.parse_result``). Arguments are checked before
 anything is built (:mod:`examples.preflight`); see docs/example.md.
 """
 
@@ -201,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     from examples.pipeline_setup import add_pipeline_args  # pipeline flags: --pp, --schedule, --microbatches
 
     add_pipeline_args(p)
+    from examples.elastic import add_elastic_args  # --checkpoint-dir, --checkpoint-every, heartbeat knobs
+
+    add_elastic_args(p)
     return p
 
 
@@ -290,6 +295,10 @@ def main(argv: list[str] | None = None) -> list[float]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         torch.set_num_threads(args.threads)
+    if args.checkpoint_dir:  # elastic: resume from the latest checkpoint, save every K steps (docs/elastic.md)
+        from examples.elastic import run_elastic
+
+        return run_elastic(args, checked.dp_shard)
     if args.pp > 1:  # pipeline parallelism: its own loop, same data, losses and checkpoints
         from examples.pipeline_setup import run_pipeline
 
@@ -364,6 +373,9 @@ def main(argv: list[str] | None = None) -> list[float]:
             say(f"resume (on any world size) with: "
                 f"{resume_command(args, world_size, where, 2 * args.steps)}")
     dist.barrier()  # nobody tears down its connections while a peer still uses them
+    from examples.elastic import result_line  # the last line: steps, samples, final loss (machine-parseable)
+
+    say(result_line(args.steps, len(losses), args.steps * args.batch_size, losses[-1] if losses else None), flush=True)
     dist.destroy_process_group()
     return losses
 

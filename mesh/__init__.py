@@ -14,11 +14,13 @@ Meshes are 3-D with the axis names ``("dp_replicate", "dp_shard",
 a ``"pp"`` axis comes first (outermost; `pipeline_mesh` slices it). `ParallelDims` holds the sizes
 and their validation; `host_fit_problem` is the pure check behind
 `HostLayoutWarning`. `mesh_axes` is how every entry point finds the axes it needs, by name
-in any order.
+in any order. `start_heartbeat` turns a dead peer into a prompt exit a launcher restarts
+(docs/elastic.md).
 """
 
 from ._axes import MeshAxes, mesh_axes
 from ._dims import AXIS_NAMES, PP_AXIS, ParallelDims
+from ._heartbeat import Heartbeat, HeartbeatPolicy, exit_for_restart, start_heartbeat
 from ._hosts import HostLayoutWarning, host_fit_problem
 from ._init import (
     data_parallel_mesh,
@@ -32,15 +34,19 @@ from ._init import (
 __all__ = [
     "AXIS_NAMES",
     "PP_AXIS",
+    "Heartbeat",
+    "HeartbeatPolicy",
     "HostLayoutWarning",
     "MeshAxes",
     "ParallelDims",
     "data_parallel_mesh",
     "default_backend",
     "default_device_type",
+    "exit_for_restart",
     "host_fit_problem",
     "init_distributed",
     "init_mesh",
     "mesh_axes",
     "pipeline_mesh",
+    "start_heartbeat",
 ]
