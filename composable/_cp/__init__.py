@@ -1,0 +1,9 @@
+"""Context parallelism: the sequence of each sample sharded over a ``cp`` mesh axis in the
+zigzag layout, attention across ranks by a ring (or an all-gather) of key/value blocks.
+See docs/context_parallel.md."""
+
+from ._attention import METHODS, context_parallel_attention
+from ._layout import shard_sequence, unshard_sequence, zigzag_chunks, zigzag_positions
+
+__all__ = ["METHODS", "context_parallel_attention", "shard_sequence", "unshard_sequence", "zigzag_chunks",
+           "zigzag_positions"]
