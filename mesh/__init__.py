@@ -17,8 +17,8 @@ and their validation; `host_fit_problem` is the pure check behind
 in any order.
 """
 
-from ._axes import MeshAxes, mesh_axes
-from ._dims import AXIS_NAMES, PP_AXIS, ParallelDims
+from ._axes import DP_SHARD_CP, MeshAxes, mesh_axes
+from ._dims import AXIS_NAMES, CP_AXIS, PP_AXIS, ParallelDims
 from ._hosts import HostLayoutWarning, host_fit_problem
 from ._init import (
     data_parallel_mesh,
@@ -28,9 +28,13 @@ from ._init import (
     init_mesh,
     pipeline_mesh,
 )
+from ._init import cp_mesh
 
 __all__ = [
     "AXIS_NAMES",
+    "CP_AXIS",
+    "DP_SHARD_CP",
+    "cp_mesh",
     "PP_AXIS",
     "HostLayoutWarning",
     "MeshAxes",
