@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     from examples.pipeline_setup import add_pipeline_args  # pipeline flags: --pp, --schedule, --microbatches
 
     add_pipeline_args(p)
+    from examples.cp import add_cp_args  # context parallelism: --cp, --cp-method
+
+    add_cp_args(p)
     return p
 
 
@@ -271,7 +274,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     args = parse_args(argv)
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        checked = preflight(args, world_env)
+        from examples.cp import cp_world  # --cp N: the data-parallel layout spans world / N ranks
+
+        checked = preflight(args, cp_world(args, world_env))
     except UsageError as e:
         _fail(str(e))
     if args.save:  # before step 1: a bad --save must not cost the training run
@@ -294,6 +299,10 @@ def main(argv: list[str] | None = None) -> list[float]:
         from examples.pipeline_setup import run_pipeline
 
         return run_pipeline(args)
+    if args.cp > 1:  # context parallelism: sequence sharded over cp ranks, same data and losses
+        from examples.cp import run_cp
+
+        return run_cp(args, checked.dp_shard)
     t0 = time.perf_counter()
     rank, world_size = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)

@@ -3,7 +3,8 @@ zigzag layout, attention across ranks by a ring (or an all-gather) of key/value 
 See docs/context_parallel.md."""
 
 from ._attention import METHODS, context_parallel_attention
+from ._route import RouteHandle, context_parallel, route_attention
 from ._layout import shard_sequence, unshard_sequence, zigzag_chunks, zigzag_positions
 
-__all__ = ["METHODS", "context_parallel_attention", "shard_sequence", "unshard_sequence", "zigzag_chunks",
+__all__ = ["METHODS", "RouteHandle", "context_parallel", "context_parallel_attention", "route_attention", "shard_sequence", "unshard_sequence", "zigzag_chunks",
            "zigzag_positions"]

@@ -1,0 +1,68 @@
+"""The example Llama under context parallelism (examples/cp.py through examples/train.py's
+``main``): the losses of ``--cp 2`` / ``--cp 4``, alone and with ``--tp 2`` and ``--dp-shard 2``,
+equal one process training on the whole global batch (fp32, 1e-6 relative), with both
+attention methods; and the routing's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardwise.composable import route_attention, context_parallel
+from tests._dist import run_ranks
+from tests.test_example import _main_job, _reference_losses
+
+SEQ = 32
+ARGS = ["--steps", "3", "--dim", "32", "--layers", "2", "--heads", "4", "--vocab", "64",
+        "--seq-len", str(SEQ), "--batch-size", "4", "--log-every", "100"]
+
+
+@pytest.mark.parametrize("world_size,extra", [
+    (2, ["--cp", "2"]),
+    (4, ["--cp", "4", "--cp-method", "allgather"]),
+    (4, ["--cp", "2", "--tp", "2"]),
+    (4, ["--cp", "2", "--dp-shard", "2"]),
+], ids=["cp2", "cp4-allgather", "cp2xtp2", "cp2xdp2"])
+def test_cp_training_matches_one_process(world_size, extra):
+    ref = _reference_losses(steps=3, seq_len=SEQ, batch=4)
+    for rank, losses in enumerate(run_ranks(_main_job, world_size, ARGS + extra, timeout=180)):
+        assert len(losses) == len(ref)
+        for step, (a, b) in enumerate(zip(losses, ref), 1):
+            assert abs(a - b) <= 1e-6 * abs(b), f"rank {rank} step {step}: {a} vs reference {b} ({extra})"
+
+
+class _Attn(torch.nn.Module):
+    def forward(self, q, mask=None, dropout=0.0):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
+
+
+def _refusals(rank, world_size):
+    out = {}
+    m = _Attn()
+    q = torch.randn(1, 2, 4, 8)
+    with context_parallel(m, None):
+        for name, kw in {"mask": dict(mask=torch.ones(4, 4, dtype=torch.bool)), "dropout": dict(dropout=0.1)}.items():
+            try:
+                m(q, **kw)
+            except ValueError as e:
+                out[name] = str(e)
+        routed = "forward" in m.__dict__
+    out["restored"] = routed and "forward" not in m.__dict__
+    h = route_attention(m, None)
+    try:
+        route_attention(m, None)
+    except ValueError as e:
+        out["twice"] = str(e)
+    h.remove()
+    # outside the route the same module is plain SDPA again
+    out["plain"] = torch.equal(m(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    return out
+
+
+def test_route_refuses_what_it_cannot_compute_and_restores_forward():
+    got = run_ranks(_refusals, 2, timeout=60)[0]
+    assert "attn_mask" in got["mask"] and "is_causal=True" in got["mask"], got
+    assert "dropout_p=0.1" in got["dropout"], got
+    assert got["restored"] and got["plain"], got
+    assert "already routed" in got["twice"], got
