@@ -83,7 +83,7 @@ class MeshAxes:
         names = dp_axis_names(self.size("dp_replicate"))
         if self.size(CP_AXIS) > 1:
             shard = self.shard_axis_with_cp()
-            return shard if len(names) == 1 else self.mesh[("dp_replicate", shard.mesh_dim_names[0])]
+            return shard if len(names) == 1 else self.mesh[("dp_replicate", DP_SHARD_CP)]
         return self.sub(*names)
 
     # -- context parallelism (issue 25): parameters are sharded over dp_shard x cp

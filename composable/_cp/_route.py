@@ -126,7 +126,7 @@ def route_attention(modules: nn.Module | Iterable[nn.Module], group: DeviceMesh 
                 return _inner(*args, **kwargs)
 
         forward._shardwise_cp_route = True  # type: ignore[attr-defined]
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         handle.patched.append((module, old))
     return handle
 
