@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.composable import context_parallel_attention, shard_sequence, zigzag_positions
+from shardwise.composable._cp import _block, _compat
 from shardwise.composable._cp._layout import block_plan
 from tests._dist import run_ranks
 
@@ -47,7 +48,8 @@ def _case(rank, cp, case, method, group=None):
     return errs
 
 
-def _cases(rank, world_size, cases, method):
+def _cases(rank, world_size, cases, method, kernel="auto"):
+    _block.KERNEL = kernel  # this rank process only
     return [_case(rank, world_size, c, method) for c in cases]
 
 
@@ -78,6 +80,42 @@ def test_matches_sdpa_bf16_and_gqa(method):
     cases = [(16, 4, 2, True, torch.bfloat16, 1), (16, 4, 4, False, torch.bfloat16, 2), (8, 6, 3, True,
                                                                                          torch.float32, 3)]
     _check(run_ranks(_cases, 2, cases, method, timeout=120), cases)
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_math_kernel_matches_sdpa(method):
+    """The float32 matmul blocks (used off CPU, and the fused kernel's reference)."""
+    cases = [(16, 4, 2, True, torch.float32, 6), (16, 2, 1, False, torch.float32, 7),
+             (16, 4, 4, True, torch.bfloat16, 8)]
+    _check(run_ranks(_cases, 2, cases, method, "math", timeout=120), cases)
+
+
+def test_fused_kernel_is_what_the_blocks_rely_on():
+    """_compat.py's fused kernel: lse is the natural-log log-sum-exp of the scaled scores
+    ([B, H, T] float32, top-left causal), and its backward, given another row's output and
+    lse, gives that block's share of the gradients: both equal the float32 matmul blocks."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(2, 3, 8, 4, generator=g) for _ in range(4))
+    out = torch.randn(2, 3, 8, 4, generator=g)
+    lse = torch.randn(2, 3, 8, generator=g).abs() + 3.0  # a row's lse from more keys than this block
+    assert _compat.fused_available(q) and not _compat.fused_available(q.to(torch.int64))
+    for causal in (False, True):
+        kind = _block.DIAGONAL if causal else _block.FULL
+        o_f, lse_f = _compat.fused_forward(q, k, v, 0.3, causal)
+        s = (q @ k.transpose(-1, -2)) * 0.3
+        if causal:
+            s = s.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+        assert lse_f.dtype == torch.float32 and lse_f.shape == (2, 3, 8)
+        assert rel(lse_f, torch.logsumexp(s, -1)) <= FP32 and rel(o_f, torch.softmax(s, -1) @ v) <= FP32
+        fused = _compat.fused_backward(do, q, k, v, out, lse, 0.3, causal)
+        old, _block.KERNEL = _block.KERNEL, "math"
+        try:
+            math = _block.block_backward(q, k, v, do, out, lse, (do * out).sum(-1), 0.3, kind)
+        finally:
+            _block.KERNEL = old
+        # 1e-5: an lse from other keys makes P a non-normalised matrix; the two kernels sum its
+        # products in different orders (the parity tests above hold the real rows to 1e-6)
+        assert all(rel(a, b) <= 1e-5 for a, b in zip(fused, math)), [rel(a, b) for a, b in zip(fused, math)]
 
 
 def test_one_rank_is_sdpa():

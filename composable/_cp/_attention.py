@@ -54,12 +54,13 @@ def _forward_block(q, kv, q_ids, kv_ids, causal, scale, o, lse) -> None:
         o[:, :, qsl], lse[:, :, qsl] = merge(o[:, :, qsl], lse[:, :, qsl], ob, lb)
 
 
-def _backward_block(q, kv, do, lse, delta, q_ids, kv_ids, causal, scale, dq, dkv) -> None:
+def _backward_block(q, kv, do, out, lse, delta, q_ids, kv_ids, causal, scale, dq, dkv) -> None:
     n = q.shape[2] // 2
     for qs, ks, diag in block_plan(q_ids, kv_ids, causal):
         qsl, ksl = _half(qs, n), _half(ks, n)
         dqb, dkb, dvb = block_backward(q[:, :, qsl], kv[0][:, :, ksl], kv[1][:, :, ksl], do[:, :, qsl],
-                                       lse[:, :, qsl], delta[:, :, qsl], scale, DIAGONAL if diag else FULL)
+                                       out[:, :, qsl], lse[:, :, qsl], delta[:, :, qsl], scale,
+                                       DIAGONAL if diag else FULL)
         dq[:, :, qsl] += dqb
         dkv[0][:, :, ksl] += dkb
         dkv[1][:, :, ksl] += dvb
@@ -112,7 +113,7 @@ class _CPAttention(torch.autograd.Function):
             for i in range(ring.size):
                 nxt = ring.exchange(kv, _KV_TAG) if i < ring.size - 1 else None
                 dkv = torch.zeros(grad_shape, dtype=torch.float32, device=k.device)
-                _backward_block(q, kv, do, lse, delta, q_ids, zigzag_chunks(ring.source(i), ring.size), *args,
+                _backward_block(q, kv, do, out, lse, delta, q_ids, zigzag_chunks(ring.source(i), ring.size), *args,
                                 dq, dkv)
                 if passed is not None:
                     dkv += passed.wait()  # the accumulator of this block from the ranks before
@@ -125,7 +126,7 @@ class _CPAttention(torch.autograd.Function):
             every = _gather(kv, ctx.group, ring.size) if ring.size > 1 else kv.unsqueeze(0)
             dall = torch.zeros((ring.size, *grad_shape), dtype=torch.float32, device=k.device)
             for s in range(ring.size):
-                _backward_block(q, every[s], do, lse, delta, q_ids, zigzag_chunks(s, ring.size), *args, dq, dall[s])
+                _backward_block(q, every[s], do, out, lse, delta, q_ids, zigzag_chunks(s, ring.size), *args, dq, dall[s])
             if ring.size > 1:
                 own = torch.empty(grad_shape, dtype=torch.float32, device=k.device)
                 reduce_scatter_single(own.view(-1), dall.view(-1), group=ctx.group)
