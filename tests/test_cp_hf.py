@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM  # at the top: the forkserver imports it once, not each rank
 
 from shardwise.composable import context_parallel, shard_sequence, zigzag_positions
 from tests._dist import run_ranks
@@ -21,8 +22,6 @@ TOL = 1e-6
 
 
 def _hf(rank, world_size, method):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False, attn_implementation="sdpa")
