@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.composable import route_attention, context_parallel
+from shardwise.composable import context_parallel, route_attention, shard_sequence
 from tests._dist import run_ranks
 from tests.test_example import _main_job, _reference_losses
 
@@ -99,3 +99,41 @@ def test_checkpoint_saved_under_cp_loads_without_cp(tmp_path):
     """Parameter names and values do not depend on cp: a checkpoint saved with the model
     sharded over dp_shard_cp loads bit-exact into the same model sharded over dp_shard alone."""
     assert run_ranks(_save_cp_load_plain, 2, str(tmp_path / "ck"), timeout=120) == [True, True]
+
+
+def _ignored_targets(rank, world_size):
+    from shardwise.composable import token_mean_loss
+    from examples.cp import apply_cp, cp_shard
+    from examples.data import global_batch
+    from examples.model import Llama, LlamaConfig
+    from examples.parallel import apply_fsdp
+    from shardwise.mesh import cp_mesh, data_parallel_mesh, init_mesh
+
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=32)
+    tokens = global_batch(1, 2, 16, 64, 0)
+    ref = Llama(cfg, generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1], tokens[:, 1:].clone()
+    y[:, 9:] = -100  # the tail is padding: rank 0 (chunks 0, 3) counts far fewer tokens than rank 1
+    F.cross_entropy(ref(x).flatten(0, 1), y.flatten(), ignore_index=-100).backward()
+
+    mesh = init_mesh(cp=world_size, device_type="cpu")
+    dp = data_parallel_mesh(mesh)
+    model = apply_fsdp(Llama(cfg, generator=torch.Generator().manual_seed(0)), dp)
+    apply_cp(model, cp_mesh(mesh))
+    inputs, _, pos = cp_shard(tokens, rank, world_size)
+    ys = shard_sequence(y, rank, world_size)
+    loss_sum = F.cross_entropy(model(inputs, pos).flatten(0, 1), ys.flatten(), ignore_index=-100, reduction="sum")
+    token_mean_loss(loss_sum, (ys != -100).sum(), dp).backward()
+    worst = 0.0
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.full_tensor()
+        worst = max(worst, ((g - r.grad).abs().max() / r.grad.abs().max()).item())
+    return worst, int((ys != -100).sum())
+
+
+def test_token_mean_loss_with_unequal_token_counts():
+    """Padding that leaves the cp ranks different token counts: `token_mean_loss` makes the
+    averaged gradient that of the mean over every counted token of the global batch."""
+    got = run_ranks(_ignored_targets, 2, timeout=120)
+    assert got[0][1] != got[1][1], got  # the case really is unequal
+    assert all(w <= 1e-6 for w, _ in got), got
