@@ -148,3 +148,42 @@ def test_zigzag_balances_causal_work():
             assert sum(kc <= c for c in qc for kc in range(2 * cp)) == 2 * cp + 1
             assert torch.equal(zigzag_positions(4 * cp, r, cp),
                                torch.cat([torch.arange(2 * c, 2 * c + 2) for c in qc]))
+
+
+def _ring_order(rank, world_size):
+    from shardwise.composable._cp import _attention, _ring
+
+    events = []
+    real_fwd, real_bwd = _attention.block_forward, _attention.block_backward
+    real_exchange, real_wait = _ring.Ring.exchange, _ring.InFlight.wait
+    names = {_attention._KV_TAG: "kv", _attention._GRAD_TAG: "grad"}
+
+    def exchange(self, send, tag):
+        events.append(f"send {names[tag]}")
+        flight = real_exchange(self, send, tag)
+        flight.name = names[tag]
+        return flight
+
+    def wait(self):
+        events.append(f"wait {self.name}")
+        return real_wait(self)
+
+    _attention.block_forward = lambda *a: (events.append("compute"), real_fwd(*a))[1]
+    _attention.block_backward = lambda *a: (events.append("compute"), real_bwd(*a))[1]
+    _ring.Ring.exchange, _ring.InFlight.wait = exchange, wait
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    out = context_parallel_attention(q, q, q, is_causal=False)
+    fwd = list(events)
+    events.clear()
+    out.sum().backward()
+    return fwd, events
+
+
+def test_ring_posts_each_transfer_before_the_compute_it_overlaps():
+    """cp = 2, one block per step: the next key/value block is sent before this step's compute
+    and waited for after it; in backward the previous rank's gradient accumulator is received
+    during this rank's compute of its own share."""
+    for fwd, bwd in run_ranks(_ring_order, 2, timeout=60):
+        assert fwd == ["send kv", "compute", "wait kv", "compute"], fwd
+        assert bwd == ["send kv", "compute", "send grad", "wait kv", "compute", "wait grad", "send grad",
+                       "wait grad"], bwd
