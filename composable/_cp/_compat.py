@@ -17,12 +17,14 @@ Relied on:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["fused_available", "fused_forward", "fused_backward"]
 
-_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+_FWD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_BWD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
