@@ -45,7 +45,6 @@ class Ring:
             (self.rank + 1) % self.size
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size) if group is not None else \
             (self.rank - 1) % self.size
-        self.bytes_sent = 0
 
     def source(self, step: int) -> int:
         """The cp rank whose buffer this rank holds after ``step`` exchanges."""
@@ -57,5 +56,4 @@ class Ring:
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]
-        self.bytes_sent += send.numel() * send.element_size()
         return InFlight(recv, list(dist.batch_isend_irecv(ops)), send)
