@@ -16,6 +16,8 @@ from ._pipeline import *  # noqa: F403  pipeline parallelism: the names in _pipe
 from ._pipeline import __all__ as _pipeline_all
 from ._wrap import (AccelerateConfig, ShardingPolicy, ShardingStrategy, apply_fully_shard, from_accelerate_config,
                     select_units, strategy_mesh)
+from ._cp import *  # noqa: F403  context parallelism: the names in _cp.__all__
+from ._cp import __all__ as _cp_all
 from ._plan import MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
 
 __all__ = [
@@ -50,3 +52,4 @@ __all__ = [
 ]
 __all__ += _tp_all
 __all__ += _pipeline_all
+__all__ += _cp_all

@@ -254,11 +254,20 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` (int64 ``[T]``, default ``0 .. T-1``): the global position of each
+        token, which the rotary tables are read at; a context-parallel rank passes those of its
+        zigzag shard (``shardwise.composable.zigzag_positions``)."""
         T = tokens.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if position_ids is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len={self.cfg.max_seq_len}")
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        else:
+            if position_ids.shape != (T,) or int(position_ids.max()) >= self.cfg.max_seq_len:
+                raise ValueError(f"position_ids must be [T={T}] positions below max_seq_len={self.cfg.max_seq_len}, "
+                                 f"got shape {tuple(position_ids.shape)}")
+            cos, sin = self.rope_cos[position_ids], self.rope_sin[position_ids]
         h = self.tok_embeddings(tokens)
         for block in self.layers:
             h = block(h, cos, sin)

@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     from examples.elastic import add_elastic_args  # --checkpoint-dir, --checkpoint-every, heartbeat knobs
 
     add_elastic_args(p)
+    from examples.cp import add_cp_args  # context parallelism: --cp, --cp-method
+
+    add_cp_args(p)
     return p
 
 
@@ -276,7 +279,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     args = parse_args(argv)
     world_env = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        checked = preflight(args, world_env)
+        from examples.cp import cp_world  # --cp N: the data-parallel layout spans world / N ranks
+
+        checked = preflight(args, cp_world(args, world_env))
     except UsageError as e:
         _fail(str(e))
     if args.save:  # before step 1: a bad --save must not cost the training run
@@ -303,6 +308,10 @@ def main(argv: list[str] | None = None) -> list[float]:
         from examples.pipeline_setup import run_pipeline
 
         return run_pipeline(args)
+    if args.cp > 1:  # context parallelism: sequence sharded over cp ranks, same data and losses
+        from examples.cp import run_cp
+
+        return run_cp(args, checked.dp_shard)
     t0 = time.perf_counter()
     rank, world_size = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)

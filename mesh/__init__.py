@@ -18,8 +18,8 @@ in any order. `start_heartbeat` turns a dead peer into a prompt exit a launcher 
 (docs/elastic.md).
 """
 
-from ._axes import MeshAxes, mesh_axes
-from ._dims import AXIS_NAMES, PP_AXIS, ParallelDims
+from ._axes import DP_SHARD_CP, MeshAxes, mesh_axes
+from ._dims import AXIS_NAMES, CP_AXIS, PP_AXIS, ParallelDims
 from ._heartbeat import Heartbeat, HeartbeatPolicy, exit_for_restart, start_heartbeat
 from ._hosts import HostLayoutWarning, host_fit_problem
 from ._init import (
@@ -30,9 +30,13 @@ from ._init import (
     init_mesh,
     pipeline_mesh,
 )
+from ._init import cp_mesh
 
 __all__ = [
     "AXIS_NAMES",
+    "CP_AXIS",
+    "DP_SHARD_CP",
+    "cp_mesh",
     "PP_AXIS",
     "Heartbeat",
     "HeartbeatPolicy",

@@ -17,9 +17,13 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._dims import dp_axis_names
+from ._compat import flatten_axes
+from ._dims import CP_AXIS, dp_axis_names
 
-__all__ = ["MeshAxes", "mesh_axes"]
+__all__ = ["DP_SHARD_CP", "MeshAxes", "mesh_axes"]
+
+DP_SHARD_CP = "dp_shard_cp"
+"""Name of the flattened ``dp_shard`` x ``cp`` axis that parameters are sharded over under CP."""
 
 _FIX = ("build it with shardwise.mesh.init_mesh(), which always names ('dp_replicate', 'dp_shard', 'tp') "
         "(with 'pp' first when pp > 1), or name its axes (init_device_mesh(..., mesh_dim_names=...))")
@@ -73,8 +77,24 @@ class MeshAxes:
 
     def data_parallel(self) -> DeviceMesh:
         """``sub("dp_shard")`` without replicas, else ``sub("dp_replicate", "dp_shard")`` (HSDP,
-        replicate outer): the rule of `ParallelDims.dp_axis_names`."""
-        return self.sub(*dp_axis_names(self.size("dp_replicate")))
+        replicate outer): the rule of `ParallelDims.dp_axis_names`. With a ``cp`` axis of size
+        > 1 the shard axis is ``dp_shard_cp``, ``dp_shard`` and ``cp`` flattened (see
+        `shard_axis_with_cp`)."""
+        names = dp_axis_names(self.size("dp_replicate"))
+        if self.size(CP_AXIS) > 1:
+            shard = self.shard_axis_with_cp()
+            return shard if len(names) == 1 else self.mesh[("dp_replicate", DP_SHARD_CP)]
+        return self.sub(*names)
+
+    # -- context parallelism (issue 25): parameters are sharded over dp_shard x cp
+    def shard_axis_with_cp(self) -> DeviceMesh:
+        """The 1-D ``dp_shard_cp`` mesh: this rank's ``dp_shard`` x ``cp`` ranks flattened
+        row-major (cp innermost). The cp ranks of a sample hold the same weights, so
+        ``fully_shard`` shards them over both axes and its reduce-scatter sums (and averages)
+        their gradients over both, as torchtitan does."""
+        if not (self.has("dp_shard") and self.has(CP_AXIS)):
+            raise ValueError(f"the mesh has axes {self.names}; dp_shard_cp needs both 'dp_shard' and 'cp'; {_FIX}")
+        return flatten_axes(self.sub("dp_shard", CP_AXIS), DP_SHARD_CP)
 
 
 def mesh_axes(mesh: object, *required: str, caller: str = "shardwise") -> MeshAxes:

@@ -8,13 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-__all__ = ["AXIS_NAMES", "PP_AXIS", "ParallelDims", "dp_axis_names"]
+__all__ = ["AXIS_NAMES", "CP_AXIS", "PP_AXIS", "ParallelDims", "dp_axis_names"]
 
 AXIS_NAMES: tuple[str, str, str] = ("dp_replicate", "dp_shard", "tp")
 """Mesh axis names, outermost first. ``tp`` is innermost (consecutive ranks)."""
 
 PP_AXIS = "pp"
 """Name of the pipeline axis; outermost when present (``pp > 1``)."""
+
+CP_AXIS = "cp"
+"""Name of the context-parallel axis; between ``dp_shard`` and ``tp`` when present (``cp > 1``)."""
 
 _SIZE_FIELDS = AXIS_NAMES
 
@@ -29,7 +32,7 @@ def dp_axis_names(dp_replicate: int) -> tuple[str, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """Sizes of the ``[pp x] dp_replicate`` x ``dp_shard`` x ``tp`` device mesh.
+    """Sizes of the ``[pp x] dp_replicate`` x ``dp_shard`` [x ``cp``] x ``tp`` device mesh.
 
     All fields are keyword-only::
 
@@ -41,6 +44,8 @@ class ParallelDims:
         tp: tensor-parallel ranks. Default 1.
         pp: pipeline stages (ranks per pipeline), outermost. Default 1. A positive
             int, never -1 (``dp_shard`` is the one inferred by default).
+        cp: context-parallel ranks (the sequence of each sample is sharded over them),
+            between ``dp_shard`` and ``tp``. Default 1. A positive int, never -1.
         world_size: total number of ranks. Required.
 
     Rules, checked in ``__post_init__`` (``ValueError`` otherwise, with the
@@ -52,7 +57,11 @@ class ParallelDims:
     * A -1 is resolved to ``world_size // (product of the other two)``, which
       must divide evenly; the resolved value is what the field holds afterwards
       (``ParallelDims(world_size=8).dp_shard == 8``).
-    * ``pp * dp_replicate * dp_shard * tp == world_size``.
+    * ``pp * dp_replicate * dp_shard * cp * tp == world_size``.
+
+    With ``cp > 1`` a ``cp`` axis sits between ``dp_shard`` and ``tp`` in `axis_names` and
+    `mesh_shape` (torchtitan's order ``pp, dp_replicate, dp_shard, cp, tp``); with ``cp == 1``
+    there is no ``cp`` entry.
 
     With ``pp == 1`` (the default) the mesh is the 3-D one of before: `axis_names`
     and `mesh_shape` have no ``pp`` entry. With ``pp > 1`` the ``pp`` axis comes
@@ -66,6 +75,7 @@ class ParallelDims:
     dp_shard: int = -1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     world_size: int
 
     def __post_init__(self) -> None:
@@ -89,6 +99,11 @@ class ParallelDims:
                 f"ParallelDims: pp={self.pp} is invalid; the number of pipeline stages "
                 "must be a positive int (-1 is not accepted for pp)"
             )
+        # -- cp (context parallelism): a fixed positive factor, like pp; see _cp_layout below
+        _check_int("cp", self.cp)
+        if self.cp < 1:
+            raise ValueError(f"ParallelDims: cp={self.cp} is invalid; the number of context-parallel ranks must be "
+                             "a positive int (-1 is not accepted for cp)")
         inferred = [name for name, size in sizes.items() if size == -1]
         if len(inferred) > 1:
             listed = " and ".join(f"{name}=-1" for name in inferred)
@@ -99,7 +114,10 @@ class ParallelDims:
         if inferred:
             (name,) = inferred
             others = [n for n in _SIZE_FIELDS if n != name]
-            known = prod(sizes[n] for n in others) * self.pp
+            known = prod(sizes[n] for n in others) * self.pp * self.cp
+            if self.cp > 1:
+                sizes["cp"] = self.cp
+                others = [*others, "cp"]
             if self.pp > 1:
                 sizes["pp"] = self.pp
                 others = ["pp", *others]
@@ -112,10 +130,11 @@ class ParallelDims:
             sizes[name] = self.world_size // known
             object.__setattr__(self, name, sizes[name])
         sizes.pop("pp", None)
-        total = prod(sizes.values()) * self.pp
+        sizes.pop("cp", None)
+        total = prod(sizes.values()) * self.pp * self.cp
         if total != self.world_size:
-            fields = (("pp",) if self.pp > 1 else ()) + _SIZE_FIELDS
-            sizes["pp"] = self.pp
+            fields = (("pp",) if self.pp > 1 else ()) + _SIZE_FIELDS + (("cp",) if self.cp > 1 else ())
+            sizes["pp"], sizes["cp"] = self.pp, self.cp
             formula = " * ".join(f"{n}({sizes[n]})" for n in fields)
             raise ValueError(
                 f"{formula} = {total} != world_size({self.world_size}); choose sizes "
@@ -129,27 +148,37 @@ class ParallelDims:
 
     @property
     def stage_size(self) -> int:
-        """Ranks per pipeline stage: ``dp_replicate * dp_shard * tp``."""
-        return self.dp_replicate * self.dp_shard * self.tp
+        """Ranks per pipeline stage: ``dp_replicate * dp_shard * cp * tp``."""
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         """``(dp_replicate, dp_shard, tp)``, with ``pp`` first when ``pp > 1``; in the
         order of `axis_names`."""
-        inner = (self.dp_replicate, self.dp_shard, self.tp)
+        inner = _cp_layout(self, (self.dp_replicate, self.dp_shard, self.tp), self.cp)
         return (self.pp, *inner) if self.pp > 1 else inner
 
     @property
     def axis_names(self) -> tuple[str, ...]:
         """``("dp_replicate", "dp_shard", "tp")``, size-1 axes included; with ``pp > 1``
         ``("pp", "dp_replicate", "dp_shard", "tp")``."""
-        return (PP_AXIS, *AXIS_NAMES) if self.pp > 1 else AXIS_NAMES
+        inner = _cp_layout(self, AXIS_NAMES, CP_AXIS)
+        return (PP_AXIS, *inner) if self.pp > 1 else inner
 
     @property
     def dp_axis_names(self) -> tuple[str, ...]:
         """Axes that data-parallel sharding (``fully_shard``) spans: `dp_axis_names` of
         ``dp_replicate`` (what `data_parallel_mesh` slices)."""
         return dp_axis_names(self.dp_replicate)
+
+
+# -- context parallelism (issue 25): the cp axis sits between dp_shard and tp, torchtitan's order
+# ("pp", "dp_replicate", "dp_shard", "cp", "tp"), and exists only when cp > 1 (a size-1 cp axis
+# would change every existing mesh's shape); code that reads it asks mesh_axes(mesh).size("cp"),
+# which is 1 for an absent axis.
+def _cp_layout(dims: "ParallelDims", inner: tuple, cp_entry: object) -> tuple:
+    """``inner`` (dp_replicate, dp_shard, tp entries) with ``cp_entry`` before tp when cp > 1."""
+    return (*inner[:2], cp_entry, inner[2]) if dims.cp > 1 else tuple(inner)
 
 
 def _check_int(name: str, value: object) -> None:

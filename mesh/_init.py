@@ -11,11 +11,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._axes import mesh_axes
-from ._dims import PP_AXIS, ParallelDims
+from ._dims import CP_AXIS, PP_AXIS, ParallelDims
 from ._hosts import HostLayoutWarning, host_fit_problem
 
 __all__ = ["data_parallel_mesh", "default_backend", "default_device_type", "init_distributed", "init_mesh",
-           "pipeline_mesh"]
+           "pipeline_mesh", "cp_mesh"]
 
 _BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -98,6 +98,7 @@ def init_mesh(
     dp_shard: int = -1,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     device_type: str | None = None,
     world_size: int | None = None,
 ) -> DeviceMesh:
@@ -119,6 +120,10 @@ def init_mesh(
         dp_replicate, dp_shard, tp: axis sizes as in `ParallelDims` (one may
             be -1; ``dp_shard`` is by default).
         pp: pipeline stages, a positive int (default 1: no ``pp`` axis).
+        cp: context-parallel ranks, a positive int (default 1: no ``cp`` axis); with
+            ``cp > 1`` a ``cp`` axis sits between ``dp_shard`` and ``tp``
+            (``("dp_replicate", "dp_shard", "cp", "tp")``, `cp_mesh` slices it) and
+            `data_parallel_mesh` shards over ``dp_shard`` x ``cp`` flattened.
         device_type: defaults to `default_device_type()`; ``"cpu"``, or an accelerator
             type torch has and finds available here (``"cuda"`` needs
             ``torch.cuda.is_available()``).
@@ -152,7 +157,7 @@ def init_mesh(
             f"{group_size} ranks; launch {world_size} ranks or drop world_size="
         )
     dims = ParallelDims(
-        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, world_size=world_size
+        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, world_size=world_size
     )
     # Checked on every rank so a bad LOCAL_WORLD_SIZE fails everywhere (no hang).
     problem = host_fit_problem(dims, _local_world_size_from_env())
@@ -189,6 +194,8 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
     ``mesh["dp_shard"]`` (1-D, FSDP) when the ``dp_replicate`` axis has size
     1, else ``mesh["dp_replicate", "dp_shard"]`` (2-D, HSDP; `ParallelDims.dp_axis_names`).
+    With a ``cp`` axis of size > 1 (``init_mesh(cp=N)``), ``dp_shard`` is replaced by
+    ``dp_shard_cp``: ``dp_shard`` x ``cp`` flattened (``MeshAxes.shard_axis_with_cp``).
     Raises ``ValueError`` if the mesh lacks either axis name.
     """
     return mesh_axes(mesh, "dp_replicate", "dp_shard", caller="data_parallel_mesh()").data_parallel()
@@ -213,3 +220,11 @@ def pipeline_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     has no ``pp`` axis (``pp == 1``)."""
     axes = mesh_axes(mesh, caller="pipeline_mesh()")
     return axes.sub(PP_AXIS) if axes.has(PP_AXIS) else None
+
+
+# -- context parallelism (issue 25)
+def cp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The 1-D ``cp`` sub-mesh of an `init_mesh` mesh (the ranks that share this rank's samples
+    and split their sequence), or None when the mesh has no ``cp`` axis (``cp == 1``)."""
+    axes = mesh_axes(mesh, caller="cp_mesh()")
+    return axes.sub(CP_AXIS) if axes.has(CP_AXIS) else None

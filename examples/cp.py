@@ -1,0 +1,132 @@
+"""Context parallelism for ``examples/train.py``: ``--cp N`` shards each sample's sequence over
+``N`` ranks in the zigzag layout (docs/context_parallel.md).
+
+The mesh is ``init_mesh(dp_replicate, dp_shard, cp, tp)``; the model is tensor-parallelised on
+``tp`` as without cp, then ``fully_shard``ed on `data_parallel_mesh` (``dp_shard`` x ``cp``
+flattened, so the cp ranks' gradients are averaged with the data-parallel ones), and the SDPA
+calls of its attention modules are routed to the ring (`route_attention`). Each data-parallel
+rank takes its rows of the global batch as without cp; each cp rank of it keeps its zigzag
+shard of the inputs and targets and passes its positions to the model (rotary tables). The
+loss is the mean over the rank's tokens, every rank holding as many: the gradient average over
+``dp_shard_cp`` and the logged mean over it are then the mean over all tokens of the global
+batch, as with ``--cp 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import shardwise.composable as sw
+from examples.data import global_batch, inputs_and_targets, local_slice
+from examples.model import Llama, LlamaConfig
+from examples.preflight import UsageError
+from shardwise.mesh import cp_mesh, data_parallel_mesh, init_distributed, init_mesh
+
+__all__ = ["add_cp_args", "cp_world", "apply_cp", "cp_shard", "train_cp", "run_cp"]
+
+
+def add_cp_args(p: argparse.ArgumentParser) -> None:
+    """The context-parallel flags of ``examples/train.py``."""
+    g = p.add_argument_group("context parallelism")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel ranks per sample (the sequence is sharded)")
+    g.add_argument("--cp-method", default="ring", choices=list(sw.METHODS), help="how keys/values cross the cp ranks")
+
+
+def cp_world(args: argparse.Namespace, world: int) -> int:
+    """The ranks one cp slot spans (``world // cp``), what the data-parallel layout is checked
+    against; `UsageError` for a cp the job cannot have."""
+    cp = getattr(args, "cp", 1)
+    if cp == 1:
+        return world
+    if cp < 1 or world % cp:
+        raise UsageError(f"--cp {cp} does not divide the world size {world}")
+    if getattr(args, "pp", 1) > 1:
+        raise UsageError("--cp with --pp is not supported yet; drop one of them")
+    if args.seq_len % (2 * cp):
+        raise UsageError(f"--seq-len {args.seq_len} is not a multiple of 2 x --cp = {2 * cp} (the zigzag layout)")
+    if args.save or args.resume:
+        raise UsageError("--save/--resume with --cp are not wired in this example yet; run without --cp to save")
+    return world // cp
+
+
+def apply_cp(model: Llama, cp_group, method: str = "ring") -> sw.RouteHandle:
+    """Route the attention of every block to the cp ring."""
+    return sw.route_attention([block.attention for block in model.layers], cp_group, method=method)
+
+
+def cp_shard(tokens: torch.Tensor, cp_rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(inputs, targets, positions)`` of this cp rank from ``tokens [B, T + 1]``."""
+    inputs, targets = inputs_and_targets(tokens)
+    seq = inputs.shape[1]
+    return (sw.shard_sequence(inputs, cp_rank, cp), sw.shard_sequence(targets, cp_rank, cp),
+            sw.zigzag_positions(seq, cp_rank, cp))
+
+
+def train_cp(model, mesh, *, steps: int, batch_size: int, seq_len: int, vocab: int, lr: float, seed: int,
+             log=None, log_every: int = 5) -> list[float]:
+    """The training loop of ``examples/train.py`` with each sample's sequence sharded over ``cp``."""
+    from examples.train import data_parallel_rank, mean_over_mesh, mesh_device
+
+    device = mesh_device(mesh)
+    dp_rank, dp_size = data_parallel_rank(mesh)
+    cpm = cp_mesh(mesh)
+    cp_rank, cp = (cpm.get_local_rank(), cpm.size()) if cpm is not None else (0, 1)
+    dp_mesh = data_parallel_mesh(mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses: list[float] = []
+    for step in range(1, steps + 1):
+        tokens = local_slice(global_batch(step, batch_size, seq_len, vocab, seed), dp_rank, dp_size)
+        inputs, targets, pos = (t.to(device) for t in cp_shard(tokens, cp_rank, cp))
+        logits = model(inputs, pos)
+        if isinstance(logits, DTensor):
+            with sw.loss_parallel():
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        value = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        losses.append(mean_over_mesh(value, dp_mesh).item())
+        if log is not None and (step == 1 or step % log_every == 0 or step == steps):
+            log(step, losses[-1])
+    return losses
+
+
+def run_cp(args: argparse.Namespace, dp_shard: int) -> list[float]:
+    """``examples/train.py`` with ``--cp > 1``: build the mesh and the model, train, print."""
+    from examples.train import build_and_shard
+
+    t0 = time.perf_counter()
+    rank, world_size = init_distributed()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=dp_shard, cp=args.cp, tp=args.tp)
+    dp_mesh = data_parallel_mesh(mesh)
+    cpm = cp_mesh(mesh)
+    say(f"world={world_size} device={mesh.device_type}")
+    say(f"mesh: shape={tuple(mesh.shape)} names={mesh.mesh_dim_names} ranks={mesh.mesh.tolist()}")
+    say(f"fully_shard mesh: names={dp_mesh.mesh_dim_names} (dp_shard x cp); cp {args.cp} ({args.cp_method}), "
+        f"{args.seq_len // args.cp} tokens of each sample per rank")
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads, max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len))
+    model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"],
+                            uneven_shards=(args.seq_len // args.cp) % mesh["tp"].size() != 0)
+    apply_cp(model, cpm, args.cp_method)
+    t1 = time.perf_counter()
+    losses = train_cp(model, mesh, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                      vocab=args.vocab, lr=args.lr, seed=args.seed, log_every=args.log_every,
+                      log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"))
+    t2 = time.perf_counter()
+    if losses:
+        say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
+    say(f"time: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s "
+        f"({len(losses)} steps, {(t2 - t1) / max(len(losses), 1) * 1e3:.0f} ms/step)")
+    dist.barrier()
+    dist.destroy_process_group()
+    return losses
