@@ -14,11 +14,12 @@ Meshes are 3-D with the axis names ``("dp_replicate", "dp_shard",
 a ``"pp"`` axis comes first (outermost; `pipeline_mesh` slices it). `ParallelDims` holds the sizes
 and their validation; `host_fit_problem` is the pure check behind
 `HostLayoutWarning`. `mesh_axes` is how every entry point finds the axes it needs, by name
-in any order.
+in any order. `expert_meshes` gives the expert-parallel sub-meshes (``init_mesh(ep=N)``).
 """
 
 from ._axes import MeshAxes, mesh_axes
 from ._dims import AXIS_NAMES, PP_AXIS, ParallelDims
+from ._ep import EP_AXIS, EP_DP_AXIS, ExpertMeshes, expert_meshes
 from ._hosts import HostLayoutWarning, host_fit_problem
 from ._init import (
     data_parallel_mesh,
@@ -31,6 +32,10 @@ from ._init import (
 
 __all__ = [
     "AXIS_NAMES",
+    "EP_AXIS",
+    "EP_DP_AXIS",
+    "ExpertMeshes",
+    "expert_meshes",
     "PP_AXIS",
     "HostLayoutWarning",
     "MeshAxes",
