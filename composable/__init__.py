@@ -15,6 +15,8 @@ from ._pipeline import *  # noqa: F403  pipeline parallelism: the names in _pipe
 from ._pipeline import __all__ as _pipeline_all
 from ._wrap import (AccelerateConfig, ShardingPolicy, ShardingStrategy, apply_fully_shard, from_accelerate_config,
                     select_units, strategy_mesh)
+from ._moe import *  # noqa: F403  mixture of experts, expert parallelism: the names in _moe.__all__
+from ._moe import __all__ as _moe_all
 from ._plan import MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
 
 __all__ = [
@@ -47,3 +49,4 @@ __all__ = [
 ]
 __all__ += _tp_all
 __all__ += _pipeline_all
+__all__ += _moe_all

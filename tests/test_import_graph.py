@@ -96,6 +96,7 @@ ALLOWED = {
     f"{C}._wrap": {f"{C}._fsdp", "shardwise.mesh", "shardwise.checkpoint"},
     f"{C}._pipeline": {f"{C}._fsdp", f"{C}._tp", "shardwise.mesh", "shardwise.checkpoint"},
     f"{C}._plan": {f"{C}._fsdp", f"{C}._wrap", f"{C}._pipeline"},
+    f"{C}._moe": {f"{C}._fsdp", f"{C}._tp", "shardwise.mesh"},
 }
 
 

@@ -1,0 +1,33 @@
+"""Mixture of experts and expert parallelism: the `MoE` layer and the `ExpertParallel` style.
+
+One file per concept:
+
+| file | concept |
+| --- | --- |
+| `_router.py` | `TopKRouter` (top-k token choice, softmax / sigmoid scores), the load-balancing and z losses |
+| `_experts.py` | `GroupedExperts`: stacked SwiGLU expert weights ``[E, ...]``, computed per expert |
+| `_layer.py` | `MoE`: router + experts (+ shared experts), capacity factor, the order of the routed rows |
+| `_dispatch.py` | the differentiable ``all_to_all_single`` with variable splits, the count exchange |
+| `_style.py` | `ExpertParallel`: experts split over the ``ep`` mesh, tokens dispatched and combined |
+
+Imports only the public names of ``_tp`` (``ParallelStyle``) and of ``_fsdp``. See
+docs/expert_parallel.md.
+"""
+
+from ._experts import GroupedExperts
+from ._layer import MoE, MoEStats, SharedExperts
+from ._router import Routing, TopKRouter, load_balancing_loss, router_z_loss
+from ._style import DispatchStats, ExpertParallel
+
+__all__ = [
+    "MoE",
+    "MoEStats",
+    "SharedExperts",
+    "GroupedExperts",
+    "TopKRouter",
+    "Routing",
+    "load_balancing_loss",
+    "router_z_loss",
+    "ExpertParallel",
+    "DispatchStats",
+]
