@@ -9,12 +9,14 @@ One file per concept:
 | `_layer.py` | `MoE`: router + experts (+ shared experts), capacity factor, the order of the routed rows |
 | `_dispatch.py` | the differentiable ``all_to_all_single`` with variable splits, the count exchange |
 | `_style.py` | `ExpertParallel`: experts split over the ``ep`` mesh, tokens dispatched and combined |
+| `_fsdp_ep.py` | `fully_shard_experts`: EP x FSDP, the experts' unit and its gradient divide factor |
 
 Imports only the public names of ``_tp`` (``ParallelStyle``) and of ``_fsdp``. See
 docs/expert_parallel.md.
 """
 
 from ._experts import GroupedExperts
+from ._fsdp_ep import fully_shard_experts
 from ._layer import MoE, MoEStats, SharedExperts
 from ._router import Routing, TopKRouter, load_balancing_loss, router_z_loss
 from ._style import DispatchStats, ExpertParallel
@@ -30,4 +32,5 @@ __all__ = [
     "router_z_loss",
     "ExpertParallel",
     "DispatchStats",
+    "fully_shard_experts",
 ]
