@@ -64,7 +64,8 @@ def exchange_counts(counts: torch.Tensor, ep: int, group) -> torch.Tensor:
 def regroup_index(recv: list[list[int]]) -> list[int]:
     """The permutation taking rows grouped (source, local expert), sizes ``recv[s][j]``, to
     rows grouped (local expert, source): ``regrouped = received[index]``."""
-    starts, offset = [], 0
+    starts: list[list[int]] = []
+    offset = 0
     for row in recv:
         starts.append([])
         for n in row:

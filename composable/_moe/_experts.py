@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,9 @@ class GroupedExperts(nn.Module):
     `ExpertParallel` the weights are DTensors split on dim 0 over the ``ep`` mesh and the same call
     dispatches the rows to the ranks that hold their experts.
     """
+
+    dispatch_stats: Any = None
+    """Under `ExpertParallel`: the last forward's `DispatchStats` (rows sent, received, per local expert)."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
         super().__init__()

@@ -70,6 +70,8 @@ class MoE(nn.Module):
         num_experts, top_k: ``E`` routed experts, ``k`` per token.
         score_func, norm_topk_prob, route_scale: the router's (`TopKRouter`).
         shared_hidden: hidden width of the shared experts (`SharedExperts`); 0 (default): none.
+        shared_gate: scale the shared experts' output by ``sigmoid(g x)`` per token, ``g`` an
+            ``nn.Linear(dim, 1, bias=False)`` named ``shared_expert_gate`` (Qwen2-MoE).
         capacity_factor: None (default) dropless; else a positive float, see [Note: capacity].
 
     ``forward(x)`` takes ``[..., dim]`` and returns the same shape. After each forward:
@@ -82,7 +84,7 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, score_func: str = "softmax",
                  norm_topk_prob: bool = True, route_scale: float = 1.0, shared_hidden: int = 0,
-                 capacity_factor: float | None = None) -> None:
+                 shared_gate: bool = False, capacity_factor: float | None = None) -> None:
         super().__init__()
         if capacity_factor is not None and not capacity_factor > 0:
             raise ValueError(f"MoE(capacity_factor={capacity_factor!r}): use a positive float, or None for dropless")
@@ -91,6 +93,9 @@ class MoE(nn.Module):
                                  route_scale=route_scale)
         self.experts = GroupedExperts(dim, hidden, num_experts)
         self.shared_experts = SharedExperts(dim, shared_hidden) if shared_hidden else None
+        if shared_gate and not shared_hidden:
+            raise ValueError("MoE(shared_gate=True) gates the shared experts: give shared_hidden > 0 too")
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
@@ -121,7 +126,10 @@ class MoE(nn.Module):
         slots = contrib.new_zeros((num_tokens * k, shape[-1])).index_copy(0, order, contrib)
         out = slots.view(num_tokens, k, shape[-1]).sum(dim=1)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            out = out + shared
         return out.reshape(shape)
 
     def extra_repr(self) -> str:
