@@ -87,7 +87,8 @@ class AllToAllBytes:
 
 def _step(model, optim, batch, tracker=None) -> float:
     inputs, targets = batch
-    loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten()) + model.extra_loss()
+    loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+    loss = model.extra_loss(loss)
     optim.zero_grad(set_to_none=True)
     loss.backward()
     optim.step()

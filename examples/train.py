@@ -165,7 +165,7 @@ def train(
         else:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         if hasattr(model, "extra_loss"):  # e.g. an MoE model's load-balancing loss (examples/moe.py)
-            loss = loss + model.extra_loss()
+            loss = model.extra_loss(loss)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     if args.experts:
         from examples.moe import moe_llama, shard_moe_llama
         model = shard_moe_llama(moe_llama(cfg, args.experts, args.top_k, torch.Generator().manual_seed(args.seed)),
-                                mesh, args.ep)
+                                mesh, args.ep, uneven_shards=args.seq_len % args.tp != 0)
     else:
         model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"],
                                 uneven_shards=args.seq_len % mesh["tp"].size() != 0)

@@ -1,6 +1,7 @@
 """Hugging Face Mixtral, Qwen2-MoE and Qwen3-MoE from tiny configs: their sparse MoE blocks
 swapped for `MoE` (weights kept) give the same logits in one process, and with the experts
-under `ExpertParallel` on 2 ranks the same logits and gradients as the original HF model."""
+under `ExpertParallel` on 2 ranks (Mixtral, Qwen2-MoE with its gated shared expert) the same
+logits and gradients as the original HF model."""
 
 from __future__ import annotations
 
@@ -98,6 +99,6 @@ def _hf_ep(rank, world, name):
     return True
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])  # qwen3_moe: Mixtral's structure, swap test above
 def test_hf_moe_expert_parallel_matches_hf(name):
     assert run_ranks(_hf_ep, 2, name, timeout=120) == [True, True]
