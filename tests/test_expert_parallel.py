@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from shardwise.composable import ExpertParallel, MoE, parallelize_module
+from shardwise.composable import ExpertParallel, MoE, fully_shard, parallelize_module
+from shardwise.mesh import data_parallel_mesh, expert_meshes, init_mesh
 from tests._dist import run_ranks
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
@@ -100,6 +101,12 @@ def _errors(rank, world):
         parallelize_module(torch.nn.Linear(2, 2), mesh, ExpertParallel())
     except TypeError as e:
         out.append(str(e))
+    whole = init_mesh(device_type="cpu", ep=2)
+    moe = parallelize_module(MoE(4, 8, num_experts=4, top_k=2), expert_meshes(whole).ep, {"experts": ExpertParallel()})
+    try:  # the experts need their own unit first
+        fully_shard(moe, mesh=data_parallel_mesh(whole))
+    except ValueError as e:
+        out.append(str(e))
     return out
 
 
@@ -107,3 +114,4 @@ def test_expert_parallel_bad_input():
     msgs = run_ranks(_errors, 4)[0]
     assert "num_experts(6) is not a multiple of the ep mesh size(4)" in msgs[0]
     assert "applies to a GroupedExperts or a MoE" in msgs[1]
+    assert "call shardwise.composable.fully_shard_experts(moe, expert_meshes(mesh))" in msgs[2], msgs[2]
