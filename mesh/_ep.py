@@ -38,7 +38,10 @@ EP_AXIS = "ep"
 EP_DP_AXIS = "dp_shard_mod_ep"
 """Name of the axis of the data-parallel shard ranks left to the experts."""
 
-_BUILT: "weakref.WeakKeyDictionary[DeviceMesh, ExpertMeshes]" = weakref.WeakKeyDictionary()
+# mesh -> (the degree init_mesh(ep=N) last built for it, {degree: ExpertMeshes}). DeviceMesh
+# hashes by value, so an equal mesh built again shares the entry.
+_BUILT: "weakref.WeakKeyDictionary[DeviceMesh, tuple[int | None, dict[int, ExpertMeshes]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -65,26 +68,28 @@ def expert_meshes(mesh: DeviceMesh, ep: int | None = None) -> ExpertMeshes:
     """The `ExpertMeshes` of ``mesh`` (an `init_mesh` mesh, or any mesh with ``dp_replicate`` and
     ``dp_shard`` axes; ``pp``, ``cp`` and ``tp`` are used when present).
 
-    ``ep=None`` takes the degree ``init_mesh(ep=...)`` built for this mesh (``ValueError`` if it
-    built none). Building a new one is collective: call it on every rank. The result is kept
-    with the mesh, so later calls with the same degree return it without communicating.
+    ``ep=None`` takes the degree ``init_mesh(ep=...)`` last built for this mesh (meshes compare
+    by value, so for an equal mesh built again too; ``ValueError`` if none). Building a new one
+    is collective: call it on every rank. Each degree's result is kept with the mesh, so later
+    calls with that degree return it without communicating.
     """
-    built = _BUILT.get(mesh)
+    default, built = _BUILT.get(mesh, (None, {}))
     if ep is None:
-        if built is None:
+        if default is None:
             raise ValueError("expert_meshes(mesh): this mesh was not built by init_mesh(ep=N); pass ep=N "
                              "(on every rank: building the expert mesh is collective)")
-        return built
-    if built is not None and built.degree == ep:
-        return built
-    em = _build(mesh, ep)
-    _BUILT[mesh] = em
-    return em
+        return built[default]
+    if ep not in built:
+        built[ep] = _build(mesh, ep)
+        _BUILT[mesh] = (default, built)
+    return built[ep]
 
 
 def remember_expert_meshes(mesh: DeviceMesh, ep: int) -> None:
-    """Build the expert mesh of ``mesh`` now (collective; `init_mesh` calls it for ``ep > 1``)."""
+    """Build the expert mesh of ``mesh`` now (collective) and make ``ep`` its default degree
+    (`init_mesh` calls it for ``ep > 1``)."""
     expert_meshes(mesh, ep)
+    _BUILT[mesh] = (ep, _BUILT[mesh][1])
 
 
 def _build(mesh: DeviceMesh, ep: int) -> ExpertMeshes:

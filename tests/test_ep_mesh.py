@@ -54,6 +54,10 @@ def _meshes(rank, world, kwargs, ep):
     em = expert_meshes(mesh)
     assert expert_meshes(mesh) is em and expert_meshes(mesh, ep) is em, "kept with the mesh"
     dense = data_parallel_mesh(mesh)
+    if world == 4 and ep == 2:  # an equal mesh built again with another degree: each degree kept
+        again = init_mesh(device_type="cpu", **kwargs, ep=4)
+        assert expert_meshes(again).degree == 4, "the degree init_mesh last built"
+        assert expert_meshes(mesh, 2) is em and expert_meshes(again, 4).ep.size() == 4
     return (em.ep.mesh.tolist(), em.dp.mesh.tolist(), em.dp.mesh_dim_names, em.mesh.mesh_dim_names,
             dense.mesh.flatten().tolist(), em.dp_degree)
 
