@@ -14,6 +14,8 @@ swapped too.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,18 +41,21 @@ def moe_from_hf(block: nn.Module) -> MoE:
     if not is_hf_moe_block(block):
         raise ValueError(f"moe_from_hf: {type(block).__name__} is not a sparse MoE block with gate.weight and "
                          "experts.gate_up_proj / down_proj (transformers 5 Mixtral / Qwen2-MoE / Qwen3-MoE)")
-    gate, experts = block.gate, block.experts
+    # HF's modules, read by structure (typed Any: their attributes are not nn.Module's)
+    gate: Any = block.gate
+    experts: Any = block.experts
     act = getattr(experts, "act_fn", None)
     probe = torch.linspace(-4, 4, 17)
     if act is not None and not torch.allclose(act(probe), F.silu(probe)):
         raise ValueError(f"moe_from_hf: experts use {type(act).__name__}; the MoE experts are SwiGLU (SiLU)")
     num_experts, two_hidden, dim = experts.gate_up_proj.shape
     hidden = two_hidden // 2
-    shared = getattr(block, "shared_expert", None)
+    shared: Any = getattr(block, "shared_expert", None)
+    shared_gate: Any = getattr(block, "shared_expert_gate", None)
     shared_hidden = shared.gate_proj.out_features if shared is not None else 0
     like = experts.gate_up_proj
     moe = MoE(dim, hidden, num_experts, int(gate.top_k), norm_topk_prob=bool(getattr(gate, "norm_topk_prob", True)),
-              shared_hidden=shared_hidden, shared_gate=getattr(block, "shared_expert_gate", None) is not None)
+              shared_hidden=shared_hidden, shared_gate=shared_gate is not None)
     moe.to(device=like.device, dtype=like.dtype)
     with torch.no_grad():
         moe.router.gate.weight.copy_(gate.weight)
@@ -61,7 +66,7 @@ def moe_from_hf(block: nn.Module) -> MoE:
             moe.shared_experts.load_state_dict(
                 {k: shared.get_submodule(k.split(".")[0]).weight for k in moe.shared_experts.state_dict()})
         if moe.shared_expert_gate is not None:
-            moe.shared_expert_gate.weight.copy_(block.shared_expert_gate.weight)
+            moe.shared_expert_gate.weight.copy_(shared_gate.weight)
     return moe
 
 
