@@ -18,6 +18,8 @@ from ._wrap import (AccelerateConfig, ShardingPolicy, ShardingStrategy, apply_fu
                     select_units, strategy_mesh)
 from ._cp import *  # noqa: F403  context parallelism: the names in _cp.__all__
 from ._cp import __all__ as _cp_all
+from ._moe import *  # noqa: F403  mixture of experts, expert parallelism: the names in _moe.__all__
+from ._moe import __all__ as _moe_all
 from ._plan import MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
 
 __all__ = [
@@ -53,3 +55,4 @@ __all__ = [
 __all__ += _tp_all
 __all__ += _pipeline_all
 __all__ += _cp_all
+__all__ += _moe_all

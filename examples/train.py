@@ -166,6 +166,8 @@ def train(
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         else:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        if hasattr(model, "extra_loss"):  # e.g. an MoE model's load-balancing loss (examples/moe.py)
+            loss = model.extra_loss(loss)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
@@ -199,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "before step 1; if saving fails at the end, the weights go to a temporary folder, named)")
     p.add_argument("--resume", metavar="DIR", help="resume from a checkpoint saved by --save (any world size); "
                    "training continues up to --steps")
+    p.add_argument("--experts", type=int, default=0, help="MoE feed-forward with N experts (0: dense; examples/moe.py)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, carved out of --dp-shard (with --experts)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs only)")
     from examples.pipeline_setup import add_pipeline_args  # pipeline flags: --pp, --schedule, --microbatches
 
@@ -300,6 +305,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         torch.set_num_threads(args.threads)
+    if args.experts or args.ep > 1:  # mixture of experts (examples/moe.py)
+        from examples.moe import check_moe_args
+        try:
+            check_moe_args(args.experts, args.top_k, args.ep, checked.dp_shard, args.tp, args.pp)
+        except UsageError as e:
+            _fail(str(e))
     if args.checkpoint_dir:  # elastic: resume from the latest checkpoint, save every K steps (docs/elastic.md)
         from examples.elastic import run_elastic
 
@@ -316,7 +327,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     rank, world_size = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=checked.dp_shard, tp=args.tp)
+    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=checked.dp_shard, tp=args.tp, ep=args.ep)
     dp_mesh = data_parallel_mesh(mesh)
     _, dp_size = data_parallel_rank(mesh)
     say(f"world={world_size} device={mesh.device_type}")
@@ -331,8 +342,13 @@ def main(argv: list[str] | None = None) -> list[float]:
         n_kv_heads=args.kv_heads,
         max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len),
     )
-    model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"],
-                            uneven_shards=args.seq_len % mesh["tp"].size() != 0)
+    if args.experts:
+        from examples.moe import moe_llama, shard_moe_llama
+        model = shard_moe_llama(moe_llama(cfg, args.experts, args.top_k, torch.Generator().manual_seed(args.seed)),
+                                mesh, args.ep, uneven_shards=args.seq_len % args.tp != 0)
+    else:
+        model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"],
+                                uneven_shards=args.seq_len % mesh["tp"].size() != 0)
 
     local, full = param_bytes(model)
     device = mesh_device(mesh)

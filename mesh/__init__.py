@@ -15,12 +15,13 @@ a ``"pp"`` axis comes first (outermost; `pipeline_mesh` slices it). `ParallelDim
 and their validation; `host_fit_problem` is the pure check behind
 `HostLayoutWarning`. `mesh_axes` is how every entry point finds the axes it needs, by name
 in any order. `start_heartbeat` turns a dead peer into a prompt exit a launcher restarts
-(docs/elastic.md).
+(docs/elastic.md). `expert_meshes` gives the expert-parallel sub-meshes (``init_mesh(ep=N)``).
 """
 
 from ._axes import DP_SHARD_CP, MeshAxes, mesh_axes
 from ._dims import AXIS_NAMES, CP_AXIS, PP_AXIS, ParallelDims
 from ._heartbeat import Heartbeat, HeartbeatPolicy, exit_for_restart, start_heartbeat
+from ._ep import EP_AXIS, EP_DP_AXIS, ExpertMeshes, expert_meshes
 from ._hosts import HostLayoutWarning, host_fit_problem
 from ._init import (
     data_parallel_mesh,
@@ -37,6 +38,10 @@ __all__ = [
     "CP_AXIS",
     "DP_SHARD_CP",
     "cp_mesh",
+    "EP_AXIS",
+    "EP_DP_AXIS",
+    "ExpertMeshes",
+    "expert_meshes",
     "PP_AXIS",
     "Heartbeat",
     "HeartbeatPolicy",

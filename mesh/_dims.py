@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from ._ep_dims import check_ep, dp_shard_mod_ep
+
 __all__ = ["AXIS_NAMES", "CP_AXIS", "PP_AXIS", "ParallelDims", "dp_axis_names"]
 
 AXIS_NAMES: tuple[str, str, str] = ("dp_replicate", "dp_shard", "tp")
@@ -46,6 +48,10 @@ class ParallelDims:
             int, never -1 (``dp_shard`` is the one inferred by default).
         cp: context-parallel ranks (the sequence of each sample is sharded over them),
             between ``dp_shard`` and ``tp``. Default 1. A positive int, never -1.
+        ep: expert-parallel degree (default 1). Adds no ranks: it must divide the data-parallel
+            shard extent ``dp_shard`` (times ``cp`` where there is one); experts are sharded over
+            ``ep`` and ``fully_shard``-ed over the remaining ``dp_shard_mod_ep`` ranks
+            (`mesh/_ep_dims.py`, docs/expert_parallel.md).
         world_size: total number of ranks. Required.
 
     Rules, checked in ``__post_init__`` (``ValueError`` otherwise, with the
@@ -77,6 +83,8 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     world_size: int
+    # expert parallelism: no ranks of its own, carved out of dp_shard (x cp); see mesh/_ep.py
+    ep: int = 1
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size)
@@ -140,6 +148,12 @@ class ParallelDims:
                 f"{formula} = {total} != world_size({self.world_size}); choose sizes "
                 "whose product is world_size, or pass -1 for one of them to infer it"
             )
+        check_ep(self)  # expert parallelism (mesh/_ep_dims.py)
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """The data-parallel ranks the experts are ``fully_shard``-ed over: ``dp_shard * cp / ep``."""
+        return dp_shard_mod_ep(self)
 
     @property
     def dp_size(self) -> int:

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ._axes import mesh_axes
 from ._dims import CP_AXIS, PP_AXIS, ParallelDims
+from ._ep import remember_expert_meshes
 from ._hosts import HostLayoutWarning, host_fit_problem
 
 __all__ = ["data_parallel_mesh", "default_backend", "default_device_type", "init_distributed", "init_mesh",
@@ -101,6 +102,7 @@ def init_mesh(
     cp: int = 1,
     device_type: str | None = None,
     world_size: int | None = None,
+    ep: int = 1,
 ) -> DeviceMesh:
     """Build the 3-D ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh, or with
     ``pp > 1`` the 4-D ``("pp", "dp_replicate", "dp_shard", "tp")`` one.
@@ -129,6 +131,9 @@ def init_mesh(
             ``torch.cuda.is_available()``).
         world_size: defaults to the default group's size; when given, it must
             equal it (a check that the launch matches the intended size).
+        ep: expert-parallel degree (default 1). Adds no axis to the returned mesh: with
+            ``ep > 1`` the expert mesh is built here too (collective) and
+            ``expert_meshes(mesh)`` returns it (docs/expert_parallel.md).
 
     Raises:
         RuntimeError: no default process group.
@@ -157,16 +162,19 @@ def init_mesh(
             f"{group_size} ranks; launch {world_size} ranks or drop world_size="
         )
     dims = ParallelDims(
-        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, world_size=world_size
+        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, world_size=world_size, ep=ep
     )
     # Checked on every rank so a bad LOCAL_WORLD_SIZE fails everywhere (no hang).
     problem = host_fit_problem(dims, _local_world_size_from_env())
     if problem is not None and dist.get_rank() == 0:
         warnings.warn(problem, HostLayoutWarning, stacklevel=2)
     device_type = default_device_type() if device_type is None else _check_device_type(device_type)
-    return init_device_mesh(
+    mesh = init_device_mesh(
         device_type, dims.mesh_shape, mesh_dim_names=dims.axis_names
     )
+    if dims.ep > 1:  # expert parallelism: the expert mesh, built once on every rank (mesh/_ep.py)
+        remember_expert_meshes(mesh, dims.ep)
+    return mesh
 
 
 def _check_device_type(device_type: object) -> str:

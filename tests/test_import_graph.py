@@ -98,6 +98,7 @@ ALLOWED = {
     f"{C}._pipeline": {f"{C}._fsdp", f"{C}._tp", "shardwise.mesh", "shardwise.checkpoint"},
     f"{C}._plan": {f"{C}._fsdp", f"{C}._wrap", f"{C}._pipeline"},
     f"{C}._cp": set(),  # context parallelism: attention, layout and routing use only the shared leaves
+    f"{C}._moe": {f"{C}._fsdp", f"{C}._tp", "shardwise.mesh"},
 }
 
 

@@ -303,6 +303,9 @@ def _combined_mesh(dp_mesh, tp_mesh):
             "fully_shard: a tensor-parallel parameter needs the data-parallel mesh and its TP mesh to be named "
             "slices of one mesh, e.g. mesh = init_mesh(dp_shard=2, tp=2); parallelize_module(m, mesh['tp'], plan); "
             f"fully_shard(m, mesh=data_parallel_mesh(mesh)). Got dp axes {dp_names} and tp axes {tp_names}."
+            + (" Expert-parallel experts: call shardwise.composable.fully_shard_experts(moe, expert_meshes(mesh)) "
+               "before fully_shard of the enclosing module (docs/expert_parallel.md)." if "ep" in (tp_names or ())
+               else "")
         )
     if set(dp_names) & set(tp_names):
         raise ValueError(f"fully_shard: the dp mesh {dp_names} and the TP mesh {tp_names} share an axis")

@@ -1,0 +1,46 @@
+"""`fully_shard_experts`: EP x FSDP, the experts sharded over the data-parallel ranks left after ``ep``.
+
+[Note: dividing expert gradients]
+With ``W = dp_replicate * dp_shard (* cp)`` data-parallel ranks, a dense gradient is the mean of
+the ``W`` ranks' gradients: fully_shard sums over ``W`` and divides by ``W``. An expert's
+gradient on one ep rank is already the sum over the ``ep`` ranks of its group (their tokens
+came to it through the all-to-all), so the experts' unit reduces over only the ``W / ep``
+ranks of ``ExpertMeshes.dp`` — but it must still divide by ``W``, not by ``W / ep``, for the
+experts to get the same mean as the dense weights (and as one process on the global batch).
+`fully_shard_experts` sets that divide factor (``set_gradient_divide_factor``); it is the one
+difference from a plain ``fully_shard(experts, mesh=ExpertMeshes.dp)``. Each unit still issues
+one reduce-scatter per step (plus the replica all-reduce with HSDP).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from shardwise.mesh import ExpertMeshes
+
+from .._fsdp import FSDPModule, fully_shard
+from ._experts import GroupedExperts
+from ._layer import MoE
+
+__all__ = ["fully_shard_experts"]
+
+
+def fully_shard_experts(module: nn.Module, meshes: ExpertMeshes, **kwargs: Any) -> FSDPModule:
+    """``fully_shard`` the experts of ``module`` (a `MoE`, or its `GroupedExperts`, already under
+    `ExpertParallel` on ``meshes.ep``) over ``meshes.dp``, dividing their gradients by the whole
+    data-parallel degree ([Note: dividing expert gradients]); ``kwargs`` go to ``fully_shard``
+    (``reshard_after_forward``, ``mp_policy``, ...). Returns the experts' unit. Call it before
+    ``fully_shard`` of the enclosing block or model, which then leaves the experts to this unit."""
+    if not isinstance(meshes, ExpertMeshes):
+        raise TypeError(f"fully_shard_experts: meshes must be shardwise.mesh.ExpertMeshes (expert_meshes(mesh)), "
+                        f"got {type(meshes).__name__}")
+    target = module.experts if isinstance(module, MoE) else module
+    if not isinstance(target, GroupedExperts):
+        raise TypeError(f"fully_shard_experts: expected a MoE or GroupedExperts, got {type(module).__name__}")
+    if "mesh" in kwargs:
+        raise TypeError("fully_shard_experts: the mesh is meshes.dp; do not pass mesh=")
+    unit = fully_shard(target, mesh=meshes.dp, **kwargs)
+    unit.set_gradient_divide_factor(meshes.degree * meshes.dp_degree)
+    return unit

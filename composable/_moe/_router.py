@@ -1,0 +1,102 @@
+"""Top-k token-choice routing and the router's two auxiliary losses.
+
+[Note: the router's losses]
+For ``T`` tokens, ``E`` experts, ``k`` experts per token, router logits ``z`` of shape ``[T, E]``
+and router probabilities ``p`` (``softmax(z)``; with sigmoid scores ``s = sigmoid(z)`` the
+probabilities are ``s`` normalized per token, ``p = s / sum_e s``):
+
+* load-balancing loss (Switch Transformer's, extended to top-k as Hugging Face's Mixtral
+  computes it): ``aux = E * sum_i f_i * P_i`` with ``f_i`` the fraction of the ``T`` tokens that
+  chose expert ``i`` among their ``k`` (so ``sum_i f_i = k``) and ``P_i = mean_t p[t, i]``. It is
+  ``k`` for perfectly uniform routing and grows as routing concentrates; only ``P`` carries a
+  gradient (``f`` counts choices).
+* router z-loss (ST-MoE): ``z_loss = mean_t (logsumexp_e z[t, e])^2``, which keeps the logits
+  small.
+
+Both are over the tokens the layer sees in one forward (one rank's micro-batch, as in HF and
+torchtitan), are returned unscaled, and counted before any capacity drop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["TopKRouter", "Routing", "load_balancing_loss", "router_z_loss"]
+
+_SCORES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One forward's routing of ``T`` tokens.
+
+    Attributes:
+        weights: ``[T, k]`` the combine weight of each chosen expert.
+        experts: ``[T, k]`` int64 the chosen experts (descending score).
+        probs: ``[T, E]`` the router probabilities (see [Note: the router's losses]).
+        logits: ``[T, E]`` the router logits.
+    """
+
+    weights: torch.Tensor
+    experts: torch.Tensor
+    probs: torch.Tensor
+    logits: torch.Tensor
+
+
+class TopKRouter(nn.Module):
+    """``z = x W^T`` (``gate``: an ``nn.Linear(dim, num_experts, bias=False)``), scores by
+    ``score_func``, each token's ``top_k`` highest-scoring experts.
+
+    Args:
+        dim, num_experts, top_k: sizes; ``1 <= top_k <= num_experts``.
+        score_func: ``"softmax"`` (scores ``softmax(z)``, Mixtral / Qwen-MoE) or ``"sigmoid"``
+            (scores ``sigmoid(z)``, DeepSeek-V3).
+        norm_topk_prob: divide the ``k`` chosen scores by their sum, so a token's weights sum
+            to 1 (default True, as Mixtral; Qwen2-MoE uses False).
+        route_scale: a constant multiplying the combine weights (DeepSeek-V3's
+            ``routed_scaling_factor``), default 1.
+    """
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, *, score_func: str = "softmax",
+                 norm_topk_prob: bool = True, route_scale: float = 1.0) -> None:
+        super().__init__()
+        if score_func not in _SCORES:
+            raise ValueError(f"TopKRouter(score_func={score_func!r}): use one of {_SCORES}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"TopKRouter: top_k={top_k} must be in 1..num_experts({num_experts})")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.norm_topk_prob, self.route_scale = score_func, norm_topk_prob, route_scale
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route ``x`` of shape ``[T, dim]``."""
+        logits = self.gate(x)
+        if self.score_func == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).to(logits.dtype)
+            probs = scores
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+        top, experts = torch.topk(scores, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if self.route_scale != 1.0:
+            top = top * self.route_scale
+        return Routing(weights=top, experts=experts, probs=probs, logits=logits)
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """``E * sum_i f_i P_i`` (see [Note: the router's losses]); ``probs`` ``[T, E]``,
+    ``experts`` ``[T, k]``."""
+    num_tokens, num_experts = probs.shape
+    counts = torch.bincount(experts.flatten(), minlength=num_experts).to(probs.dtype)
+    f = counts / max(num_tokens, 1)
+    return num_experts * (f * probs.mean(dim=0)).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """``mean_t logsumexp(z_t)^2`` (see [Note: the router's losses]); ``logits`` ``[T, E]``."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean().to(logits.dtype)

@@ -1,0 +1,113 @@
+"""The example Llama with mixture-of-experts feed-forward blocks, and how it is parallelised.
+
+``examples/train.py --experts 8 --top-k 2 [--ep 2]`` builds `moe_llama`: the dense Llama of
+``examples/model.py`` whose every block's ``feed_forward`` is a `shardwise.composable.MoE`
+(``E`` SwiGLU experts of the dense hidden width, top-k softmax routing, dropless). The
+training loss adds ``AUX_COEF`` x the blocks' mean load-balancing loss (`MoELlama.extra_loss`).
+
+`shard_moe_llama` parallelises it on an ``init_mesh(ep=N)`` mesh:
+
+* ``--ep 1``: FSDP only; each block's unit holds its experts (every rank gathers every expert);
+* ``--ep N``: the experts of each block split over the ``ep`` mesh (`ExpertParallel`), sharded
+  over the ``dp_shard_mod_ep`` ranks left (`fully_shard_experts`), then every block and the root
+  over the whole data-parallel mesh as in the dense example;
+* ``--tp N`` (with either): tensor parallelism on attention, embedding and head only
+  (`moe_tp_plan`); the feed-forward computes whole on every tp rank.
+
+Both train on the same data with the same losses (to fp32 rounding; tests/test_example_moe.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import shardwise.composable as sw
+from examples.model import Llama, LlamaConfig
+from examples.parallel import _uneven, apply_fsdp, llama_tp_plan
+from examples.preflight import UsageError
+from shardwise.mesh import data_parallel_mesh, expert_meshes
+
+__all__ = ["AUX_COEF", "MoELlama", "moe_llama", "moe_tp_plan", "shard_moe_llama", "check_moe_args"]
+
+AUX_COEF = 0.01
+"""Weight of the load-balancing loss in the training loss."""
+
+
+class MoELlama(Llama):
+    """`Llama` whose blocks' ``feed_forward`` are `MoE` layers (see the module docstring)."""
+
+    def extra_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` + ``AUX_COEF`` x the mean over blocks of the last forward's load-balancing
+        loss (as a replicated DTensor when ``loss`` is one: under ``loss_parallel`` with TP, where
+        every tp rank routed the same tokens)."""
+        aux = AUX_COEF * torch.stack([block.feed_forward.aux_loss for block in self.layers]).mean()
+        if isinstance(loss, DTensor):
+            aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+        return loss + aux
+
+
+def moe_llama(cfg: LlamaConfig, experts: int, top_k: int, generator: torch.Generator | None = None) -> MoELlama:
+    """The MoE Llama: the dense model's weights from ``generator``, then each block's router and
+    experts from it, in block order (the same seed gives the same model on every rank)."""
+    model = MoELlama(cfg, generator=generator)
+    std = cfg.init_std
+    out_std = std / math.sqrt(2 * cfg.n_layers)
+    for block in model.layers:
+        moe = sw.MoE(cfg.dim, cfg.hidden, experts, top_k)
+        with torch.no_grad():
+            for w, s in ((moe.router.gate.weight, std), (moe.experts.w1, std), (moe.experts.w3, std),
+                         (moe.experts.w2, out_std)):
+                nn.init.trunc_normal_(w, std=s, a=-3 * s, b=3 * s, generator=generator)
+        block.feed_forward = moe
+    return model
+
+
+def moe_tp_plan(uneven_shards: bool = False) -> dict:
+    """The dense example's TP plan with the feed-forward left whole: attention (and the
+    embedding, norms, head) split over ``tp``; each MoE feed-forward gathers its sequence
+    shards, computes on every token (the same on every tp rank) and keeps its rank's shard of
+    the output. "TP only on attention"; the experts are split by ``ep`` instead."""
+    plan = {k: v for k, v in llama_tp_plan(uneven_shards=uneven_shards).items()
+            if not k.startswith("layers.*.feed_forward")}
+    plan["layers.*.feed_forward"] = sw.PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=Replicate(), desired_output_layouts=Shard(1), **_uneven(uneven_shards))
+    return plan
+
+
+def shard_moe_llama(model: MoELlama, mesh: DeviceMesh, ep: int, uneven_shards: bool = False) -> MoELlama:
+    """[TP on attention x] EP (``ep > 1``) x FSDP on an ``init_mesh(ep=ep, tp=...)`` mesh, or
+    FSDP only (``ep == 1``)."""
+    tp = mesh["tp"].size()
+    if tp > 1:
+        sw.parallelize_module(model, mesh["tp"], moe_tp_plan(uneven_shards))
+        for m in model.modules():
+            if hasattr(m, "n_kv_heads"):
+                m.n_heads //= tp
+                m.n_kv_heads //= tp
+    if ep > 1:
+        em = expert_meshes(mesh)
+        sw.parallelize_module(model, em.ep, {"layers.*.feed_forward": sw.ExpertParallel()})
+        for block in model.layers:
+            sw.fully_shard_experts(block.feed_forward, em)
+    return apply_fsdp(model, data_parallel_mesh(mesh))
+
+
+def check_moe_args(experts: int, top_k: int, ep: int, dp_shard: int, tp: int, pp: int) -> None:
+    """`UsageError` for a flag combination the MoE example does not run."""
+    if ep > 1 and not experts:
+        raise UsageError(f"--ep {ep} needs experts to split: pass --experts N (a multiple of {ep})")
+    if not experts:
+        return
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise UsageError(f"--top-k {top_k} must be in 1..--experts {experts}")
+    if ep < 1 or dp_shard % ep or experts % ep:
+        raise UsageError(f"--ep {ep} must divide the data-parallel shard ranks ({dp_shard}) and --experts "
+                         f"({experts}); valid: {[d for d in range(1, dp_shard + 1) if dp_shard % d == 0 and experts % d == 0]}")
+    if pp > 1:
+        raise UsageError("--experts runs with FSDP / HSDP, --tp and --ep in this example (no --pp)")
