@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.composable import SCHEDULES, ActionKind, activations_in_flight, build_schedule, simulate, theoretical_bubble
+from shardwise.composable import (SCHEDULES, ActionKind, activations_in_flight, build_schedule, simulate, stage_rank,
+                                  theoretical_bubble)
 from tests._dist import run_ranks
 from tests.test_pipeline import _check, _run
 
@@ -59,4 +60,60 @@ def test_zb_h1_units_resharded_between_microbatches():
     """Units that reshard after every forward are gathered again for each W (into the storage the
     kept graph points at); still one reduce-scatter per unit per step."""
     res = run_ranks(_run, 4, {"pp": 2, "dp_shard": 2, "schedule": "zb_h1", "between": True}, timeout=120)
+    _check(res)
+
+
+@settings(deadline=None, max_examples=40)
+@given(pp=st.integers(1, 6), m=st.integers(1, 16), v=st.integers(1, 3))
+def test_zbv_and_interleaved_zb_are_deadlock_free_within_their_memory_and_beat_1f1b(pp, m, v):
+    """ZBV: two stages per rank in a V (rank r: stages r and 2p-1-r), at most 1F1B's p microbatches
+    of the rank's layers alive; interleaved ZB: v stages per rank in a loop, interleaved 1F1B's cap.
+    Both complete and deadlock-free (simulate raises otherwise), never slower than 1F1B (F = I = W),
+    and ZBV never slower than ZB-H1."""
+    one, _ = simulate(build_schedule("1f1b", pp, m), pp, m, f_time=1, b_time=2)
+    zbv = build_schedule("zbv", pp, m, 2)
+    assert all(stage_rank(a.stage, pp, "v") == r for r, acts in enumerate(zbv) for a in acts)
+    mk, busy = simulate(zbv, 2 * pp, m, f_time=0.5, b_time=1, w_time=0.5)  # each of 2 stages: half the rank
+    assert mk <= one + 1e-9 and mk <= simulate(build_schedule("zb_h1", pp, m), pp, m, w_time=1)[0] + 1e-9
+    assert max(activations_in_flight("zbv", pp, m, 2).per_rank) <= pp
+    izb = build_schedule("interleaved_zb", pp, m, v)
+    mk, _ = simulate(izb, pp * v, m, f_time=1 / v, b_time=2 / v, w_time=1 / v)
+    assert mk <= one + 1e-9
+    alive = activations_in_flight("interleaved_zb", pp, m, v).per_rank
+    for r in range(pp):
+        assert alive[r] <= max(v, min(2 * (pp - r - 1) + (v - 1) * pp + 1, v * m)) / v + 1e-9, (r, alive)
+
+
+def _loop_split_for_zbv(rank, world_size):
+    import torch.nn.functional as F
+
+    from shardwise.composable import PipelineSchedule, pipeline_split
+    from tests.test_pipeline_agreement import Chain
+
+    split = pipeline_split(Chain(), virtual_stages=2, cost="params", verbose=False)
+    try:
+        PipelineSchedule(split, schedule="zbv", microbatches=4, loss_fn=F.mse_loss)
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_zbv_needs_two_stages_per_rank_and_a_v_split():
+    with pytest.raises(ValueError, match="exactly 2 stages per rank"):
+        build_schedule("zbv", 2, 4, 3)
+    got = run_ranks(_loop_split_for_zbv, 2, timeout=60)
+    assert len(set(got)) == 1 and "split it with pipeline_split(..., placement='v')" in got[0], got
+
+
+@pytest.mark.parametrize("world_size,opts", [
+    (2, {"schedule": "zbv", "v": 2, "placement": "v"}),
+    (4, {"pp": 2, "dp_shard": 2, "schedule": "zbv", "v": 2, "placement": "v"}),
+    (4, {"pp": 2, "tp": 2, "schedule": "zbv", "v": 2, "placement": "v"}),
+    (2, {"schedule": "interleaved_zb", "v": 2}),
+    (4, {"pp": 2, "dp_shard": 2, "schedule": "interleaved_zb", "v": 2}),
+], ids=["zbv-pp2", "zbv-pp2xfsdp", "zbv-pp2xtp2", "izb-pp2", "izb-pp2xfsdp"])
+def test_multi_stage_zero_bubble_matches_one_process(world_size, opts):
+    res = run_ranks(_run, world_size, opts, timeout=120)
+    if opts.get("dp_shard"):
+        assert all(r["all_gathers"] == r["units"] for r in res), res
     _check(res)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ._p2p import P2P, PeerFailed
+from ._placement import stage_rank
 from ._registry import ScheduleSpec, get_schedule
 from ._schedule import Action, ActionKind
 from ._split import StageShell
@@ -124,6 +125,10 @@ class PipelineSchedule:
                              f"{sorted(k.value for k in kinds - RUNNABLE_KINDS)}, which this runtime cannot run yet "
                              f"(it runs {sorted(k.value for k in RUNNABLE_KINDS)}: forward and full backward); "
                              "use a schedule of F and B actions")
+        if spec.placement != split.placement:
+            raise ValueError(f"pipeline: schedule {spec.name!r} places stages as {spec.placement!r} but the model was "
+                             f"split with placement={split.placement!r}; split it with pipeline_split(..., "
+                             f"placement={spec.placement!r})")
         self.schedule = spec
         self.actions = self.all_actions[split.pp_rank]
         self.stages = {st.index: st for st in split.stages}
@@ -173,7 +178,7 @@ class PipelineSchedule:
         return hook
 
     def _rank_of(self, stage: int) -> int:
-        return stage % self.split.pp_size
+        return stage_rank(stage, self.split.pp_size, self.split.placement)
 
     def _sends_of(self, rank: int) -> list:
         """(destination rank, key) of every message rank ``rank`` sends in a step, in its order."""
