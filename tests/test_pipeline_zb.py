@@ -98,6 +98,24 @@ def _loop_split_for_zbv(rank, world_size):
     return "built"
 
 
+@settings(deadline=None, max_examples=40)
+@given(pp=st.integers(1, 8), extra=st.integers(0, 12))
+def test_dualpipev_is_deadlock_free_and_within_1f1b_memory_plus_one_stage(pp, extra):
+    """DualPipeV (m >= 2p): complete and deadlock-free (simulate raises otherwise), its pairs run one
+    after the other here; peak activations at most p + 1/2 rank-units (1F1B's p and one half-rank
+    stage); never slower than 1F1B, and as fast as ZBV within one unit."""
+    m = 2 * pp + extra
+    acts = build_schedule("dualpipev", pp, m, 2)
+    assert all(stage_rank(a.stage, pp, "v") == r for r, lst in enumerate(acts) for a in lst)
+    mk, _ = simulate(acts, 2 * pp, m, f_time=0.5, b_time=1, w_time=0.5)
+    one, _ = simulate(build_schedule("1f1b", pp, m), pp, m)
+    zbv, _ = simulate(build_schedule("zbv", pp, m, 2), 2 * pp, m, f_time=0.5, b_time=1, w_time=0.5)
+    assert mk <= one + 1e-9 and mk <= zbv + 1 + 1e-9, (mk, one, zbv)
+    assert max(activations_in_flight("dualpipev", pp, m, 2).per_rank) <= pp + 0.5 + 1e-9
+    with pytest.raises(ValueError, match="at least as many microbatches as stages"):
+        build_schedule("dualpipev", pp, 2 * pp - 1, 2)
+
+
 def test_zbv_needs_two_stages_per_rank_and_a_v_split():
     with pytest.raises(ValueError, match="exactly 2 stages per rank"):
         build_schedule("zbv", 2, 4, 3)
@@ -111,9 +129,38 @@ def test_zbv_needs_two_stages_per_rank_and_a_v_split():
     (4, {"pp": 2, "tp": 2, "schedule": "zbv", "v": 2, "placement": "v"}),
     (2, {"schedule": "interleaved_zb", "v": 2}),
     (4, {"pp": 2, "dp_shard": 2, "schedule": "interleaved_zb", "v": 2}),
-], ids=["zbv-pp2", "zbv-pp2xfsdp", "zbv-pp2xtp2", "izb-pp2", "izb-pp2xfsdp"])
+    (2, {"schedule": "dualpipev", "v": 2, "placement": "v"}),
+    (4, {"pp": 2, "dp_shard": 2, "schedule": "dualpipev", "v": 2, "placement": "v", "ac": True}),
+    (4, {"pp": 2, "tp": 2, "schedule": "dualpipev", "v": 2, "placement": "v"}),
+], ids=["zbv-pp2", "zbv-pp2xfsdp", "zbv-pp2xtp2", "izb-pp2", "izb-pp2xfsdp", "dualpipev-pp2", "dualpipev-pp2xfsdp-ac",
+        "dualpipev-pp2xtp2"])
 def test_multi_stage_zero_bubble_matches_one_process(world_size, opts):
     res = run_ranks(_run, world_size, opts, timeout=120)
     if opts.get("dp_shard"):
         assert all(r["all_gathers"] == r["units"] for r in res), res
     _check(res)
+
+
+def test_the_planner_and_suggest_mesh_know_the_zero_bubble_schedules():
+    """plan_memory(pp=2) plans zbv in its V (rank 0 holds the embedding and the head) with the
+    activations alive read off its lists; suggest_mesh takes the schedule by name."""
+    import torch
+
+    from examples.model import Llama, LlamaConfig
+    from shardwise.composable import plan_memory, suggest_mesh
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=1000, dim=64, n_layers=8, n_heads=4))
+    A = 64 * 2**20
+    plans = {name: plan_memory(model, (1, 2), "FULL_SHARD", activation_bytes=A, pp=2, microbatches=8, schedule=name)
+             for name in ("zb_h1", "zbv", "interleaved_zb")}
+    assert plans["zb_h1"].in_flight == activations_in_flight("zb_h1", 2, 8).per_rank == (2, 2)
+    assert plans["zbv"].virtual_stages == plans["interleaved_zb"].virtual_stages == 2
+    assert max(plans["zbv"].in_flight) <= 2 + 1e-9, plans["zbv"].in_flight  # at most 1F1B's p microbatches
+    zbv = plan_memory(model, (1, 2), "FULL_SHARD", pp=2, microbatches=8, schedule="zbv")
+    b = zbv.bounds  # 4 stages; the V gives rank 0 the first and the last (embedding and head)
+    first_and_last = [f"layers.{i}" for i in [*range(b[0], b[1]), *range(b[3], b[4])]]
+    assert [u.name for u in zbv.stages[0].units if u.name] == first_and_last, zbv.stages[0].units
+    tight = suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, activation_bytes=2 * 2**30,
+                         pp_sizes=(1, 2), microbatches=8, schedule="zbv")
+    assert tight.pp == 2, str(tight)

@@ -47,6 +47,7 @@ class ScheduleSpec:
         placement: ``"loop"`` (stage ``s`` on rank ``s % pp``) or ``"v"`` (down the ranks and
             back up: [Note: stage placement] in ``_placement.py``); the split must use the same.
         exact_virtual_stages: the one number of stages per rank it runs (ZBV: 2), or None.
+        min_microbatches_per_stage: refuse fewer microbatches than stages (``pp * v``; DualPipeV).
     """
 
     name: str
@@ -57,6 +58,7 @@ class ScheduleSpec:
     summary: str = ""
     placement: str = "loop"
     exact_virtual_stages: int | None = None
+    min_microbatches_per_stage: bool = False
 
     def check(self, pp: int, microbatches: int, virtual_stages: int) -> None:
         """``ValueError`` naming the argument and the fix if the spec cannot run these sizes."""
@@ -73,6 +75,9 @@ class ScheduleSpec:
             raise ValueError(f"pipeline: schedule={self.name!r} runs exactly {self.exact_virtual_stages} stages per "
                              f"rank but {v} virtual stages were requested; use virtual_stages="
                              f"{self.exact_virtual_stages}")
+        if self.min_microbatches_per_stage and m < pp * v:
+            raise ValueError(f"pipeline: {self.name} needs at least as many microbatches as stages ({pp} x {v} = "
+                             f"{pp * v}); got microbatches={m}; use {pp * v} or more")
         if not self.virtual and v != 1:
             virtual = [s.name for s in _REGISTRY.values() if s.virtual]
             raise ValueError(f"pipeline: schedule={self.name!r} runs one stage per rank but {v} virtual stages were "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import _schedule_gpipe, _schedule_1f1b, _schedule_interleaved_1f1b, _schedule_zb_h1, _schedule_zbv  # noqa: F401,E501  register, in this order
+from . import _schedule_gpipe, _schedule_1f1b, _schedule_interleaved_1f1b, _schedule_zb_h1, _schedule_zbv, _schedule_dualpipev  # noqa: F401,E501  register, in this order
 from ._actions import Action, ActionKind
 from ._registry import SCHEDULES, ScheduleSpec, get_schedule, one_f_one_b_bubble
 

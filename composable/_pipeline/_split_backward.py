@@ -77,7 +77,7 @@ def _graph_split(root: Node, target: Node) -> tuple[list[tuple[Node, list[Gradie
     for node, inside in reaches.items():
         if not inside or node is target:
             continue
-        edges = []
+        edges: list[GradientEdge] = []
         for child, nr in node.next_functions:
             if child is not None and not reaches.get(child, False):
                 key = (child, nr)
