@@ -19,7 +19,9 @@ ARGS4[ARGS4.index("--steps") + 1] = "3"
     (4, ["--pp", "2", "--dp-shard", "2", "--schedule", "zb_h1", "--microbatches", "2"]),
     (4, ["--pp", "2", "--dp-shard", "2", "--schedule", "zbv", "--microbatches", "2"]),
     (4, ["--pp", "2", "--tp", "2", "--schedule", "interleaved_zb", "--microbatches", "2", "--pp-cost", "params"]),
-], ids=["pp2xtp2-gpipe", "pp2xhsdp-interleaved", "pp2xtp2-zb_h1", "pp2xfsdp-zb_h1", "pp2xfsdp-zbv", "pp2xtp2-izb"])
+    (4, ["--pp", "2", "--tp", "2", "--schedule", "dualpipev", "--microbatches", "4", "--pp-cost", "params"]),
+], ids=["pp2xtp2-gpipe", "pp2xhsdp-interleaved", "pp2xtp2-zb_h1", "pp2xfsdp-zb_h1", "pp2xfsdp-zbv", "pp2xtp2-izb",
+        "pp2xtp2-dualpipev"])
 def test_train_pp_matches_single_process(world_size, extra):
     ref = _reference_losses(steps=3, layers=4)
     for rank, losses in enumerate(run_ranks(_main_job, world_size, ARGS4 + extra, timeout=150)):
