@@ -57,28 +57,30 @@ class PendingWeights:
 def _graph_split(root: Node, target: Node) -> tuple[list[tuple[Node, list[GradientEdge]]], bool, bool]:
     """The frontier sources under ``root`` with their frontier edges, whether phase 1 may run
     each source alone ([Note: split backward]), and whether a reentrant checkpoint is in ``X``."""
-    reaches: dict[Node, bool] = {}
-    stack: list[tuple[Node, bool]] = [(root, False)]
+    reaches: dict[Node, bool] = {target: True}
+    kids: dict[Node, tuple] = {}
+    stack: list[Node] = [root]
     while stack:  # iterative post-order: does each node reach ``target``?
-        node, expanded = stack.pop()
+        node = stack[-1]
         if node in reaches:
+            stack.pop()
             continue
-        if node is target:
-            reaches[node] = True
-            continue
-        children = [n for n, _ in node.next_functions if n is not None]
-        if not expanded:
-            stack.append((node, True))
-            stack.extend((c, False) for c in children if c not in reaches)
-            continue
-        reaches[node] = any(reaches.get(c, False) for c in children)
+        nexts = kids.get(node)
+        if nexts is None:  # first visit: its children go first
+            nexts = kids[node] = node.next_functions
+            todo = [c for c, _ in nexts if c is not None and c not in reaches]
+            if todo:
+                stack.extend(todo)
+                continue
+        stack.pop()
+        reaches[node] = any(reaches.get(c, False) for c, _ in nexts if c is not None)
     sources: list[tuple[Node, list[GradientEdge]]] = []
     feeders: dict[tuple[Node, int], int] = {}
     for node, inside in reaches.items():
         if not inside or node is target:
             continue
         edges: list[GradientEdge] = []
-        for child, nr in node.next_functions:
+        for child, nr in kids[node]:
             if child is not None and not reaches.get(child, False):
                 key = (child, nr)
                 if all((e.node, e.output_nr) != key for e in edges):
