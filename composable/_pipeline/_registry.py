@@ -156,5 +156,5 @@ class _Names(Sequence[str]):
 
 
 SCHEDULES: Sequence[str] = _Names()
-"""The names of the registered schedules (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, and any
-registered since)."""
+"""The names of the registered schedules (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``,
+``"zbv"``, ``"interleaved_zb"``, ``"dualpipev"``, and any registered since)."""
