@@ -13,7 +13,11 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
    two are checked equal first.
 2. ``gain`` (p=2 on 2 ranks, p=4 on 4 ranks; m=4 and 8): shardwise ``zb_h1`` and ``zbv`` against
    shardwise ``1f1b``, alternating: ratio of step times (below 1 is a gain).
-3. ``bubble``: per schedule, the measured idle fraction ``1 - compute / step`` (mean over ranks,
+3. ``memory`` (p=2, 2 ranks, m=8): per rank, the peak bytes of storages made during one step
+   (`benchmarks.tracker.AllocationTracker`, tag ``new``: activations, kept graphs, transients;
+   parameters and gradients tracked apart), per schedule against 1F1B's, beside the model's
+   ratio from the action lists (`activations_in_flight`).
+4. ``bubble``: per schedule, the measured idle fraction ``1 - compute / step`` (mean over ranks,
    `PipelineSchedule.last_timing`) against `simulate` of its action lists with forward, input-
    and weight-gradient times 1 (the mean idle fraction of the ranks).
 
@@ -145,6 +149,30 @@ def bench_gain(rank, world, args):
     return out
 
 
+def bench_memory(rank, world, args):
+    from benchmarks.tracker import AllocationTracker
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    m = 8
+    x, y = _batch(cfg, 2 * m, args.seq, 1)
+    peaks, model = {}, {}
+    for schedule in ("1f1b", "zb_h1", "zbv", "dualpipev"):
+        ours = _ours(cfg, 2, m, schedule)
+        ours.step(x, y)
+        tr = AllocationTracker()
+        tr.track(ours.split.module.parameters(), "params")
+        tr.track([p.grad for p in ours.split.module.parameters()], "grads")
+        with tr:
+            ours.step(x, y)
+        peaks[schedule] = tr.peak_by_tag.get("new", 0)
+        spec = sw.get_schedule(schedule)
+        model[schedule] = sw.activations_in_flight(schedule, 2, m, spec.exact_virtual_stages or 1).per_rank[rank]
+        ours.close()
+    return {f"memory_{s}_p2_m{m}_rank{rank}": {"new_bytes": peaks[s], "vs_1f1b": peaks[s] / peaks["1f1b"],
+                                               "model_vs_1f1b": model[s] / model["1f1b"]} for s in peaks}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=6)
@@ -155,7 +183,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", default="zbv,interleaved_zb,dualpipev", help="part 1: comma list")
-    p.add_argument("--parts", default="vs_torch,gain", help="comma list of: vs_torch, gain")
+    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from tests._dist import run_ranks
@@ -164,6 +192,9 @@ def main():
     parts = args.parts.split(",")
     if "vs_torch" in parts:
         res.update(run_ranks(bench_vs_torch, 2, args, timeout=1800)[0])
+    if "memory" in parts:
+        for r in run_ranks(bench_memory, 2, args, timeout=1800):
+            res.update(r)
     if "gain" in parts:
         for world in (2, 4):
             res.update(run_ranks(bench_gain, world, args, timeout=1800)[0])
