@@ -31,6 +31,9 @@ Parts (all ``pp=2``; 2 ranks except ``composed``; the Llama of ``examples/model.
    ``reshard_between_microbatches=True``; torch FSDP2's default).
 6. ``ahead``: shardwise 1F1B with and without receiving ahead ([Note: receiving ahead] in
    ``composable/_pipeline/_p2p.py``), alternating, same split; ratio of wall and CPU times.
+
+The zero-bubble schedules (against torch's, their gain over 1F1B, their bubble) are measured by
+``benchmarks/pipeline_zb.py``.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     dp_size = dp_mesh.size()
     dp_rank = dp_mesh.get_local_rank() if dp_mesh.ndim == 1 else \
         dp_mesh.get_local_rank(0) * dp_mesh.size(1) + dp_mesh.get_local_rank(1)
-    v = args.virtual_stages or (2 if args.schedule == "interleaved_1f1b" else 1)
+    spec = sw.get_schedule(args.schedule)
+    v = args.virtual_stages or (2 if spec.virtual else 1)
     m = args.microbatches or 2 * args.pp
     if args.batch_size % (dp_size * m):
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by dp size ({dp_size}) x "
@@ -91,7 +92,7 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     device = mesh_device(mesh)
     sample_in, sample_tg = inputs_and_targets(local_slice(
         global_batch(1, args.batch_size, args.seq_len, args.vocab, args.seed), 0, dp_size * m))
-    split = sw.pipeline_split(model, pipeline_mesh(mesh), virtual_stages=v, cost=args.pp_cost,
+    split = sw.pipeline_split(model, pipeline_mesh(mesh), virtual_stages=v, cost=args.pp_cost, placement=spec.placement,
                               sample=lambda mod: _loss(mod(sample_in), sample_tg), verbose=rank == 0)
     model.zero_grad(set_to_none=True)
     for st in split.stages:

@@ -80,6 +80,7 @@ def _run(rank, world_size, opts):
     ref_loss.backward()
     mesh = init_mesh(pp=pp, dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, device_type="cpu") if pp > 1 else None
     split = pipeline_split(model, pipeline_mesh(mesh) if mesh is not None else None, virtual_stages=v,
+                           placement=opts.get("placement", "loop"),
                            cost=opts.get("cost", "params"), split_points=opts.get("split_points"),
                            sample=(lambda m: _ce(m(inputs), targets)) if opts.get("cost") == "time" else None,
                            verbose=False)

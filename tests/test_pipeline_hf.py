@@ -53,7 +53,7 @@ def _hf(rank, world_size, schedule):
     return abs(losses.mean().item() - ref_loss.item()) / ref_loss.item(), worst, names
 
 
-@pytest.mark.parametrize("schedule", ["1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
 def test_hf_llama_pp2(schedule):
     res = run_ranks(_hf, 2, schedule, timeout=120)
     names = set()

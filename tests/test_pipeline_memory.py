@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.composable import SCHEDULES, activations_in_flight, build_schedule, plan_memory
+from shardwise.composable import SCHEDULES, activations_in_flight, build_schedule, get_schedule, plan_memory
 
 
 def _walk(acts, v):
@@ -92,6 +92,7 @@ def test_plan_memory_uses_the_walk_for_virtual_stages():
 
 def test_every_registered_schedule_gets_a_memory_model():
     for name in SCHEDULES:
-        v = 2 if name == "interleaved_1f1b" else 1
+        spec = get_schedule(name)
+        v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
         got = activations_in_flight(name, 2, 4, v)
         assert len(got.per_rank) == 2 and all(0 < x <= 4 for x in got.per_rank), (name, got)

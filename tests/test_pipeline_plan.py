@@ -53,9 +53,10 @@ def test_bad_plans_are_refused() -> None:
 
 
 @settings(deadline=None, max_examples=60)
-@given(schedule=st.sampled_from(SCHEDULES), pp=st.integers(1, 5), mult=st.integers(1, 4), v=st.integers(2, 3),
-       extra=st.integers(0, 3))
+@given(schedule=st.sampled_from([s for s in SCHEDULES if s in ("gpipe", "1f1b", "interleaved_1f1b")]),
+       pp=st.integers(1, 5), mult=st.integers(1, 4), v=st.integers(2, 3), extra=st.integers(0, 3))
 def test_schedules_are_complete_deadlock_free_and_hit_the_theory(schedule, pp, mult, v, extra) -> None:
+    """The schedules of F and B actions; the zero-bubble ones are checked in tests/test_pipeline_zb.py."""
     if schedule != "interleaved_1f1b":
         v = 1
         m = mult + extra

@@ -1,6 +1,6 @@
 """The schedule registry: a schedule defined and registered here, in a test file, runs in
-`PipelineSchedule` like a built-in one (gradients equal to one process); a schedule with kinds
-the runtime cannot run yet is refused on every rank; `simulate` knows split backwards."""
+`PipelineSchedule` like a built-in one (gradients equal to one process), also one of split
+backwards (I then W); `simulate` knows split backwards."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _reverse_gpipe(rank: int, pp: int, m: int, v: int) -> list[Action]:
 
 
 def _split_gpipe(rank: int, pp: int, m: int, v: int) -> list[Action]:
-    """GPipe with every backward split into I then W (needs a runtime that runs I / W)."""
+    """GPipe with every backward split into I then W."""
     out = [Action(ActionKind.F, rank, i) for i in range(m)]
     for i in range(m):
         out += [Action(ActionKind.I, rank, i), Action(ActionKind.W, rank, i)]
@@ -119,8 +119,7 @@ def test_a_schedule_registered_in_a_test_file_trains_like_one_process():
         assert r["grad_err"] <= 1e-6 and r["loss_err"] <= 1e-6, r
 
 
-def test_kinds_the_runtime_cannot_run_are_refused_on_every_rank():
-    """Before the registry, every action that was not "F" ran as a full backward."""
-    got = run_ranks(_toy_run, 2, "split_gpipe", timeout=60)
-    assert len(set(got)) == 1, got
-    assert "schedule 'split_gpipe' uses action kinds ['I', 'W'], which this runtime cannot run yet" in got[0], got
+def test_a_split_backward_schedule_registered_in_a_test_file_trains_like_one_process():
+    """Before the runtime ran I / W, this schedule was refused on every rank by name."""
+    for r in run_ranks(_toy_run, 2, "split_gpipe", timeout=60):
+        assert r["grad_err"] <= 1e-6 and r["loss_err"] <= 1e-6, r

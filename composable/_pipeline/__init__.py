@@ -1,11 +1,12 @@
 """Pipeline parallelism: balanced automatic partitioning, GPipe / 1F1B / interleaved 1F1B
-schedules (a registry of schedule specs), composed with ``fully_shard`` and tensor parallelism. See docs/pipeline.md."""
+schedules and the zero-bubble ones (zb_h1, zbv, interleaved_zb; a registry of schedule specs), composed with ``fully_shard`` and tensor parallelism. See docs/pipeline.md."""
 
 from ._checkpoint import (pipeline_optimizer_state_dict, pipeline_state_dict, set_pipeline_optimizer_state_dict,
                           set_pipeline_state_dict)
 from ._in_flight import InFlight, activations_in_flight
 from ._partition import StagePlan, balanced_bounds, uniform_bounds
-from ._registry import ScheduleSpec, register_schedule, unregister_schedule
+from ._placement import PLACEMENTS, stage_rank
+from ._registry import ScheduleSpec, get_schedule, register_schedule, unregister_schedule
 from ._runtime import RUNNABLE_KINDS, PipelineError, PipelineSchedule
 from ._schedule import SCHEDULES, Action, ActionKind, build_schedule, simulate, theoretical_bubble
 from ._stages import PipelineSplit, pipeline_split, plan_stages
@@ -17,6 +18,9 @@ __all__ = [
     "ScheduleSpec",
     "InFlight",
     "activations_in_flight",
+    "get_schedule",
+    "PLACEMENTS",
+    "stage_rank",
     "register_schedule",
     "unregister_schedule",
     "PipelineError",

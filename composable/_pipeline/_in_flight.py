@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._actions import Action, ActionKind
-from ._registry import ScheduleSpec
+from ._placement import stages_of
+from ._registry import ScheduleSpec, get_schedule
 from ._schedule import build_schedule
 
 __all__ = ["InFlight", "activations_in_flight", "walk_in_flight"]
@@ -77,7 +78,8 @@ def activations_in_flight(schedule: str | ScheduleSpec, pp: int, microbatches: i
     per_rank: list[float] = []
     per_stage = [0] * (pp * v)
     for r in range(pp):
-        peak, stages = walk_in_flight(acts[r], {s: stage_weights[s] for s in range(r, pp * v, pp)})
+        mine = stages_of(r, pp, v, get_schedule(schedule).placement)
+        peak, stages = walk_in_flight(acts[r], {s: stage_weights[s] for s in mine})
         per_rank.append(peak)
         for s, n in stages.items():
             per_stage[s] = n

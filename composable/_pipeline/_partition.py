@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._placement import stage_rank
+
 __all__ = ["StagePlan", "balanced_bounds", "plan_from_bounds", "uniform_bounds"]
 
 
@@ -48,15 +50,15 @@ class StagePlan:
         mean = sum(self.costs) / len(self.costs)
         return max(self.costs) / mean if mean > 0 else 1.0
 
-    def describe(self, pp: int | None = None) -> str:
-        """A table: stage, rank (stage % pp when given), blocks, cost."""
+    def describe(self, pp: int | None = None, placement: str = "loop") -> str:
+        """A table: stage, rank (from ``pp`` and ``placement`` when given), blocks, cost."""
         unit = {"time": "ms", "params": "MiB", "activations": "MiB"}.get(self.cost_kind, "")
         scale = {"time": 1e3, "params": 2.0**-20, "activations": 2.0**-20}.get(self.cost_kind, 1.0)
         lines = [f"pipeline plan: {self.num_stages} stages, cost = {self.cost_kind}, "
                  f"max/mean = {self.imbalance:.3f}"]
         for k in range(self.num_stages):
             b = self.blocks(k)
-            where = f" rank {k % pp}" if pp else ""
+            where = f" rank {stage_rank(k, pp, placement)}" if pp else ""
             extra = (" + pre" if k == 0 else "") + (" + post" if k == self.num_stages - 1 else "")
             lines.append(f"  stage {k}{where}: blocks {b.start}..{b.stop - 1}{extra}  "
                          f"cost {self.costs[k] * scale:.4g} {unit}".rstrip())

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import overload
 
 from ._actions import Action
+from ._placement import check_placement
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "get_schedule", "one_f_one_b_bubble", "register_schedule",
            "unregister_schedule"]
@@ -36,13 +37,17 @@ class ScheduleSpec:
         name: what ``PipelineSchedule(schedule=...)`` and ``build_schedule`` take.
         build: ``build(rank, pp, microbatches, virtual_stages) -> list[Action]``: the actions of
             rank ``rank`` in the order it runs them; rank ``r`` holds virtual stages ``r``,
-            ``r + pp``, ... ([Note: schedules] in ``_schedule.py``).
+            ``r + pp``, ... ([Note: schedules] in ``_schedule.py``), or as ``placement`` says.
         virtual: True if it runs ``virtual_stages >= 1`` stages per rank; False: exactly one
             (``virtual_stages != 1`` is refused).
         microbatch_multiple_of_pp: refuse a microbatch count that ``pp`` does not divide.
         bubble: ``bubble(pp, microbatches, virtual_stages)``, the idle fraction of a rank with
             forward time 1 and backward time 2 (what `simulate` should find); None: unknown.
         summary: one line for docs and errors.
+        placement: ``"loop"`` (stage ``s`` on rank ``s % pp``) or ``"v"`` (down the ranks and
+            back up: [Note: stage placement] in ``_placement.py``); the split must use the same.
+        exact_virtual_stages: the one number of stages per rank it runs (ZBV: 2), or None.
+        min_microbatches_per_stage: refuse fewer microbatches than stages (``pp * v``; DualPipeV).
     """
 
     name: str
@@ -51,6 +56,9 @@ class ScheduleSpec:
     microbatch_multiple_of_pp: bool = False
     bubble: BubbleFn | None = None
     summary: str = ""
+    placement: str = "loop"
+    exact_virtual_stages: int | None = None
+    min_microbatches_per_stage: bool = False
 
     def check(self, pp: int, microbatches: int, virtual_stages: int) -> None:
         """``ValueError`` naming the argument and the fix if the spec cannot run these sizes."""
@@ -62,6 +70,14 @@ class ScheduleSpec:
         if self.microbatch_multiple_of_pp and m % pp:
             raise ValueError(f"pipeline: {self.name} needs microbatches ({m}) to be a multiple of pp ({pp}); "
                              f"use {-(-m // pp) * pp} microbatches, or schedule='1f1b'")
+        check_placement(self.placement)
+        if self.exact_virtual_stages is not None and v != self.exact_virtual_stages:
+            raise ValueError(f"pipeline: schedule={self.name!r} runs exactly {self.exact_virtual_stages} stages per "
+                             f"rank but {v} virtual stages were requested; use virtual_stages="
+                             f"{self.exact_virtual_stages}")
+        if self.min_microbatches_per_stage and m < pp * v:
+            raise ValueError(f"pipeline: {self.name} needs at least as many microbatches as stages ({pp} x {v} = "
+                             f"{pp * v}); got microbatches={m}; use {pp * v} or more")
         if not self.virtual and v != 1:
             virtual = [s.name for s in _REGISTRY.values() if s.virtual]
             raise ValueError(f"pipeline: schedule={self.name!r} runs one stage per rank but {v} virtual stages were "
@@ -140,5 +156,5 @@ class _Names(Sequence[str]):
 
 
 SCHEDULES: Sequence[str] = _Names()
-"""The names of the registered schedules (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, and any
-registered since)."""
+"""The names of the registered schedules (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``,
+``"zbv"``, ``"interleaved_zb"``, ``"dualpipev"``, and any registered since)."""

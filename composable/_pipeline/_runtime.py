@@ -7,7 +7,9 @@ stage ``s - 1`` (or, on stage 0, nothing), call stage ``s``'s shell on the micro
 inputs, and send the output of its last block on; the last stage computes
 ``loss_fn(output, targets_i)`` instead. ``B(s, i)``: the last stage backpropagates
 ``loss_i / m``, the others the received gradient of their output; then the gradient of the
-stage's input goes back. With mean-reduced losses over equal microbatches the accumulated
+stage's input goes back. ``I(s, i)`` and ``W(s, i)`` split ``B`` in two: ``I`` sends the input
+gradient back at once and keeps the graph, ``W`` later accumulates the parameters' gradients
+from it ([Note: split backward] in ``_split_backward.py``). With mean-reduced losses over equal microbatches the accumulated
 gradients are those of the whole batch on one process.
 
 ``fully_shard`` units: one reduce-scatter per unit per step and, by default, one all-gather;
@@ -30,9 +32,11 @@ import torch.distributed as dist
 
 from ._boundary import check_boundary
 from ._p2p import P2P, PeerFailed
+from ._placement import stage_rank
 from ._registry import ScheduleSpec, get_schedule
 from ._schedule import Action, ActionKind
 from ._split import StageShell
+from ._split_backward import input_grad, weight_grad
 from ._stages import PipelineSplit
 from ._units import StageUnits
 
@@ -76,9 +80,9 @@ class PipelineSchedule:
     Args:
         split: from `pipeline_split` (after TP / ``fully_shard`` of its stages).
         schedule: a registered schedule's name (``SCHEDULES``: ``"gpipe"``, ``"1f1b"``,
-            ``"interleaved_1f1b"``, which needs ``microbatches % pp == 0``, ...) or a
-            `ScheduleSpec`. Its actions must be of the kinds this runtime runs
-            (`RUNNABLE_KINDS`: F and B); others are refused here, on every rank.
+            ``"interleaved_1f1b"``, which needs ``microbatches % pp == 0``, ``"zb_h1"``, ...) or
+            a `ScheduleSpec`. Its actions are of the kinds in `RUNNABLE_KINDS` (F, B, and the
+            split backward's I and W).
         microbatches: ``m``; the batch size must be a multiple of it.
         loss_fn: ``loss_fn(output, targets) -> scalar`` on the last stage, mean-reduced over the
             microbatch (the step backpropagates ``loss / m``).
@@ -122,6 +126,10 @@ class PipelineSchedule:
                              f"{sorted(k.value for k in kinds - RUNNABLE_KINDS)}, which this runtime cannot run yet "
                              f"(it runs {sorted(k.value for k in RUNNABLE_KINDS)}: forward and full backward); "
                              "use a schedule of F and B actions")
+        if spec.placement != split.placement:
+            raise ValueError(f"pipeline: schedule {spec.name!r} places stages as {spec.placement!r} but the model was "
+                             f"split with placement={split.placement!r}; split it with pipeline_split(..., "
+                             f"placement={spec.placement!r})")
         self.schedule = spec
         self.actions = self.all_actions[split.pp_rank]
         self.stages = {st.index: st for st in split.stages}
@@ -137,9 +145,9 @@ class PipelineSchedule:
             if not st.is_last:
                 self._hooks.append(blocks[-1].register_forward_hook(self._make_capture(st)))
         self._boundary_checked: set[int] = set()
-        self.last_b = {}
+        self.last_b = {}  # stage -> index of its last action that makes parameter gradients
         for i, a in enumerate(self.actions):
-            if a.kind is ActionKind.B:
+            if a.kind in (ActionKind.B, ActionKind.W):
                 self.last_b[a.stage] = i
         param = next((p for p in split.module.parameters()), None)
         self.device = _device_of(param)
@@ -172,7 +180,7 @@ class PipelineSchedule:
         return hook
 
     def _rank_of(self, stage: int) -> int:
-        return stage % self.split.pp_size
+        return stage_rank(stage, self.split.pp_size, self.split.placement)
 
     def _sends_of(self, rank: int) -> list:
         """(destination rank, key) of every message rank ``rank`` sends in a step, in its order."""
@@ -245,7 +253,8 @@ class PipelineSchedule:
     def _run_actions(self, mb_in, mb_tg, losses, units: StageUnits):
         """Run this rank's action list, dispatching on each action's `ActionKind`; returns (the
         error text or None, (compute s, compute CPU s))."""
-        run = {ActionKind.F: self._forward, ActionKind.B: self._backward}
+        run = {ActionKind.F: self._forward, ActionKind.B: self._backward, ActionKind.I: self._input_grad,
+               ActionKind.W: self._weight_grad}
         step = _StepState(mb_in, mb_tg, losses, units)
         error = None
         for idx, a in enumerate(self.actions):
@@ -324,6 +333,33 @@ class PipelineSchedule:
                 raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
             self._put(("grad", a.stage - 1, a.microbatch), a.stage - 1, x.grad, step.local)
 
+    def _input_grad(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
+        """``I(s, i)``: the gradient of the stage's input only, sent back at once; the graph is
+        kept for ``W(s, i)`` ([Note: split backward])."""
+        x, y = step.saved.pop((a.stage, a.microbatch))
+        g = None if st.is_last else self._get(("grad", a.stage, a.microbatch), a.stage + 1, step.local)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step.units.before_input_grad(a.stage)
+        with self.loss_context() if st.is_last and self.loss_context else _null():
+            gx, pending = input_grad([y / self.m] if st.is_last else [y], [g], x)
+        step.pending[(a.stage, a.microbatch)] = (x, pending)
+        step.timed(t0, c0)
+        if not st.is_first:
+            if gx is None:
+                raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
+            self._put(("grad", a.stage - 1, a.microbatch), a.stage - 1, gx, step.local)
+
+    def _weight_grad(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
+        """``W(s, i)``: the parameters' gradients from what ``I(s, i)`` kept; after the stage's
+        last, its units reduce ([Note: fully_shard units in a pipeline step])."""
+        x, pending = step.pending.pop((a.stage, a.microbatch))
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step.units.before_weight_grad(a.stage, self.last_b[a.stage] == idx)
+        with self.loss_context() if st.is_last and self.loss_context else _null():
+            weight_grad(pending, x)
+        step.units.after_weight_grad(a.stage)
+        step.timed(t0, c0)
+
     def _notify(self, text: str) -> None:
         if self.p2p is None:
             return
@@ -361,7 +397,7 @@ class PipelineSchedule:
 
 _PHASE = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "input-gradient backward",
           ActionKind.W: "weight-gradient backward"}
-RUNNABLE_KINDS = frozenset({ActionKind.F, ActionKind.B})
+RUNNABLE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
 """The action kinds this runtime executes; a schedule with others is refused when it is built."""
 
 
@@ -373,6 +409,7 @@ class _StepState:
         self.mb_in, self.mb_tg, self.losses, self.units = mb_in, mb_tg, losses, units
         self.local: dict = {}
         self.saved: dict = {}
+        self.pending: dict = {}  # (stage, microbatch) -> what I kept for W
         self.x: torch.Tensor | None = None  # the current forward's input, for the error message
         self.compute = self.cpu = 0.0
 

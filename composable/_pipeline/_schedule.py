@@ -11,15 +11,17 @@ its bubble: with forward time 1 and backward time 2, GPipe and 1F1B take ``3 (m 
 step, bubble ``(p - 1) / (m + p - 1)``; interleaving divides the bubble by about ``v``.
 
 A schedule is a `ScheduleSpec` in the registry (``_registry.py``); the built-in ones are one
-file each (``_schedule_gpipe.py``, ``_schedule_1f1b.py``, ``_schedule_interleaved_1f1b.py``),
-imported here in the order of ``SCHEDULES``.
+file each (``_schedule_gpipe.py``, ``_schedule_1f1b.py``, ``_schedule_interleaved_1f1b.py``, the
+zero-bubble ``_schedule_zb_h1.py``, ``_schedule_zbv.py`` (``zbv`` and ``interleaved_zb``) and
+``_schedule_dualpipev.py``), imported here in the order of ``SCHEDULES``. ``zbv`` and
+``dualpipev`` place stages in a V ([Note: stage placement] in ``_placement.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import _schedule_gpipe, _schedule_1f1b, _schedule_interleaved_1f1b  # noqa: F401  register, in this order
+from . import _schedule_gpipe, _schedule_1f1b, _schedule_interleaved_1f1b, _schedule_zb_h1, _schedule_zbv, _schedule_dualpipev  # noqa: F401,E501  register, in this order
 from ._actions import Action, ActionKind
 from ._registry import SCHEDULES, ScheduleSpec, get_schedule, one_f_one_b_bubble
 

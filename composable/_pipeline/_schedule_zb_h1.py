@@ -9,15 +9,14 @@ remaining ``W`` s last. Every rank then keeps at most ``pp`` microbatches of act
 equal, the bubble is ``(p - 1) / (3 m + p - 1)`` (1F1B: ``3 (p - 1) / (3 m + 3 (p - 1))``),
 about a third; `tests/test_pipeline_zb.py` checks both with `simulate` and the memory walk.
 
-Not registered yet: `PipelineSchedule` runs ``F`` and ``B`` only (`RUNNABLE_KINDS`), so the spec
-joins ``SCHEDULES`` with the runtime's split backward. ``register_schedule(ZB_H1)`` makes it
-available to `build_schedule`, `simulate` and `activations_in_flight` today.
+The runtime runs ``I`` and ``W`` as a split backward ([Note: split backward] in
+``_split_backward.py``).
 """
 
 from __future__ import annotations
 
 from ._actions import Action, ActionKind
-from ._registry import ScheduleSpec
+from ._registry import ScheduleSpec, register_schedule
 
 __all__ = ["ZB_H1", "zb_h1_bubble"]
 
@@ -42,5 +41,5 @@ def _build(rank: int, pp: int, m: int, v: int) -> list[Action]:
     return acts + [Action(ActionKind.W, rank, i) for i in range(w, m)]
 
 
-ZB_H1 = ScheduleSpec("zb_h1", _build, bubble=zb_h1_bubble,
-                     summary="1F1B with split backwards, rank r deferring r weight gradients (ZB-H1)")
+ZB_H1 = register_schedule(ScheduleSpec("zb_h1", _build, bubble=zb_h1_bubble,
+                     summary="1F1B with split backwards, rank r deferring r weight gradients (ZB-H1)"))

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from ._placement import stage_rank
+
 __all__ = ["Blocks", "StageShell", "blocks_list", "classify", "find_layers", "split_model"]
 
 
@@ -203,13 +205,13 @@ def classify(path: list[nn.Module], names: list[str], order: Sequence[nn.Module]
 
 
 def split_model(model: nn.Module, path: list[nn.Module], names: list[str], pre, post, bounds: Sequence[int],
-                pp: int, pp_rank: int) -> list[StageShell]:
+                pp: int, pp_rank: int, placement: str = "loop") -> list[StageShell]:
     """Turn ``model`` into this rank's rank model and return its stage shells; see
     [Note: how a model is split]. Stage ``s`` (blocks ``bounds[s]..bounds[s+1]-1``) is on rank
-    ``s % pp``."""
+    ``s % pp`` (or as ``placement`` says: [Note: stage placement] in ``_placement.py``)."""
     num_stages = len(bounds) - 1
     blocks = list(blocks_list(path, names))
-    mine = [s for s in range(num_stages) if s % pp == pp_rank]
+    mine = [s for s in range(num_stages) if stage_rank(s, pp, placement) == pp_rank]
     originals = {(d, n): path[d]._modules[n] for d, n in [*pre, *post]}
     shells = []
     for s in mine:

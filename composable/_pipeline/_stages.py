@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardwise.mesh import PP_AXIS, mesh_axes
 
 from .._compat import root_mesh
+from ._placement import check_placement
 from ._agree import agree, fingerprint
 from ._cost import COST_KINDS, average_costs, measure_costs, param_costs
 from ._partition import StagePlan, balanced_plan, plan_from_bounds
@@ -49,6 +50,7 @@ class PipelineSplit:
     # [Note: after a failed step] in _p2p.py
     in_flight: list = field(default_factory=list, repr=False, compare=False)
     stage_ranks: tuple[int, ...] | None = None
+    placement: str = "loop"  # [Note: stage placement] in _placement.py
 
     @property
     def num_stages(self) -> int:
@@ -185,7 +187,7 @@ _SPLIT: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models and stage shell
 def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtual_stages: int = 1,
                    layers: str | None = None, cost: str = "time", split_points: Sequence[int] | None = None,
                    sample: Callable[[nn.Module], torch.Tensor] | None = None, repeats: int = 3,
-                   verbose: bool = True) -> PipelineSplit:
+                   verbose: bool = True, placement: str = "loop") -> PipelineSplit:
     """Split ``model`` into ``pp * virtual_stages`` contiguous stages and keep this rank's.
 
     Call on every rank with the same unsplit model (same seed), before tensor parallelism and
@@ -194,7 +196,10 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtu
     None: every rank of the default group is one stage).
 
     Args:
-        virtual_stages: stages per rank (``> 1`` for the interleaved schedule).
+        virtual_stages: stages per rank (``> 1`` for the interleaved schedules, 2 for ``zbv``).
+        placement: ``"loop"`` (stage ``s`` on rank ``s % pp``) or ``"v"`` (the V of ``zbv``:
+            rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``); the schedule's own
+            (``ScheduleSpec.placement``). See [Note: stage placement] in ``_placement.py``.
         layers: dotted path of the blocks list; default ``layers`` or ``model.layers``.
         cost: what to balance: ``"time"`` (measured forward+backward of each block, the
             embedding and the head+loss on ``sample``; averaged over ranks), ``"params"``
@@ -216,6 +221,7 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtu
     error: BaseException | None = None
     local = None
     try:
+        check_placement(placement)
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(f"pipeline: virtual_stages={virtual_stages!r}; it must be a positive int")
         if model in _SPLIT:
@@ -234,10 +240,10 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtu
     fqns = tuple(n for n, _ in model.named_parameters())
     plan = _balance(local, num_stages, cost)
     if verbose and (not dist.is_initialized() or dist.get_rank() == 0):
-        print(plan.describe(pp), flush=True)
-    shells = split_model(model, local.path, local.names, local.pre, local.post, plan.bounds, pp, pp_rank)
+        print(plan.describe(pp, placement), flush=True)
+    shells = split_model(model, local.path, local.names, local.pre, local.post, plan.bounds, pp, pp_rank, placement)
     _SPLIT.add(model)
     for shell in shells:
         _SPLIT.add(shell.module)
     return PipelineSplit(model, shells, plan, group, pp_rank, pp, virtual_stages, fqns,
-                         stage_ranks=pipe.stage_ranks)
+                         stage_ranks=pipe.stage_ranks, placement=placement)

@@ -24,6 +24,13 @@ first forward to its last backward, as ``SHARD_GRAD_OP`` (ZeRO-2) does; the memo
 plans that ([Note: the memory of a pipeline stage]). ``reshard_between_microbatches=True``
 leaves FSDP's resharding alone (``2 m`` all-gathers per unit per step, FSDP's memory).
 
+A split backward ([Note: split backward] in ``_split_backward.py``) treats ``I`` as a backward
+that neither reduces nor reshards (its gradients reach no parameter) and ``W`` as the stage's
+backward for these rules: the reduce-scatter is issued after the stage's last ``W``, one per unit
+per step. ``W`` runs outside the units' autograd hooks (nothing of it passes their inputs or
+outputs), so `after_weight_grad` does what their end of backward does: reduce (or keep) the
+gradients and finish the reductions; a unit resharded since ``I`` is gathered again first.
+
 A step that fails must not leave parameters gathered (the modules would hold plain tensors
 instead of their shards: a checkpoint or an optimizer built then would see full tensors) nor
 the failed step's partial gradients in the units (the next step would add them in): `abandon`
@@ -71,6 +78,28 @@ class StageUnits:
             keep = not last and self.keep
             override_unit(s, StepOverride(requires_gradient_sync=sync, reshard_after_backward=False if keep else
                                           s.configured_reshard_after_backward))
+
+    def before_input_grad(self, stage: int) -> None:
+        """Set the units of ``stage`` for an ``I``: no reduction, parameters kept for its ``W``."""
+        for s in self.units[stage]:
+            override_unit(s, StepOverride(requires_gradient_sync=False, reshard_after_backward=False))
+
+    def before_weight_grad(self, stage: int, last: bool) -> None:
+        """Set the units of ``stage`` for a ``W`` (``last``: its last in the step); a unit
+        resharded since the ``I`` is gathered again (into the same storage its graph saved)."""
+        self.before_backward(stage, last)
+        for s in self.units[stage]:
+            if s.group is not None:
+                s.group.unshard()
+                s.group.wait_unshard()
+
+    def after_weight_grad(self, stage: int) -> None:
+        """The units' end of backward after a ``W``: reduce (or keep) the gradients it made."""
+        done: list = []
+        for u in self.units[stage]:
+            if u.ctx is not None and all(u.ctx is not c for c in done):
+                done.append(u.ctx)
+                u.ctx.final_callback()
 
     def restore(self) -> None:
         """The units' own settings again (the overrides dropped)."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch.nn as nn
 
 from .._pipeline._in_flight import activations_in_flight
+from .._pipeline._placement import stage_rank
 from .._pipeline._registry import get_schedule
 from .._pipeline._stages import plan_stages
 from .._wrap import ShardingPolicy
@@ -111,8 +112,9 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
                                                split_points=stage_bounds)
     blocks = list(path[-1]._modules[names[-1]])
     sizes = [len(plan.blocks(k)) for k in range(pp * v)]
-    on_rank = [sum(sizes[r::pp]) for r in range(pp)]
-    alive = activations_in_flight(spec, pp, microbatches, v, [sizes[k] / on_rank[k % pp] for k in range(pp * v)])
+    where = [stage_rank(k, pp, spec.placement) for k in range(pp * v)]
+    on_rank = [sum(sz for sz, r in zip(sizes, where) if r == rank) for rank in range(pp)]
+    alive = activations_in_flight(spec, pp, microbatches, v, [sizes[k] / on_rank[where[k]] for k in range(pp * v)])
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
     if not reshard_between_microbatches and policy.reshard_after_forward is None:
@@ -122,15 +124,15 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
     for s in range(pp):
         view = _StageView()
         view._no_split_modules = classes
-        if s == 0:
+        if where[0] == s:
             for d, n in pre:
                 view.add_module(f"pre_{d}_{n}", path[d]._modules[n])
         holder = nn.Module()
-        for k in range(s, pp * v, pp):
+        for k in (k for k in range(pp * v) if where[k] == s):
             for i in plan.blocks(k):
                 holder.add_module(str(i), blocks[i])
         view.add_module("layers", holder)
-        if s == pp - 1:
+        if where[-1] == s:
             for d, n in post:
                 view.add_module(f"post_{d}_{n}", path[d]._modules[n])
         share = on_rank[s] / len(blocks)

@@ -1,0 +1,208 @@
+"""Zero-bubble pipeline schedules: shardwise against torch.distributed.pipelining, their gain over
+1F1B, and the measured bubble against `simulate`.
+
+    python benchmarks/pipeline_zb.py --reps 6          # gloo ranks on CPU, one thread each
+
+Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split into ``p * v`` stages):
+
+1. ``vs_torch`` (p=2, 2 ranks): shardwise ``zbv`` / ``interleaved_zb`` (v=2) / ``dualpipev`` against
+   torch's ``ScheduleZBVZeroBubble`` / ``ScheduleInterleavedZeroBubble`` / ``ScheduleDualPipeV`` on
+   stage modules holding the same blocks (V placement for ZBV and DualPipeV), the same
+   microbatches. Steps alternate between the two; a step's time is rank 0's wall time between
+   two barriers; medians and the median of per-pair ratios shardwise / torch. The losses of the
+   two are checked equal first.
+2. ``gain`` (p=2 on 2 ranks, p=4 on 4 ranks; m=4 and 8): shardwise ``zb_h1`` and ``zbv`` against
+   shardwise ``1f1b``, alternating: ratio of step times (below 1 is a gain).
+3. ``memory`` (p=2, 2 ranks, m=8): per rank, the peak bytes of storages made during one step
+   (`benchmarks.tracker.AllocationTracker`, tag ``new``: activations, kept graphs, transients;
+   parameters and gradients tracked apart), per schedule against 1F1B's, beside the model's
+   ratio from the action lists (`activations_in_flight`).
+4. ``bubble``: per schedule, the measured idle fraction ``1 - compute / step`` (mean over ranks,
+   `PipelineSchedule.last_timing`) against `simulate` of its action lists with forward, input-
+   and weight-gradient times 1 (the mean idle fraction of the ranks).
+
+On a machine with fewer cores than ranks the ranks share cores: wall times then mostly measure
+the total work, and the measured bubble includes time a rank waits for a core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import shardwise.composable as sw  # noqa: E402
+from benchmarks.pipeline import TorchStage, _batch, _ce, _timed  # noqa: E402
+from examples.model import Llama, LlamaConfig  # noqa: E402
+
+_TORCH = {"zbv": "ScheduleZBVZeroBubble", "interleaved_zb": "ScheduleInterleavedZeroBubble",
+          "dualpipev": "ScheduleDualPipeV"}
+
+
+def _ours(cfg, pp, m, schedule, mesh=None):
+    spec = sw.get_schedule(schedule)
+    v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
+    model = Llama(cfg, generator=torch.Generator().manual_seed(0))
+    split = sw.pipeline_split(model, mesh, virtual_stages=v, cost="params", placement=spec.placement,
+                              split_points=list(sw.uniform_bounds(cfg.n_layers, pp * v)), verbose=False)
+    return sw.PipelineSchedule(split, schedule=schedule, microbatches=m, loss_fn=_ce)
+
+
+def _theirs(cfg, pp, m, schedule):
+    import torch.distributed.pipelining as tp
+
+    spec = sw.get_schedule(schedule)
+    S = 2 * pp
+    bounds = sw.uniform_bounds(cfg.n_layers, S)
+    rank = dist.get_rank()
+    model = Llama(cfg, generator=torch.Generator().manual_seed(0))
+    mine = [s for s in range(S) if sw.stage_rank(s, pp, spec.placement) == rank]
+    stages = [tp.PipelineStage(TorchStage(model, range(bounds[s], bounds[s + 1]), s == 0, s == S - 1), s, S,
+                               torch.device("cpu")) for s in mine]
+    return mine, getattr(tp, _TORCH[schedule])(stages, n_microbatches=m, loss_fn=_ce)
+
+
+def _run_theirs(mine, sched, x, y, S, losses=None):
+    kw = {"target": y, "losses": losses if losses is not None else []} if S - 1 in mine else {}
+    sched.step(*((x,) if 0 in mine else ()), **kw)
+
+
+def _ratio(a, b) -> dict:
+    return {"shardwise_s": statistics.median(a), "other_s": statistics.median(b),
+            "ratio": statistics.median(p / q for p, q in zip(a, b))}
+
+
+def _measured_bubble(sched) -> float:
+    t = torch.tensor([1 - sched.last_timing["compute_s"] / sched.last_timing["step_s"]], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _simulated(schedule, pp, m) -> float:
+    spec = sw.get_schedule(schedule)
+    v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
+    makespan, busy = sw.simulate(sw.build_schedule(schedule, pp, m, v), pp * v, m, f_time=1 / v, b_time=2 / v,
+                                 w_time=1 / v)
+    return 1 - sum(busy) / len(busy) / makespan
+
+
+def bench_vs_torch(rank, world, args):
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    x, y = _batch(cfg, args.batch, args.seq, 1)
+    out = {}
+    for schedule in args.schedules.split(","):
+        m = args.microbatches
+        ours = _ours(cfg, 2, m, schedule)
+        mine, theirs = _theirs(cfg, 2, m, schedule)
+        for _ in range(2):
+            got = ours.step(x, y)
+            losses: list = []
+            _run_theirs(mine, theirs, x, y, 4, losses)
+            if losses:
+                diff = max(abs(float(p) - float(q.detach())) for p, q in zip(got, losses))
+                assert diff <= 1e-5 * abs(float(got[0])), f"{schedule}: the two runs compute different losses ({diff})"
+        a, b, bub = [], [], []
+        for _ in range(args.reps):
+            a.append(_timed(lambda: ours.step(x, y)))
+            bub.append(_measured_bubble(ours))
+            b.append(_timed(lambda: _run_theirs(mine, theirs, x, y, 4)))
+        out[f"vs_torch_{schedule}_p2_m{m}"] = _ratio(a, b)
+        out[f"bubble_{schedule}_p2_m{m}"] = {"measured": statistics.median(bub), "simulated": _simulated(schedule, 2, m)}
+        ours.close()
+    return out
+
+
+def bench_gain(rank, world, args):
+    torch.set_num_threads(1)
+    pp = world
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    out = {}
+    for m in (4, 8):
+        x, y = _batch(cfg, 2 * m, args.seq, 1)
+        base = _ours(cfg, pp, m, "1f1b")
+        for schedule in ("zb_h1", "zbv"):
+            ours = _ours(cfg, pp, m, schedule)
+            for _ in range(2):
+                base.step(x, y)
+                ours.step(x, y)
+            a, b, bub, bub1 = [], [], [], []
+            for _ in range(args.reps):
+                a.append(_timed(lambda: ours.step(x, y)))
+                bub.append(_measured_bubble(ours))
+                b.append(_timed(lambda: base.step(x, y)))
+                bub1.append(_measured_bubble(base))
+            out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = _ratio(a, b)
+            out[f"bubble_{schedule}_p{pp}_m{m}"] = {"measured": statistics.median(bub),
+                                                    "simulated": _simulated(schedule, pp, m)}
+            out[f"bubble_1f1b_p{pp}_m{m}"] = {"measured": statistics.median(bub1),
+                                              "simulated": _simulated("1f1b", pp, m)}
+            ours.close()
+        base.close()
+    return out
+
+
+def bench_memory(rank, world, args):
+    from benchmarks.tracker import AllocationTracker
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    m = 8
+    x, y = _batch(cfg, 2 * m, args.seq, 1)
+    peaks, model = {}, {}
+    for schedule in ("1f1b", "zb_h1", "zbv", "dualpipev"):
+        ours = _ours(cfg, 2, m, schedule)
+        ours.step(x, y)
+        tr = AllocationTracker()
+        tr.track(ours.split.module.parameters(), "params")
+        tr.track([p.grad for p in ours.split.module.parameters()], "grads")
+        with tr:
+            ours.step(x, y)
+        peaks[schedule] = tr.peak_by_tag.get("new", 0)
+        spec = sw.get_schedule(schedule)
+        model[schedule] = sw.activations_in_flight(schedule, 2, m, spec.exact_virtual_stages or 1).per_rank[rank]
+        ours.close()
+    return {f"memory_{s}_p2_m{m}_rank{rank}": {"new_bytes": peaks[s], "vs_1f1b": peaks[s] / peaks["1f1b"],
+                                               "model_vs_1f1b": model[s] / model["1f1b"]} for s in peaks}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=6)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedules", default="zbv,interleaved_zb,dualpipev", help="part 1: comma list")
+    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    from tests._dist import run_ranks
+
+    res: dict = {}
+    parts = args.parts.split(",")
+    if "vs_torch" in parts:
+        res.update(run_ranks(bench_vs_torch, 2, args, timeout=1800)[0])
+    if "memory" in parts:
+        for r in run_ranks(bench_memory, 2, args, timeout=1800):
+            res.update(r)
+    if "gain" in parts:
+        for world in (2, 4):
+            res.update(run_ranks(bench_gain, world, args, timeout=1800)[0])
+    for k, v in res.items():
+        print(f"{k}: {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
