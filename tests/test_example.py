@@ -227,3 +227,19 @@ def test_torchrun_save_then_printed_command_without_numpy(tmp_path):
     assert second.returncode == 0, second.stdout + second.stderr
     assert "training steps 3..4 (2 steps)" in second.stdout, second.stdout
     json.loads((Path(ckpt) / "index.json").read_text())  # still the complete checkpoint
+
+
+@pytest.mark.parametrize("argv", [["--cp", "2", "--experts", "4"], ["--checkpoint-dir", "ck", "--cp", "2"],
+                                  ["--pp", "2", "--experts", "4"]])
+def test_paths_that_do_not_combine_are_refused_not_ignored(argv, monkeypatch, capsys, tmp_path):
+    """--checkpoint-dir, --pp, --cp and --experts are separate loops of the example: two at once
+    is one error before anything is built, not one of them silently dropped."""
+    from examples.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "do not combine" in capsys.readouterr().err
