@@ -22,7 +22,7 @@ def test_ep_divides_dp_shard(dp_shard: int, ep: int, tp: int) -> None:
         assert dims.dp_shard_mod_ep * ep == dp_shard
         assert dims.mesh_shape == (1, dp_shard, tp), "ep adds no ranks"
     else:
-        msg = (f"ep({ep}) must divide dp_shard({dp_shard}) = {dp_shard}", f"{dp_shard} % {ep} = {dp_shard % ep}")
+        msg = (f"ep({ep}) must divide dp_shard({dp_shard}) * cp(1) = {dp_shard}", f"{dp_shard} % {ep} = {dp_shard % ep}")
         with pytest.raises(ValueError, match=re.escape(msg[0]) + ".*" + re.escape(msg[1])):
             ParallelDims(tp=tp, world_size=world, ep=ep)
 
@@ -92,3 +92,11 @@ def _no_ep(rank, world):
 
 def test_expert_meshes_needs_a_degree() -> None:
     assert all("pass ep=N" in (m or "") for m in run_ranks(_no_ep, 2))
+
+
+def test_ep_over_dp_shard_times_cp_with_the_real_cp_axis() -> None:
+    """With the context-parallel axis merged in, ``ep`` divides ``dp_shard * cp``."""
+    dims = ParallelDims(dp_shard=2, cp=2, world_size=4, ep=4)
+    assert dims.dp_shard_mod_ep == 1 and dims.mesh_shape == (1, 2, 2, 1)
+    with pytest.raises(ValueError, match=re.escape("ep(8) must divide dp_shard(2) * cp(2) = 4")):
+        ParallelDims(dp_shard=2, cp=2, world_size=4, ep=8)
