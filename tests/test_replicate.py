@@ -189,3 +189,24 @@ def test_no_process_group_is_a_clear_error():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_distributed"):
         replicate(nn.Linear(2, 2))
+
+
+def _divide(rank, world_size, factor):
+    ref, model = reference_and_copy(n_blocks=2)
+    replicate(model)
+    if factor is not None:
+        model.set_gradient_divide_factor(factor)
+    tokens, target = batches(1, 8)[0]
+    loss_fn(ref(tokens), target).backward()
+    loss_fn(model(_rows(tokens, rank, world_size)), _rows(target, rank, world_size)).backward()
+    scale = world_size / (factor or world_size)  # the rank losses' sum over ranks / factor
+    ref_g = dict(ref.named_parameters())
+    return max(((p.grad - scale * ref_g[n].grad).abs().max() / ref_g[n].grad.abs().max()).item()
+               for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("factor", [None, 1.0, 8.0])
+def test_gradient_divide_factor(factor):
+    """Default: the mean over ranks (one process's gradient); set_gradient_divide_factor(f):
+    the sum over ranks divided by f."""
+    assert max(run_ranks(_divide, 2, factor)) <= TOL

@@ -62,14 +62,21 @@ class Bucket:
     def region(self, i: int) -> torch.Tensor:
         return self.views[i]
 
-    def put(self, i: int, grad: torch.Tensor) -> None:
-        """This rank's gradient of ``params[i]`` into the buffer (its flag is written at `start`)."""
+    def put(self, i: int, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """This rank's gradient of ``params[i]``, times ``scale``, into the buffer (its flag is
+        written at `start`). Scaling while copying saves a pass over the gradients (DDP does
+        the same: the division by the world size happens here, before the sum)."""
         region = self.views[i]
-        if region.data_ptr() != grad.data_ptr():
+        if region.data_ptr() == grad.data_ptr():
+            if scale != 1.0:
+                region.mul_(scale)
+        elif scale != 1.0:
+            torch.mul(grad, scale, out=region)
+        else:
             region.copy_(grad)
         self.ready.add(i)
 
-    def fill_missing(self, all_used: bool) -> list[int]:
+    def fill_missing(self, all_used: bool, scale: float = 1.0) -> list[int]:
         """End of backward: parameters with no gradient this backward. One still holding a
         ``.grad`` (accumulated while sync was off) sends it; the others send zeros with flag 0
         (flag 1 if ``all_used``: unused parameters then get zero gradients). Returns the
@@ -79,7 +86,7 @@ class Bucket:
             if i in self.ready:
                 continue
             if p.grad is not None:
-                self.put(i, p.grad)
+                self.put(i, p.grad, scale)
                 continue
             self.views[i].zero_()
             if not all_used:

@@ -18,7 +18,8 @@ strategy of `apply_fully_shard` uses it when nothing needs a per-unit cast or of
   (``sync_module_states=False`` skips it when every rank built the same values).
 * In backward every gradient is copied into its bucket, and the buckets are summed over the
   ranks, each as soon as it is full and in the same order on every rank ([Note: replicate's
-  buckets]). At the end of the backward ``.grad`` is the sum divided by ``D`` (the mean over
+  buckets]). At the end of the backward ``.grad`` is the sum over the ranks of each rank's gradient
+  divided by ``D`` while it is copied into its bucket, as DDP does (the mean over
   the global batch; `ReplicateModule.set_gradient_divide_factor` changes the divisor), and a
   parameter that no rank had a gradient for keeps ``.grad`` None, as with `fully_shard`.
 * Refused with a ValueError naming the fix: parameters on the meta device (materialize them

@@ -34,6 +34,7 @@ class ReplicateState:
         self.divide_factor: float | None = None  # set_gradient_divide_factor; None: the world
         self.all_used = False  # set_reduce_scatter_unused_params
         self._active = False
+        self._scale = 1.0
         self._next = 0  # the next bucket to start
         self._handles: list = []
         for b in buckets:
@@ -46,13 +47,15 @@ class ReplicateState:
                 return
             if not self._active:
                 self._begin()
-            b.put(i, param.grad)
+            b.put(i, param.grad, self._scale)
             if len(b.ready) == len(b.params):
                 self._start_full()
         return hook
 
     def _begin(self) -> None:
         self._active = True
+        # divided while copied in (one pass less); the flags are written apart, undivided
+        self._scale = 1.0 / float(self.world if self.divide_factor is None else self.divide_factor)
         self._next = 0
         for b in self.buckets:
             b.begin()
@@ -71,18 +74,15 @@ class ReplicateState:
         self._active = False
         missing: list[tuple[Bucket, list[int]]] = []
         for b in self.buckets[self._next:]:
-            gone = b.fill_missing(self.all_used)
+            gone = b.fill_missing(self.all_used, self._scale)
             if gone:
                 missing.append((b, gone))
             with record_function("shardwise::replicate::all_reduce"):
                 b.start(self.group, gone)
         self._next = len(self.buckets)
-        factor = float(self.world if self.divide_factor is None else self.divide_factor)
         for b in self.buckets:
             assert b.work is not None and b.buffer is not None
             b.work.wait()
-            if factor != 1.0:
-                b.buffer[:b.numel].div_(factor)
         none: set[int] = set()
         if missing:  # one host read, only for parameters this rank had no gradient for
             counts = torch.cat([b.buffer[b.numel:][torch.tensor(gone)] for b, gone in missing  # type: ignore[index]
