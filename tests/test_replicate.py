@@ -210,3 +210,28 @@ def test_gradient_divide_factor(factor):
     """Default: the mean over ranks (one process's gradient); set_gradient_divide_factor(f):
     the sum over ranks divided by f."""
     assert max(run_ranks(_divide, 2, factor)) <= TOL
+
+
+def _reuse(rank, world_size):
+    ref, model = reference_and_copy(n_blocks=2)
+    replicate(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ptrs, kept_ok = [], True
+    held = None
+    for k, (tokens, target) in enumerate(batches(4, 8)):
+        loss_fn(model(_rows(tokens, rank, world_size)), _rows(target, rank, world_size)).backward()
+        ptrs.append(model.head.weight.grad.data_ptr())
+        if k == 2:  # keep this step's gradient: the next backward must not write over it
+            held = (model.head.weight.grad, model.head.weight.grad.clone())
+        opt.step()
+        opt.zero_grad()
+    kept_ok = torch.equal(held[0], held[1])
+    return ptrs, kept_ok
+
+
+def test_bucket_buffers_are_reused_unless_a_gradient_is_kept():
+    """After zero_grad() the next backward writes into the same buffers (no new allocation per
+    step); a gradient the user holds is never overwritten (that step gets a new buffer)."""
+    for ptrs, kept_ok in run_ranks(_reuse, 2):
+        assert ptrs[0] == ptrs[1] == ptrs[2], ptrs
+        assert ptrs[3] != ptrs[2] and kept_ok, ptrs

@@ -52,12 +52,18 @@ class Bucket:
 
     def begin(self) -> None:
         """A new backward: a buffer nobody else holds (and its per-parameter views), flags cleared."""
+        self.views = []  # dropped at the end of each backward (`release`), so they do not count as users
         if self.buffer is None or storage_shared(self.buffer):
             self.buffer = torch.empty(self.numel + len(self.params), dtype=self.dtype, device=self.device)
-            self.views = [self.buffer[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
+        self.views = [self.buffer[o:o + p.numel()].view(p.shape) for p, o in zip(self.params, self.offsets)]
         self.ready.clear()
         self.work = None
         self.started = False
+
+    def release(self) -> None:
+        """End of backward, after ``.grad`` took its views: drop ours, so that the next `begin`
+        sees whether anything else (a gradient kept) still uses the buffer."""
+        self.views = []
 
     def region(self, i: int) -> torch.Tensor:
         return self.views[i]

@@ -96,6 +96,7 @@ class ReplicateState:
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
                 p.grad = None if none and id(p) in none else view
+            b.release()
 
     def remove(self) -> None:
         for h in self._handles:
