@@ -28,7 +28,7 @@ from examples.model import Llama, LlamaConfig
 from examples.preflight import UsageError
 from shardwise.mesh import cp_mesh, data_parallel_mesh, init_distributed, init_mesh
 
-__all__ = ["add_cp_args", "cp_world", "apply_cp", "cp_shard", "train_cp", "run_cp"]
+__all__ = ["add_cp_args", "cp_world", "apply_cp", "cp_shard", "train_cp", "run_cp", "PipelineCP"]
 
 
 def add_cp_args(p: argparse.ArgumentParser) -> None:
@@ -46,8 +46,6 @@ def cp_world(args: argparse.Namespace, world: int) -> int:
         return world
     if cp < 1 or world % cp:
         raise UsageError(f"--cp {cp} does not divide the world size {world}")
-    if getattr(args, "pp", 1) > 1:
-        raise UsageError("--cp with --pp is not supported yet; drop one of them")
     if args.seq_len % (2 * cp):
         raise UsageError(f"--seq-len {args.seq_len} is not a multiple of 2 x --cp = {2 * cp} (the zigzag layout)")
     if args.save or args.resume:
@@ -57,7 +55,7 @@ def cp_world(args: argparse.Namespace, world: int) -> int:
 
 def apply_cp(model: Llama, cp_group, method: str = "ring") -> sw.RouteHandle:
     """Route the attention of every block to the cp ring."""
-    return sw.route_attention([block.attention for block in model.layers], cp_group, method=method)
+    return apply_cp_blocks(model.layers, cp_group, method)
 
 
 def cp_shard(tokens: torch.Tensor, cp_rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,3 +128,55 @@ def run_cp(args: argparse.Namespace, dp_shard: int) -> list[float]:
     dist.barrier()
     dist.destroy_process_group()
     return losses
+
+
+class PipelineCP:
+    """``--cp`` inside the pipelined job (``examples/pipeline_setup.run_pipeline``), in four calls
+    that do nothing at ``--cp 1``: the mesh gets a ``cp`` axis (``init_mesh(..., cp=self.cp)``),
+    `shard_mesh` gives the mesh to ``fully_shard`` the stages on (``dp_shard_cp``: the cp ranks of
+    a stage hold the same stage weights, their gradients are averaged with the data-parallel
+    ones), `wire` routes every stage's attention to the stage's cp group and attaches this rank's
+    zigzag positions to every stage (`feed_positions`: the schedule passes each stage only the
+    microbatch's inputs, a later stage's hidden state comes from the previous stage, and the
+    positions are the same for every microbatch), and `shard` keeps this rank's zigzag shard of
+    a step's inputs and targets. Each microbatch loss is the mean over the rank's tokens, equal
+    in number on every cp rank, so the gradient average over ``dp_shard_cp`` and the logged mean
+    over it are the mean over all tokens of the global sequence."""
+
+    def __init__(self, cp: int = 1, method: str = "ring") -> None:
+        self.cp, self.method = cp, method
+        self.rank = 0
+        self.handles: list = []
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "PipelineCP":
+        return cls(getattr(args, "cp", 1), getattr(args, "cp_method", "ring"))
+
+    def shard_mesh(self, mesh, dp_mesh):
+        """The mesh to ``fully_shard`` the stages on and average the losses over: ``dp_mesh``
+        itself at cp 1, else `data_parallel_mesh` (``dp_shard`` x ``cp`` flattened)."""
+        if self.cp == 1:
+            return dp_mesh
+        self.rank = cp_mesh(mesh).get_local_rank()
+        return data_parallel_mesh(mesh)
+
+    def wire(self, split, mesh, seq_len: int, device) -> None:
+        """Route the attention of this rank's stages to the cp ring and feed every stage shell
+        this rank's positions (call after ``fully_shard``)."""
+        if self.cp == 1:
+            return
+        blocks = [blk for st in split.stages for blk in st.blocks]
+        self.handles.append(apply_cp_blocks(blocks, cp_mesh(mesh), self.method))
+        pos = sw.zigzag_positions(seq_len, self.rank, self.cp).to(device)
+        self.handles.append(sw.feed_positions([st.module for st in split.stages], pos))
+
+    def shard(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's zigzag shard of ``[B, T]`` inputs and targets (both unchanged at cp 1)."""
+        if self.cp == 1:
+            return inputs, targets
+        return sw.shard_sequence(inputs, self.rank, self.cp), sw.shard_sequence(targets, self.rank, self.cp)
+
+
+def apply_cp_blocks(blocks, cp_group, method: str = "ring") -> sw.RouteHandle:
+    """Route the attention of ``blocks`` (``TransformerBlock``s) to the cp ring."""
+    return sw.route_attention([block.attention for block in blocks], cp_group, method=method)
