@@ -28,7 +28,7 @@ from examples.model import Llama, LlamaConfig
 from examples.preflight import UsageError
 from shardwise.mesh import cp_mesh, data_parallel_mesh, init_distributed, init_mesh
 
-__all__ = ["add_cp_args", "cp_world", "apply_cp", "cp_shard", "train_cp", "run_cp", "PipelineCP"]
+__all__ = ["add_cp_args", "cp_world", "apply_cp", "cp_shard", "train_cp", "run_cp", "CPWiring"]
 
 
 def add_cp_args(p: argparse.ArgumentParser) -> None:
@@ -147,16 +147,18 @@ def run_cp(args: argparse.Namespace, dp_shard: int) -> list[float]:
     return losses
 
 
-class PipelineCP:
-    """``--cp`` inside the pipelined job (``examples/pipeline_setup.run_pipeline``), in four calls
-    that do nothing at ``--cp 1``: the mesh gets a ``cp`` axis (``init_mesh(..., cp=self.cp)``),
-    `shard_mesh` gives the mesh to ``fully_shard`` the stages on (``dp_shard_cp``: the cp ranks of
-    a stage hold the same stage weights, their gradients are averaged with the data-parallel
-    ones), `wire` routes every stage's attention to the stage's cp group and attaches this rank's
-    zigzag positions to every stage (`feed_positions`: the schedule passes each stage only the
-    microbatch's inputs, a later stage's hidden state comes from the previous stage, and the
-    positions are the same for every microbatch), and `shard` keeps this rank's zigzag shard of
-    a step's inputs and targets. Each microbatch loss is the mean over the rank's tokens, equal
+class CPWiring:
+    """``--cp`` inside the loops that do not call the model with positions themselves: the
+    pipelined job (``examples/pipeline_setup.run_pipeline``) and the elastic one
+    (``examples/elastic.run_elastic``), in a few calls that do nothing at ``--cp 1``. The mesh gets
+    a ``cp`` axis (``init_mesh(..., cp=self.cp)``); `shard_mesh` gives the mesh to
+    ``fully_shard`` on (``dp_shard_cp``: the cp ranks of a stage hold the same weights, their
+    gradients are averaged with the data-parallel ones); `wire` (pipeline stages) or
+    `wire_model` (a whole model) routes the attention to the cp group and attaches this rank's
+    zigzag positions to every call (`feed_positions`: a pipeline schedule passes each stage only
+    the microbatch's inputs, a later stage's hidden state comes from the previous stage, and
+    the positions are the same for every microbatch); `shard` keeps this rank's zigzag shard of
+    a step's inputs and targets. Each (micro)batch loss is the mean over the rank's tokens, equal
     in number on every cp rank, so the gradient average over ``dp_shard_cp`` and the logged mean
     over it are the mean over all tokens of the global sequence."""
 
@@ -166,7 +168,7 @@ class PipelineCP:
         self.handles: list = []
 
     @classmethod
-    def of(cls, args: argparse.Namespace) -> "PipelineCP":
+    def of(cls, args: argparse.Namespace) -> "CPWiring":
         return cls(getattr(args, "cp", 1), getattr(args, "cp_method", "ring"))
 
     def shard_mesh(self, mesh, dp_mesh):
@@ -186,6 +188,14 @@ class PipelineCP:
         self.handles.append(apply_cp_blocks(blocks, cp_mesh(mesh), self.method))
         pos = sw.zigzag_positions(seq_len, self.rank, self.cp).to(device)
         self.handles.append(sw.feed_positions([st.module for st in split.stages], pos))
+
+    def wire_model(self, model: Llama, mesh, seq_len: int, device) -> None:
+        """Route ``model``'s attention to the cp ring and feed it this rank's positions."""
+        if self.cp == 1:
+            return
+        self.rank = cp_mesh(mesh).get_local_rank()
+        self.handles.append(apply_cp(model, cp_mesh(mesh), self.method))
+        self.handles.append(sw.feed_positions(model, sw.zigzag_positions(seq_len, self.rank, self.cp).to(device)))
 
     def shard(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's zigzag shard of ``[B, T]`` inputs and targets (both unchanged at cp 1)."""

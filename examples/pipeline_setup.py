@@ -74,9 +74,9 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     if world % (args.pp * args.dp_replicate * args.tp):
         raise ValueError(f"world size {world} is not divisible by pp*dp_replicate*tp = "
                          f"{args.pp}*{args.dp_replicate}*{args.tp}")
-    from examples.cp import PipelineCP  # --cp: sequence sharded over the cp ranks of each stage
+    from examples.cp import CPWiring  # --cp: sequence sharded over the cp ranks of each stage
 
-    cpx = PipelineCP.of(args)
+    cpx = CPWiring.of(args)
     mesh = init_mesh(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp, cp=cpx.cp)
     dp_names = ("dp_replicate", "dp_shard") if args.dp_replicate > 1 else ("dp_shard",)
     dp_mesh = mesh[dp_names]

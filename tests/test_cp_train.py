@@ -157,3 +157,20 @@ def test_save_and_resume_across_cp_degrees(tmp_path, first, then):
         assert len(losses) == 2, (rank, losses)
         for step, (a, b) in enumerate(zip(saved + losses, ref), 1):
             assert abs(a - b) <= 1e-6 * abs(b), f"rank {rank} step {step}: {a} vs uninterrupted {b} ({first}, {then})"
+
+
+def test_elastic_checkpoint_dir_across_cp_degrees(tmp_path):
+    """``--checkpoint-dir`` with ``--cp``: 2 steps at cp 2 (2 ranks), 2 more at cp 1 (1 rank), then
+    2 at cp 2 x dp_shard 2 (4 ranks) give the losses of an uninterrupted cp 1 run (model,
+    optimizer and data position come back at every cp degree)."""
+    from tests.test_elastic_example import SMALL, _main
+
+    ck = str(tmp_path / "ck")
+    argv = SMALL + ["--checkpoint-dir", ck]
+    got = run_ranks(_main, 2, ["--steps", "2", "--cp", "2"] + argv, timeout=120)[0][0]
+    got += run_ranks(_main, 1, ["--steps", "4"] + argv, timeout=120)[0][0]
+    got += run_ranks(_main, 4, ["--steps", "6", "--cp", "2"] + argv, timeout=120)[0][0]
+    ref = run_ranks(_main, 1, ["--steps", "6"] + SMALL + ["--checkpoint-dir", str(tmp_path / "ref")], timeout=120)
+    assert len(got) == 6, got
+    for step, (a, b) in enumerate(zip(got, ref[0][0]), 1):
+        assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {a} vs uninterrupted {b}"
