@@ -224,8 +224,8 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
              f"in a host, {inter_host_bandwidth / 1e9:g} GB/s across hosts"]
     shown = min((c[0] for c in fitting), default=(gpus_per_host, gpus_per_host))  # up to the smallest that fits
     for deg, secs, peak, plan, cross in sorted((c for c in candidates if c[0] <= shown), key=lambda c: c[:3]):
-        (R, S, tp), cp = plan.mesh_shape, (f" cp={plan.cp}" if plan.cp > 1 else "")
-        lines.append(f"  tp={tp}{cp} {plan.strategy:18s} ({R} x {S}): peak {fmt_bytes(peak):>11s} "
+        (R, S, tp), cp_text = plan.mesh_shape, (f" cp={plan.cp}" if plan.cp > 1 else "")
+        lines.append(f"  tp={tp}{cp_text} {plan.strategy:18s} ({R} x {S}): peak {fmt_bytes(peak):>11s} "
                      f"{'fits' if peak <= budget else 'too big'}; comm {secs * 1e3:8.1f} ms/step, "
                      f"{fmt_bytes(cross)} across hosts")
     if not fitting:
