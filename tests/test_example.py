@@ -229,7 +229,7 @@ def test_torchrun_save_then_printed_command_without_numpy(tmp_path):
     json.loads((Path(ckpt) / "index.json").read_text())  # still the complete checkpoint
 
 
-@pytest.mark.parametrize("argv", [["--cp", "2", "--experts", "4"], ["--checkpoint-dir", "ck", "--cp", "2"],
+@pytest.mark.parametrize("argv", [["--cp", "2", "--experts", "4"], ["--checkpoint-dir", "ck", "--pp", "2"],
                                   ["--pp", "2", "--experts", "4"]])
 def test_paths_that_do_not_combine_are_refused_not_ignored(argv, monkeypatch, capsys, tmp_path):
     """--checkpoint-dir, --pp, --cp and --experts are separate loops of the example: two at once
