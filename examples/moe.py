@@ -11,8 +11,10 @@ training loss adds ``AUX_COEF`` x the blocks' mean load-balancing loss (`MoELlam
 * ``--ep N``: the experts of each block split over the ``ep`` mesh (`ExpertParallel`), sharded
   over the ``dp_shard_mod_ep`` ranks left (`fully_shard_experts`), then every block and the root
   over the whole data-parallel mesh as in the dense example;
-* ``--tp N`` (with either): tensor parallelism on attention, embedding and head only
-  (`moe_tp_plan`); the feed-forward computes whole on every tp rank.
+* ``--tp N`` (with either): tensor parallelism on attention, embedding and head (`moe_tp_plan`)
+  and on the experts' own weights (`ExpertTensorParallel` on the ``(ep, tp)`` mesh: ``w1`` /
+  ``w3`` column-split, ``w2`` row-split, the partial sums all-reduced over ``tp``); the router
+  computes every token of the tp group on every tp rank.
 
 Both train on the same data with the same losses (to fp32 rounding; tests/test_example_moe.py).
 """
@@ -81,8 +83,9 @@ def moe_tp_plan(uneven_shards: bool = False) -> dict:
 
 
 def shard_moe_llama(model: MoELlama, mesh: DeviceMesh, ep: int, uneven_shards: bool = False) -> MoELlama:
-    """[TP on attention x] EP (``ep > 1``) x FSDP on an ``init_mesh(ep=ep, tp=...)`` mesh, or
-    FSDP only (``ep == 1``)."""
+    """[TP x] EP (``ep > 1``) x FSDP on an ``init_mesh(ep=ep, tp=...)`` mesh, or FSDP only
+    (``ep == 1``, ``tp == 1``). With ``tp > 1`` the experts are split over ``(ep, tp)`` (also
+    for ``ep == 1``: ``expert_meshes(mesh, ep=1)``, built here on every rank)."""
     tp = mesh["tp"].size()
     if tp > 1:
         sw.parallelize_module(model, mesh["tp"], moe_tp_plan(uneven_shards))
@@ -90,9 +93,10 @@ def shard_moe_llama(model: MoELlama, mesh: DeviceMesh, ep: int, uneven_shards: b
             if hasattr(m, "n_kv_heads"):
                 m.n_heads //= tp
                 m.n_kv_heads //= tp
-    if ep > 1:
-        em = expert_meshes(mesh)
-        sw.parallelize_module(model, em.ep, {"layers.*.feed_forward": sw.ExpertParallel()})
+    if ep > 1 or tp > 1:
+        em = expert_meshes(mesh, ep=ep)
+        style = sw.ExpertTensorParallel(em.ep_tp) if tp > 1 else sw.ExpertParallel()
+        sw.parallelize_module(model, em.ep, {"layers.*.feed_forward": style})
         for block in model.layers:
             sw.fully_shard_experts(block.feed_forward, em)
     return apply_fsdp(model, data_parallel_mesh(mesh))

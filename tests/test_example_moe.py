@@ -1,6 +1,6 @@
 """``examples/train.py --experts 8 --top-k 2 --ep N`` trains with the same losses as ``--ep 1``
 (FSDP only, every expert gathered) on the same 4 ranks, to 1e-6 in fp32, also with ``--tp 2``
-(TP on attention); bad MoE flags exit 2."""
+(TP on attention and on each expert's weights); bad MoE flags exit 2."""
 
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ def test_moe_example_ep_matches_fsdp_only():
     assert len(base) == 4 and base[-1] < base[0], base
 
 
-def test_moe_example_ep_x_tp_matches_tp_only():
-    """TP on attention (2) x EP (2) against TP (2) with FSDP-only experts and against EP (2)
-    without TP on 2 ranks: the same 2 dp ranks, so the same tokens per router."""
-    base = run_ranks(_main_job, 4, ARGS + MOE + ["--ep", "1", "--tp", "2"], timeout=120)[0]
-    got = run_ranks(_main_job, 4, ARGS + MOE + ["--ep", "2", "--tp", "2"], timeout=120)[0]
-    no_tp = run_ranks(_main_job, 2, ARGS + MOE + ["--ep", "2"], timeout=120)[0]
-    assert got == pytest.approx(base, rel=1e-6), (got, base)
-    assert got == pytest.approx(no_tp, rel=1e-6), (got, no_tp)
+def test_moe_example_ep_x_tp_matches_one_tp_rank():
+    """EP (2) x TP (2), the experts' own weights split over tp, on 4 ranks, and EP (1) x TP (2)
+    (FSDP 2 on the experts), against ``--ep 1 --tp 1`` on 2 ranks: the same 2 dp ranks, so the
+    same tokens per router."""
+    base = run_ranks(_main_job, 2, ARGS + MOE + ["--ep", "1", "--tp", "1"], timeout=120)[0]
+    for ep in ("2", "1"):
+        got = run_ranks(_main_job, 4, ARGS + MOE + ["--ep", ep, "--tp", "2"], timeout=120)[0]
+        assert got == pytest.approx(base, rel=1e-6), (ep, got, base)
 
 
 def test_moe_example_bad_flags():
