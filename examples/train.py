@@ -307,7 +307,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         torch.set_num_threads(args.threads)
     # the paths below are separate loops; combinations none of them wires are refused here, not ignored
     paths = [name for name, on in (("--checkpoint-dir", bool(args.checkpoint_dir)), ("--pp", args.pp > 1),
-                                   ("--cp", args.cp > 1), ("--experts/--ep", bool(args.experts) or args.ep > 1)) if on]
+                                   ("--cp", args.cp > 1),
+                                   ("--experts/--ep", (bool(args.experts) or args.ep > 1) and args.pp == 1)) if on]
     if len(paths) > 1:
         _fail(f"{' and '.join(paths)} do not combine in this example yet; run them separately")
     if args.experts or args.ep > 1:  # mixture of experts (examples/moe.py)

@@ -32,6 +32,36 @@ def test_moe_example_ep_x_tp_matches_one_tp_rank():
         assert got == pytest.approx(base, rel=1e-6), (ep, got, base)
 
 
+def test_moe_example_ep_x_pp_matches_one_stage():
+    """EP (2) x PP (2) on 4 ranks against ``--ep 1`` on 2 ranks (the same 2 dp
+    ranks): every stage's load-balancing loss enters through its gradient (`MoEPipelineAux`)."""
+    base = run_ranks(_main_job, 2, ARGS + MOE + ["--ep", "1"], timeout=120)[0]
+    for ep in ("2",):
+        out = run_ranks(_counting_job, 4, ARGS + MOE + ["--ep", ep, "--pp", "2"], timeout=120)
+        got = out[0][0]
+        assert got == pytest.approx(base, rel=1e-6), (ep, got, base)
+        # per rank and step: its stage's block and stage root (dp 2); the experts' own unit
+        # (ep 2) shards over dp_shard_mod_ep = 1 rank and has none to issue
+        assert [calls for _, calls in out] == [2 * len(got)] * 4, (ep, out)
+
+
+def _counting_job(rank, world_size, argv):
+    """``(losses, reduce-scatters issued)`` of one example run."""
+    import shardwise.composable._fsdp._reduce as reduce_mod
+
+    calls, real = [0], reduce_mod.reduce_scatter_single
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    reduce_mod.reduce_scatter_single = counting
+    try:
+        return _main_job(rank, world_size, argv), calls[0]
+    finally:
+        reduce_mod.reduce_scatter_single = real
+
+
 def test_moe_example_bad_flags():
     with pytest.raises(UsageError, match="--ep 3 must divide"):
         check_moe_args(8, 2, 3, 4, 1, 1)
@@ -39,5 +69,6 @@ def test_moe_example_bad_flags():
         check_moe_args(0, 2, 2, 4, 1, 1)
     with pytest.raises(UsageError, match="--top-k 9"):
         check_moe_args(8, 9, 1, 4, 1, 1)
-    with pytest.raises(UsageError, match="no --pp"):
-        check_moe_args(8, 2, 2, 2, 1, 2)
+    with pytest.raises(UsageError, match="--pp runs without --tp"):
+        check_moe_args(8, 2, 2, 2, 2, 2)
+    check_moe_args(8, 2, 2, 2, 1, 2)  # --pp with --ep runs

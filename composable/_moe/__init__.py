@@ -21,7 +21,7 @@ from ._experts import GroupedExperts
 from ._fsdp_ep import fully_shard_experts
 from ._hf import expert_parallel_plan, moe_from_hf, swap_hf_moe_blocks
 from ._layer import MoE, MoEStats, SharedExperts
-from ._router import Routing, TopKRouter, load_balancing_loss, router_z_loss
+from ._router import Routing, TopKRouter, load_balancing_loss, router_z_loss, sequence_load_balancing_loss
 from ._style import DispatchStats, ExpertParallel
 from ._style_tp import ExpertTensorParallel
 
@@ -33,6 +33,7 @@ __all__ = [
     "TopKRouter",
     "Routing",
     "load_balancing_loss",
+    "sequence_load_balancing_loss",
     "router_z_loss",
     "ExpertParallel",
     "ExpertTensorParallel",
