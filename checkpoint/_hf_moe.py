@@ -88,6 +88,7 @@ def expert_view(architecture: str, shapes: dict[str, tuple[int, ...]]) -> Expert
                               "has no per-expert name mapping here (Mixtral, Qwen2-MoE and Qwen3-MoE have one); "
                               "write the folder without a config, or for one of those architectures")
     taken: set[str] = set()
+    stem, names = style if style is not None else ("", ("", "", ""))
     for block in stacked if style else []:
         keys = [f"{block}.experts.{w}" for w in ("w1", "w3", "w2")] + [f"{block}.router.gate.weight"]
         missing = [k for k in keys if k not in shapes]
@@ -95,8 +96,7 @@ def expert_view(architecture: str, shapes: dict[str, tuple[int, ...]]) -> Expert
             raise CheckpointError(f"MoE block {block}: {missing} missing next to {block}.experts.w1")
         w1, w3, w2, gate = keys
         num, hidden, dim = shapes[w1]
-        out = _out_prefix(block, style[0])
-        names = style[1]
+        out = _out_prefix(block, stem)
         up: list[Part] = []
         down: list[Part] = []
         for e in range(num):
@@ -122,7 +122,7 @@ def expert_view(architecture: str, shapes: dict[str, tuple[int, ...]]) -> Expert
         if dn not in shapes:
             raise CheckpointError(f"MoE block {block}: {dn} missing next to {gu}")
         num, two_hidden, dim = shapes[gu]
-        out, names = _out_prefix(block, style[0]), style[1]
+        out = _out_prefix(block, stem)
         hidden = two_hidden // 2
         parts[gu] = [p for e in range(num) for p in (
             _expert(f"{out}.experts.{e}.{names[0]}.weight", gu, e, 0, hidden, shapes[gu]),
