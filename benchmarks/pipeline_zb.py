@@ -74,9 +74,28 @@ def _run_theirs(mine, sched, x, y, S, losses=None):
     sched.step(*((x,) if 0 in mine else ()), **kw)
 
 
-def _ratio(a, b) -> dict:
-    return {"shardwise_s": statistics.median(a), "other_s": statistics.median(b),
-            "ratio": statistics.median(p / q for p, q in zip(a, b))}
+def _ratio(a, b, ca=None, cb=None) -> dict:
+    out = {"shardwise_s": statistics.median(a), "other_s": statistics.median(b),
+           "ratio": statistics.median(p / q for p, q in zip(a, b))}
+    if ca:
+        out.update({"shardwise_cpu_s": statistics.median(ca), "other_cpu_s": statistics.median(cb),
+                    "cpu_ratio": statistics.median(p / q for p, q in zip(ca, cb))})
+    return out
+
+
+def _action_costs(sched) -> dict:
+    """The mean CPU seconds of each (kind, stage) of actions in the last step, from every rank."""
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, {k: v[1] for k, v in sched.last_action_times.items()})
+    return {k: v for d in got for k, v in d.items()}
+
+
+def _simulated_with(schedule, pp, m, costs) -> float:
+    """`simulate`'s mean idle fraction of the ranks with the measured per-action CPU times."""
+    spec = sw.get_schedule(schedule)
+    v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
+    makespan, busy = sw.simulate(sw.build_schedule(schedule, pp, m, v), pp * v, m, costs=costs)
+    return 1 - sum(busy) / len(busy) / makespan
 
 
 def _measured_bubble(sched) -> float:
@@ -133,17 +152,25 @@ def bench_gain(rank, world, args):
             for _ in range(2):
                 base.step(x, y)
                 ours.step(x, y)
-            a, b, bub, bub1 = [], [], [], []
+            a, b, ca, cb, bub, bub1, costs, costs1 = [], [], [], [], [], [], [], []
             for _ in range(args.reps):
-                a.append(_timed(lambda: ours.step(x, y)))
+                a.append(_timed(lambda: ours.step(x, y), ca))
                 bub.append(_measured_bubble(ours))
-                b.append(_timed(lambda: base.step(x, y)))
+                costs.append(_simulated_with(schedule, pp, m, _action_costs(ours)))
+                b.append(_timed(lambda: base.step(x, y), cb))
                 bub1.append(_measured_bubble(base))
-            out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = _ratio(a, b)
+                costs1.append(_simulated_with("1f1b", pp, m, _action_costs(base)))
+            out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = _ratio(a, b, ca, cb)
             out[f"bubble_{schedule}_p{pp}_m{m}"] = {"measured": statistics.median(bub),
-                                                    "simulated": _simulated(schedule, pp, m)}
+                                                    "simulated": _simulated(schedule, pp, m),
+                                                    "simulated_measured_costs": statistics.median(costs)}
             out[f"bubble_1f1b_p{pp}_m{m}"] = {"measured": statistics.median(bub1),
-                                              "simulated": _simulated("1f1b", pp, m)}
+                                              "simulated": _simulated("1f1b", pp, m),
+                                              "simulated_measured_costs": statistics.median(costs1)}
+            out[f"costs_{schedule}_p{pp}_m{m}_ms"] = {f"{k}{s}": round(t * 1e3, 2)
+                                                      for (k, s), t in sorted(_action_costs(ours).items())}
+            out[f"costs_1f1b_p{pp}_m{m}_ms"] = {f"{k}{s}": round(t * 1e3, 2)
+                                                for (k, s), t in sorted(_action_costs(base).items())}
             ours.close()
         base.close()
     return out
@@ -184,6 +211,7 @@ def main():
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", default="zbv,interleaved_zb,dualpipev", help="part 1: comma list")
     p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory")
+    p.add_argument("--worlds", default="2,4", help="part 2: comma list of rank counts (= pp)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from tests._dist import run_ranks
@@ -196,7 +224,7 @@ def main():
         for r in run_ranks(bench_memory, 2, args, timeout=1800):
             res.update(r)
     if "gain" in parts:
-        for world in (2, 4):
+        for world in map(int, args.worlds.split(",")):
             res.update(run_ranks(bench_gain, world, args, timeout=1800)[0])
     for k, v in res.items():
         print(f"{k}: {v}")
