@@ -16,7 +16,9 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
 3. ``memory`` (p=2, 2 ranks, m=8): per rank, the peak bytes of storages made during one step
    (`benchmarks.tracker.AllocationTracker`, tag ``new``: activations, kept graphs, transients;
    parameters and gradients tracked apart), per schedule against 1F1B's, beside the model's
-   ratio from the action lists (`activations_in_flight`).
+   ratio from the action lists (`activations_in_flight`), without and with the kept frontier
+   gradients (``kept_grads``: this rank's `PipelineSchedule.last_kept_grad_bytes` over the bytes
+   autograd saves per microbatch, counted by a ``saved_tensors_hooks``).
 4. ``bubble``: per schedule, the measured idle fraction ``1 - compute / step`` (mean over ranks,
    `PipelineSchedule.last_timing`) against `simulate` of its action lists with forward, input-
    and weight-gradient times 1 (the mean idle fraction of the ranks).
@@ -176,6 +178,23 @@ def bench_gain(rank, world, args):
     return out
 
 
+def _saved_bytes_per_microbatch(sched, x, y) -> float:
+    """Bytes autograd saves for one microbatch on this rank (distinct storages, parameters not
+    counted): one step under a counting ``saved_tensors_hooks``, divided by ``m``."""
+    params = {p.untyped_storage().data_ptr() for p in sched.split.module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sched.step(x, y)
+    return sum(seen.values()) / sched.m
+
+
 def bench_memory(rank, world, args):
     from benchmarks.tracker import AllocationTracker
 
@@ -183,7 +202,7 @@ def bench_memory(rank, world, args):
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
     m = 8
     x, y = _batch(cfg, 2 * m, args.seq, 1)
-    peaks, model = {}, {}
+    peaks, model, kept = {}, {}, {}
     for schedule in ("1f1b", "zb_h1", "zbv", "dualpipev"):
         ours = _ours(cfg, 2, m, schedule)
         ours.step(x, y)
@@ -193,11 +212,17 @@ def bench_memory(rank, world, args):
         with tr:
             ours.step(x, y)
         peaks[schedule] = tr.peak_by_tag.get("new", 0)
+        saved = _saved_bytes_per_microbatch(ours, x, y)
+        kept[schedule] = sum(ours.last_kept_grad_bytes.values()) / saved  # this rank's stages together
         spec = sw.get_schedule(schedule)
-        model[schedule] = sw.activations_in_flight(schedule, 2, m, spec.exact_virtual_stages or 1).per_rank[rank]
+        v = spec.exact_virtual_stages or 1
+        model[schedule] = {k: sw.activations_in_flight(schedule, 2, m, v, kept_grads=g).per_rank[rank]
+                           for k, g in (("without", 0.0), ("with", kept[schedule] / v))}
         ours.close()
     return {f"memory_{s}_p2_m{m}_rank{rank}": {"new_bytes": peaks[s], "vs_1f1b": peaks[s] / peaks["1f1b"],
-                                               "model_vs_1f1b": model[s] / model["1f1b"]} for s in peaks}
+                                               "model_vs_1f1b": model[s]["without"] / model["1f1b"]["without"],
+                                               "model_with_kept_grads_vs_1f1b": model[s]["with"] / model["1f1b"]["with"],
+                                               "kept_grads": kept[s]} for s in peaks}
 
 
 def main():

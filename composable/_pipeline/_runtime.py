@@ -100,7 +100,8 @@ class PipelineSchedule:
     forward/backward), ``compute_cpu_s`` (the CPU time of this thread in them, which other load
     on the machine disturbs less) and ``step_s``; ``last_action_times[(kind, stage)]`` the mean
     wall and CPU seconds of this rank's actions of that kind (``"F"``, ``"B"``, ``"I"``, ``"W"``)
-    on that stage (for `simulate`'s ``costs``).
+    on that stage (for `simulate`'s ``costs``); ``last_kept_grad_bytes[stage]`` the most bytes of
+    gradients one ``I`` of the stage kept for its ``W`` (see `activations_in_flight`'s ``kept_grads``).
     """
 
     def __init__(self, split: PipelineSplit, *, schedule: str | ScheduleSpec = "1f1b", microbatches: int,
@@ -141,6 +142,7 @@ class PipelineSchedule:
         self.broken: str | None = None
         self.last_timing: dict[str, float] = {}
         self.last_action_times: dict[tuple[str, int], tuple[float, float]] = {}
+        self.last_kept_grad_bytes: dict[int, int] = {}
         self._hooks = []
         for st in split.stages:
             blocks = list(st.blocks)
@@ -281,7 +283,7 @@ class PipelineSchedule:
                               f"{step.x.dtype}: check that stage boundaries carry what the next block takes)")
                 self._notify(error)
                 break
-        return error, (step.compute, step.cpu, step.per_action)
+        return error, (step.compute, step.cpu, step.per_action, step.kept)
 
     def _forward(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
         """``F(s, i)``: receive (or take) the input, run the stage shell, send the output or
@@ -349,6 +351,7 @@ class PipelineSchedule:
             gx, pending = input_grad([y / self.m] if st.is_last else [y], [g], x, self.split_caches[a.stage])
         step.pending[(a.stage, a.microbatch)] = (x, pending)
         step.timed(t0, c0, a)
+        step.kept[a.stage] = max(step.kept.get(a.stage, 0), pending.kept_bytes())
         if not st.is_first:
             if gx is None:
                 raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
@@ -401,6 +404,7 @@ class PipelineSchedule:
         self.last_timing = {"compute_s": compute[0], "compute_cpu_s": compute[1],
                             "step_s": time.perf_counter() - t_start}
         self.last_action_times = {k: (v[0] / v[2], v[1] / v[2]) for k, v in compute[2].items()}
+        self.last_kept_grad_bytes = dict(compute[3])
 
 
 _PHASE = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "input-gradient backward",
@@ -421,6 +425,7 @@ class _StepState:
         self.x: torch.Tensor | None = None  # the current forward's input, for the error message
         self.compute = self.cpu = 0.0
         self.per_action: dict[tuple[str, int], list[float]] = {}  # (kind, stage) -> [wall s, CPU s, count]
+        self.kept: dict[int, int] = {}  # stage -> most bytes of gradients one I kept for its W
 
     def timed(self, t0: float, c0: float, a: Action) -> None:
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
