@@ -21,7 +21,9 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
    autograd saves per microbatch, counted by a ``saved_tensors_hooks``).
 4. ``bubble``: per schedule, the measured idle fraction ``1 - compute / step`` (mean over ranks,
    `PipelineSchedule.last_timing`) against `simulate` of its action lists with forward, input-
-   and weight-gradient times 1 (the mean idle fraction of the ranks).
+   and weight-gradient times 1 (the mean idle fraction of the ranks), and (part 2) against
+   `simulate` with each (kind, stage)'s measured mean CPU and wall times in that step
+   (`PipelineSchedule.last_action_times`; ``costs_*`` lists the CPU ones in ms).
 
 On a machine with fewer cores than ranks the ranks share cores: wall times then mostly measure
 the total work, and the measured bubble includes time a rank waits for a core.
@@ -85,10 +87,11 @@ def _ratio(a, b, ca=None, cb=None) -> dict:
     return out
 
 
-def _action_costs(sched) -> dict:
-    """The mean CPU seconds of each (kind, stage) of actions in the last step, from every rank."""
+def _action_costs(sched, which: int = 1) -> dict:
+    """The mean CPU (``which=1``) or wall (0) seconds of each (kind, stage) of actions in the last
+    step, from every rank."""
     got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, {k: v[1] for k, v in sched.last_action_times.items()})
+    dist.all_gather_object(got, {k: v[which] for k, v in sched.last_action_times.items()})
     return {k: v for d in got for k, v in d.items()}
 
 
@@ -154,21 +157,25 @@ def bench_gain(rank, world, args):
             for _ in range(2):
                 base.step(x, y)
                 ours.step(x, y)
-            a, b, ca, cb, bub, bub1, costs, costs1 = [], [], [], [], [], [], [], []
+            a, b, ca, cb, bub, bub1, costs, costs1, walls, walls1 = ([] for _ in range(10))
             for _ in range(args.reps):
                 a.append(_timed(lambda: ours.step(x, y), ca))
                 bub.append(_measured_bubble(ours))
                 costs.append(_simulated_with(schedule, pp, m, _action_costs(ours)))
+                walls.append(_simulated_with(schedule, pp, m, _action_costs(ours, 0)))
                 b.append(_timed(lambda: base.step(x, y), cb))
                 bub1.append(_measured_bubble(base))
                 costs1.append(_simulated_with("1f1b", pp, m, _action_costs(base)))
+                walls1.append(_simulated_with("1f1b", pp, m, _action_costs(base, 0)))
             out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = _ratio(a, b, ca, cb)
             out[f"bubble_{schedule}_p{pp}_m{m}"] = {"measured": statistics.median(bub),
                                                     "simulated": _simulated(schedule, pp, m),
-                                                    "simulated_measured_costs": statistics.median(costs)}
+                                                    "simulated_measured_costs": statistics.median(costs),
+                                                    "simulated_measured_wall_costs": statistics.median(walls)}
             out[f"bubble_1f1b_p{pp}_m{m}"] = {"measured": statistics.median(bub1),
                                               "simulated": _simulated("1f1b", pp, m),
-                                              "simulated_measured_costs": statistics.median(costs1)}
+                                              "simulated_measured_costs": statistics.median(costs1),
+                                              "simulated_measured_wall_costs": statistics.median(walls1)}
             out[f"costs_{schedule}_p{pp}_m{m}_ms"] = {f"{k}{s}": round(t * 1e3, 2)
                                                       for (k, s), t in sorted(_action_costs(ours).items())}
             out[f"costs_1f1b_p{pp}_m{m}_ms"] = {f"{k}{s}": round(t * 1e3, 2)
