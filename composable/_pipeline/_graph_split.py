@@ -33,32 +33,33 @@ _REENTRANT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentran
 @dataclass(frozen=True)
 class GraphShape:
     """The shape of a graph ([Note: recorded graph shape]): per node (breadth-first number), its
-    class and per slot ``(child number or -1, output number)``."""
+    class; and, node after node, its number of slots then per slot the child's number (-1 for
+    none) and the output number, flat."""
 
     classes: tuple[type, ...]
-    kids: tuple[tuple[tuple[int, int], ...], ...]
+    kids: tuple[int, ...]
 
 
 def number(root: Node) -> tuple[list[Node], dict[Node, int], GraphShape]:
     """The nodes under ``root`` breadth-first, their numbers, and the graph's shape."""
     nodes = [root]
     index = {root: 0}
-    kids = []
-    i = 0
-    while i < len(nodes):
-        row = []
-        for c, nr in nodes[i].next_functions:
+    flat: list[int] = []
+    put, get = flat.append, index.get
+    for node in nodes:  # the list grows as children are found; iteration takes them in turn
+        nexts = node.next_functions
+        put(len(nexts))
+        for c, nr in nexts:
             if c is None:
-                row.append((-1, nr))
-                continue
-            j = index.get(c)
-            if j is None:
-                j = index[c] = len(nodes)
-                nodes.append(c)
-            row.append((j, nr))
-        kids.append(tuple(row))
-        i += 1
-    return nodes, index, GraphShape(tuple(type(n) for n in nodes), tuple(kids))
+                put(-1)
+            else:
+                j = get(c)
+                if j is None:
+                    j = index[c] = len(nodes)
+                    nodes.append(c)
+                put(j)
+            put(nr)
+    return nodes, index, GraphShape(tuple(map(type, nodes)), tuple(flat))
 
 
 @dataclass
