@@ -25,6 +25,9 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
    `simulate` with each (kind, stage)'s measured mean CPU and wall times in that step
    (`PipelineSchedule.last_action_times`; ``costs_*`` lists the CPU ones in ms).
 
+5. ``split`` (one process): CPU time per microbatch of the last stage's full backward ``B``
+   against its ``I`` and ``W`` in the ``zb_h1`` order, alternating (the split backward's cost).
+
 On a machine with fewer cores than ranks the ranks share cores: wall times then mostly measure
 the total work, and the measured bubble includes time a rank waits for a core.
 """
@@ -133,12 +136,12 @@ def bench_vs_torch(rank, world, args):
             if losses:
                 diff = max(abs(float(p) - float(q.detach())) for p, q in zip(got, losses))
                 assert diff <= 1e-5 * abs(float(got[0])), f"{schedule}: the two runs compute different losses ({diff})"
-        a, b, bub = [], [], []
+        a, b, ca, cb, bub = [], [], [], [], []
         for _ in range(args.reps):
-            a.append(_timed(lambda: ours.step(x, y)))
+            a.append(_timed(lambda: ours.step(x, y), ca))
             bub.append(_measured_bubble(ours))
-            b.append(_timed(lambda: _run_theirs(mine, theirs, x, y, 4)))
-        out[f"vs_torch_{schedule}_p2_m{m}"] = _ratio(a, b)
+            b.append(_timed(lambda: _run_theirs(mine, theirs, x, y, 4), cb))
+        out[f"vs_torch_{schedule}_p2_m{m}"] = _ratio(a, b, ca, cb)
         out[f"bubble_{schedule}_p2_m{m}"] = {"measured": statistics.median(bub), "simulated": _simulated(schedule, 2, m)}
         ours.close()
     return out
@@ -232,6 +235,54 @@ def bench_memory(rank, world, args):
                                                "kept_grads": kept[s]} for s in peaks}
 
 
+def bench_split(args) -> dict:
+    """Part 5, one process: CPU ms per microbatch of the last stage's backward (blocks
+    ``layers/2..`` + head + loss), a full ``B`` against ``I`` and ``W`` in the ``zb_h1`` order
+    (one ``W`` pending), alternating; best and median of ``reps * 4`` microbatches."""
+    import time
+
+    import torch.nn.functional as F
+
+    from benchmarks.pipeline import TorchStage
+    from shardwise.composable._pipeline._graph_split import SplitCache
+    from shardwise.composable._pipeline._split_backward import input_grad, weight_grad
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    model = Llama(cfg, generator=torch.Generator().manual_seed(0))
+    stage = TorchStage(model, range(args.layers // 2, args.layers), False, True)
+    _, y = _batch(cfg, 2, args.seq, 1)
+    cache, got, clock = SplitCache(), {"B": [], "I": [], "W": []}, time.thread_time
+
+    def fwd():
+        x = torch.randn(2, args.seq, args.dim, requires_grad=True)
+        return x, F.cross_entropy(stage(x).flatten(0, 1), y.flatten()) / 4
+
+    for _ in range(args.reps * 10):
+        for _ in range(4):
+            x, loss = fwd()
+            t0 = clock()
+            loss.backward()
+            got["B"].append(clock() - t0)
+        pending = []
+        for i in range(5):
+            if i < 4:
+                x, loss = fwd()
+                t0 = clock()
+                pending.append((x, input_grad([loss], [None], x, cache)[1]))
+                got["I"].append(clock() - t0)
+            if i >= 1:
+                x0, p0 = pending.pop(0)
+                t0 = clock()
+                weight_grad(p0, x0)
+                got["W"].append(clock() - t0)
+    out = {f"split_{k}_ms": {"best": min(v) * 1e3, "median": statistics.median(v) * 1e3} for k, v in got.items()}
+    out["split_I_plus_W_over_B"] = {f: (out["split_I_ms"][f] + out["split_W_ms"][f]) / out["split_B_ms"][f]
+                                    for f in ("best", "median")}
+    out["split_cache"] = {"hits": cache.hits, "misses": cache.misses}
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=6)
@@ -242,7 +293,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", default="zbv,interleaved_zb,dualpipev", help="part 1: comma list")
-    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory")
+    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split")
     p.add_argument("--worlds", default="2,4", help="part 2: comma list of rank counts (= pp)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -255,6 +306,8 @@ def main():
     if "memory" in parts:
         for r in run_ranks(bench_memory, 2, args, timeout=1800):
             res.update(r)
+    if "split" in parts:
+        res.update(bench_split(args))
     if "gain" in parts:
         for world in map(int, args.worlds.split(",")):
             res.update(run_ranks(bench_gain, world, args, timeout=1800)[0])

@@ -37,8 +37,11 @@ def mesh_without_groups(device_type: str, ranks: list, names: tuple[str, ...] | 
 # them with the expression autograd's own formula uses (torch's ``mm_mat2_backward`` and
 # ``mul_tensor_backward``: the same ops on the same operands in the same layouts, so the same
 # bits), reduced to the edge's shape and dtype checked as the engine does on a node's outputs.
-# Anything else returns None and ``W`` uses the engine. tests/test_pipeline_split_backward.py
-# compares every case bit for bit with a full backward.
+# Anything else returns None and ``W`` uses the engine. tests/test_pipeline_split_fast.py
+# compares every case bit for bit with a full backward. (On this CPU build both operand orders of
+# the mm give the same bits; the rule is kept for backends where they differ.) Reading a saved
+# tensor of a non-reentrant activation checkpoint outside a backward recomputes its region, as
+# each engine call of the fallback does: one read per node, the input, so no more than before.
 
 def _mm_mat2_grad(grad: torch.Tensor, mat1: torch.Tensor, sizes, strides) -> torch.Tensor:
     # mat2 column-major (a linear's ``weight.t()``): the gradient in that order, as autograd does
@@ -63,19 +66,19 @@ def weight_grads_of(node, grad_outputs: tuple, slots: list[tuple[int, ...]], edg
     for (slot,), edge in zip(slots, edges):
         if name == "MmBackward0" and slot == 1:
             # mm's operands share dtype and device; the result has mat2's sizes: the edge's metadata
-            mat1 = node._saved_self
-            if not _dense(g, mat1, node._saved_mat2):
+            mat1, strides = node._saved_self, node._saved_mat2_sym_strides
+            if not _dense(g, mat1) or len(strides) != 2:  # a strided mat2 (a sparse one has no strides)
                 return None
-            out.append(_mm_mat2_grad(g, mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides))
+            out.append(_mm_mat2_grad(g, mat1, node._saved_mat2_sym_sizes, strides))
             continue
         if name == "AddmmBackward0" and slot in (0, 2):
             if node._saved_alpha != 1 or node._saved_beta != 1:
                 return None
             if slot == 2:
-                mat1 = node._saved_mat1
-                if not _dense(g, mat1, node._saved_mat2):
+                mat1, strides = node._saved_mat1, node._saved_mat2_sym_strides
+                if not _dense(g, mat1) or len(strides) != 2:
                     return None
-                out.append(_mm_mat2_grad(g, mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides))
+                out.append(_mm_mat2_grad(g, mat1, node._saved_mat2_sym_sizes, strides))
                 continue
             v = g  # the bias: broadcast in the forward, reduced below
         elif name == "MulBackward0" and slot in (0, 1):
