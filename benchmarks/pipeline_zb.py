@@ -12,7 +12,9 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
    two barriers; medians and the median of per-pair ratios shardwise / torch. The losses of the
    two are checked equal first.
 2. ``gain`` (p=2 on 2 ranks, p=4 on 4 ranks; m=4 and 8): shardwise ``zb_h1`` and ``zbv`` against
-   shardwise ``1f1b``, alternating: ratio of step times (below 1 is a gain).
+   shardwise ``1f1b``, alternating: ratio of step times (below 1 is a gain), wall and CPU, and
+   ``core_per_rank_ratio``: the ratio of `simulate`'s makespans with each schedule's measured
+   per-action CPU times (what a core per rank would give, without communication).
 3. ``memory`` (p=2, 2 ranks, m=8): per rank, the peak bytes of storages made during one step
    (`benchmarks.tracker.AllocationTracker`, tag ``new``: activations, kept graphs, transients;
    parameters and gradients tracked apart), per schedule against 1F1B's, beside the model's
@@ -98,12 +100,12 @@ def _action_costs(sched, which: int = 1) -> dict:
     return {k: v for d in got for k, v in d.items()}
 
 
-def _simulated_with(schedule, pp, m, costs) -> float:
-    """`simulate`'s mean idle fraction of the ranks with the measured per-action CPU times."""
+def _simulated_with(schedule, pp, m, costs, makespan_only=False) -> float:
+    """`simulate`'s mean idle fraction of the ranks (or its makespan) with measured per-action times."""
     spec = sw.get_schedule(schedule)
     v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
     makespan, busy = sw.simulate(sw.build_schedule(schedule, pp, m, v), pp * v, m, costs=costs)
-    return 1 - sum(busy) / len(busy) / makespan
+    return makespan if makespan_only else 1 - sum(busy) / len(busy) / makespan
 
 
 def _measured_bubble(sched) -> float:
@@ -160,17 +162,21 @@ def bench_gain(rank, world, args):
             for _ in range(2):
                 base.step(x, y)
                 ours.step(x, y)
-            a, b, ca, cb, bub, bub1, costs, costs1, walls, walls1 = ([] for _ in range(10))
+            a, b, ca, cb, bub, bub1, costs, costs1, walls, walls1, predicted = ([] for _ in range(11))
             for _ in range(args.reps):
                 a.append(_timed(lambda: ours.step(x, y), ca))
                 bub.append(_measured_bubble(ours))
-                costs.append(_simulated_with(schedule, pp, m, _action_costs(ours)))
+                mine = _action_costs(ours)
+                costs.append(_simulated_with(schedule, pp, m, mine))
                 walls.append(_simulated_with(schedule, pp, m, _action_costs(ours, 0)))
                 b.append(_timed(lambda: base.step(x, y), cb))
                 bub1.append(_measured_bubble(base))
-                costs1.append(_simulated_with("1f1b", pp, m, _action_costs(base)))
+                theirs = _action_costs(base)
+                costs1.append(_simulated_with("1f1b", pp, m, theirs))
+                predicted.append(_simulated_with(schedule, pp, m, mine, True) / _simulated_with("1f1b", pp, m, theirs, True))
                 walls1.append(_simulated_with("1f1b", pp, m, _action_costs(base, 0)))
-            out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = _ratio(a, b, ca, cb)
+            out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = dict(_ratio(a, b, ca, cb),
+                                                               core_per_rank_ratio=statistics.median(predicted))
             out[f"bubble_{schedule}_p{pp}_m{m}"] = {"measured": statistics.median(bub),
                                                     "simulated": _simulated(schedule, pp, m),
                                                     "simulated_measured_costs": statistics.median(costs),
