@@ -198,17 +198,17 @@ def _saved_bytes_per_microbatch(sched, x, y) -> float:
     """Bytes autograd saves for one microbatch on this rank (distinct storages, parameters not
     counted): one step under a counting ``saved_tensors_hooks``, divided by ``m``."""
     params = {p.untyped_storage().data_ptr() for p in sched.split.module.parameters()}
-    seen: dict[int, int] = {}
+    seen: dict[int, tuple] = {}  # storage address -> (bytes, the tensor: kept, so no address is reused)
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
+            seen[st.data_ptr()] = (st.nbytes(), t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         sched.step(x, y)
-    return sum(seen.values()) / sched.m
+    return sum(n for n, _ in seen.values()) / sched.m
 
 
 def bench_memory(rank, world, args):

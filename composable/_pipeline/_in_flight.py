@@ -18,7 +18,7 @@ each frontier source, which ``W`` needs ([Note: split backward] in ``_split_back
 a linear, the gradient of its output). ``kept_grads`` counts it: ``I`` adds ``kept_grads``
 units on its stage and ``W`` frees them with the activations. It is the stage's kept gradient
 bytes per microbatch over its activation bytes per microbatch, a property of the model, not of
-the schedule: measured 0.5-0.6 on the example Llama's stages (`PipelineSchedule.last_kept_grad_bytes`
+the schedule: measured 0.36-0.62 on the example Llama's stages (`PipelineSchedule.last_kept_grad_bytes`
 gives the numerator, `benchmarks/pipeline_zb.py --parts memory` both). Its default 0 counts the
 activations alone (the graph), as for schedules without ``I``.
 """
