@@ -12,14 +12,23 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
    two barriers; medians and the median of per-pair ratios shardwise / torch. The losses of the
    two are checked equal first.
 2. ``gain`` (p=2 on 2 ranks, p=4 on 4 ranks; m=4 and 8): shardwise ``zb_h1`` and ``zbv`` against
-   shardwise ``1f1b``, alternating: ratio of step times (below 1 is a gain).
+   shardwise ``1f1b``, alternating: ratio of step times (below 1 is a gain), wall and CPU, and
+   ``core_per_rank_ratio``: the ratio of `simulate`'s makespans with each schedule's measured
+   per-action CPU times (what a core per rank would give, without communication).
 3. ``memory`` (p=2, 2 ranks, m=8): per rank, the peak bytes of storages made during one step
    (`benchmarks.tracker.AllocationTracker`, tag ``new``: activations, kept graphs, transients;
    parameters and gradients tracked apart), per schedule against 1F1B's, beside the model's
-   ratio from the action lists (`activations_in_flight`).
+   ratio from the action lists (`activations_in_flight`), without and with the kept frontier
+   gradients (``kept_grads``: this rank's `PipelineSchedule.last_kept_grad_bytes` over the bytes
+   autograd saves per microbatch, counted by a ``saved_tensors_hooks``).
 4. ``bubble``: per schedule, the measured idle fraction ``1 - compute / step`` (mean over ranks,
    `PipelineSchedule.last_timing`) against `simulate` of its action lists with forward, input-
-   and weight-gradient times 1 (the mean idle fraction of the ranks).
+   and weight-gradient times 1 (the mean idle fraction of the ranks), and (part 2) against
+   `simulate` with each (kind, stage)'s measured mean CPU and wall times in that step
+   (`PipelineSchedule.last_action_times`; ``costs_*`` lists the CPU ones in ms).
+
+5. ``split`` (one process): CPU time per microbatch of the last stage's full backward ``B``
+   against its ``I`` and ``W`` in the ``zb_h1`` order, alternating (the split backward's cost).
 
 On a machine with fewer cores than ranks the ranks share cores: wall times then mostly measure
 the total work, and the measured bubble includes time a rank waits for a core.
@@ -74,9 +83,29 @@ def _run_theirs(mine, sched, x, y, S, losses=None):
     sched.step(*((x,) if 0 in mine else ()), **kw)
 
 
-def _ratio(a, b) -> dict:
-    return {"shardwise_s": statistics.median(a), "other_s": statistics.median(b),
-            "ratio": statistics.median(p / q for p, q in zip(a, b))}
+def _ratio(a, b, ca=None, cb=None) -> dict:
+    out = {"shardwise_s": statistics.median(a), "other_s": statistics.median(b),
+           "ratio": statistics.median(p / q for p, q in zip(a, b))}
+    if ca:
+        out.update({"shardwise_cpu_s": statistics.median(ca), "other_cpu_s": statistics.median(cb),
+                    "cpu_ratio": statistics.median(p / q for p, q in zip(ca, cb))})
+    return out
+
+
+def _action_costs(sched, which: int = 1) -> dict:
+    """The mean CPU (``which=1``) or wall (0) seconds of each (kind, stage) of actions in the last
+    step, from every rank."""
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, {k: v[which] for k, v in sched.last_action_times.items()})
+    return {k: v for d in got for k, v in d.items()}
+
+
+def _simulated_with(schedule, pp, m, costs, makespan_only=False) -> float:
+    """`simulate`'s mean idle fraction of the ranks (or its makespan) with measured per-action times."""
+    spec = sw.get_schedule(schedule)
+    v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
+    makespan, busy = sw.simulate(sw.build_schedule(schedule, pp, m, v), pp * v, m, costs=costs)
+    return makespan if makespan_only else 1 - sum(busy) / len(busy) / makespan
 
 
 def _measured_bubble(sched) -> float:
@@ -109,12 +138,12 @@ def bench_vs_torch(rank, world, args):
             if losses:
                 diff = max(abs(float(p) - float(q.detach())) for p, q in zip(got, losses))
                 assert diff <= 1e-5 * abs(float(got[0])), f"{schedule}: the two runs compute different losses ({diff})"
-        a, b, bub = [], [], []
+        a, b, ca, cb, bub = [], [], [], [], []
         for _ in range(args.reps):
-            a.append(_timed(lambda: ours.step(x, y)))
+            a.append(_timed(lambda: ours.step(x, y), ca))
             bub.append(_measured_bubble(ours))
-            b.append(_timed(lambda: _run_theirs(mine, theirs, x, y, 4)))
-        out[f"vs_torch_{schedule}_p2_m{m}"] = _ratio(a, b)
+            b.append(_timed(lambda: _run_theirs(mine, theirs, x, y, 4), cb))
+        out[f"vs_torch_{schedule}_p2_m{m}"] = _ratio(a, b, ca, cb)
         out[f"bubble_{schedule}_p2_m{m}"] = {"measured": statistics.median(bub), "simulated": _simulated(schedule, 2, m)}
         ours.close()
     return out
@@ -133,20 +162,53 @@ def bench_gain(rank, world, args):
             for _ in range(2):
                 base.step(x, y)
                 ours.step(x, y)
-            a, b, bub, bub1 = [], [], [], []
+            a, b, ca, cb, bub, bub1, costs, costs1, walls, walls1, predicted = ([] for _ in range(11))
             for _ in range(args.reps):
-                a.append(_timed(lambda: ours.step(x, y)))
+                a.append(_timed(lambda: ours.step(x, y), ca))
                 bub.append(_measured_bubble(ours))
-                b.append(_timed(lambda: base.step(x, y)))
+                mine = _action_costs(ours)
+                costs.append(_simulated_with(schedule, pp, m, mine))
+                walls.append(_simulated_with(schedule, pp, m, _action_costs(ours, 0)))
+                b.append(_timed(lambda: base.step(x, y), cb))
                 bub1.append(_measured_bubble(base))
-            out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = _ratio(a, b)
+                theirs = _action_costs(base)
+                costs1.append(_simulated_with("1f1b", pp, m, theirs))
+                predicted.append(_simulated_with(schedule, pp, m, mine, True) / _simulated_with("1f1b", pp, m, theirs, True))
+                walls1.append(_simulated_with("1f1b", pp, m, _action_costs(base, 0)))
+            out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = dict(_ratio(a, b, ca, cb),
+                                                               core_per_rank_ratio=statistics.median(predicted))
             out[f"bubble_{schedule}_p{pp}_m{m}"] = {"measured": statistics.median(bub),
-                                                    "simulated": _simulated(schedule, pp, m)}
+                                                    "simulated": _simulated(schedule, pp, m),
+                                                    "simulated_measured_costs": statistics.median(costs),
+                                                    "simulated_measured_wall_costs": statistics.median(walls)}
             out[f"bubble_1f1b_p{pp}_m{m}"] = {"measured": statistics.median(bub1),
-                                              "simulated": _simulated("1f1b", pp, m)}
+                                              "simulated": _simulated("1f1b", pp, m),
+                                              "simulated_measured_costs": statistics.median(costs1),
+                                              "simulated_measured_wall_costs": statistics.median(walls1)}
+            out[f"costs_{schedule}_p{pp}_m{m}_ms"] = {f"{k}{s}": round(t * 1e3, 2)
+                                                      for (k, s), t in sorted(_action_costs(ours).items())}
+            out[f"costs_1f1b_p{pp}_m{m}_ms"] = {f"{k}{s}": round(t * 1e3, 2)
+                                                for (k, s), t in sorted(_action_costs(base).items())}
             ours.close()
         base.close()
     return out
+
+
+def _saved_bytes_per_microbatch(sched, x, y) -> float:
+    """Bytes autograd saves for one microbatch on this rank (distinct storages, parameters not
+    counted): one step under a counting ``saved_tensors_hooks``, divided by ``m``."""
+    params = {p.untyped_storage().data_ptr() for p in sched.split.module.parameters()}
+    seen: dict[int, tuple] = {}  # storage address -> (bytes, the tensor: kept, so no address is reused)
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = (st.nbytes(), t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sched.step(x, y)
+    return sum(n for n, _ in seen.values()) / sched.m
 
 
 def bench_memory(rank, world, args):
@@ -156,7 +218,7 @@ def bench_memory(rank, world, args):
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
     m = 8
     x, y = _batch(cfg, 2 * m, args.seq, 1)
-    peaks, model = {}, {}
+    peaks, model, kept = {}, {}, {}
     for schedule in ("1f1b", "zb_h1", "zbv", "dualpipev"):
         ours = _ours(cfg, 2, m, schedule)
         ours.step(x, y)
@@ -166,11 +228,65 @@ def bench_memory(rank, world, args):
         with tr:
             ours.step(x, y)
         peaks[schedule] = tr.peak_by_tag.get("new", 0)
+        saved = _saved_bytes_per_microbatch(ours, x, y)
+        kept[schedule] = sum(ours.last_kept_grad_bytes.values()) / saved  # this rank's stages together
         spec = sw.get_schedule(schedule)
-        model[schedule] = sw.activations_in_flight(schedule, 2, m, spec.exact_virtual_stages or 1).per_rank[rank]
+        v = spec.exact_virtual_stages or 1
+        model[schedule] = {k: sw.activations_in_flight(schedule, 2, m, v, kept_grads=g).per_rank[rank]
+                           for k, g in (("without", 0.0), ("with", kept[schedule] / v))}
         ours.close()
     return {f"memory_{s}_p2_m{m}_rank{rank}": {"new_bytes": peaks[s], "vs_1f1b": peaks[s] / peaks["1f1b"],
-                                               "model_vs_1f1b": model[s] / model["1f1b"]} for s in peaks}
+                                               "model_vs_1f1b": model[s]["without"] / model["1f1b"]["without"],
+                                               "model_with_kept_grads_vs_1f1b": model[s]["with"] / model["1f1b"]["with"],
+                                               "kept_grads": kept[s]} for s in peaks}
+
+
+def bench_split(args) -> dict:
+    """Part 5, one process: CPU ms per microbatch of the last stage's backward (blocks
+    ``layers/2..`` + head + loss), a full ``B`` against ``I`` and ``W`` in the ``zb_h1`` order
+    (one ``W`` pending), alternating; best and median of ``reps * 4`` microbatches."""
+    import time
+
+    import torch.nn.functional as F
+
+    from benchmarks.pipeline import TorchStage
+    from shardwise.composable._pipeline._graph_split import SplitCache
+    from shardwise.composable._pipeline._split_backward import input_grad, weight_grad
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    model = Llama(cfg, generator=torch.Generator().manual_seed(0))
+    stage = TorchStage(model, range(args.layers // 2, args.layers), False, True)
+    _, y = _batch(cfg, 2, args.seq, 1)
+    cache, got, clock = SplitCache(), {"B": [], "I": [], "W": []}, time.thread_time
+
+    def fwd():
+        x = torch.randn(2, args.seq, args.dim, requires_grad=True)
+        return x, F.cross_entropy(stage(x).flatten(0, 1), y.flatten()) / 4
+
+    for _ in range(args.reps * 10):
+        for _ in range(4):
+            x, loss = fwd()
+            t0 = clock()
+            loss.backward()
+            got["B"].append(clock() - t0)
+        pending = []
+        for i in range(5):
+            if i < 4:
+                x, loss = fwd()
+                t0 = clock()
+                pending.append((x, input_grad([loss], [None], x, cache)[1]))
+                got["I"].append(clock() - t0)
+            if i >= 1:
+                x0, p0 = pending.pop(0)
+                t0 = clock()
+                weight_grad(p0, x0)
+                got["W"].append(clock() - t0)
+    out = {f"split_{k}_ms": {"best": min(v) * 1e3, "median": statistics.median(v) * 1e3} for k, v in got.items()}
+    out["split_I_plus_W_over_B"] = {f: (out["split_I_ms"][f] + out["split_W_ms"][f]) / out["split_B_ms"][f]
+                                    for f in ("best", "median")}
+    out["split_cache"] = {"hits": cache.hits, "misses": cache.misses}
+    return out
 
 
 def main():
@@ -183,7 +299,8 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", default="zbv,interleaved_zb,dualpipev", help="part 1: comma list")
-    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory")
+    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split")
+    p.add_argument("--worlds", default="2,4", help="part 2: comma list of rank counts (= pp)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from tests._dist import run_ranks
@@ -195,8 +312,10 @@ def main():
     if "memory" in parts:
         for r in run_ranks(bench_memory, 2, args, timeout=1800):
             res.update(r)
+    if "split" in parts:
+        res.update(bench_split(args))
     if "gain" in parts:
-        for world in (2, 4):
+        for world in map(int, args.worlds.split(",")):
             res.update(run_ranks(bench_gain, world, args, timeout=1800)[0])
     for k, v in res.items():
         print(f"{k}: {v}")

@@ -96,3 +96,31 @@ def test_every_registered_schedule_gets_a_memory_model():
         v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
         got = activations_in_flight(name, 2, 4, v)
         assert len(got.per_rank) == 2 and all(0 < x <= 4 for x in got.per_rank), (name, got)
+
+
+def _walk_kept(acts, kept):
+    """Peak units with ``kept`` more per microbatch between its I and its W (by hand, v = 1)."""
+    level = peak = 0.0
+    for a in acts:
+        level += {"F": 1.0, "B": -1.0, "I": kept, "W": -1.0 - kept}[a.kind.value]
+        peak = max(peak, level)
+    return peak
+
+
+@settings(deadline=None, max_examples=40)
+@given(schedule=st.sampled_from(("1f1b", "zb_h1")), pp=st.integers(1, 6), m=st.integers(1, 12),
+       kept=st.floats(0, 2))
+def test_kept_gradients_count_between_i_and_w(schedule, pp, m, kept):
+    got = activations_in_flight(schedule, pp, m, kept_grads=kept).per_rank
+    base = activations_in_flight(schedule, pp, m).per_rank
+    for r, acts in enumerate(build_schedule(schedule, pp, m)):
+        assert abs(got[r] - _walk_kept(acts, kept)) < 1e-9, (r, got[r])
+        if schedule == "1f1b":
+            assert got[r] == base[r]  # no I: nothing kept
+        else:  # zb_h1: rank r holds r + 1 microbatches between I and W at its peak (m >= r + 1)
+            assert abs(got[r] - base[r] - min(r + 1, m) * kept) < 1e-9, (r, got[r], base[r])
+
+
+def test_kept_gradients_must_be_a_ratio():
+    with pytest.raises(ValueError, match="kept_grads=-0.5"):
+        activations_in_flight("zb_h1", 2, 4, kept_grads=-0.5)

@@ -164,3 +164,16 @@ def test_the_planner_and_suggest_mesh_know_the_zero_bubble_schedules():
     tight = suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, activation_bytes=2 * 2**30,
                          pp_sizes=(1, 2), microbatches=8, schedule="zbv")
     assert tight.pp == 2, str(tight)
+
+
+def test_simulate_with_per_action_costs():
+    """``costs`` replaces the unit times per (kind, stage): the unit costs given explicitly change
+    nothing, doubled they double the makespan, and a slow W on the last stage of zb_h1 only
+    lengthens the tail (its Ws are off the critical path until the cool-down)."""
+    acts = build_schedule("zb_h1", 2, 4)
+    unit = {(k, s): t for s in range(2) for k, t in (("F", 1.0), ("I", 1.0), ("W", 1.0))}
+    assert simulate(acts, 2, 4, f_time=1, b_time=2, w_time=1) == simulate(acts, 2, 4, costs=unit)
+    double = simulate(acts, 2, 4, costs={k: 2 * t for k, t in unit.items()})
+    assert double[0] == 2 * simulate(acts, 2, 4, costs=unit)[0]
+    slow_w = simulate(acts, 2, 4, costs={**unit, ("W", 1): 1.5})
+    assert slow_w[1][1] == 4 * (1 + 1 + 1.5) and slow_w[0] > 13

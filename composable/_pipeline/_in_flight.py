@@ -12,6 +12,15 @@ unit is one microbatch's activations of all the rank's blocks, so 1F1B's rank ``
 last rank (5 virtual-stage forwards of half its blocks each). Counting is after each action:
 the activations an action builds are counted once it is done, and not the boundary buffers
 in transit between ranks. Every registered schedule gets this model from its action lists.
+
+A split backward holds more than the graph between ``I`` and ``W``: the gradient that reached
+each frontier source, which ``W`` needs ([Note: split backward] in ``_split_backward.py``; for
+a linear, the gradient of its output). ``kept_grads`` counts it: ``I`` adds ``kept_grads``
+units on its stage and ``W`` frees them with the activations. It is the stage's kept gradient
+bytes per microbatch over its activation bytes per microbatch, a property of the model, not of
+the schedule: measured 0.36-0.62 on the example Llama's stages (`PipelineSchedule.last_kept_grad_bytes`
+gives the numerator, `benchmarks/pipeline_zb.py --parts memory` both). Its default 0 counts the
+activations alone (the graph), as for schedules without ``I``.
 """
 
 from __future__ import annotations
@@ -38,16 +47,22 @@ class InFlight:
     per_stage: tuple[int, ...]
 
 
-def walk_in_flight(actions: Sequence[Action], weights: dict[int, float]) -> tuple[float, dict[int, int]]:
-    """One rank's peak weighted activations and each of its stages' peak count."""
+def walk_in_flight(actions: Sequence[Action], weights: dict[int, float],
+                   kept_grads: float = 0.0) -> tuple[float, dict[int, int]]:
+    """One rank's peak weighted activations (with ``kept_grads`` units per microbatch between its
+    ``I`` and ``W``) and each of its stages' peak count of microbatches alive."""
     alive: dict[int, int] = {s: 0 for s in weights}
     peak_stage = dict(alive)
     level = peak = 0.0
     for a in actions:
         if a.kind is ActionKind.F:
-            delta = 1
+            delta, units = 1, 1.0
+        elif a.kind is ActionKind.I:
+            delta, units = 0, kept_grads
+        elif a.kind is ActionKind.W:
+            delta, units = -1, -1.0 - kept_grads
         elif a.kind.frees_activations:
-            delta = -1
+            delta, units = -1, -1.0
         else:
             continue
         if a.stage not in alive:
@@ -56,18 +71,21 @@ def walk_in_flight(actions: Sequence[Action], weights: dict[int, float]) -> tupl
         if alive[a.stage] < 0:
             raise ValueError(f"pipeline: action {a!r} frees activations of a microbatch that has none alive")
         peak_stage[a.stage] = max(peak_stage[a.stage], alive[a.stage])
-        level += delta * weights[a.stage]
+        level += units * weights[a.stage]
         peak = max(peak, level)
     return peak, peak_stage
 
 
 def activations_in_flight(schedule: str | ScheduleSpec, pp: int, microbatches: int, virtual_stages: int = 1,
-                          stage_weights: Sequence[float] | None = None) -> InFlight:
+                          stage_weights: Sequence[float] | None = None, *, kept_grads: float = 0.0) -> InFlight:
     """Peak activations alive per rank and per virtual stage under ``schedule``.
 
     ``stage_weights[s]``: virtual stage ``s``'s share of its rank's blocks (``pp * v`` values;
-    those of one rank should sum to 1); default ``1 / virtual_stages`` each. See
-    [Note: activations in flight]."""
+    those of one rank should sum to 1); default ``1 / virtual_stages`` each. ``kept_grads``: the
+    gradients a split backward keeps from ``I`` to ``W``, in units of the microbatch's
+    activations on its stage (default 0: not counted). See [Note: activations in flight]."""
+    if not kept_grads >= 0:
+        raise ValueError(f"pipeline: kept_grads={kept_grads!r}; it is a size ratio, >= 0 (0 counts activations only)")
     v = virtual_stages
     acts = build_schedule(schedule, pp, microbatches, v)
     if stage_weights is None:
@@ -79,7 +97,7 @@ def activations_in_flight(schedule: str | ScheduleSpec, pp: int, microbatches: i
     per_stage = [0] * (pp * v)
     for r in range(pp):
         mine = stages_of(r, pp, v, get_schedule(schedule).placement)
-        peak, stages = walk_in_flight(acts[r], {s: stage_weights[s] for s in mine})
+        peak, stages = walk_in_flight(acts[r], {s: stage_weights[s] for s in mine}, kept_grads)
         per_rank.append(peak)
         for s, n in stages.items():
             per_stage[s] = n

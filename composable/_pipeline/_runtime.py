@@ -35,6 +35,7 @@ from ._p2p import P2P, PeerFailed
 from ._placement import stage_rank
 from ._registry import ScheduleSpec, get_schedule
 from ._schedule import Action, ActionKind
+from ._graph_split import SplitCache
 from ._split import StageShell
 from ._split_backward import input_grad, weight_grad
 from ._stages import PipelineSplit
@@ -97,7 +98,10 @@ class PipelineSchedule:
     ``step(inputs, targets)`` returns the ``m`` microbatch losses (a float64 CPU tensor, the
     same on every rank); ``last_timing`` then holds this rank's ``compute_s`` (wall time inside
     forward/backward), ``compute_cpu_s`` (the CPU time of this thread in them, which other load
-    on the machine disturbs less) and ``step_s``.
+    on the machine disturbs less) and ``step_s``; ``last_action_times[(kind, stage)]`` the mean
+    wall and CPU seconds of this rank's actions of that kind (``"F"``, ``"B"``, ``"I"``, ``"W"``)
+    on that stage (for `simulate`'s ``costs``); ``last_kept_grad_bytes[stage]`` the most bytes of
+    gradients one ``I`` of the stage kept for its ``W`` (see `activations_in_flight`'s ``kept_grads``).
     """
 
     def __init__(self, split: PipelineSplit, *, schedule: str | ScheduleSpec = "1f1b", microbatches: int,
@@ -133,9 +137,12 @@ class PipelineSchedule:
         self.schedule = spec
         self.actions = self.all_actions[split.pp_rank]
         self.stages = {st.index: st for st in split.stages}
+        self.split_caches = {i: SplitCache() for i in self.stages}  # [Note: recorded graph shape]
         self.S = split.num_stages
         self.broken: str | None = None
         self.last_timing: dict[str, float] = {}
+        self.last_action_times: dict[tuple[str, int], tuple[float, float]] = {}
+        self.last_kept_grad_bytes: dict[int, int] = {}
         self._hooks = []
         for st in split.stages:
             blocks = list(st.blocks)
@@ -276,7 +283,7 @@ class PipelineSchedule:
                               f"{step.x.dtype}: check that stage boundaries carry what the next block takes)")
                 self._notify(error)
                 break
-        return error, (step.compute, step.cpu)
+        return error, (step.compute, step.cpu, step.per_action, step.kept)
 
     def _forward(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
         """``F(s, i)``: receive (or take) the input, run the stage shell, send the output or
@@ -299,7 +306,7 @@ class PipelineSchedule:
             value = loss.detach()
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             step.losses[a.microbatch] = float(value)
-            step.timed(t0, c0)
+            step.timed(t0, c0, a)
             return
         y = st.slot.out
         if not isinstance(y, torch.Tensor):
@@ -309,7 +316,7 @@ class PipelineSchedule:
             check_boundary(a.stage, _first_tensor(out), y)
             self._boundary_checked.add(a.stage)
         step.saved[(a.stage, a.microbatch)] = (x, y)
-        step.timed(t0, c0)
+        step.timed(t0, c0, a)
         self._put(("act", a.stage + 1, a.microbatch), a.stage + 1, y, step.local)
 
     def _backward(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
@@ -327,7 +334,7 @@ class PipelineSchedule:
                 torch.autograd.backward(y / self.m)
         else:
             torch.autograd.backward(y, g)
-        step.timed(t0, c0)
+        step.timed(t0, c0, a)
         if not st.is_first:
             if x is None or x.grad is None:
                 raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
@@ -341,9 +348,10 @@ class PipelineSchedule:
         t0, c0 = time.perf_counter(), time.thread_time()
         step.units.before_input_grad(a.stage)
         with self.loss_context() if st.is_last and self.loss_context else _null():
-            gx, pending = input_grad([y / self.m] if st.is_last else [y], [g], x)
+            gx, pending = input_grad([y / self.m] if st.is_last else [y], [g], x, self.split_caches[a.stage])
         step.pending[(a.stage, a.microbatch)] = (x, pending)
-        step.timed(t0, c0)
+        step.timed(t0, c0, a)
+        step.kept[a.stage] = max(step.kept.get(a.stage, 0), pending.kept_bytes())
         if not st.is_first:
             if gx is None:
                 raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
@@ -358,7 +366,7 @@ class PipelineSchedule:
         with self.loss_context() if st.is_last and self.loss_context else _null():
             weight_grad(pending, x)
         step.units.after_weight_grad(a.stage)
-        step.timed(t0, c0)
+        step.timed(t0, c0, a)
 
     def _notify(self, text: str) -> None:
         if self.p2p is None:
@@ -372,8 +380,7 @@ class PipelineSchedule:
             if error:
                 self.broken = error
                 raise PipelineError(error)
-            self.last_timing = {"compute_s": compute[0], "compute_cpu_s": compute[1],
-                                "step_s": time.perf_counter() - t_start}
+            self._timing(compute, t_start)
             return losses
         if not error:
             self.p2p.flush()  # the step's last sends, before anyone waits in the all-reduce
@@ -390,9 +397,14 @@ class PipelineSchedule:
             self.broken = message
             raise PipelineError(message)
         self.p2p.wait_sends()
+        self._timing(compute, t_start)
+        return status[1:].clone()
+
+    def _timing(self, compute, t_start: float) -> None:
         self.last_timing = {"compute_s": compute[0], "compute_cpu_s": compute[1],
                             "step_s": time.perf_counter() - t_start}
-        return status[1:].clone()
+        self.last_action_times = {k: (v[0] / v[2], v[1] / v[2]) for k, v in compute[2].items()}
+        self.last_kept_grad_bytes = dict(compute[3])
 
 
 _PHASE = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "input-gradient backward",
@@ -412,10 +424,17 @@ class _StepState:
         self.pending: dict = {}  # (stage, microbatch) -> what I kept for W
         self.x: torch.Tensor | None = None  # the current forward's input, for the error message
         self.compute = self.cpu = 0.0
+        self.per_action: dict[tuple[str, int], list[float]] = {}  # (kind, stage) -> [wall s, CPU s, count]
+        self.kept: dict[int, int] = {}  # stage -> most bytes of gradients one I kept for its W
 
-    def timed(self, t0: float, c0: float) -> None:
-        self.compute += time.perf_counter() - t0
-        self.cpu += time.thread_time() - c0
+    def timed(self, t0: float, c0: float, a: Action) -> None:
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        self.compute += wall
+        self.cpu += cpu
+        acc = self.per_action.setdefault((a.kind.value, a.stage), [0.0, 0.0, 0])
+        acc[0] += wall
+        acc[1] += cpu
+        acc[2] += 1
 
 
 class _null:

@@ -19,7 +19,7 @@ zero-bubble ``_schedule_zb_h1.py``, ``_schedule_zbv.py`` (``zbv`` and ``interlea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from . import _schedule_gpipe, _schedule_1f1b, _schedule_interleaved_1f1b, _schedule_zb_h1, _schedule_zbv, _schedule_dualpipev  # noqa: F401,E501  register, in this order
 from ._actions import Action, ActionKind
@@ -65,12 +65,18 @@ def _check_complete(got: list[Action], num_stages: int, microbatches: int) -> se
 
 
 def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches: int, *, f_time: float = 1.0,
-             b_time: float = 2.0, w_time: float | None = None) -> tuple[float, list[float]]:
+             b_time: float = 2.0, w_time: float | None = None,
+             costs: Mapping[tuple[str, int], float] | None = None) -> tuple[float, list[float]]:
     """Run the per-rank lists with the dependency rule of [Note: schedules]; return the makespan
     and each rank's busy time. A split backward takes ``b_time - w_time`` for I and ``w_time``
-    for W (default: half each). Raises ``ValueError`` on a deadlock, a missing or repeated action."""
+    for W (default: half each). ``costs[(kind, stage)]`` (kind ``"F"``, ``"B"``, ``"I"`` or
+    ``"W"``), where given, is the duration of that kind of action on that stage instead (e.g.
+    measured ones: `PipelineSchedule.last_action_times`). Raises ``ValueError`` on a deadlock, a
+    missing or repeated action."""
     w = b_time / 2 if w_time is None else w_time
-    cost = {ActionKind.F: f_time, ActionKind.B: b_time, ActionKind.I: b_time - w, ActionKind.W: w}
+    unit = {ActionKind.F: f_time, ActionKind.B: b_time, ActionKind.I: b_time - w, ActionKind.W: w}
+    given = costs or {}
+    cost = {(k, s): given.get((k.value, s), unit[k]) for k in ActionKind for s in range(num_stages) if k in unit}
     got = [a for acts in actions for a in acts]
     split = _check_complete(got, num_stages, microbatches)
     done: dict[Action, float] = {}
@@ -87,8 +93,8 @@ def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches:
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[r], *(done[d] for d in deps)])
-                done[a] = clock[r] = start + cost[a.kind]
-                busy[r] += cost[a.kind]
+                done[a] = clock[r] = start + cost[a.kind, a.stage]
+                busy[r] += cost[a.kind, a.stage]
                 pos[r] += 1
                 remaining -= 1
                 progressed = True

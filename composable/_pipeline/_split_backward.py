@@ -15,9 +15,11 @@ in ``X``, ``M`` not; nothing outside ``X`` leads back into it). So:
   paths to ``x`` and, inside each, computes only the outputs on them (a linear layer's
   ``dX = dY W``, not its ``dW = dY^T X``). A pre-hook on every frontier source ``N`` keeps the
   gradient that reached ``N`` (its ``grad_outputs``).
-* ``W``, phase 1: for each frontier source ``N``, ``autograd.grad`` from ``N`` (a
-  ``GradientEdge`` with the kept gradient) to its own frontier edges: this runs ``N`` once more
-  for the outputs ``I`` skipped (``dW``). Phase 2: one ``autograd.backward`` from all frontier
+* ``W``, phase 1: for each frontier source ``N``, the outputs ``I`` skipped (``dW``), from the
+  kept gradient: for a linear's or a gain's node, by autograd's own formula on what ``N`` saved
+  ([Note: weight gradients from saved tensors] in ``_compat.py``; no engine call); for any other
+  node, ``autograd.grad`` from ``N`` (a ``GradientEdge`` with the kept gradient) to its own
+  frontier edges, which runs ``N`` once more. Phase 2: one ``autograd.backward`` from all frontier
   edges with those gradients, outside ``X``: the parameters' ``AccumulateGrad`` nodes (and
   their hooks) run as in a full backward, so ``.grad`` accumulates as ``loss.backward()``.
 
@@ -29,15 +31,21 @@ included). Where it fails (one parameter's ``AccumulateGrad`` fed directly by tw
 retained graph: exact, at the cost of walking ``X`` again. On the first stage there is no
 ``x``: ``I`` does nothing and ``W`` is the full backward. A reentrant activation checkpoint
 (``use_reentrant=True``) computes its weight gradients inside its own backward, during ``I``;
-the result is the same.
+the result is the same. Finding ``X`` and the frontier is a walk of the graph; a stage's
+`SplitCache` does it once and reuses it while the graph keeps its shape ([Note: recorded graph
+shape] in ``_graph_split.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from ._compat import run_backward, weight_grads_of
+from ._graph_split import Source, SplitCache, graph_split
 
 __all__ = ["PendingWeights", "input_grad", "weight_grad"]
 
@@ -45,88 +53,44 @@ __all__ = ["PendingWeights", "input_grad", "weight_grad"]
 @dataclass
 class PendingWeights:
     """What ``I`` keeps for its ``W``: the roots (outputs and their gradients, for the fallback),
-    each frontier source with its frontier edges and the gradient that reached it."""
+    each frontier source (`Source`) with the gradient that reached it."""
 
     outputs: list
     grads: list
-    sources: list = field(default_factory=list)  # (node, [GradientEdge], grad_outputs or None)
+    sources: list = field(default_factory=list)  # (Source, grad_outputs or None)
     exact: bool = True
     done: bool = False  # I ran the full backward (a reentrant checkpoint in the graph)
 
-
-def _graph_split(root: Node, target: Node) -> tuple[list[tuple[Node, list[GradientEdge]]], bool, bool]:
-    """The frontier sources under ``root`` with their frontier edges, whether phase 1 may run
-    each source alone ([Note: split backward]), and whether a reentrant checkpoint is in ``X``."""
-    reaches: dict[Node, bool] = {target: True}
-    kids: dict[Node, tuple] = {}
-    stack: list[Node] = [root]
-    while stack:  # iterative post-order: does each node reach ``target``?
-        node = stack[-1]
-        if node in reaches:
-            stack.pop()
-            continue
-        nexts = kids.get(node)
-        if nexts is None:  # first visit: its children go first
-            nexts = kids[node] = node.next_functions
-            todo = [c for c, _ in nexts if c is not None and c not in reaches]
-            if todo:
-                stack.extend(todo)
-                continue
-        stack.pop()
-        reaches[node] = any(reaches.get(c, False) for c, _ in nexts if c is not None)
-    sources: list[tuple[Node, list[GradientEdge]]] = []
-    feeders: dict[tuple[Node, int], int] = {}
-    for node, inside in reaches.items():
-        if not inside or node is target:
-            continue
-        edges: list[GradientEdge] = []
-        for child, nr in kids[node]:
-            if child is not None and not reaches.get(child, False):
-                key = (child, nr)
-                if all((e.node, e.output_nr) != key for e in edges):
-                    edges.append(GradientEdge(child, nr))
-                    feeders[key] = feeders.get(key, 0) + 1
-        if edges:
-            sources.append((node, edges))
-    exact = all(n == 1 for n in feeders.values()) and not _targets_reach_each_other({k[0] for k in feeders})
-    reentrant = any(type(n).__name__ == _REENTRANT for n, inside in reaches.items() if inside)
-    return sources, exact, reentrant
+    def kept_bytes(self) -> int:
+        """Bytes of the gradients kept at the frontier sources (what ``I`` holds for ``W`` beyond the graph)."""
+        seen: set[int] = set()
+        total = 0
+        for _, grads in self.sources:
+            for g in grads or ():
+                if isinstance(g, torch.Tensor) and id(g) not in seen:
+                    seen.add(id(g))
+                    total += g.numel() * g.element_size()
+        return total
 
 
-_REENTRANT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)'s node
-
-
-def _targets_reach_each_other(targets: set[Node]) -> bool:
-    for start in targets:
-        seen: set[Node] = set()
-        stack = [n for n, _ in start.next_functions if n is not None]
-        while stack:
-            n = stack.pop()
-            if n in targets:
-                return True
-            if n in seen:
-                continue
-            seen.add(n)
-            stack.extend(c for c, _ in n.next_functions if c is not None)
-    return False
-
-
-def input_grad(outputs: list[torch.Tensor], grads: list, x: torch.Tensor | None
+def input_grad(outputs: list[torch.Tensor], grads: list, x: torch.Tensor | None, cache: SplitCache | None = None
                ) -> tuple[torch.Tensor | None, PendingWeights]:
     """``I``: the gradient of ``x`` (None on a first stage, ``x is None``) and what ``W`` needs.
-    ``grads[k]`` is the gradient of ``outputs[k]`` (None for a scalar loss)."""
+    ``grads[k]`` is the gradient of ``outputs[k]`` (None for a scalar loss). ``cache``: the stage's
+    `SplitCache`, which finds the split of a graph shaped as the last one without walking it
+    ([Note: recorded graph shape] in ``_graph_split.py``)."""
     pending = PendingWeights(outputs, grads)
     if x is None:
         return None, pending
     target = get_gradient_edge(x).node
     roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    found: dict[Node, list[GradientEdge]] = {}
+    found: dict[Node, Source] = {}
     exact, reentrant = True, False
     for root in roots:
-        srcs, ok, re = _graph_split(root, target)
+        srcs, ok, re = cache.split(root, target) if cache is not None and len(roots) == 1 else graph_split(root, target)
         exact, reentrant = exact and ok, reentrant or re
-        for node, edges in srcs:
-            found.setdefault(node, edges)
+        for src in srcs:
+            found.setdefault(src.node, src)
     if reentrant:  # it refuses autograd.grad: the whole backward now, W has nothing left
         pending.done = True
         x.grad = None
@@ -134,19 +98,16 @@ def input_grad(outputs: list[torch.Tensor], grads: list, x: torch.Tensor | None
         return x.grad, pending
     pending.exact = exact and len(roots) == 1
     kept: dict[Node, tuple] = {}
-
-    def keeper(node: Node):
-        def hook(grad_outputs):
-            kept[node] = tuple(grad_outputs)
-        return hook
-
-    handles = [node.register_prehook(keeper(node)) for node in found] if pending.exact else []
+    keep = kept.__setitem__  # a pre-hook ``keep(node, grad_outputs)``: no Python frame per call
+    # a node pre-hook, not a capture (``inputs=[GradientEdge(node, 0)]``): it sees the gradient
+    # after the node's tensor hooks (fully_shard's, a user's), as the node itself does
+    handles = [node.register_prehook(partial(keep, node)) for node in found] if pending.exact else []
     try:
         (gx,) = torch.autograd.grad(outputs, [x], grads, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
-    pending.sources = [(node, edges, kept.get(node)) for node, edges in found.items()]
+    pending.sources = [(src, kept.get(node)) for node, src in found.items()]
     return gx, pending
 
 
@@ -164,20 +125,22 @@ def weight_grad(pending: PendingWeights, x: torch.Tensor | None) -> None:
         return
     edges: list[GradientEdge] = []
     values: list[torch.Tensor] = []
-    for node, out_edges, grad_outputs in pending.sources:
-        if grad_outputs is None:
-            continue  # the node never ran in I: no gradient reached it
-        roots = [GradientEdge(node, k) for k, g in enumerate(grad_outputs) if g is not None]
-        if not roots:
-            continue
-        got = torch.autograd.grad(roots, out_edges, [g for g in grad_outputs if g is not None],
-                                  retain_graph=True, allow_unused=True)
-        for e, g in zip(out_edges, got):
-            if g is not None:
-                edges.append(e)
-                values.append(g)
+    with torch.no_grad():
+        for src, grad_outputs in pending.sources:
+            if grad_outputs is None or all(g is None for g in grad_outputs):
+                continue  # the node never ran in I: no gradient reached it
+            got = weight_grads_of(src.node, grad_outputs, src.slots, src.edges)  # [Note: weight gradients ...]
+            if got is None:  # phase 1 through the engine: the node once more, for its frontier outputs
+                roots = [GradientEdge(src.node, k) for k, g in enumerate(grad_outputs) if g is not None]
+                got = torch.autograd.grad(roots, src.edges, [g for g in grad_outputs if g is not None],
+                                          retain_graph=True, allow_unused=True)
+            for e, g in zip(src.edges, got):
+                if g is not None:
+                    edges.append(e)
+                    values.append(g)
+    pending.sources = []  # the kept gradients are spent
     if edges:
-        torch.autograd.backward(edges, values)
+        run_backward(edges, values)
 
 
 def _leaves_except(outputs: list[torch.Tensor], skip: Node) -> list[torch.Tensor]:
