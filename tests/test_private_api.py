@@ -31,6 +31,9 @@ PRIVATE = (
     "torch._dynamo",
     "torch._C",
     "torch.utils._",
+    "_saved_",  # autograd nodes' saved tensors (the split backward's weight gradients)
+    "_input_metadata",
+    "_engine_run_backward",
 )
 # a name counts where it starts a word: ``_local_tensor`` is not in ``set_local_tensor``
 _PATTERN = re.compile(r"(?<![A-Za-z0-9_])(?:" + "|".join(re.escape(n) for n in PRIVATE) + ")")
