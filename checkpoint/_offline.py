@@ -46,6 +46,7 @@ from ._format import (FORMAT_NAME, INDEX_FILE, Index, SavedBox, StreamingWriter,
                       format_index, index_to_json, plain_file_name)
 from ._geometry import Box, LocalBox, boxes_for, distinct_boxes, plan_reads
 from ._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE
+from ._hf_moe import Part, expert_view
 from ._hf_folder import (group_shards, index_file_name, model_prefix, read_config, shard_names,
                          write_index)
 from ._json_strict import parse_json_strict
@@ -104,15 +105,17 @@ def _slabs(box: Box, itemsize: int, chunk_bytes: int) -> list[Box]:
             for s in range(0, box.sizes[0], step)]
 
 
-def _write(path: str, source: _Source, parts: list[tuple[str, str, Box]], chunk_bytes: int, progress: _Progress,
+def _write(path: str, source: _Source, parts: list[tuple], chunk_bytes: int, progress: _Progress,
            metadata: dict[str, str]) -> dict[str, BoxChecksums]:
-    """Write ``parts`` ``[(file_key, tensor key, global box)]`` into one safetensors file."""
-    by_key = {fk: (key, box) for fk, key, box in parts}
-    writer = StreamingWriter(path, [(fk, source.index.tensors[k].dtype, b.sizes) for fk, (k, b) in by_key.items()],
+    """Write ``parts`` ``[(file_key, tensor key, global box[, shape])]`` into one safetensors
+    file (``shape``: the written tensor's, default the box's sizes; an expert's ``[1, h, d]``
+    box is written ``[h, d]``)."""
+    by_key = {part[0]: (part[1], part[2], part[3] if len(part) > 3 else part[2].sizes) for part in parts}
+    writer = StreamingWriter(path, [(fk, source.index.tensors[k].dtype, shape) for fk, (k, _, shape) in by_key.items()],
                              metadata)
     try:
         for fk in writer.keys:
-            key, box = by_key[fk]
+            key, box, _ = by_key[fk]
             itemsize = torch.empty((), dtype=source.index.tensors[key].dtype).element_size()
             for slab in _slabs(box, itemsize, chunk_bytes):
                 writer.append(source.read(key, slab))
@@ -215,27 +218,34 @@ def _merge(files: CheckpointFiles, out: str | os.PathLike, prefix: str | None, c
     if not keys:
         raise CheckpointError(f"checkpoint {files.where} has no tensor whose key starts with {prefix!r}")
     hf = read_config(config) if config is not None else None
-    if hf is not None:
+    shapes = {k[len(prefix):]: tuple(index.tensors[k].shape) for k in keys}
+    if hf is not None:  # HF's names, experts one by one ([Note: expert names in a Hugging Face folder])
         source = _Source(files)
+        view = expert_view(hf.architecture, shapes)
         full = {k: Box((0,) * len(index.tensors[k].shape), index.tensors[k].shape) for k in keys}
-        names = hf.select({k[len(prefix):]: index.tensors[k].shape for k in keys},
-                          lambda a, b: torch.equal(source.read(prefix + a, full[prefix + a]),
-                                                   source.read(prefix + b, full[prefix + b])))
-        keys = [prefix + n for n in names]
-    shards = group_shards({k: index.tensors[k].nbytes for k in keys}, max_shard_bytes)
+
+        def same(a: str, b: str) -> bool:
+            a, b = prefix + view.source.get(a, a), prefix + view.source.get(b, b)
+            return torch.equal(source.read(a, full[a]), source.read(b, full[b]))
+
+        parts = [p for n in hf.select(view.shapes, same) for p in view.parts[n]]
+    else:
+        parts = [Part(n, n, Box((0,) * len(s), s), s) for n, s in shapes.items()]
+    nbytes = {p.name: p.box.numel * torch.empty((), dtype=index.tensors[prefix + p.source].dtype).element_size()
+              for p in parts}
+    by_name = {p.name: p for p in parts}
+    shards = group_shards(nbytes, max_shard_bytes)
     names = shard_names(len(shards), hf is not None)
-    bar = _Progress("merge", sum(index.tensors[k].nbytes for k in keys), progress)
+    bar = _Progress("merge", sum(nbytes.values()), progress)
 
     def fill(tmp: str) -> None:
         source = _Source(files)
         weight_map = {}
         for name, group in zip(names, shards):
-            parts = [(k[len(prefix):], k, Box((0,) * len(index.tensors[k].shape), index.tensors[k].shape))
-                     for k in group]
-            _write(os.path.join(tmp, name), source, parts, chunk_bytes, bar, {"format": "pt"})
-            weight_map.update({p[0]: name for p in parts})
-        write_index(tmp, index_file_name(len(names), hf is not None), weight_map,
-                    sum(index.tensors[k].nbytes for k in keys))
+            entries = [(n, prefix + by_name[n].source, by_name[n].box, by_name[n].shape) for n in group]
+            _write(os.path.join(tmp, name), source, entries, chunk_bytes, bar, {"format": "pt"})
+            weight_map.update({n: name for n in group})
+        write_index(tmp, index_file_name(len(names), hf is not None), weight_map, sum(nbytes.values()))
         if hf is not None:
             hf.write(tmp)
 

@@ -77,7 +77,8 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     from examples.cp import CPWiring  # --cp: sequence sharded over the cp ranks of each stage
 
     cpx = CPWiring.of(args)
-    mesh = init_mesh(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp, cp=cpx.cp)
+    mesh = init_mesh(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp, cp=cpx.cp,
+                     ep=getattr(args, "ep", 1))
     dp_names = ("dp_replicate", "dp_shard") if args.dp_replicate > 1 else ("dp_shard",)
     dp_mesh = mesh[dp_names]
     dp_size = dp_mesh.size()
@@ -93,6 +94,9 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len))
     model = Llama(cfg, generator=torch.Generator().manual_seed(args.seed))
+    if getattr(args, "experts", 0):  # mixture of experts (examples/moe.py)
+        from examples.moe import MoEPipelineAux, moe_llama, shard_moe_stage
+        model = moe_llama(cfg, args.experts, args.top_k, torch.Generator().manual_seed(args.seed))
     device = mesh_device(mesh)
     sample_in, sample_tg = inputs_and_targets(local_slice(
         global_batch(1, args.batch_size, args.seq_len, args.vocab, args.seed), 0, dp_size * m))
@@ -102,12 +106,15 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     for st in split.stages:
         if args.tp > 1:
             tp_stage(st, mesh["tp"], uneven_shards=(args.seq_len // cpx.cp) % args.tp != 0)
+        if getattr(args, "experts", 0):
+            shard_moe_stage(st, mesh, args.ep)
         for blk in st.blocks:
             sw.fully_shard(blk, mesh=dp_mesh)
         sw.fully_shard(st.module, mesh=dp_mesh)
     cpx.wire(split, mesh, args.seq_len, device)
     sched = sw.PipelineSchedule(split, schedule=args.schedule, microbatches=m, loss_fn=_loss,
                                 loss_context=sw.loss_parallel if args.tp > 1 else None)
+    aux = MoEPipelineAux(split, cfg.n_layers, m) if getattr(args, "experts", 0) else None
     optim = torch.optim.AdamW(split.module.parameters(), lr=args.lr)
     say(f"mesh: shape={tuple(mesh.shape)} names={mesh.mesh_dim_names}; schedule {args.schedule}, "
         f"{m} microbatches, {v} stage(s) per rank")
@@ -128,7 +135,8 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
         mb_losses = sched.step(inputs, targets)
         optim.step()
         optim.zero_grad(set_to_none=True)
-        losses.append(mean_over_mesh(mb_losses.mean().to(device), dp_mesh).item())
+        loss = mb_losses.mean() + (aux.take(split.pp_group, device) if aux else 0.0)
+        losses.append(mean_over_mesh(loss.to(device), dp_mesh).item())
         if step == start or step % args.log_every == 0 or step == args.steps:
             say(f"step {step:4d}  loss {losses[-1]:.4f}")
     t2 = time.perf_counter()

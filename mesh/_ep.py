@@ -55,6 +55,8 @@ class ExpertMeshes:
             ``dp_replicate > 1``, ``(dp_replicate, dp_shard_mod_ep)``.
         degree: ``ep``.
         dp_degree: the experts' whole data-parallel degree, ``dp_replicate * dp_shard_mod_ep``.
+        ep_tp: the 2-D ``(ep, tp)`` slice where the mesh has a ``tp`` axis (None otherwise):
+            what `ExpertTensorParallel` splits each expert's own weights over.
     """
 
     mesh: DeviceMesh
@@ -62,6 +64,7 @@ class ExpertMeshes:
     dp: DeviceMesh
     degree: int
     dp_degree: int
+    ep_tp: DeviceMesh | None = None
 
 
 def expert_meshes(mesh: DeviceMesh, ep: int | None = None) -> ExpertMeshes:
@@ -119,4 +122,6 @@ def _build(mesh: DeviceMesh, ep: int) -> ExpertMeshes:
     replicate = axes.size("dp_replicate")
     dp_names = tuple(EP_DP_AXIS if n == "dp_shard" else n for n in dp_axis_names(replicate))
     dp = whole[dp_names[0]] if len(dp_names) == 1 else whole[dp_names]
-    return ExpertMeshes(mesh=whole, ep=whole[EP_AXIS], dp=dp, degree=ep, dp_degree=replicate * extent // ep)
+    ep_tp = whole[(EP_AXIS, "tp")] if inner else None
+    return ExpertMeshes(mesh=whole, ep=whole[EP_AXIS], dp=dp, degree=ep, dp_degree=replicate * extent // ep,
+                        ep_tp=ep_tp)

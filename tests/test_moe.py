@@ -71,6 +71,25 @@ def test_load_balancing_loss_definition():
     assert load_balancing_loss(uniform, torch.tensor([[i % 4, (i + 1) % 4] for i in range(8)])).item() == 2.0
 
 
+def test_sequence_load_balancing_loss_is_each_sequences_own_and_microbatch_invariant():
+    torch.manual_seed(0)
+    moe = MoE(6, 10, num_experts=5, top_k=2)
+    x = torch.randn(4, 7, 6)
+    moe(x)
+    per_seq = moe.seq_aux_loss
+    assert per_seq.shape == (4,)
+    for b in range(4):  # the batch-wise loss of one sequence alone
+        moe(x[b:b + 1])
+        torch.testing.assert_close(per_seq[b], moe.aux_loss, **TOL)
+    halves = []
+    for part in x.split(2):  # two microbatches: the mean over sequences is unchanged
+        moe(part)
+        halves.append(moe.seq_aux_loss)
+    torch.testing.assert_close(torch.cat(halves).mean(), per_seq.mean(), **TOL)
+    moe(x.reshape(-1, 6))
+    assert moe.seq_aux_loss is None, "a 2-D input has no sequences"
+
+
 def test_router_z_loss_definition():
     z = torch.randn(5, 3)
     want = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in z.tolist()) / 5

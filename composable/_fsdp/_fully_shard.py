@@ -121,12 +121,12 @@ def _collect_params(modules: list[nn.Module], ignored: set[int]):
 
 def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
     for fqn, p, _ in entries:
-        if isinstance(p, DTensor) and (p.device_mesh.ndim != 1 or not all(
-                isinstance(x, (Shard, Replicate)) and not is_strided_shard(x) for x in p.placements)):
+        if isinstance(p, DTensor) and not all(
+                isinstance(x, (Shard, Replicate)) and not is_strided_shard(x) for x in p.placements):
             raise ValueError(
                 f"fully_shard({label}): parameter '{fqn}' is a DTensor with placements {tuple(p.placements)} on a "
-                f"{p.device_mesh.ndim}-D mesh; fully_shard composes with tensor parallelism on a 1-D 'tp' mesh "
-                "(Shard or Replicate placements). Apply tensor parallelism first, then fully_shard on the "
+                f"{p.device_mesh.ndim}-D mesh; fully_shard composes with tensor parallelism on a 'tp' mesh "
+                "(or expert x tensor parallelism on ('ep', 'tp')) with Shard or Replicate placements. Apply tensor parallelism first, then fully_shard on the "
                 "data-parallel mesh."
             )
         if not p.is_floating_point():

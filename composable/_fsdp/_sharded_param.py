@@ -21,13 +21,15 @@ backward resizes the same storage back and fills it. Writes go through ``.data``
 with its own version counter), so autograd's in-place checks do not fire on the refill.
 
 [Note: sharding a tensor-parallel parameter]
-A parameter already distributed by tensor parallelism is a DTensor on a 1-D ``tp`` mesh whose
-local tensor is this rank's TP piece. fully_shard shards that *local* tensor along dim 0 over
+A parameter already distributed by tensor parallelism is a DTensor on a 1-D ``tp`` mesh (or,
+for experts split over ``ep`` and ``tp``, the 2-D ``(ep, tp)`` slice) whose local tensor is this
+rank's TP piece. fully_shard shards that *local* tensor along dim 0 over
 the data-parallel axes, so the layout arithmetic (``layout``) is on the TP-local shape and the
 collectives run within each data-parallel group, whose members hold TP pieces of the same
 shape. The sharded parameter is a DTensor on the combined ``(dp..., tp)`` mesh: if TP split
 dim 0 too (colwise weights), the dim-0 pieces are "TP chunk first, then dp chunk within it",
-which DTensor spells as a strided shard (``_compat.strided_shard(0, tp)``) on the dp axis; otherwise the dp
+which DTensor spells as a strided shard (``_compat.strided_shard(0, s)``, ``s`` the product of
+the sizes of the TP axes that split dim 0) on the dp axis; otherwise the dp
 axis is a plain ``Shard(0)``. ``full_tensor()`` therefore gives the global tensor. The
 unsharded parameter is again a DTensor on the ``tp`` mesh, as the TP module code expects; its
 gradient is redistributed to the parameter's TP placement (the TP all-reduce of a
@@ -94,8 +96,12 @@ class ShardedParam:
         self.tp_placements: tuple | None
         if isinstance(param, DTensor):  # see [Note: sharding a tensor-parallel parameter]
             self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)
-            if self.tp_placements[0] == layout.placement:  # TP split the same dim first
-                dp = dp[:-1] + (strided_shard(layout.placement.dim, self.tp_mesh.size()),)
+            split = 1  # how many pieces the TP axes cut the dp-sharded dim into (1: none)
+            for i, pl in enumerate(self.tp_placements):
+                if pl == layout.placement:
+                    split *= self.tp_mesh.size(i)
+            if split > 1:  # TP split the same dim first
+                dp = dp[:-1] + (strided_shard(layout.placement.dim, split),)
             self.mesh = _combined_mesh(mesh, self.tp_mesh)
             self.placements = dp + self.tp_placements
             self.global_shape = tuple(param.shape)

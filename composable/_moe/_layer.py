@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._experts import GroupedExperts
-from ._router import TopKRouter, load_balancing_loss, router_z_loss
+from ._router import TopKRouter, load_balancing_loss, router_z_loss, sequence_load_balancing_loss
 
 __all__ = ["MoE", "MoEStats", "SharedExperts"]
 
@@ -77,7 +77,9 @@ class MoE(nn.Module):
     ``forward(x)`` takes ``[..., dim]`` and returns the same shape. After each forward:
     ``aux_loss`` (load balancing) and ``z_loss`` (router z-loss) hold this forward's losses as
     tensors with gradients ([Note: the router's losses] in `_router.py`; add
-    ``coef * moe.aux_loss`` to the training loss to use them), ``stats`` a `MoEStats`.
+    ``coef * moe.aux_loss`` to the training loss to use them), ``seq_aux_loss`` the
+    sequence-wise load-balancing loss of each sequence (shape ``x.shape[:-2]``, dim -2 the
+    sequence; None for a 2-D ``x``), ``stats`` a `MoEStats`.
     Submodules: ``router`` (`TopKRouter`), ``experts`` (`GroupedExperts`, what `ExpertParallel`
     shards), ``shared_experts`` (or None).
     """
@@ -97,6 +99,7 @@ class MoE(nn.Module):
             raise ValueError("MoE(shared_gate=True) gates the shared experts: give shared_hidden > 0 too")
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         self.aux_loss: torch.Tensor | None = None
+        self.seq_aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
 
@@ -106,6 +109,8 @@ class MoE(nn.Module):
         num_tokens, k, num_experts = tokens.shape[0], self.top_k, self.num_experts
         routing = self.router(tokens)
         self.aux_loss = load_balancing_loss(routing.probs, routing.experts)
+        self.seq_aux_loss = None if len(shape) < 3 else sequence_load_balancing_loss(
+            routing.probs.view(-1, shape[-2], num_experts), routing.experts.view(-1, shape[-2], k)).view(shape[:-2])
         self.z_loss = router_z_loss(routing.logits)
         flat = routing.experts.flatten()  # [T k], token-major; see [Note: the order of the routed rows]
         counts = torch.bincount(flat, minlength=num_experts)

@@ -15,6 +15,12 @@ probabilities are ``s`` normalized per token, ``p = s / sum_e s``):
 
 Both are over the tokens the layer sees in one forward (one rank's micro-batch, as in HF and
 torchtitan), are returned unscaled, and counted before any capacity drop.
+
+The *sequence-wise* load-balancing loss (DeepSeek-V3's complementary balance loss, in the form
+above) is the same loss over each sequence's tokens alone, one value per sequence. Its mean over
+sequences does not depend on how the sequences are grouped into forwards: pipeline microbatches
+or gradient accumulation give the loss of the whole batch (the batch-wise loss, a product of
+two means, does not).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["TopKRouter", "Routing", "load_balancing_loss", "router_z_loss"]
+__all__ = ["TopKRouter", "Routing", "load_balancing_loss", "sequence_load_balancing_loss", "router_z_loss"]
 
 _SCORES = ("softmax", "sigmoid")
 
@@ -100,3 +106,12 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Ten
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """``mean_t logsumexp(z_t)^2`` (see [Note: the router's losses]); ``logits`` ``[T, E]``."""
     return torch.logsumexp(logits.float(), dim=-1).square().mean().to(logits.dtype)
+
+
+def sequence_load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """`load_balancing_loss` of each sequence on its own (see [Note: the router's losses]):
+    ``probs`` ``[B, S, E]``, ``experts`` ``[B, S, k]`` -> ``[B]``."""
+    batch, seq, num_experts = probs.shape
+    counts = probs.new_zeros((batch, num_experts)).scatter_add_(
+        1, experts.reshape(batch, -1), probs.new_ones((batch, experts[0].numel())))
+    return num_experts * (counts / max(seq, 1) * probs.mean(dim=1)).sum(dim=-1)

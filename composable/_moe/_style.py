@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -86,8 +87,13 @@ class ExpertParallel(ParallelStyle):
         target.forward = functools.partial(_ep_forward, target, mesh)  # type: ignore[method-assign]
 
 
-def _ep_forward(experts: GroupedExperts, mesh: DeviceMesh, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The experts' forward under `ExpertParallel` ([Note: dispatch and combine])."""
+FFN = Callable[[torch.Tensor, list, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _ep_forward(experts: GroupedExperts, mesh: DeviceMesh, x: torch.Tensor, counts: torch.Tensor,
+                ffn: FFN = expert_ffn) -> torch.Tensor:
+    """The experts' forward under `ExpertParallel` ([Note: dispatch and combine]); ``ffn``
+    computes the rows grouped by local expert (`expert_ffn`, or its tensor-parallel form)."""
     group, ep = mesh.get_group(), mesh.size()
     recv = exchange_counts(counts, ep, group).tolist()
     sent = counts.view(ep, -1).sum(dim=1).tolist()
@@ -95,8 +101,8 @@ def _ep_forward(experts: GroupedExperts, mesh: DeviceMesh, x: torch.Tensor, coun
     rows = all_to_all(x, received, sent, group)
     per_local = [sum(row[j] for row in recv) for j in range(len(recv[0]))]
     index = torch.tensor(regroup_index(recv), dtype=torch.int64, device=x.device)
-    out = expert_ffn(rows.index_select(0, index), per_local, local_weight(experts.w1), local_weight(experts.w2),
-                     local_weight(experts.w3))
+    out = ffn(rows.index_select(0, index), per_local, local_weight(experts.w1), local_weight(experts.w2),
+              local_weight(experts.w3))
     back = out.new_empty(out.shape).index_copy(0, index, out)  # (local expert, source) -> (source, local expert)
     experts.dispatch_stats = DispatchStats(tuple(sent), tuple(received), tuple(per_local))
     return all_to_all(back, sent, received, group)

@@ -1,0 +1,129 @@
+"""`ExpertTensorParallel`: experts split over ``ep`` and each expert's own weights over ``tp``.
+
+``parallelize_module(model, em.ep, {"layers.*.feed_forward": ExpertTensorParallel(em.ep_tp)})``
+with ``em = expert_meshes(mesh)`` of a mesh with a ``tp`` axis. On top of `ExpertParallel`
+(each ep rank keeps ``E / ep`` whole experts, the rows are dispatched and combined over the ep
+group), every expert is split Megatron-style over ``tp``: ``w1`` and ``w3`` (gate and up,
+``[E, hidden, dim]``) by columns, i.e. on ``hidden`` (``Shard(1)``), and ``w2`` (down,
+``[E, dim, hidden]``) by rows, also on ``hidden`` (``Shard(2)``). The stacked weights are
+DTensors on the 2-D ``(ep, tp)`` mesh: ``(Shard(0), Shard(1))`` and ``(Shard(0), Shard(2))``;
+``full_tensor()`` is the unsplit stack, so checkpoints keep the unsplit names and shapes.
+
+[Note: expert tensor parallelism]
+The `MoE` around the experts sees every token of its tp group on every tp rank (its input is
+gathered over ``tp``, as the example's ``moe_tp_plan`` does), so every tp rank routes the same
+tokens and dispatches the same rows to the same ep ranks: the ep groups are ranks with one tp
+coordinate. On the expert side each tp rank computes the rows with its ``hidden / tp`` slice,
+``w2_e[:, h] (silu(w1_e[h] x) * w3_e[h] x)``: a partial sum of the expert's output. Two
+autograd functions around that compute (Megatron's ``f`` and ``g``) make it exact:
+
+* ``g`` after it: forward all-reduce (sum) of the partial rows over ``tp``; backward identity,
+  since every tp rank receives the same output gradient;
+* ``f`` before it: forward identity; backward all-reduce of the rows' input gradient, which
+  each tp rank only has a part of (its hidden slice's).
+
+So everything outside the experts (router, shared experts, dispatch, combine, the losses) is
+computed identically on every tp rank with exact gradients, and each tp rank's expert
+gradient is exactly its slice's. Cost per MoE layer and step: one all-reduce of the
+dispatched rows (``~T k`` rows of ``dim``) forward and one backward over ``tp``; in exchange the
+expert weights, their gradients and optimizer state and the ``[rows, hidden]`` activations are
+``1 / tp`` per rank. (Reducing once at the layer's output instead would move ``T`` rows but
+leave the router's gradient partial; not done.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from .._mesh_utils import same_mesh
+from .._tp import ApplyContext
+from ._experts import GroupedExperts, expert_ffn
+from ._style import ExpertParallel, _ep_forward
+
+__all__ = ["ExpertTensorParallel"]
+
+_PLACEMENTS = {"w1": (Shard(0), Shard(1)), "w3": (Shard(0), Shard(1)), "w2": (Shard(0), Shard(2))}
+
+
+class _SumOverTP(torch.autograd.Function):
+    """``g``: all-reduce forward, identity backward ([Note: expert tensor parallelism])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _CopyToTP(torch.autograd.Function):
+    """``f``: identity forward, all-reduce backward ([Note: expert tensor parallelism])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _tp_ffn(group, x: torch.Tensor, counts: list, w1: torch.Tensor, w2: torch.Tensor,
+            w3: torch.Tensor) -> torch.Tensor:
+    """`expert_ffn` on this tp rank's hidden slice, ``f`` before and ``g`` after."""
+    return _SumOverTP.apply(expert_ffn(_CopyToTP.apply(x, group), counts, w1, w2, w3), group)
+
+
+class ExpertTensorParallel(ExpertParallel):
+    """`ExpertParallel` over ``ep_tp["ep"]`` plus each expert's weights split over ``ep_tp["tp"]``
+    (see the module docstring). ``ep_tp``: the 2-D ``(ep, tp)`` mesh, ``expert_meshes(mesh).ep_tp``;
+    `parallelize_module` is given its ``ep`` slice (``expert_meshes(mesh).ep``).
+
+    ``num_experts`` must be a multiple of ``ep`` and the experts' ``hidden`` of ``tp``
+    (``ValueError`` otherwise, before the module is changed).
+    """
+
+    def __init__(self, ep_tp: DeviceMesh) -> None:
+        if not isinstance(ep_tp, DeviceMesh) or ep_tp.mesh_dim_names != ("ep", "tp"):
+            names = getattr(ep_tp, "mesh_dim_names", None)
+            raise ValueError(f"ExpertTensorParallel(ep_tp): pass the 2-D ('ep', 'tp') mesh, "
+                             f"expert_meshes(mesh).ep_tp (of a mesh with a tp axis); got axes {names}")
+        self.ep_tp = ep_tp
+
+    def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
+        super().validate(module, ctx)
+        target = self._target(module, ctx)
+        tp = self.ep_tp.size(1)
+        if target.hidden % tp:
+            raise ValueError(f"{ctx.where(self, module)}: the experts' hidden({target.hidden}) is not a multiple of "
+                             f"tp({tp}); {target.hidden} % {tp} = {target.hidden % tp}: use a tp that divides it")
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
+        target: GroupedExperts = self._target(module, ctx)
+        if not same_mesh(mesh, self.ep_tp["ep"]):
+            raise ValueError(f"{ctx.where(self, module)}: parallelize_module got a mesh that is not the 'ep' slice of "
+                             "ExpertTensorParallel's (ep, tp) mesh; pass expert_meshes(mesh).ep to parallelize_module "
+                             "and expert_meshes(mesh).ep_tp to ExpertTensorParallel")
+        ep = mesh.size()
+        if target.num_experts % ep:
+            raise ValueError(f"{ctx.where(self, module)}: num_experts({target.num_experts}) is not a multiple of "
+                             f"the ep mesh size({ep}); {target.num_experts} % {ep} = {target.num_experts % ep}: "
+                             "use an ep that divides the number of experts")
+        for name, param in list(target.named_parameters(recurse=False)):
+            dt = distribute_tensor(param.detach(), self.ep_tp, list(_PLACEMENTS[name]), src_data_rank=ctx.src_data_rank)
+            target.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        ffn = functools.partial(_tp_ffn, self.ep_tp.get_group(1))
+        target.forward = functools.partial(_ep_forward, target, mesh, ffn=ffn)  # type: ignore[method-assign]
+
