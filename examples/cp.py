@@ -9,7 +9,12 @@ rank takes its rows of the global batch as without cp; each cp rank of it keeps 
 shard of the inputs and targets and passes its positions to the model (rotary tables). The
 loss is the mean over the rank's tokens, every rank holding as many: the gradient average over
 ``dp_shard_cp`` and the logged mean over it are then the mean over all tokens of the global
-batch, as with ``--cp 1``.
+batch, as with ``--cp 1``. ``--save`` / ``--resume`` work at any cp (the checkpoint has the
+unsharded model's names).
+
+The pipelined loop (``--pp``, ``examples/pipeline_setup.py``) and the elastic one
+(``--checkpoint-dir``, ``examples/elastic.py``) take ``--cp`` through `CPWiring`: a few calls
+that add the axis, route the attention and attach the positions there.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from examples.model import Llama, LlamaConfig
 from examples.preflight import UsageError
 from shardwise.mesh import cp_mesh, data_parallel_mesh, init_distributed, init_mesh
 
-__all__ = ["add_cp_args", "cp_world", "apply_cp", "cp_shard", "train_cp", "run_cp", "CPWiring"]
+__all__ = ["add_cp_args", "cp_world", "apply_cp", "cp_shard", "train_cp", "run_cp", "CPWiring", "apply_cp_blocks"]
 
 
 def add_cp_args(p: argparse.ArgumentParser) -> None:
@@ -184,6 +189,7 @@ class CPWiring:
         this rank's positions (call after ``fully_shard``)."""
         if self.cp == 1:
             return
+        self.rank = cp_mesh(mesh).get_local_rank()
         blocks = [blk for st in split.stages for blk in st.blocks]
         self.handles.append(apply_cp_blocks(blocks, cp_mesh(mesh), self.method))
         pos = sw.zigzag_positions(seq_len, self.rank, self.cp).to(device)

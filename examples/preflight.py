@@ -50,21 +50,25 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _check_layout(world: int, dp_replicate: int, dp_shard: int, tp: int) -> int:
-    """Resolve ``dp_shard=-1``; check ``dp_replicate * dp_shard * tp == world``."""
+def _check_layout(world: int, dp_replicate: int, dp_shard: int, tp: int, what: str | None = None) -> int:
+    """Resolve ``dp_shard=-1``; check ``dp_replicate * dp_shard * tp == world``. ``what``: how
+    to name ``world`` in messages (default "the world size N")."""
+    what = what or f"the world size {world}"
+    whole = what.rsplit(" = ", 1)[0] if " = " in what else "the world size"
     if tp < 1 or world % tp:
-        raise UsageError(f"--tp {tp} does not divide the world size {world}; "
+        raise UsageError(f"--tp {tp} does not divide {what}; "
                          f"valid --tp values on {world} ranks: {', '.join(map(str, divisors(world)))}")
     rest = world // tp
     if dp_replicate < 1 or rest % dp_replicate:
-        raise UsageError(f"--dp-replicate {dp_replicate} does not divide world size {world} / --tp {tp} = {rest}; "
+        raise UsageError(f"--dp-replicate {dp_replicate} does not divide {what} / --tp {tp} = {rest}; "
                          f"valid --dp-replicate values: {', '.join(map(str, divisors(rest)))}")
     want = rest // dp_replicate
     if dp_shard == -1:
         return want
     if dp_shard != want:
         raise UsageError(f"--dp-replicate {dp_replicate} x --dp-shard {dp_shard} x --tp {tp} = "
-                         f"{dp_replicate * dp_shard * tp} ranks, but the world size is {world}; "
+                         f"{dp_replicate * dp_shard * tp} ranks, but {whole} {'leaves' if '/' in whole else 'is'} "
+                         f"{world}; "
                          f"valid --dp-shard values here: {want} or -1 (the rest)")
     return dp_shard
 
@@ -155,7 +159,12 @@ def preflight(args: argparse.Namespace, world_size: int) -> Preflight:
         raise UsageError(f"--pp {pp} does not divide the world size {world_size}; valid --pp values: "
                          f"{', '.join(map(str, divisors(world_size)))}")
     stage_world = world_size // pp
-    dp_shard = _check_layout(stage_world, args.dp_replicate, args.dp_shard, args.tp)
+    cp = getattr(args, "cp", 1)  # --cp: world_size is already the ranks of one cp slot (examples/cp.py cp_world)
+    what = None if cp == 1 else (f"the world size {world_size * cp} / --cp {cp}"
+                                 f"{f' / --pp {pp}' if pp > 1 else ''} = {stage_world}")
+    if what is None and pp > 1:
+        what = f"the world size {world_size} / --pp {pp} = {stage_world}"
+    dp_shard = _check_layout(stage_world, args.dp_replicate, args.dp_shard, args.tp, what)
     kv = args.heads if args.kv_heads is None else args.kv_heads
     if kv % args.tp:  # tensor parallelism splits the heads
         ok = [d for d in divisors(stage_world) if kv % d == 0]

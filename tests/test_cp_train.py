@@ -174,3 +174,23 @@ def test_elastic_checkpoint_dir_across_cp_degrees(tmp_path):
     assert len(got) == 6, got
     for step, (a, b) in enumerate(zip(got, ref[0][0]), 1):
         assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {a} vs uninterrupted {b}"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--cp", "2", "--tp", "4"], "--tp 4 does not divide the world size 4 / --cp 2 = 2; valid --tp values on 2 ranks"),
+    (["--cp", "2", "--dp-shard", "4"], "but the world size 4 / --cp 2 leaves 2; valid --dp-shard values here: 2"),
+    (["--cp", "2", "--pp", "2", "--dp-shard", "2"], "the world size 4 / --cp 2 / --pp 2 leaves 1"),
+    (["--cp", "3"], "--cp 3 does not divide the world size 4"),
+    (["--cp", "2", "--seq-len", "30"], "--seq-len 30 is not a multiple of 2 x --cp = 4"),
+])
+def test_preflight_names_the_world_the_cp_ranks_leave(argv, message):
+    """A layout that does not fit says so against the job's world size and what --cp (and --pp)
+    leave of it, not against a world size the user never launched."""
+    from examples.cp import cp_world
+    from examples.preflight import UsageError, preflight
+    from examples.train import parse_args
+
+    args = parse_args(argv)
+    with pytest.raises(UsageError) as e:
+        preflight(args, cp_world(args, 4))
+    assert message in str(e.value), str(e.value)
