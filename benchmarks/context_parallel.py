@@ -20,6 +20,11 @@ does (``fully_shard`` over ``dp_shard x cp``, attention routed to the ring):
       ring       forward (cp - 1) K       backward (cp - 1) K + cp G
       allgather  forward (cp - 1) K       backward (cp - 1) K + (cp - 1) G   (ring-algorithm bytes)
 
+* **CP x PP** (``--pp-rows``, default on): ``pp 2 x cp 2`` against ``pp 2 x dp_shard 2`` (both
+  1F1B, 2 microbatches, the stages wired as ``examples/pipeline_setup.py`` does): step time at
+  global batch 4, and the activation memory of a step with one sample per microbatch of each
+  data-parallel group (the largest over the ranks: stage 0 holds more microbatches).
+
 Rank 0 prints a table and, with ``--json``, writes the figures.
 """
 
@@ -61,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--cps", default="1,2,4")
     p.add_argument("--json", default=None)
+    p.add_argument("--no-pp-rows", dest="pp_rows", action="store_false", help="skip the CP x PP rows")
     return p.parse_args(argv)
 
 
@@ -128,6 +134,66 @@ def _measure(args, cp, method) -> dict:
     return {"cp": cp, "method": method, "step_s": statistics.median(times), "act_bytes": tracker.peak - base}
 
 
+def _pipeline(args, cp: int, m: int):
+    """``(schedule, optimizer, shard)`` of the Llama on ``pp 2 x (cp or dp_shard) 2``, wired as
+    examples/pipeline_setup.py does (CPWiring at cp 2)."""
+    import argparse
+
+    from examples.cp import CPWiring
+    from shardwise.mesh import pipeline_mesh
+
+    cpx = CPWiring.of(argparse.Namespace(cp=cp, cp_method="ring"))
+    mesh = init_mesh(pp=2, cp=cp, device_type="cpu")
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      max_seq_len=args.seq_len)
+    model = Llama(cfg, generator=torch.Generator().manual_seed(0))
+    split = sw.pipeline_split(model, pipeline_mesh(mesh), cost="params", verbose=False)
+    dp = cpx.shard_mesh(mesh, data_parallel_mesh(mesh))
+    for st in split.stages:
+        for blk in st.blocks:
+            sw.fully_shard(blk, mesh=dp)
+        sw.fully_shard(st.module, mesh=dp)
+    cpx.wire(split, mesh, args.seq_len, torch.device("cpu"))
+    loss = lambda out, tg: F.cross_entropy(out.flatten(0, 1), tg.flatten())  # noqa: E731
+    sched = sw.PipelineSchedule(split, schedule="1f1b", microbatches=m, loss_fn=loss)
+    return sched, torch.optim.AdamW(split.module.parameters(), lr=1e-3), cpx, mesh
+
+
+def _measure_pp(args, cp: int, m: int = 2) -> dict:
+    from examples.data import inputs_and_targets
+    from examples.train import data_parallel_rank
+
+    sched, optim, cpx, mesh = _pipeline(args, cp, m)
+    dp_rank, dp_size = data_parallel_rank(mesh)
+
+    def step(s: int, batch: int) -> None:
+        tokens = local_slice(global_batch(s, batch, args.seq_len, args.vocab, 0), dp_rank, dp_size)
+        sched.step(*cpx.shard(*inputs_and_targets(tokens)))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+    step(0, 4)
+    times = []
+    for s in range(args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(s + 1, 4)
+        times.append(time.perf_counter() - t0)
+    tracker = AllocationTracker()
+    tracker.track(list(sched.split.module.parameters()), "params")
+    tracker.track([t for st in optim.state.values() for t in st.values() if isinstance(t, torch.Tensor)], "optim")
+    base = tracker.current()
+    with tracker:
+        tokens = local_slice(global_batch(99, m * dp_size, args.seq_len, args.vocab, 0), dp_rank, dp_size)
+        sched.step(*cpx.shard(*inputs_and_targets(tokens)))  # one sample per microbatch per dp group
+    optim.zero_grad(set_to_none=True)
+    peak = torch.tensor([tracker.peak - base], dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    sched.close()
+    return {"cp": cp, "method": f"pp2 x {'cp' if cp > 1 else 'dp'}2", "step_s": statistics.median(times),
+            "act_bytes": int(peak.item())}
+
+
 def _attention_bytes(args, cp, method) -> dict:
     mesh = init_mesh(cp=cp, device_type="cpu")
     cpm = cp_mesh(mesh)
@@ -167,6 +233,7 @@ def main(argv=None) -> None:
         raise SystemExit("run on 4 ranks: torchrun --nproc-per-node 4 benchmarks/context_parallel.py")
     cps = [int(c) for c in args.cps.split(",")]
     rows = [_measure(args, cp, m) for cp in cps for m in (("ring", "allgather") if cp > 1 else ("ring",))]
+    pp_rows = [_measure_pp(args, 1), _measure_pp(args, 2)] if args.pp_rows else []
     traffic = [_attention_bytes(args, cp, m) for cp in cps if cp > 1 for m in ("ring", "allgather")]
     baseline = _torch_baseline(args)
     if rank == 0:
@@ -177,13 +244,16 @@ def main(argv=None) -> None:
         for r in rows:
             print(f"{r['cp']:>3} {r['method']:>10} {r['step_s']:8.3f} {r['step_s'] / ref['step_s']:7.2f} "
                   f"{r['act_bytes'] / MB:8.1f} {r['act_bytes'] / ref['act_bytes']:7.2f}")
+        for r in pp_rows:  # against the pipeline without cp (first pp row)
+            print(f"{r['cp']:>3} {r['method']:>10} {r['step_s']:8.3f} {r['step_s'] / pp_rows[0]['step_s']:7.2f} "
+                  f"{r['act_bytes'] / MB:8.1f} {r['act_bytes'] / pp_rows[0]['act_bytes']:7.2f}  (x pp2 x dp2)")
         print("bytes sent by one rank, one attention layer (forward + backward):")
         for t in traffic:
             print(f"  cp {t['cp']} {t['method']:>10}: {t['bytes'] / MB:8.2f} MiB, theory {t['theory'] / MB:8.2f} MiB "
                   f"({t['bytes'] / t['theory']:.3f})")
         print(f"torch experimental context_parallel (CPU/gloo): {baseline}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "traffic": traffic, "torch": baseline}, indent=1))
+            Path(args.json).write_text(json.dumps({"rows": rows, "pp_rows": pp_rows, "traffic": traffic, "torch": baseline}, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ._comm import agree, broadcast_json, collective_device, is_distributed, rank_and_world
-from ._commit import check_target, commit, temp_dir_for
+from ._commit import check_target, commit, remove_temp, temp_dir_for
 from ._errors import CheckpointError
 from ._format import StreamingWriter
 from ._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE
@@ -266,18 +266,28 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
     names = shard_names(len(shards), True)
     gathered: dict[str, torch.Tensor] = {}  # the last few full sources (one MoE block's experts)
     tmp = token = None
+    failed: BaseException | None = None  # rank 0's write error: it keeps joining the gathers, then all raise
+
+    def on_rank0(step: Callable[[], Any]) -> Any:
+        nonlocal failed
+        if rank != 0 or failed is not None:
+            return None
+        try:
+            return step()
+        except Exception as e:
+            failed = e
+            return None
+
     if rank == 0:
         token = secrets.token_hex(4)
         tmp = temp_dir_for(PosixStorage(), os.path.abspath(os.fspath(out)), token)
-        os.makedirs(tmp)
+        on_rank0(lambda: os.makedirs(tmp))
     weight_map: dict[str, str] = {}
     for name, group in zip(names, shards):
-        writer = None
-        if rank == 0:
-            assert tmp is not None
-            writer = StreamingWriter(os.path.join(tmp, name), [(k, state[parts_of[k][0]].dtype, tuple(parts_of[k][3]))
-                                                                for k in group], {"format": "pt"})
-        order = broadcast_json(writer.keys if writer else None, src=0)
+        writer = on_rank0(lambda: StreamingWriter(os.path.join(str(tmp), name),
+                                                  [(k, state[parts_of[k][0]].dtype, tuple(parts_of[k][3])) for k in group],
+                                                  {"format": "pt"}))
+        order = broadcast_json(writer.keys if writer is not None else list(group), src=0)
         for k in order:
             src, offsets, sizes_k, _ = parts_of[k]
             if src not in gathered:
@@ -287,18 +297,25 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
                 with torch.no_grad():
                     gathered[src] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
             full = region(gathered[src], offsets, sizes_k)
-            if writer is not None:
-                writer.append(full.cpu().contiguous())
+            if writer is not None and failed is None:
+                on_rank0(lambda: writer.append(full.cpu().contiguous()))
             weight_map[k] = name
         if writer is not None:
-            writer.close()
-    if rank == 0:
+            if failed is None:
+                on_rank0(writer.close)
+            else:
+                writer.abort()
+
+    def finish() -> None:
         assert tmp is not None and token is not None and hf is not None
         write_index(tmp, index_file_name(len(names), True), weight_map, sum(sizes.values()))
         hf.write(tmp)
         commit(PosixStorage(), tmp, os.path.abspath(os.fspath(out)), token, replaceable, own)
-    if is_distributed():
-        dist.barrier()
+
+    on_rank0(finish)
+    if failed is not None and tmp is not None:
+        remove_temp(PosixStorage(), tmp)  # nothing half-written is left next to ``out``
+    agree(failed, f"writing a Hugging Face folder to {os.fspath(out)}")  # every rank raises rank 0's error, none waits
     return names
 
 

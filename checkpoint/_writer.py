@@ -23,32 +23,23 @@ from __future__ import annotations
 
 import atexit
 import contextvars
-import hashlib
-import json
 import logging
 import os
 import secrets
 import sys
 import threading
-import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch.distributed.tensor import DTensor
-
-from ._checksums import crcs_from_hex, crcs_to_hex
 from ._comm import agree, broadcast_json, gather_json, rank_and_world
 from ._commit import check_target, commit, remove_temp, temp_dir_for
 from ._dcp_api import check_alone_state, checkpoint_path, dcp_scope, refuse_dcp_extensions
 from ._errors import CheckpointError
-from ._flatten import flatten, to_json_value
-from ._format import (DTYPE_CODES, FORMAT_NAME, INDEX_FILE, Index, SavedBox, StreamingWriter, TensorEntry,
-                      data_file_name, dtype_name, format_index, index_to_json)
-from ._geometry import Box, assign_writers, is_local_candidate, layout_of, local_boxes, tiling_problem
+from ._format import INDEX_FILE, format_index, index_to_json
 from ._save_future import FutureMethods
 from ._series import abort_save, begin_save, default_series, finish_save
+from ._save_plan import SavePlan, build_index, keep_own_pieces, meta_digest, plan_save, snapshot
+from ._save_plan import write_file as _write_file  # a module global: tests replace it
 from ._stateful import expand_stateful
 from ._storage import Storage, storage_for
 from ._trace import phase
@@ -56,127 +47,6 @@ from ._trace import phase
 __all__ = ["save", "async_save", "SaveHandle", "check_save_target"]
 
 _log = logging.getLogger("shardwise.checkpoint")
-
-
-@dataclass
-class _Piece:
-    key: str  # flat key of the tensor
-    box: Box  # global box
-    data: Any  # the local tensor (synchronous save) or the snapshot of this box
-    region: Box | None  # where the box sits in ``data``; None once ``data`` is a snapshot
-
-    @property
-    def file_key(self) -> str:
-        return f"{self.key}@{','.join(map(str, self.box.offsets))}"
-
-    def tensor(self) -> torch.Tensor:
-        return self.data if self.region is None else self.data[self.region.slices()]
-
-
-@dataclass
-class _Plan:
-    meta: dict[str, dict] = field(default_factory=dict)  # key -> dtype, shape, layout
-    pieces: list[_Piece] = field(default_factory=list)
-    values: dict[str, Any] = field(default_factory=dict)
-    path: str = ""
-
-
-def _plan(state: dict, rank: int) -> _Plan:
-    plan = _Plan()
-    with torch.no_grad():
-        for leaf in flatten(state):
-            v = leaf.value
-            if not isinstance(v, torch.Tensor):
-                plan.values[leaf.key] = to_json_value(v, leaf.key)
-                continue
-            if v.dtype not in DTYPE_CODES:
-                raise CheckpointError(f"tensor '{leaf.key}' has dtype {v.dtype}, which safetensors cannot store")
-            if v.device.type == "meta":
-                raise CheckpointError(f"tensor '{leaf.key}' is on the meta device and has no data; materialize it "
-                                      "(e.g. module.to_empty(device=...) and initialize) before saving")
-            plan.meta[leaf.key] = {"dtype": dtype_name(v.dtype), "shape": list(v.shape), "layout": layout_of(v)}
-            boxes = local_boxes(v)  # on every rank: refuses unsupported placements everywhere
-            if not is_local_candidate(v, rank):
-                continue  # step 1 of [Note: one writer per box over the world] in _owners.py
-            local = v.to_local() if isinstance(v, DTensor) else v
-            plan.pieces += [_Piece(leaf.key, lb.box, local.detach(), lb.local_region()) for lb in boxes]
-    return plan
-
-
-def _keep_own_pieces(plan: _Plan, rank: int) -> None:
-    """Collective: keep only the pieces this rank writes ([Note: one writer per box over the
-    world] in ``_owners.py``); raises on every rank if the ranks' boxes do not tile a tensor."""
-    held: dict[str, list[Box]] = {}
-    for p in plan.pieces:
-        held.setdefault(p.key, []).append(p.box)
-    shapes = {k: tuple(m["shape"]) for k, m in plan.meta.items()}
-    mine, problem = assign_writers(list(plan.meta), shapes, held, _meta_digest(plan.meta), rank)
-    agree(problem, f"saving checkpoint {plan.path}")
-    plan.pieces = [p for p in plan.pieces if (p.key, p.box) in mine]
-
-
-def _snapshot(plan: _Plan) -> None:
-    with torch.no_grad():
-        for p in plan.pieces:
-            src = p.tensor()
-            p.data = torch.empty(src.shape, dtype=src.dtype, device="cpu").copy_(src)
-            p.region = None
-
-
-def _write_file(plan: _Plan, storage: Storage, tmp: str, rank: int) -> dict:
-    """Write this rank's boxes; returns its report for the index."""
-    if not plan.pieces:
-        return {"file": None, "bytes": 0, "boxes": []}
-    name = data_file_name(rank)
-    path = storage.join(tmp, name)
-    by_key = {p.file_key: p for p in plan.pieces}
-    entries = [(k, p.data.dtype, p.box.sizes) for k, p in by_key.items()]
-    writer = StreamingWriter(path, entries, {"format": FORMAT_NAME, "rank": str(rank)}, storage=storage)
-    try:
-        for k in writer.keys:
-            writer.append(by_key[k].tensor())
-    except BaseException:
-        writer.abort()
-        raise
-    sums = writer.close()
-    boxes = [{"key": p.key, "file_key": k, "offsets": list(p.box.offsets), "sizes": list(p.box.sizes),
-              "crc32": sums[k].crc32, "chunk_rows": sums[k].chunk_rows,
-              "chunk_crc32": None if sums[k].chunk_crc32 is None else crcs_to_hex(sums[k].chunk_crc32 or ())}
-             for k, p in by_key.items()]
-    return {"file": name, "bytes": storage.size(path, follow=False), "boxes": boxes}
-
-
-def _meta_digest(meta: dict) -> str:
-    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
-
-
-def _build_index(plan: _Plan, reports: list[dict], world: int, token: str) -> Index:
-    digest = _meta_digest(plan.meta)
-    differ = [r for r, rep in enumerate(reports) if rep["meta"] != digest]
-    if differ:
-        raise CheckpointError(
-            f"ranks {differ} passed tensors (keys, shapes or dtypes) different from rank 0's; every rank must save "
-            "the same state structure (e.g. build the optimizer state the same way on every rank)"
-        )
-    boxes: dict[str, list[SavedBox]] = {k: [] for k in plan.meta}
-    files: dict[str, int | None] = {}
-    for rep in reports:
-        if rep["file"] is None:
-            continue
-        files[rep["file"]] = rep["bytes"]
-        for b in rep["boxes"]:
-            rows, hex_crcs = b["chunk_rows"], b["chunk_crc32"]
-            chunks = None if hex_crcs is None else crcs_from_hex(hex_crcs, len(hex_crcs) // 8)
-            boxes[b["key"]].append(SavedBox(Box(tuple(b["offsets"]), tuple(b["sizes"])), rep["file"], b["file_key"],
-                                            b["crc32"], rows, chunks))
-    tensors = {}
-    for k, m in plan.meta.items():
-        dtype = getattr(torch, m["dtype"])
-        tensors[k] = TensorEntry(dtype, tuple(m["shape"]), tuple(boxes[k]), m["layout"])
-        problem = tiling_problem(tensors[k].shape, [b.box for b in boxes[k]])
-        if problem is not None:  # the written boxes themselves, checked once more before the commit
-            raise CheckpointError(f"the boxes written for tensor '{k}' do not tile it: {problem}; nothing was committed")
-    return Index(tensors, plan.values, files, world, time.time_ns(), save_id=token)
 
 
 class SaveHandle(FutureMethods):
@@ -188,7 +58,7 @@ class SaveHandle(FutureMethods):
     temporary directory (see [Note: an async save never waited for]).
     """
 
-    def __init__(self, storage: Storage, path: str, plan: _Plan, tmp: str, token: str, keep_last: int | None,
+    def __init__(self, storage: Storage, path: str, plan: SavePlan, tmp: str, token: str, keep_last: int | None,
                  background: bool, error: BaseException | None = None, series: str = "",
                  said: list[str] | None = None) -> None:
         self._storage = storage
@@ -274,14 +144,14 @@ class SaveHandle(FutureMethods):
             if rank == 0:
                 self._abort()
             raise
-        report = dict(self._report or {}, meta=_meta_digest(self._plan.meta))
+        report = dict(self._report or {}, meta=meta_digest(self._plan.meta))
         reports = gather_json(report, dst=0)
         out: dict[str, Any] = {"error": None, "said": []}
         if rank == 0:
             assert reports is not None
             committed = False
             try:
-                index = _build_index(self._plan, reports, world, self._token)
+                index = build_index(self._plan, reports, world, self._token)
                 st = self._storage
                 st.write_atomic(st.join(self._tmp, INDEX_FILE), format_index(index_to_json(index)).encode())
                 left = commit(st, self._tmp, self._path, self._token)
@@ -341,25 +211,25 @@ def _start(state: dict, path: str | os.PathLike, keep_last: int | None, backgrou
     if not isinstance(series, str) or not series:
         raise ValueError(f"series must be a non-empty str, got {series!r}")
     rank, _ = rank_and_world()
-    plan: _Plan | None = None
+    plan: SavePlan | None = None
     error: BaseException | None = None
     with phase("save/plan"):
         try:
-            plan = _plan(state, rank)
+            plan = plan_save(state, rank)
             plan.path = storage.url(path)
         except Exception as e:
             error = e
         agree(error, f"saving checkpoint {storage.url(path)}")
     assert plan is not None  # else agree raised
     with phase("save/owners"):
-        _keep_own_pieces(plan, rank)
+        keep_own_pieces(plan, rank)
     with phase("save/prepare"):
         setup = _prepare(storage, path, series, rank)
     snapshot_error = None
     if background:
         with phase("save/snapshot"):
             try:
-                _snapshot(plan)
+                snapshot(plan)
             except Exception as e:  # e.g. out of CPU memory on this rank: every rank learns it in wait()
                 snapshot_error = e
     return SaveHandle(storage, path, plan, temp_dir_for(storage, path, setup["token"]), setup["token"], keep_last,

@@ -28,7 +28,7 @@ from examples.model import Llama, LlamaConfig
 from examples.preflight import UsageError
 from shardwise.mesh import cp_mesh, data_parallel_mesh, init_distributed, init_mesh
 
-__all__ = ["add_cp_args", "cp_world", "apply_cp", "cp_shard", "train_cp", "run_cp"]
+__all__ = ["add_cp_args", "cp_world", "apply_cp", "cp_shard", "train_cp", "run_cp", "CPWiring"]
 
 
 def add_cp_args(p: argparse.ArgumentParser) -> None:
@@ -46,18 +46,14 @@ def cp_world(args: argparse.Namespace, world: int) -> int:
         return world
     if cp < 1 or world % cp:
         raise UsageError(f"--cp {cp} does not divide the world size {world}")
-    if getattr(args, "pp", 1) > 1:
-        raise UsageError("--cp with --pp is not supported yet; drop one of them")
     if args.seq_len % (2 * cp):
         raise UsageError(f"--seq-len {args.seq_len} is not a multiple of 2 x --cp = {2 * cp} (the zigzag layout)")
-    if args.save or args.resume:
-        raise UsageError("--save/--resume with --cp are not wired in this example yet; run without --cp to save")
     return world // cp
 
 
 def apply_cp(model: Llama, cp_group, method: str = "ring") -> sw.RouteHandle:
     """Route the attention of every block to the cp ring."""
-    return sw.route_attention([block.attention for block in model.layers], cp_group, method=method)
+    return apply_cp_blocks(model.layers, cp_group, method)
 
 
 def cp_shard(tokens: torch.Tensor, cp_rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,8 +65,10 @@ def cp_shard(tokens: torch.Tensor, cp_rank: int, cp: int) -> tuple[torch.Tensor,
 
 
 def train_cp(model, mesh, *, steps: int, batch_size: int, seq_len: int, vocab: int, lr: float, seed: int,
-             log=None, log_every: int = 5) -> list[float]:
-    """The training loop of ``examples/train.py`` with each sample's sequence sharded over ``cp``."""
+             log=None, log_every: int = 5, optim: torch.optim.Optimizer | None = None,
+             start_step: int = 1) -> list[float]:
+    """The training loop of ``examples/train.py`` with each sample's sequence sharded over ``cp``:
+    steps ``start_step .. steps`` with AdamW (or ``optim``, e.g. one a checkpoint was loaded into)."""
     from examples.train import data_parallel_rank, mean_over_mesh, mesh_device
 
     device = mesh_device(mesh)
@@ -78,9 +76,9 @@ def train_cp(model, mesh, *, steps: int, batch_size: int, seq_len: int, vocab: i
     cpm = cp_mesh(mesh)
     cp_rank, cp = (cpm.get_local_rank(), cpm.size()) if cpm is not None else (0, 1)
     dp_mesh = data_parallel_mesh(mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr) if optim is None else optim
     losses: list[float] = []
-    for step in range(1, steps + 1):
+    for step in range(start_step, steps + 1):
         tokens = local_slice(global_batch(step, batch_size, seq_len, vocab, seed), dp_rank, dp_size)
         inputs, targets, pos = (t.to(device) for t in cp_shard(tokens, cp_rank, cp))
         logits = model(inputs, pos)
@@ -94,14 +92,19 @@ def train_cp(model, mesh, *, steps: int, batch_size: int, seq_len: int, vocab: i
         optim.step()
         value = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         losses.append(mean_over_mesh(value, dp_mesh).item())
-        if log is not None and (step == 1 or step % log_every == 0 or step == steps):
+        if log is not None and (step == start_step or step % log_every == 0 or step == steps):
             log(step, losses[-1])
     return losses
 
 
 def run_cp(args: argparse.Namespace, dp_shard: int) -> list[float]:
-    """``examples/train.py`` with ``--cp > 1``: build the mesh and the model, train, print."""
-    from examples.train import build_and_shard
+    """``examples/train.py`` with ``--cp > 1``: build the mesh and the model, resume (``--resume``),
+    train, save (``--save``), print. Checkpoints hold the parameters and optimizer state under
+    the unsharded model's names, whatever cp: one saved at ``--cp 2`` resumes at ``--cp 1`` or
+    any other cp, and the other way round."""
+    from examples.elastic import result_line
+    from examples.preflight import MODEL_ARGS
+    from examples.train import app_state, build_and_shard, resume, resume_command, save_or_rescue
 
     t0 = time.perf_counter()
     rank, world_size = init_distributed()
@@ -118,15 +121,89 @@ def run_cp(args: argparse.Namespace, dp_shard: int) -> list[float]:
     model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"],
                             uneven_shards=(args.seq_len // args.cp) % mesh["tp"].size() != 0)
     apply_cp(model, cpm, args.cp_method)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    start = 1
+    if args.resume:
+        step, _ = resume(model, optim, args.resume)
+        start = step + 1
+        say(f"loaded step {step} from {args.resume}; training steps {start}..{args.steps}")
     t1 = time.perf_counter()
     losses = train_cp(model, mesh, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                       vocab=args.vocab, lr=args.lr, seed=args.seed, log_every=args.log_every,
-                      log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"))
+                      log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"), optim=optim, start_step=start)
     t2 = time.perf_counter()
     if losses:
         say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
     say(f"time: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s "
         f"({len(losses)} steps, {(t2 - t1) / max(len(losses), 1) * 1e3:.0f} ms/step)")
+    if args.save:
+        state = app_state(model, optim, args.steps, {name: getattr(args, name) for name in MODEL_ARGS})
+        where = save_or_rescue(state, args.save, say)
+        say(f"saved step {args.steps} to {where}; resume (at any --cp) with: "
+            f"{resume_command(args, world_size, where, 2 * args.steps)}")
     dist.barrier()
+    say(result_line(args.steps, len(losses), args.steps * args.batch_size, losses[-1] if losses else None), flush=True)
     dist.destroy_process_group()
     return losses
+
+
+class CPWiring:
+    """``--cp`` inside the loops that do not call the model with positions themselves: the
+    pipelined job (``examples/pipeline_setup.run_pipeline``) and the elastic one
+    (``examples/elastic.run_elastic``), in a few calls that do nothing at ``--cp 1``. The mesh gets
+    a ``cp`` axis (``init_mesh(..., cp=self.cp)``); `shard_mesh` gives the mesh to
+    ``fully_shard`` on (``dp_shard_cp``: the cp ranks of a stage hold the same weights, their
+    gradients are averaged with the data-parallel ones); `wire` (pipeline stages) or
+    `wire_model` (a whole model) routes the attention to the cp group and attaches this rank's
+    zigzag positions to every call (`feed_positions`: a pipeline schedule passes each stage only
+    the microbatch's inputs, a later stage's hidden state comes from the previous stage, and
+    the positions are the same for every microbatch); `shard` keeps this rank's zigzag shard of
+    a step's inputs and targets. Each (micro)batch loss is the mean over the rank's tokens, equal
+    in number on every cp rank, so the gradient average over ``dp_shard_cp`` and the logged mean
+    over it are the mean over all tokens of the global sequence."""
+
+    def __init__(self, cp: int = 1, method: str = "ring") -> None:
+        self.cp, self.method = cp, method
+        self.rank = 0
+        self.handles: list = []
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "CPWiring":
+        return cls(getattr(args, "cp", 1), getattr(args, "cp_method", "ring"))
+
+    def shard_mesh(self, mesh, dp_mesh):
+        """The mesh to ``fully_shard`` the stages on and average the losses over: ``dp_mesh``
+        itself at cp 1, else `data_parallel_mesh` (``dp_shard`` x ``cp`` flattened)."""
+        if self.cp == 1:
+            return dp_mesh
+        self.rank = cp_mesh(mesh).get_local_rank()
+        return data_parallel_mesh(mesh)
+
+    def wire(self, split, mesh, seq_len: int, device) -> None:
+        """Route the attention of this rank's stages to the cp ring and feed every stage shell
+        this rank's positions (call after ``fully_shard``)."""
+        if self.cp == 1:
+            return
+        blocks = [blk for st in split.stages for blk in st.blocks]
+        self.handles.append(apply_cp_blocks(blocks, cp_mesh(mesh), self.method))
+        pos = sw.zigzag_positions(seq_len, self.rank, self.cp).to(device)
+        self.handles.append(sw.feed_positions([st.module for st in split.stages], pos))
+
+    def wire_model(self, model: Llama, mesh, seq_len: int, device) -> None:
+        """Route ``model``'s attention to the cp ring and feed it this rank's positions."""
+        if self.cp == 1:
+            return
+        self.rank = cp_mesh(mesh).get_local_rank()
+        self.handles.append(apply_cp(model, cp_mesh(mesh), self.method))
+        self.handles.append(sw.feed_positions(model, sw.zigzag_positions(seq_len, self.rank, self.cp).to(device)))
+
+    def shard(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's zigzag shard of ``[B, T]`` inputs and targets (both unchanged at cp 1)."""
+        if self.cp == 1:
+            return inputs, targets
+        return sw.shard_sequence(inputs, self.rank, self.cp), sw.shard_sequence(targets, self.rank, self.cp)
+
+
+def apply_cp_blocks(blocks, cp_group, method: str = "ring") -> sw.RouteHandle:
+    """Route the attention of ``blocks`` (``TransformerBlock``s) to the cp ring."""
+    return sw.route_attention([block.attention for block in blocks], cp_group, method=method)

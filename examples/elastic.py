@@ -118,8 +118,10 @@ class _Events:
                 f.write(line + "\n")
 
 
-def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _loss(model: torch.nn.Module, tokens: torch.Tensor, shard=None) -> torch.Tensor:
     inputs, targets = inputs_and_targets(tokens)
+    if shard is not None:  # --cp: this rank's zigzag shard of the sequence (examples/cp.py)
+        inputs, targets = shard(inputs, targets)
     logits = model(inputs)
     if isinstance(logits, DTensor):
         with loss_parallel():
@@ -153,13 +155,17 @@ def run_elastic(args: argparse.Namespace, dp_shard: int) -> list[float]:
             exit_for_restart(message)
 
         hb = start_heartbeat(HeartbeatPolicy(args.heartbeat_interval, args.heartbeat_timeout), on_dead=dead)
-    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=dp_shard, tp=args.tp)
+    from examples.cp import CPWiring  # --cp: the sequence sharded over cp ranks (examples/cp.py)
+
+    cpx = CPWiring.of(args)
+    mesh = init_mesh(dp_replicate=args.dp_replicate, dp_shard=dp_shard, tp=args.tp, cp=cpx.cp)
     dp_mesh = data_parallel_mesh(mesh)
     events("ready", world=world)
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len))
     model = build_and_shard(cfg, dp_mesh, seed=args.seed, tp_mesh=mesh["tp"],
-                            uneven_shards=args.seq_len % mesh["tp"].size() != 0)
+                            uneven_shards=(args.seq_len // cpx.cp) % mesh["tp"].size() != 0)
+    cpx.wire_model(model, mesh, args.seq_len, mesh_device(mesh))
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dataset = WalkDataset(args.dataset_size, args.seq_len, args.vocab, args.seed)
     try:
@@ -199,7 +205,7 @@ def run_elastic(args: argparse.Namespace, dp_shard: int) -> list[float]:
             for _ in range(plan.accumulation):
                 micro = next(batches)
                 mine += micro["index"].tolist()
-                loss = _loss(model, micro["tokens"].to(device))
+                loss = _loss(model, micro["tokens"].to(device), cpx.shard)
                 (loss / plan.accumulation).backward()
                 value = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
                 total += value / plan.accumulation

@@ -74,13 +74,17 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     if world % (args.pp * args.dp_replicate * args.tp):
         raise ValueError(f"world size {world} is not divisible by pp*dp_replicate*tp = "
                          f"{args.pp}*{args.dp_replicate}*{args.tp}")
-    mesh = init_mesh(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp,
+    from examples.cp import CPWiring  # --cp: sequence sharded over the cp ranks of each stage
+
+    cpx = CPWiring.of(args)
+    mesh = init_mesh(pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp, cp=cpx.cp,
                      ep=getattr(args, "ep", 1))
     dp_names = ("dp_replicate", "dp_shard") if args.dp_replicate > 1 else ("dp_shard",)
     dp_mesh = mesh[dp_names]
     dp_size = dp_mesh.size()
     dp_rank = dp_mesh.get_local_rank() if dp_mesh.ndim == 1 else \
         dp_mesh.get_local_rank(0) * dp_mesh.size(1) + dp_mesh.get_local_rank(1)
+    dp_mesh = cpx.shard_mesh(mesh, dp_mesh)  # dp_shard x cp under --cp: fully_shard and the loss mean
     spec = sw.get_schedule(args.schedule)
     v = args.virtual_stages or (2 if spec.virtual else 1)
     m = args.microbatches or 2 * args.pp
@@ -101,12 +105,13 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     model.zero_grad(set_to_none=True)
     for st in split.stages:
         if args.tp > 1:
-            tp_stage(st, mesh["tp"], uneven_shards=args.seq_len % args.tp != 0)
+            tp_stage(st, mesh["tp"], uneven_shards=(args.seq_len // cpx.cp) % args.tp != 0)
         if getattr(args, "experts", 0):
             shard_moe_stage(st, mesh, args.ep)
         for blk in st.blocks:
             sw.fully_shard(blk, mesh=dp_mesh)
         sw.fully_shard(st.module, mesh=dp_mesh)
+    cpx.wire(split, mesh, args.seq_len, device)
     sched = sw.PipelineSchedule(split, schedule=args.schedule, microbatches=m, loss_fn=_loss,
                                 loss_context=sw.loss_parallel if args.tp > 1 else None)
     aux = MoEPipelineAux(split, cfg.n_layers, m) if getattr(args, "experts", 0) else None
@@ -126,7 +131,7 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     losses: list[float] = []
     for step in range(start, args.steps + 1):
         tokens = local_slice(global_batch(step, args.batch_size, args.seq_len, args.vocab, args.seed), dp_rank, dp_size)
-        inputs, targets = (t.to(device) for t in inputs_and_targets(tokens))
+        inputs, targets = cpx.shard(*(t.to(device) for t in inputs_and_targets(tokens)))
         mb_losses = sched.step(inputs, targets)
         optim.step()
         optim.zero_grad(set_to_none=True)

@@ -306,9 +306,12 @@ def main(argv: list[str] | None = None) -> list[float]:
     else:
         torch.set_num_threads(args.threads)
     # the paths below are separate loops; combinations none of them wires are refused here, not ignored
+    cp_alone = args.cp > 1 and args.pp == 1 and not args.checkpoint_dir  # the pp and elastic loops wire --cp
     paths = [name for name, on in (("--checkpoint-dir", bool(args.checkpoint_dir)), ("--pp", args.pp > 1),
-                                   ("--cp", args.cp > 1),
+                                   ("--cp", cp_alone),
                                    ("--experts/--ep", (bool(args.experts) or args.ep > 1) and args.pp == 1)) if on]
+    if args.cp > 1 and (args.experts or args.ep > 1):
+        paths = ["--cp", "--experts/--ep"]  # the pipeline loop wires each of them, not both together
     if len(paths) > 1:
         _fail(f"{' and '.join(paths)} do not combine in this example yet; run them separately")
     if args.experts or args.ep > 1:  # mixture of experts (examples/moe.py)

@@ -13,6 +13,10 @@ With a ``pp`` axis (outermost) the rule is the same: stages are blocks of
 ``stage_size`` consecutive ranks, so a ``dp_shard * tp`` block lies inside one
 stage, and the pipeline's point-to-point sends (activations only, between
 neighbouring stages) are the ones meant to cross hosts.
+
+With a ``cp`` axis (between ``dp_shard`` and ``tp``) the block is ``dp_shard * cp * tp``: the
+parameters are sharded over ``dp_shard`` x ``cp`` (``dp_shard_cp``) and the cp ring passes keys
+and values every attention layer, so both belong inside a host.
 """
 
 from __future__ import annotations
@@ -58,29 +62,32 @@ def host_fit_problem(dims: ParallelDims, local_world_size: int | None) -> str | 
     world, local = dims.world_size, local_world_size
     if world <= local or world % local != 0:
         return None
-    block = dims.dp_shard * dims.tp
+    block = dims.dp_shard * dims.cp * dims.tp
     if local % block == 0:
         return None
     hosts = world // local
     # hosts holding one pipeline stage (pp outermost): the replicas to suggest per stage
     per_stage = hosts // dims.pp if hosts % dims.pp == 0 and hosts >= dims.pp else 1
     pp_text = f"pp={dims.pp}, " if dims.pp > 1 else ""
+    cp_text = f" * cp({dims.cp})" if dims.cp > 1 else ""
+    inner = dims.cp * dims.tp  # the cp x tp block that a host must hold whole
     head = (
-        f"dp_shard({dims.dp_shard}) * tp({dims.tp}) = {block} consecutive ranks do not "
+        f"dp_shard({dims.dp_shard}){cp_text} * tp({dims.tp}) = {block} consecutive ranks do not "
         f"fit in one host of local_world_size({local}) ranks (world_size({world}) = "
         f"{hosts} hosts), so shard/TP collectives would cross hosts over the slower "
         "inter-host network."
     )
-    if local % dims.tp != 0:
+    if local % inner != 0:
         divisors = [d for d in range(1, local + 1) if local % d == 0]
+        what, name = (f"cp({dims.cp}) * tp({dims.tp})", "cp * tp") if dims.cp > 1 else (f"tp({dims.tp})", "tp")
         return (
-            f"{head} tp({dims.tp}) does not divide local_world_size({local}), so even "
-            f"the TP groups cross hosts: choose tp from {divisors}, then "
-            f"dp_shard = {local} // tp and dp_replicate = {per_stage if dims.pp > 1 else hosts}."
+            f"{head} {what} does not divide local_world_size({local}), so even "
+            f"the {'CP/TP' if dims.cp > 1 else 'TP'} groups cross hosts: choose {name} from {divisors}, then "
+            f"dp_shard = {local} // {name} and dp_replicate = {per_stage if dims.pp > 1 else hosts}."
         )
     return (
         f"{head} Consider {pp_text}dp_replicate={per_stage if dims.pp > 1 else hosts}, "
-        f"dp_shard={local // dims.tp}, "
+        f"dp_shard={local // inner}, {f'cp={dims.cp}, ' if dims.cp > 1 else ''}"
         f"tp={dims.tp} (shard within a host, replicate across hosts), or filter "
         "HostLayoutWarning if cross-host sharding is intended."
     )

@@ -65,3 +65,32 @@ def test_init_mesh_cp_axis_and_the_shard_axis_over_dp_shard_and_cp():
         assert got["cp-tp"]["cp"] == [rank % 2, rank % 2 + 2] and got["cp-tp"]["same"], got
         assert got["cp-tp"]["dp_tp"] == [[0, 1], [2, 3]], got
         assert got["hsdp-cp"]["dp"] == ([[0, 1], [2, 3]], ("dp_replicate", "dp_shard_cp")), got  # dp_shard = 1
+
+
+@settings(max_examples=120, deadline=None)
+@given(local=st.sampled_from([2, 4, 8]), hosts=st.integers(2, 3), cp=st.sampled_from([2, 4]),
+       tp=st.sampled_from([1, 2]), shard=st.sampled_from([1, 2, 4]))
+def test_host_fit_counts_cp_in_the_block(local, hosts, cp, tp, shard):
+    """`host_fit_problem` with a cp axis: the block a host must hold is ``dp_shard x cp x tp``
+    (the parameters are sharded over dp_shard_cp, the ring crosses cp); the suggested shape,
+    same cp and tp, fits."""
+    import re
+
+    from shardwise.mesh import host_fit_problem
+
+    world = local * hosts
+    if world % (shard * cp * tp):
+        return
+    dims = ParallelDims(dp_shard=shard, cp=cp, tp=tp, dp_replicate=-1, world_size=world)
+    problem = host_fit_problem(dims, local)
+    block = shard * cp * tp
+    assert (problem is None) == (local % block == 0), (dims, problem)
+    if problem is None:
+        return
+    assert f"dp_shard({shard}) * cp({cp}) * tp({tp}) = {block}" in problem, problem
+    if local % (cp * tp):
+        assert f"cp({cp}) * tp({tp}) does not divide local_world_size({local})" in problem, problem
+        return
+    rep, s, c, t = map(int, re.search(r"dp_replicate=(\d+), dp_shard=(\d+), cp=(\d+), tp=(\d+)", problem).groups())
+    better = ParallelDims(dp_replicate=rep, dp_shard=s, cp=c, tp=t, world_size=world)
+    assert (c, t) == (cp, tp) and host_fit_problem(better, local) is None, problem

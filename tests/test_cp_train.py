@@ -137,3 +137,40 @@ def test_token_mean_loss_with_unequal_token_counts():
     got = run_ranks(_ignored_targets, 2, timeout=120)
     assert got[0][1] != got[1][1], got  # the case really is unequal
     assert all(w <= 1e-6 for w, _ in got), got
+
+
+@pytest.mark.parametrize("first,then", [
+    ((2, ["--cp", "2"]), (1, [])),
+    ((1, []), (2, ["--cp", "2", "--cp-method", "allgather"])),
+    ((2, ["--cp", "2"]), (4, ["--cp", "2", "--pp", "2"])),
+], ids=["cp2-to-cp1", "cp1-to-cp2", "cp2-to-cp2xpp2"])
+def test_save_and_resume_across_cp_degrees(tmp_path, first, then):
+    """``--save`` under one cp, ``--resume`` under another: the resumed steps' losses are those of
+    the uninterrupted run (the one-process reference), so the model and the optimizer state
+    came back whole."""
+    ref = _reference_losses(steps=4, seq_len=SEQ, batch=4)
+    path = str(tmp_path / "ck")
+    base = ARGS[2:]  # without --steps
+    saved = run_ranks(_main_job, first[0], base + ["--steps", "2", "--save", path] + first[1], timeout=180)[0]
+    resumed = run_ranks(_main_job, then[0], base + ["--steps", "4", "--resume", path] + then[1], timeout=180)
+    for rank, losses in enumerate(resumed):
+        assert len(losses) == 2, (rank, losses)
+        for step, (a, b) in enumerate(zip(saved + losses, ref), 1):
+            assert abs(a - b) <= 1e-6 * abs(b), f"rank {rank} step {step}: {a} vs uninterrupted {b} ({first}, {then})"
+
+
+def test_elastic_checkpoint_dir_across_cp_degrees(tmp_path):
+    """``--checkpoint-dir`` with ``--cp``: 2 steps at cp 2 (2 ranks), 2 more at cp 1 (1 rank), then
+    2 at cp 2 x dp_shard 2 (4 ranks) give the losses of an uninterrupted cp 1 run (model,
+    optimizer and data position come back at every cp degree)."""
+    from tests.test_elastic_example import SMALL, _main
+
+    ck = str(tmp_path / "ck")
+    argv = SMALL + ["--checkpoint-dir", ck]
+    got = run_ranks(_main, 2, ["--steps", "2", "--cp", "2"] + argv, timeout=120)[0][0]
+    got += run_ranks(_main, 1, ["--steps", "4"] + argv, timeout=120)[0][0]
+    got += run_ranks(_main, 4, ["--steps", "6", "--cp", "2"] + argv, timeout=120)[0][0]
+    ref = run_ranks(_main, 1, ["--steps", "6"] + SMALL + ["--checkpoint-dir", str(tmp_path / "ref")], timeout=120)
+    assert len(got) == 6, got
+    for step, (a, b) in enumerate(zip(got, ref[0][0]), 1):
+        assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {a} vs uninterrupted {b}"

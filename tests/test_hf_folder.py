@@ -238,3 +238,37 @@ def test_save_hf_folder_from_a_sharded_model_and_merge_of_its_checkpoint(tmp_pat
         for folder in ("live", "merged"):
             got = transformers.AutoModelForCausalLM.from_pretrained(root / folder).eval()
             assert torch.equal(got(TOKENS).logits, ref(TOKENS).logits), (name, folder)
+
+
+def _rank0_write_fails(rank, world_size, root, where):
+    from shardwise.checkpoint import _hf_folder, save_hf_folder
+    from shardwise.composable import fully_shard
+
+    model = _llama_hf(4)
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    if rank == 0:  # a disk that fills up part way, or a commit that fails: only rank 0 writes
+        real = _hf_folder.StreamingWriter
+
+        class Full(real):
+            def append(self, t):
+                raise OSError(28, "No space left on device")
+
+        if where == "append":
+            _hf_folder.StreamingWriter = Full
+        else:
+            _hf_folder.commit = lambda *a: (_ for _ in ()).throw(OSError(30, "Read-only file system"))
+    try:
+        save_hf_folder(model, os.path.join(root, "out"), max_shard_bytes=6000)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("where", ["append", "commit"])
+def test_save_hf_folder_rank0_write_error_is_raised_on_every_rank(tmp_path, where):
+    words = {"append": "No space left on device", "commit": "Read-only file system"}[where]
+    messages = run_ranks(_rank0_write_fails, 2, str(tmp_path), where, timeout=60)
+    assert all(m is not None and words in m and "rank" in m for m in messages), messages
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)  # no folder, no half-written temporary one

@@ -144,3 +144,63 @@ def test_suggest_shards_across_hosts_then_uses_tp_only_when_needed():
     assert "tensor parallelism is needed" in s.reasoning[-1]
     with pytest.raises(ValueError, match="nothing fits"):
         suggest_mesh(model, hosts=1, gpus_per_host=2, bytes_per_gpu=GiB)
+
+
+def test_cp_shards_parameters_over_dp_shard_times_cp_and_divides_activations():
+    """[Note: context parallelism in the plan]: dp_shard 2 x cp 2 plans the parameters as a
+    shard axis of 4 ranks; the activations (given as at cp 1) are divided by cp."""
+    flat = plan_memory(Net(), (1, 4), "FULL_SHARD", activation_bytes=10_001)
+    cp = plan_memory(Net(), (1, 2), "FULL_SHARD", activation_bytes=10_001, cp=2)
+    assert (cp.params, cp.grads, cp.optimizer, cp.unsharded_backward, cp.grad_buffers) == \
+        (flat.params, flat.grads, flat.optimizer, flat.unsharded_backward, flat.grad_buffers)
+    assert cp.activations == 5001 and flat.activations == 10_001  # rounded up
+    assert cp.cp == 2 and cp.mesh_shape == (1, 2, 1) and "dp_shard=2 x cp=2" in str(cp)
+    only_cp = plan_memory(Net(), (1, 1), "FULL_SHARD", cp=2)  # dp_shard 1: still sharded, over cp
+    assert only_cp.params == plan_memory(Net(), (1, 2), "FULL_SHARD").params
+    with pytest.raises(ValueError, match="HYBRID_SHARD"):  # the strategy rule reads dp_shard x cp
+        plan_memory(Net(), (1, 1), "HYBRID_SHARD_ZERO2", cp=2)
+    with pytest.raises(ValueError, match="cp=0 must be an int >= 1"):
+        plan_memory(Net(), 4, cp=0)
+    with torch.device("meta"):
+        llama = Llama(LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4))
+    pipe = [plan_memory(llama, (1, 1), "FULL_SHARD", pp=2, microbatches=2, cp=c, activation_bytes=8000)
+            for c in (1, 2)]
+    assert all(st.cp == 2 for st in pipe[1].stages) and pipe[1].stages[1].params == \
+        plan_memory(llama, (1, 2), "FULL_SHARD", pp=2, microbatches=2).stages[1].params
+    assert [st.activations for st in pipe[1].stages] == [-(-a.activations // 2) for a in pipe[0].stages]
+
+
+def _cp_local_bytes(rank, world_size, cfg):
+    from examples.parallel import apply_fsdp
+    from shardwise.mesh import data_parallel_mesh, init_mesh
+
+    mesh = init_mesh(dp_shard=2, cp=2, device_type="cpu")
+    model = apply_fsdp(Llama(cfg, generator=torch.Generator().manual_seed(0)), data_parallel_mesh(mesh))
+    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+
+def test_cp_plan_matches_fully_shard_over_dp_shard_cp():
+    """The planned parameter bytes of dp_shard 2 x cp 2 are what rank 0 holds after
+    ``fully_shard`` on `data_parallel_mesh` of ``init_mesh(dp_shard=2, cp=2)`` (4 gloo ranks)."""
+    cfg = LlamaConfig(vocab_size=250, dim=40, n_layers=2, n_heads=4, ffn_hidden=100)  # uneven over 4
+    local = run_ranks(_cp_local_bytes, 4, cfg, timeout=60)[0]
+    with torch.device("meta"):
+        model = Llama(cfg)
+    assert plan_memory(model, (1, 2), "FULL_SHARD", cp=2).params == local
+
+
+def test_suggest_uses_cp_when_activations_do_not_fit_and_before_tp():
+    """Long sequences: activations too big at cp 1 (tp 1); with cp_sizes the suggester picks
+    cp 2 (a model-parallel degree of 2, tp 1) over tp 2, and shards over dp_shard x cp."""
+    model = _llama_7b()
+    acts = 120 * GiB  # per rank at cp 1, tp 1
+    without = suggest_mesh(model, hosts=1, gpus_per_host=8, bytes_per_gpu=80 * GiB, activation_bytes=acts)
+    assert (without.cp, without.tp) == (1, 2), str(without)  # only tensor parallelism divides them
+    s = suggest_mesh(model, hosts=1, gpus_per_host=8, bytes_per_gpu=80 * GiB, activation_bytes=acts,
+                     cp_sizes=(1, 2, 4))
+    assert (s.cp, s.tp, s.dp_replicate * s.dp_shard) == (2, 1, 4), str(s)
+    assert s.plan.activations == acts // 2 and s.plan.peak <= 0.9 * 80 * GiB
+    assert "context parallelism (cp=2) is needed" in s.reasoning[-1], s.reasoning[-1]
+    assert s.strategy == "FULL_SHARD" and s.plan.params == plan_memory(model, (1, 8), "FULL_SHARD").params  # over 4 x 2
+    with pytest.raises(ValueError, match="cp_sizes"):
+        suggest_mesh(model, hosts=1, gpus_per_host=8, bytes_per_gpu=80 * GiB, cp_sizes=(3,))

@@ -318,11 +318,53 @@ def test_plan_patterns_and_errors():
     assert len(warned) == 1 and "PlanWarning" in warned[0] and "'layers.*.down'" in warned[0], warned
     assert applied == [f"layers.{i}.up.{p}" for i in (0, 1) for p in ("bias", "weight")], applied
     assert "TypeError" in out["no_rule"] and "LayerNorm" in out["no_rule"] and "with_rule" in out["no_rule"], out["no_rule"]
-    assert "'layers.*.up'" in out["overlap"] and "'layers.0.up'" in out["overlap"], out["overlap"]
+    assert "'layers.*.up'" in out["overlap"] and "both shard its parameters" in out["overlap"], out["overlap"]
     assert "shardwise.composable class of the same name" in out["torch_style"], out["torch_style"]
     assert "1-D mesh" in out["two_d"] and "mesh['tp']" in out["two_d"], out["two_d"]
     assert "already DTensors" in out["twice"], out["twice"]
     assert out["wildcards"] == [f"layers.{i}.{m}.{p}" for i in (0, 1) for m in ("down", "up") for p in ("bias", "weight")]
+
+
+def _overlapping_entries(rank, world_size):
+    import torch.distributed.tensor.parallel as torch_tp
+
+    mesh = tp_mesh(world_size)
+    torch.manual_seed(0)
+    ref = Tower()
+    x = torch.randn(2 * world_size, 4)
+
+    def plan(ns):  # the batch arrives sharded on layers.0.up, which the Prepare entry gathers first
+        return {"layers.0.up": ns.PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
+                "layers.*.up": ns.ColwiseParallel(), "layers.*.down": ns.RowwiseParallel(),
+                "layers.1.down": ns.PrepareModuleOutput(output_layouts=(Replicate(),),
+                                                        desired_output_layouts=(Shard(0),))}
+    import shardwise.composable as ours
+
+    outs = {}
+    for name, ns in (("ours", ours), ("torch", torch_tp)):
+        model = ns.parallelize_module(copy.deepcopy(ref), mesh, plan(ns))
+        y = model.layers[1](model.layers[0](x.chunk(world_size)[rank]))
+        outs[name] = y.detach()
+        y.sum().backward()
+        outs[name + "_grad"] = model.layers[0].up.weight.grad.full_tensor()
+    expect = ref.layers[1](ref.layers[0](x))
+    expect.sum().backward()
+    outs["expect"] = expect.detach().chunk(world_size)[rank]
+    outs["expect_grad"] = ref.layers[0].up.weight.grad
+    try:
+        parallelize_module(Tower(), mesh, {"layers.*.up": ColwiseParallel(), "layers.0.up": RowwiseParallel()})
+    except ValueError as exc:
+        outs["two_sharding"] = str(exc)
+    return outs
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_overlapping_plan_entries_apply_in_order_as_torch(world_size):
+    for rank, out in enumerate(run_ranks(_overlapping_entries, world_size)):
+        for name in ("ours", "torch"):
+            torch.testing.assert_close(out[name], out["expect"], rtol=1e-6, atol=1e-6, msg=f"{name} rank {rank}")
+            torch.testing.assert_close(out[name + "_grad"], out["expect_grad"], rtol=1e-6, atol=1e-6)
+        assert "both shard its parameters" in out["two_sharding"] and "'layers.0.up'" in out["two_sharding"], out
 
 
 # ---------------------------------------------------------------- PrepareModuleInput / Output, kwargs, uneven

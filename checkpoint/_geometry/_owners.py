@@ -9,7 +9,7 @@ lets every slice write the same box, and the index then has every box twice (whi
 cannot tell from damage). The same holds for pipeline stages on sub-meshes. So the writers
 are agreed in two steps:
 
-1. Local, no communication (``_writer._plan``, `is_local_candidate`): a rank keeps a box of a
+1. Local, no communication (``_save_plan.plan_save``, `is_local_candidate`): a rank keeps a box of a
    DTensor only when its coordinate is 0 on every axis of the DTensor's own mesh where the
    DTensor is ``Replicate`` (its peers on such an axis hold exactly the same boxes, and the
    coordinate-0 peer keeps them). Plain tensors are kept by rank 0 only (every rank passes the

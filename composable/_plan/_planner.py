@@ -38,6 +38,17 @@ that is the logits' gradient, ``tokens x vocab``.) A shard axis of one rank with
 (the unsharded parameter aliases the shard). Tensor parallelism is approximated: parameters of
 2+ dimensions split ``ceil(n / tp)`` on dim 0, 1-D ones replicate. Not modelled: AdamW's scalar
 ``step`` tensors, buffers, allocator caching, communication library buffers, CPU offload.
+
+[Note: context parallelism in the plan]
+With ``cp > 1`` the ``fully_shard`` mesh is ``dp_shard_cp`` (``dp_shard`` x ``cp`` flattened,
+`data_parallel_mesh`): the shard axis has ``S * cp`` ranks, so every sharded term above is
+planned with ``S * cp`` (the strategy's mesh rule too: ``dp_shard = 1, cp = 2`` shards over 2).
+Each cp rank holds ``T / cp`` tokens of every sample, and every activation of a block is per
+token (attention's too: each block of the ring runs on the fused kernel, which never holds a
+``T x T`` matrix), so ``activation_bytes``, given as at ``cp = 1`` (the same rows, whole
+sequences), is divided by ``cp`` (rounded up). Not modelled: the ring's key/value block in
+flight and the backward's float32 gradient accumulators (a few ``T / cp`` x kv-width tensors
+of one layer at a time), and the cp communication.
 """
 
 from __future__ import annotations
@@ -62,7 +73,8 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
                 prefetch: int = 2, activation_bytes: int = 0, pp: int = 1, microbatches: int = 1,
                 schedule: str = "1f1b", stage_bounds=None, reshard_between_microbatches: bool = False,
-                reduce_every_microbatch: bool = False, virtual_stages: int | None = None) -> MemoryPlan | PipelineMemoryPlan:
+                reduce_every_microbatch: bool = False, virtual_stages: int | None = None,
+                cp: int = 1) -> MemoryPlan | PipelineMemoryPlan:
     """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
     devices (the model may be on the meta device). See [Note: the memory model].
 
@@ -85,6 +97,9 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
             as `PipelineSchedule`'s (by default units keep their parameters gathered for the
             step and sum their gradients over the microbatches). ``virtual_stages``: stages per
             rank (default 2 for ``interleaved_1f1b``, else 1).
+        cp: context-parallel ranks (``init_mesh(cp=N)``): parameters sharded over ``dp_shard x
+            cp``, ``activation_bytes`` (given as at cp 1) divided by ``cp``; see
+            [Note: context parallelism in the plan].
 
     Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names.
     """
@@ -94,9 +109,9 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                                     optimizer_states=optimizer_states, optimizer_dtype=optimizer_dtype,
                                     prefetch=prefetch, activation_bytes=activation_bytes,
                                     reshard_between_microbatches=reshard_between_microbatches,
-                                    reduce_every_microbatch=reduce_every_microbatch)
+                                    reduce_every_microbatch=reduce_every_microbatch, cp=cp)
     return plan_units(model, mesh_shape, policy, units=units, mp_policy=mp_policy, optimizer_states=optimizer_states,
-                      optimizer_dtype=optimizer_dtype, prefetch=prefetch, activation_bytes=activation_bytes)
+                      optimizer_dtype=optimizer_dtype, prefetch=prefetch, activation_bytes=activation_bytes, cp=cp)
 
 
 @dataclass(frozen=True)
@@ -113,6 +128,7 @@ class MeshSuggestion:
     cross_host_bytes: float
     reasoning: tuple[str, ...]
     pp: int = 1  # pipeline stages; with pp > 1, ``plan`` is the worst stage's and the mesh is per stage
+    cp: int = 1  # context-parallel ranks (between dp_shard and tp)
 
     def __str__(self) -> str:
         return "\n".join(self.reasoning)
@@ -128,6 +144,7 @@ def _comm(plan: MemoryPlan, gpus_per_host: int, hosts: int, intra: float, inter:
     ``gather_once``: every unit all-gathers once per step (a pipeline stage keeps its parameters
     gathered for the step, [Note: fully_shard units in a pipeline step])."""
     (R, S, T), strategy = plan.mesh_shape, ShardingStrategy(plan.strategy)
+    S *= plan.cp  # the shard axis is dp_shard x cp: S * cp * T consecutive ranks
     shard, rep = (1, R * S) if strategy.replicates_all else (S, R)
     others = sum(u.unsharded for u in plan.units[:-1])  # gathered again in backward when resharded
     gathered = others * (1 + (strategy.reshard_after_forward and not gather_once)) + plan.units[-1].unsharded
@@ -143,7 +160,7 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
                  activation_bytes: int = 0, optimizer_states: int = 2, headroom: float = 0.9,
                  intra_host_bandwidth: float = 200e9, inter_host_bandwidth: float = 25e9,
                  pp_sizes: tuple[int, ...] = (1,), microbatches: int = 8,
-                 schedule: str = "1f1b") -> MeshSuggestion:
+                 schedule: str = "1f1b", cp_sizes: tuple[int, ...] = (1,)) -> MeshSuggestion:
     """The mesh ``(dp_replicate, dp_shard, tp)`` and strategy that fit ``bytes_per_gpu`` with the
     least estimated data-parallel communication time.
 
@@ -162,6 +179,13 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
     stage, so only activations cross hosts); each stage is planned with `plan_memory`'s ``pp``
     (``microbatches``, ``schedule``) and the worst stage must fit. The smallest fitting ``pp``
     is used (a pipeline adds a bubble of ``(pp - 1) / (m + pp - 1)``), then the rule above.
+
+    ``cp_sizes``: context-parallel sizes to consider too (``cp x tp`` dividing ``gpus_per_host``:
+    the ring stays in a host); ``activation_bytes`` is then also divided by ``cp`` and parameters
+    are sharded over ``dp_shard x cp`` ([Note: context parallelism in the plan]). Like ``tp``,
+    cp adds traffic every layer that the planner does not size, so the smallest model-parallel
+    degree ``cp x tp`` that fits is used, at equal degree the smaller ``tp`` (the ring's
+    key/value blocks overlap the attention, TP's activation collectives do not).
     """
     if min(hosts, gpus_per_host) < 1 or bytes_per_gpu <= 0:
         raise ValueError("suggest_mesh: hosts, gpus_per_host and bytes_per_gpu must be positive")
@@ -170,33 +194,38 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
     bad_pp = [p for p in pp_sizes if not isinstance(p, int) or p < 1 or hosts % p]
     if bad_pp:
         raise ValueError(f"suggest_mesh: pp_sizes {bad_pp} must divide hosts={hosts} (whole hosts per stage)")
+    bad_cp = [c for c in cp_sizes if isinstance(c, bool) or not isinstance(c, int) or c < 1 or gpus_per_host % c]
+    if bad_cp or not cp_sizes:
+        raise ValueError(f"suggest_mesh: cp_sizes {list(cp_sizes)} must be ints dividing gpus_per_host={gpus_per_host} "
+                         "(the cp ring stays in a host)")
     by_pp: dict[int, list] = {}
     for pp in sorted(set(pp_sizes)):
         sw_ = world // pp  # ranks per stage
-        shapes = [(sw_ // tp // S, S, tp) for tp in range(1, gpus_per_host + 1) if gpus_per_host % tp == 0
-                  for S in range(1, sw_ // tp + 1) if sw_ // tp % S == 0]
-        for R, S, tp in shapes:
-            for name in (["NO_SHARD"] if S == 1 else ["SHARD_GRAD_OP", "FULL_SHARD"] if R == 1
+        shapes = [(sw_ // (tp * cp) // S, S, cp, tp) for cp in sorted(set(cp_sizes))
+                  for tp in range(1, gpus_per_host // cp + 1) if gpus_per_host % (tp * cp) == 0
+                  for S in range(1, sw_ // (tp * cp) + 1) if sw_ // (tp * cp) % S == 0]
+        for R, S, cp, tp in shapes:
+            for name in (["NO_SHARD"] if S * cp == 1 else ["SHARD_GRAD_OP", "FULL_SHARD"] if R == 1
                          else ["HYBRID_SHARD_ZERO2", "HYBRID_SHARD"]):
                 pol = replace(base, strategy=name, reshard_after_forward=None)
                 plan = plan_memory(model, (R, S, tp), pol, mp_policy=mp_policy, optimizer_states=optimizer_states,
                                    activation_bytes=activation_bytes // tp, pp=pp, microbatches=microbatches,
-                                   schedule=schedule)
+                                   schedule=schedule, cp=cp)
                 if isinstance(plan, PipelineMemoryPlan):
                     plan = plan.stages[plan.worst_stage]
                 secs, cross = _comm(plan, gpus_per_host, hosts // pp, intra_host_bandwidth, inter_host_bandwidth,
                                     gather_once=pp > 1)
-                by_pp.setdefault(pp, []).append((tp, secs, plan.peak, plan, cross))
+                by_pp.setdefault(pp, []).append(((tp * cp, tp), secs, plan.peak, plan, cross))
     pp = next((p for p in sorted(by_pp) if any(c[2] <= budget for c in by_pp[p])), min(by_pp))
     candidates = by_pp[pp]
     fitting = [c for c in candidates if c[2] <= budget]
     lines = [f"world {world} = {hosts} host(s) x {gpus_per_host} GPUs; budget {fmt_bytes(budget)} per GPU "
              f"({headroom:.0%} of {fmt_bytes(bytes_per_gpu)}); bandwidth per GPU {intra_host_bandwidth / 1e9:g} GB/s "
              f"in a host, {inter_host_bandwidth / 1e9:g} GB/s across hosts"]
-    shown = min((c[0] for c in fitting), default=gpus_per_host)  # up to the smallest tp that fits
-    for tp, secs, peak, plan, cross in sorted((c for c in candidates if c[0] <= shown), key=lambda c: c[:3]):
-        R, S, _ = plan.mesh_shape
-        lines.append(f"  tp={tp} {plan.strategy:18s} ({R} x {S}): peak {fmt_bytes(peak):>11s} "
+    shown = min((c[0] for c in fitting), default=(gpus_per_host, gpus_per_host))  # up to the smallest that fits
+    for deg, secs, peak, plan, cross in sorted((c for c in candidates if c[0] <= shown), key=lambda c: c[:3]):
+        (R, S, tp), cp_text = plan.mesh_shape, (f" cp={plan.cp}" if plan.cp > 1 else "")
+        lines.append(f"  tp={tp}{cp_text} {plan.strategy:18s} ({R} x {S}): peak {fmt_bytes(peak):>11s} "
                      f"{'fits' if peak <= budget else 'too big'}; comm {secs * 1e3:8.1f} ms/step, "
                      f"{fmt_bytes(cross)} across hosts")
     if not fitting:
@@ -204,14 +233,18 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
         raise ValueError("\n".join(lines + [f"suggest_mesh: nothing fits; the smallest is {best.strategy} "
                                              f"{best.mesh_shape} at {fmt_bytes(best.peak)}. Add hosts, use bf16 params "
                                              "(mp_policy), activation checkpointing, or a smaller micro-batch."]))
-    tp, fastest = min((c[0], c[1]) for c in fitting)  # least time at the smallest tp; within 1 %: least memory
-    tp, secs, peak, plan, cross = min((c for c in fitting if c[0] == tp and c[1] <= 1.01 * fastest),
-                                      key=lambda c: c[2])
-    (R, S, _), why = plan.mesh_shape, "no tp=1 layout fits, so tensor parallelism is needed; " if tp > 1 else ""
+    deg, fastest = min((c[0], c[1]) for c in fitting)  # least time at the smallest degree; within 1 %: least memory
+    deg, secs, peak, plan, cross = min((c for c in fitting if c[0] == deg and c[1] <= 1.01 * fastest),
+                                       key=lambda c: c[2])
+    (R, S, tp), cp = plan.mesh_shape, plan.cp
+    why = "no tp=1 layout fits, so tensor parallelism is needed; " if tp > 1 and cp == 1 else ""
+    if cp > 1:
+        why = (f"no layout of a smaller cp x tp fits, so context parallelism (cp={cp}) is needed"
+               f"{f' with tp={tp}' if tp > 1 else ''}; ")
     if pp > 1:
-        why = f"no layout with fewer pipeline stages fits, so pp={pp} (per stage: {R * S * tp} ranks); " + why
-    lines.append(f"chose {f'pp={pp}, ' if pp > 1 else ''}tp={tp}, {plan.strategy} on dp_replicate={R} x "
-                 f"dp_shard={S}: {why}it fits "
+        why = f"no layout with fewer pipeline stages fits, so pp={pp} (per stage: {R * S * cp * tp} ranks); " + why
+    lines.append(f"chose {f'pp={pp}, ' if pp > 1 else ''}{f'cp={cp}, ' if cp > 1 else ''}tp={tp}, {plan.strategy} "
+                 f"on dp_replicate={R} x dp_shard={S}: {why}it fits "
                  f"({fmt_bytes(peak)}) with the least estimated communication ({secs * 1e3:.1f} ms/step, "
                  f"{fmt_bytes(cross)} per rank across hosts)")
-    return MeshSuggestion(R, S, tp, plan.strategy, plan, secs, cross, tuple(lines), pp)
+    return MeshSuggestion(R, S, tp, plan.strategy, plan, secs, cross, tuple(lines), pp, cp)

@@ -48,6 +48,7 @@ class MemoryPlan:
     grad_buffers: int
     activations: int
     accumulated_grads: int = 0  # a pipeline stage's other units' gradients summed over microbatches
+    cp: int = 1  # context-parallel ranks: parameters sharded over dp_shard x cp, activations / cp
 
     @property
     def between_steps(self) -> int:  # gradients freed by zero_grad(set_to_none=True)
@@ -73,7 +74,8 @@ class MemoryPlan:
         (R, S, T), big = self.mesh_shape, max(self.units, key=lambda u: u.unsharded)
         keys = ("params", "optimizer", "grads", "unsharded_forward", "unsharded_backward", "root_grads",
                 "grad_buffers", "accumulated_grads", "activations", "start_of_backward", "end_of_backward", "peak")
-        return "\n".join([f"{self.strategy}, dp_replicate={R} x dp_shard={S} x tp={T}: {len(self.units)} units, "
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return "\n".join([f"{self.strategy}, dp_replicate={R} x dp_shard={S}{cp} x tp={T}: {len(self.units)} units, "
                           f"{sum(u.numel for u in self.units):,} params; largest '{big.name or '(root)'}' "
                           f"{fmt_bytes(big.unsharded)} gathered. Per rank:"]
                          + [f"  {k:18s} {fmt_bytes(getattr(self, k)):>11s}" for k in keys])
@@ -87,14 +89,14 @@ def declares_units(model: nn.Module) -> bool:
     return any(getattr(m, "_no_split_modules", None) for m in model.modules())
 
 
-def _mesh_shape(shape, strategy: ShardingStrategy) -> tuple[int, int, int]:
+def _mesh_shape(shape, strategy: ShardingStrategy, cp: int = 1) -> tuple[int, int, int]:
     t = (shape,) if isinstance(shape, int) else tuple(shape)
     full = {1: (1, *t, 1), 2: (*t, 1), 3: t}.get(len(t))
     if full is None or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in full):
         raise ValueError(f"mesh_shape={shape!r}: give dp_shard, (dp_replicate, dp_shard) or "
                          "(dp_replicate, dp_shard, tp), each an int >= 1")
     R, S, _ = full
-    problem = strategy.spec.mesh_problem(R, S)  # the one rule, in the strategy table
+    problem = strategy.spec.mesh_problem(R, S * cp)  # the one rule, in the strategy table (shards: dp_shard x cp)
     if problem is not None:
         raise ValueError(f"plan_memory: mesh_shape {tuple(full)}: {problem}")
     return full
@@ -118,15 +120,17 @@ def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...],
                policy: ShardingPolicy | ShardingStrategy | str = ShardingStrategy.FULL_SHARD, *,
                units: list[str] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
                optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
-               prefetch: int = 2, activation_bytes: int = 0) -> MemoryPlan:
+               prefetch: int = 2, activation_bytes: int = 0, cp: int = 1) -> MemoryPlan:
     """`plan_memory` of one model without a pipeline (its arguments, same meaning)."""
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
     strategy = ShardingStrategy(policy.strategy)
-    R, S, T = _mesh_shape(mesh_shape, strategy)
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"plan_memory: cp={cp!r} must be an int >= 1 (context-parallel ranks)")
+    R, S, T = _mesh_shape(mesh_shape, strategy, cp)
     if not isinstance(prefetch, int) or prefetch < 1 or optimizer_states < 0:
         raise ValueError(f"plan_memory: prefetch={prefetch!r} must be an int >= 1, optimizer_states >= 0")
-    shard = 1 if strategy.replicates_all else S
+    shard = 1 if strategy.replicates_all else S * cp  # [Note: context parallelism in the plan] in _planner.py
     mp, modules = mp_policy or MixedPrecisionPolicy(), dict(model.named_modules())
     names = list(units) if units is not None else select_units(model, policy)
     missing = [n for n in names if n not in modules or n == ""]
@@ -152,6 +156,7 @@ def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...],
     grads = sum(u.trainable_bytes for u in plans)
     per_state = grads if optimizer_dtype is None else sum(u.trainable for u in plans) * optimizer_dtype.itemsize
     return MemoryPlan((R, S, T), strategy.value, tuple(plans), sum(u.sharded for u in plans), grads,
-                      optimizer_states * per_state, fwd, bwd, root.unsharded_grads, grad_buffers, int(activation_bytes))
+                      optimizer_states * per_state, fwd, bwd, root.unsharded_grads, grad_buffers,
+                      -(-int(activation_bytes) // cp), cp=cp)
 
 

@@ -71,12 +71,22 @@ def _near_misses(pattern: str, fqns: list[str]) -> list[str]:
     return list(dict.fromkeys(close + same_end))[:5]
 
 
+# [Note: overlapping plan entries]
+# torch's parallelize_module walks the plan in order and applies every entry to every module it
+# matches, so ``{"layers.*": PrepareModuleInput(...), "layers.0.attn": ColwiseParallel()}`` or two
+# entries naming one module both take effect, their hooks running in plan order. We do the same,
+# with one rule kept: at most one entry may shard a module's parameters (`ParallelStyle.
+# shards_parameters`). A second one would find them already DTensors; torch fails there too, but
+# only after the first entry changed the model, where we refuse the plan before touching anything.
+
+
 def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle],
                strict: bool = True) -> list[tuple[str, nn.Module, ParallelStyle]]:
     """``[(fqn, submodule, style)]`` in plan order, module order within a pattern.
 
-    Raises `PlanTypeError` for a non-string key or non-style value, `PlanError` for a module
-    matched by two patterns; a pattern matching nothing (the message names near misses) is a
+    A module matched by several patterns gets each style, in plan order, as torch applies them
+    ([Note: overlapping plan entries]). Raises `PlanTypeError` for a non-string key or non-style
+    value, `PlanError` for a module two of whose entries shard its parameters; a pattern matching nothing (the message names near misses) is a
     `PlanError` if ``strict``, else a `PlanWarning` and skipped.
     """
     modules = dict(module.named_modules())
@@ -102,11 +112,12 @@ def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle],
             warnings.warn(f"{msg}; skipping this plan entry", PlanWarning, stacklevel=3)
             continue
         for f in hits:
-            if f in owner:
+            if style.shards_parameters and f in owner:
                 raise PlanError(f"module '{f}' is matched by plan patterns {owner[f]!r} and "
-                                f"{pattern!r}; give it one entry (PrepareModuleInputOutput combines "
-                                "input and output layouts)")
-            owner[f] = pattern
+                                f"{pattern!r}, which both shard its parameters; give it one of them "
+                                "(only hook styles such as PrepareModuleInput may add to another entry)")
+            if style.shards_parameters:
+                owner[f] = pattern
             out.append((f, modules[f], style))
     return out
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping, cast
+from typing import Any, ClassVar, Mapping, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -77,6 +77,8 @@ class PrepareModuleInput(ParallelStyle):
             torch argument.
     """
 
+    shards_parameters: ClassVar[bool] = False
+
     input_layouts: Placement | tuple[Placement | None, ...] | None = None
     desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None
     input_kwarg_layouts: Mapping[str, Placement] | None = None
@@ -131,6 +133,8 @@ class PrepareModuleOutput(ParallelStyle):
             `PrepareModuleInput`). Not a torch argument.
     """
 
+    shards_parameters: ClassVar[bool] = False
+
     output_layouts: Placement | tuple[Placement | None, ...]
     desired_output_layouts: Placement | tuple[Placement | None, ...]
     use_local_output: bool = True
@@ -165,6 +169,8 @@ class PrepareModuleOutput(ParallelStyle):
 class PrepareModuleInputOutput(ParallelStyle):
     """`PrepareModuleInput` and `PrepareModuleOutput` on one module (``use_local_input`` is the
     former's ``use_local_output``; ``uneven_shards`` applies to both)."""
+
+    shards_parameters: ClassVar[bool] = False
 
     input_layouts: Placement | tuple[Placement | None, ...] | None = None
     desired_input_layouts: Placement | tuple[Placement | None, ...] | None = None

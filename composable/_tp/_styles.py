@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import cast
+from typing import ClassVar, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -69,6 +69,9 @@ class ParallelStyle:
     """
 
     src_data_rank: int | None = 0
+    #: False for styles that only add hooks (the ``Prepare*`` ones): a module may be matched by
+    #: several plan entries if at most one of them shards its parameters ([Note: overlapping plan entries]).
+    shards_parameters: ClassVar[bool] = True
 
     def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
         """Raise a clear error if this style cannot apply to ``module``; change nothing."""
