@@ -15,7 +15,10 @@ training loss adds ``AUX_COEF`` x the blocks' mean sequence-wise load-balancing 
 * ``--tp N`` (with either): tensor parallelism on attention, embedding and head (`moe_tp_plan`)
   and on the experts' own weights (`ExpertTensorParallel` on the ``(ep, tp)`` mesh: ``w1`` /
   ``w3`` column-split, ``w2`` row-split, the partial sums all-reduced over ``tp``); the router
-  computes every token of the tp group on every tp rank.
+  computes every token of the tp group on every tp rank;
+* ``--pp N`` (``examples/pipeline_setup.py``, not with ``--tp``): each stage's experts split
+  over the ep ranks of that stage (`shard_moe_stage`), the load-balancing loss of every stage
+  entering through its gradient (`MoEPipelineAux`).
 
 Both train on the same data with the same losses (to fp32 rounding; tests/test_example_moe.py).
 """

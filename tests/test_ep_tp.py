@@ -15,8 +15,8 @@ from torch.distributed.tensor import Shard
 
 import shardwise.composable._fsdp._reduce as reduce_mod  # spied on: the reduce-scatters a step issues
 from shardwise.checkpoint import load, save, set_optimizer_state_dict
-from shardwise.composable import (ExpertParallel, ExpertTensorParallel, clip_grad_norm_, fully_shard,
-                                  fully_shard_experts, parallelize_module)
+from shardwise.composable import (ExpertParallel, ExpertTensorParallel, clip_grad_norm_, expert_parallel_plan,
+                                  fully_shard, fully_shard_experts, parallelize_module, swap_hf_moe_blocks)
 from shardwise.mesh import data_parallel_mesh, expert_meshes, init_mesh
 from tests._dist import run_ranks
 from tests.test_checkpoint import app_state, assert_equal_states, full
@@ -132,3 +132,50 @@ def test_ep_tp_checkpoint_loads_at_other_ep_tp_and_plain(tmp_path):
     for ep, tp, world in ((1, 2, 4), (2, 1, 2), (1, 1, 1)):
         for rank, got in enumerate(run_ranks(_load, world, path, ep, tp, timeout=90)):
             assert_equal_states(got, want, f"ep2 x tp2 -> ep={ep} tp={tp} on {world}, rank {rank}")
+
+
+def _hf_etp(rank, world):
+    from tests.test_ep_hf import _loss, _model, _tokens
+
+    hf = _model("qwen2_moe")  # with its gated shared expert (computed whole on every tp rank)
+    model = copy.deepcopy(hf)
+    swap_hf_moe_blocks(model)
+    mesh = init_mesh(device_type="cpu", tp=2)
+    em = expert_meshes(mesh, ep=world // 2)
+    parallelize_module(model, em.ep, expert_parallel_plan(model, em.ep_tp))
+    dp_rank = mesh["dp_shard"].get_local_rank()
+    logits, loss = _loss(model, _tokens(dp_rank))
+    loss.backward()
+    ref_logits, ref_loss = _loss(hf, _tokens(dp_rank))
+    ref_loss.backward()  # this dp rank's batch only: the expert gradients are summed over the 2 dp ranks
+    torch.testing.assert_close(logits, ref_logits, **TOL)
+    moe, block = model.model.layers[1].mlp, hf.model.layers[1].mlp
+    assert moe.experts.w1.placements == (Shard(0), Shard(1))
+    grads = [moe.experts.w1.grad.full_tensor(), block.experts.gate_up_proj.grad[:, :moe.experts.hidden].clone()]
+    dist.all_reduce(grads[1], group=mesh["dp_shard"].get_group())
+    torch.testing.assert_close(grads[0], grads[1], **TOL)
+    return True
+
+
+def test_hf_qwen2_moe_under_expert_tensor_parallel_matches_hf():
+    pytest.importorskip("transformers", reason="transformers is not installed (optional)")
+    assert run_ranks(_hf_etp, 2, timeout=120) == [True] * 2  # tp 2 (ep 1): 4 ranks cost 15 s here
+
+
+def _refusals(rank, world):
+    from shardwise.composable import MoE
+
+    mesh = init_mesh(device_type="cpu", tp=2)
+    em = expert_meshes(mesh, ep=1)
+    with pytest.raises(ValueError, match=r"hidden\(5\) is not a multiple of tp\(2\)"):
+        parallelize_module(MoE(4, 5, num_experts=2, top_k=1), em.ep, ExpertTensorParallel(em.ep_tp))
+    moe = MoE(4, 6, num_experts=2, top_k=1)
+    with pytest.raises(ValueError, match="not the 'ep' slice"):
+        parallelize_module(moe, mesh["tp"], ExpertTensorParallel(em.ep_tp))
+    with pytest.raises(ValueError, match=r"pass the 2-D \('ep', 'tp'\) mesh"):
+        ExpertTensorParallel(em.ep)
+    return True
+
+
+def test_expert_tensor_parallel_refuses_bad_input_on_every_rank():
+    assert run_ranks(_refusals, 2) == [True, True]

@@ -19,9 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ._layer import MoE
 from ._style import ExpertParallel
+from ._style_tp import ExpertTensorParallel
 
 __all__ = ["is_hf_moe_block", "moe_from_hf", "swap_hf_moe_blocks", "expert_parallel_plan"]
 
@@ -80,7 +82,9 @@ def swap_hf_moe_blocks(model: nn.Module) -> list[str]:
     return swapped
 
 
-def expert_parallel_plan(model: nn.Module) -> dict[str, ExpertParallel]:
+def expert_parallel_plan(model: nn.Module, ep_tp: DeviceMesh | None = None) -> dict[str, ExpertParallel]:
     """``{name: ExpertParallel()}`` for every `MoE` in ``model`` (for ``parallelize_module`` on
-    the ep mesh), e.g. after `swap_hf_moe_blocks`."""
-    return {name: ExpertParallel() for name, m in model.named_modules() if isinstance(m, MoE)}
+    the ep mesh), e.g. after `swap_hf_moe_blocks`; with ``ep_tp`` (``expert_meshes(mesh).ep_tp``)
+    ``ExpertTensorParallel(ep_tp)``: each expert's own weights split over ``tp`` too."""
+    style = (lambda: ExpertParallel()) if ep_tp is None else (lambda: ExpertTensorParallel(ep_tp))
+    return {name: style() for name, m in model.named_modules() if isinstance(m, MoE)}
