@@ -71,16 +71,16 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     if mesh.ndim in (1, 2):
         return
     names = mesh.mesh_dim_names
+    head = f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}"  # FSDP2's words, for code matching them
     if names is None:
         raise ValueError(
-            f"fully_shard: got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} without axis names. fully_shard "
-            "takes the data-parallel mesh (1-D shard, or 2-D replicate x shard). Name the axes (build it with "
+            f"{head}: a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} without axis names. fully_shard takes the "
+            "data-parallel mesh (1-D shard, or 2-D replicate x shard). Name the axes (build it with "
             "shardwise.mesh.init_mesh) and pass shardwise.mesh.data_parallel_mesh(mesh)."
         )
     raise ValueError(
-        f"fully_shard: got a {mesh.ndim}-D mesh with axes {names}; it takes the data-parallel mesh (1-D shard, "
-        "or 2-D replicate x shard), e.g. mesh['dp_replicate', 'dp_shard'] or "
-        "shardwise.mesh.data_parallel_mesh(mesh)."
+        f"{head}: a {mesh.ndim}-D mesh with axes {names}; it takes the data-parallel mesh (1-D shard, or 2-D "
+        "replicate x shard), e.g. mesh['dp_replicate', 'dp_shard'] or shardwise.mesh.data_parallel_mesh(mesh)."
     )
 
 
