@@ -245,7 +245,8 @@ def _errors(rank, world_size):
     expect("0-d", lambda: fully_shard(scalar, mesh=mesh), "'temperature'", "0-d", "ignored_params")
 
     mesh3 = init_device_mesh("cpu", (1, 1, world_size))
-    expect("3d-unnamed", lambda: fully_shard(torch.nn.Linear(2, 2), mesh=mesh3), "without axis names", "data_parallel_mesh")
+    expect("3d-unnamed", lambda: fully_shard(torch.nn.Linear(2, 2), mesh=mesh3), "without axis names", "data_parallel_mesh",
+           "fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh")
     named3 = init_device_mesh("cpu", (1, world_size, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     expect("3d-named", lambda: fully_shard(torch.nn.Linear(2, 2), mesh=named3), "('dp_replicate', 'dp_shard', 'tp')",
            "mesh['dp_replicate', 'dp_shard']")

@@ -3,7 +3,7 @@
 One file per concept (see docs/architecture.md): the shard layout (``_layout.py``), one
 parameter (``_sharded_param.py``), one unit's flat buffers and collectives
 (``_param_group.py``), gradient reduction (``_reduce.py``), per-unit hooks (``_state.py``), the collectives' protocols and options (``_comm.py``), the
-``FSDPModule`` methods (``_module.py``),
+``FSDPModule`` methods (``_module.py``), the ``FSDP<cls>`` class (``_fsdp_class.py``),
 root-only state (``_root.py``), deferred init (``_materialize.py``), the API
 (``_fully_shard.py``). This wing imports only the shared leaves of ``composable``
 (``_compat``, ``_mesh_utils``, ``_chunks``); the other wings use it through the names below.

@@ -21,7 +21,7 @@ from ._module import readopt as _readopt
 from ._module import reshard_for_update as _reshard_for_update
 from ._spmd import spmd_mesh, to_tp_dtensor
 from ._state import FSDPState, get_state
-from ._hf_save import save_pretrained_override
+from ._fsdp_class import fsdp_class as _fsdp_class
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -71,16 +71,16 @@ def _check_mesh(mesh: DeviceMesh) -> None:
     if mesh.ndim in (1, 2):
         return
     names = mesh.mesh_dim_names
+    head = f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}"  # FSDP2's words, for code matching them
     if names is None:
         raise ValueError(
-            f"fully_shard: got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} without axis names. fully_shard "
-            "takes the data-parallel mesh (1-D shard, or 2-D replicate x shard). Name the axes (build it with "
+            f"{head}: a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} without axis names. fully_shard takes the "
+            "data-parallel mesh (1-D shard, or 2-D replicate x shard). Name the axes (build it with "
             "shardwise.mesh.init_mesh) and pass shardwise.mesh.data_parallel_mesh(mesh)."
         )
     raise ValueError(
-        f"fully_shard: got a {mesh.ndim}-D mesh with axes {names}; it takes the data-parallel mesh (1-D shard, "
-        "or 2-D replicate x shard), e.g. mesh['dp_replicate', 'dp_shard'] or "
-        "shardwise.mesh.data_parallel_mesh(mesh)."
+        f"{head}: a {mesh.ndim}-D mesh with axes {names}; it takes the data-parallel mesh (1-D shard, or 2-D "
+        "replicate x shard), e.g. mesh['dp_replicate', 'dp_shard'] or shardwise.mesh.data_parallel_mesh(mesh)."
     )
 
 
@@ -229,6 +229,13 @@ def fully_shard(
         raise TypeError("fully_shard takes an nn.Module or a non-empty list of nn.Modules")
     label = type(modules[0]).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
     for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"fully_shard({type(m).__name__}): fully_shard does not support containers that do not implement "
+                "forward (its hooks run around the module's forward, which a container never runs). Shard its "
+                "modules as one unit with fully_shard(list(container)), or each one separately."
+            )
+    for m in modules:
         if get_state(m) is not None:
             raise ValueError(
                 f"fully_shard({type(m).__name__}): this module is already sharded (fully_shard was called on it "
@@ -273,16 +280,14 @@ def fully_shard(
     return module
 
 
-def _fsdp_class(cls: type) -> type:
-    """``FSDP<cls>``, deriving from ``FSDPModule`` and ``cls``; one per class, kept on ``cls``."""
-    if issubclass(cls, FSDPModule):
-        return cls
-    made = cls.__dict__.get("_shardwise_fsdp_class")
-    if made is None:
-        made = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
-                    {"__module__": cls.__module__, **save_pretrained_override(cls)})
-        setattr(cls, "_shardwise_fsdp_class", made)
-    return made
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``, as FSDP2 has it: the unit state `fully_shard` attached to
+    ``module`` (one object per call, shared by the modules of a list-form call), or None. Its
+    attributes are shardwise's, not torch's ``FSDPState``'s; use the ``FSDPModule`` methods."""
+    return get_state(module)
+
+
+setattr(fully_shard, "state", _state_of)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
