@@ -76,15 +76,18 @@ class ExpertParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
         target = self._target(module, ctx)
-        ep = mesh.size()
-        if target.num_experts % ep:
-            raise ValueError(f"{ctx.where(self, module)}: num_experts({target.num_experts}) is not a multiple of "
-                             f"the ep mesh size({ep}); {target.num_experts} % {ep} = {target.num_experts % ep}: "
-                             "use an ep that divides the number of experts")
+        check_experts_divide(target.num_experts, mesh.size(), ctx.where(self, module))
         for name, param in list(target.named_parameters(recurse=False)):
             dt = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=ctx.src_data_rank)
             target.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
         target.forward = functools.partial(_ep_forward, target, mesh)  # type: ignore[method-assign]
+
+
+def check_experts_divide(num_experts: int, ep: int, where: str) -> None:
+    """Each ep rank holds ``num_experts / ep`` whole experts: refuse an ep that does not divide them."""
+    if num_experts % ep:
+        raise ValueError(f"{where}: num_experts({num_experts}) is not a multiple of the ep mesh size({ep}); "
+                         f"{num_experts} % {ep} = {num_experts % ep}: use an ep that divides the number of experts")
 
 
 FFN = Callable[[torch.Tensor, list, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -44,7 +44,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from .._mesh_utils import same_mesh
 from .._tp import ApplyContext
 from ._experts import GroupedExperts, expert_ffn
-from ._style import ExpertParallel, _ep_forward
+from ._style import ExpertParallel, _ep_forward, check_experts_divide
 
 __all__ = ["ExpertTensorParallel"]
 
@@ -116,11 +116,7 @@ class ExpertTensorParallel(ExpertParallel):
             raise ValueError(f"{ctx.where(self, module)}: parallelize_module got a mesh that is not the 'ep' slice of "
                              "ExpertTensorParallel's (ep, tp) mesh; pass expert_meshes(mesh).ep to parallelize_module "
                              "and expert_meshes(mesh).ep_tp to ExpertTensorParallel")
-        ep = mesh.size()
-        if target.num_experts % ep:
-            raise ValueError(f"{ctx.where(self, module)}: num_experts({target.num_experts}) is not a multiple of "
-                             f"the ep mesh size({ep}); {target.num_experts} % {ep} = {target.num_experts % ep}: "
-                             "use an ep that divides the number of experts")
+        check_experts_divide(target.num_experts, mesh.size(), ctx.where(self, module))
         for name, param in list(target.named_parameters(recurse=False)):
             dt = distribute_tensor(param.detach(), self.ep_tp, list(_PLACEMENTS[name]), src_data_rank=ctx.src_data_rank)
             target.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
