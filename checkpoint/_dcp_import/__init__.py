@@ -1,8 +1,8 @@
 """``import_dcp`` / ``shardwise-checkpoint import-dcp``: torch DCP checkpoints to shardwise ones.
 
-A torch ``torch.distributed.checkpoint`` directory (``.metadata`` + ``__<rank>_<k>.distcp``)
-becomes a verified shardwise checkpoint, streamed a slab at a time, without importing
-``torch.distributed.checkpoint`` and without running code from the files.
+A torch DCP directory (``.metadata`` + ``__<rank>_<k>.distcp``) becomes a verified shardwise
+checkpoint, streamed a slab at a time, without importing torch's DCP package and without
+running code from the files.
 
 | module | one line |
 | --- | --- |

@@ -1,9 +1,9 @@
-"""A torch DCP checkpoint's ``.metadata``, read without torch.distributed.checkpoint and without
-running code from the file.
+"""A torch DCP checkpoint's ``.metadata``, read without torch's DCP package and without running
+code from the file.
 
 What torch 2.13's ``FileSystemWriter`` pickles (protocol 4; found by disassembling files it
-wrote, ``pickletools.dis``): one ``Metadata`` object (module
-``torch.distributed.checkpoint.metadata``) whose fields are
+wrote, ``pickletools.dis``): one ``Metadata`` object (of DCP's
+``metadata`` module, `DCP_PACKAGE`) whose fields are
 
 * ``state_dict_metadata``: ``{flat key: TensorStorageMetadata | BytesStorageMetadata}``; a
   tensor's ``TensorStorageMetadata`` holds ``properties`` (a ``TensorProperties``, pickled as the
@@ -13,7 +13,7 @@ wrote, ``pickletools.dis``): one ``Metadata`` object (module
   sizes)`` per saved piece, in global coordinates;
 * ``storage_data``: ``{MetadataIndex(fqn, offset): _StorageInfo(relative_path, offset,
   length[, transform_descriptors])}`` (``_StorageInfo`` from
-  ``torch.distributed.checkpoint.filesystem``): where each chunk (``offset`` = the chunk's
+  DCP's ``filesystem`` module): where each chunk (``offset`` = the chunk's
   offsets) or non-tensor entry (no offset) lies: a byte range of a ``__<rank>_<k>.distcp`` file;
 * ``planner_data``: ``{flat key: path}``, the path of each key in the nested state dict that
   was saved (``("optim", "param_groups", 0, "lr")``), from the default planner's flattening;
@@ -158,7 +158,10 @@ def _path(*parts: Any) -> str:
 
 DTYPES: dict[str, torch.dtype] = {n: d for n in dir(torch) if isinstance(d := getattr(torch, n), torch.dtype)}
 
-_META = "torch.distributed.checkpoint.metadata"
+# The module path DCP's pickles name their classes by: matched as data by the restricted
+# unpickler, never imported (tests/test_dcp_import.py checks that in a subprocess).
+DCP_PACKAGE = "torch.distributed.checkpoint"
+_META = f"{DCP_PACKAGE}.metadata"
 ALLOWED: dict[tuple[str, str], Any] = {
     (_META, "Metadata"): _Metadata,
     (_META, "TensorStorageMetadata"): _TensorStorageMetadata,
@@ -168,7 +171,7 @@ ALLOWED: dict[tuple[str, str], Any] = {
     (_META, "MetadataIndex"): _MetadataIndex,
     (_META, "StorageMeta"): _StorageMeta,
     (_META, "_MEM_FORMAT_ENCODING"): Call(_mem_format),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    (f"{DCP_PACKAGE}.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): Call(_size),
     ("torch.serialization", "_get_layout"): Call(_layout),
     **{("pathlib", n): Call(_path) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")},

@@ -12,7 +12,7 @@ checks its arguments and builds a plain value, a ``torch.dtype``), and refuses a
 with a `RefusedGlobal` naming ``module.name``; ``persistent_load`` refuses unless the caller
 gave a handler (torch.save records use one for storages). So whatever the file says, the only
 code that runs is the allowlisted code of this package, and the result is made of plain
-containers and those objects. Nothing of ``torch.distributed.checkpoint`` is imported.
+containers and those objects. Nothing of torch's DCP package is imported.
 """
 
 from __future__ import annotations
