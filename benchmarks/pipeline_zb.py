@@ -33,6 +33,10 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
 5. ``split`` (one process): CPU time per microbatch of the last stage's full backward ``B``
    against its ``I`` and ``W`` in the ``zb_h1`` order, alternating (the split backward's cost).
 
+6. ``tuned`` (p=2): ``zb_h1`` / ``zbv`` / ``interleaved_zb`` as registered and refitted to their own
+   measured step (`retune`: [Note: schedules tuned to measured costs]), against torch's schedule
+   of the same name where there is one and against shardwise ``1f1b``, steps alternating.
+
 On a machine with fewer cores than ranks the ranks share cores: wall times then mostly measure
 the total work, and the measured bubble includes time a rank waits for a core.
 """
@@ -241,6 +245,47 @@ def bench_gain(rank, world, args):
     return out
 
 
+def bench_tuned(rank, world, args):
+    """Part 6 (p=2): each tunable schedule as registered, and refitted to its own measured step
+    (`retune`, wall times, ``comm_time`` = the measured message latency), against torch's class of
+    the same name (where there is one) and against shardwise ``1f1b``; steps alternate."""
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    m = args.microbatches
+    x, y = _batch(cfg, args.batch, args.seq, 1)
+    latency = _message_latency((args.batch // m, args.seq, args.dim))
+    out: dict = {"tuned_message_latency_ms": latency * 1e3}
+    base = _ours(cfg, 2, m, "1f1b")
+    for schedule in [s for s in args.schedules.split(",") if s in sw.TUNABLE_SCHEDULES]:
+        plain, tuned = _ours(cfg, 2, m, schedule), _ours(cfg, 2, m, schedule)
+        for _ in range(2):
+            tuned.step(x, y)
+        tuned = sw.retune(tuned, comm_time=latency)
+        runs = {"registered": lambda: plain.step(x, y), "tuned": lambda: tuned.step(x, y),
+                "1f1b": lambda: base.step(x, y)}
+        if schedule in _TORCH:
+            mine, theirs = _theirs(cfg, 2, m, schedule)
+            runs["torch"] = lambda: _run_theirs(mine, theirs, x, y, 2 * _v(schedule))
+        for _ in range(2):
+            for fn in runs.values():
+                fn()
+        times: dict = {k: [] for k in runs}
+        for _ in range(args.reps):
+            for k, fn in runs.items():
+                times[k].append(_timed(fn))
+        ratio = lambda a, b: statistics.median(p / q for p, q in zip(times[a], times[b]))  # noqa: E731
+        res = {k: statistics.median(v) for k, v in times.items()}
+        res.update({"tuned/registered": ratio("tuned", "registered"), "tuned/1f1b": ratio("tuned", "1f1b"),
+                    "registered/1f1b": ratio("registered", "1f1b"), "summary": tuned.schedule.summary})
+        if "torch" in runs:
+            res.update({"tuned/torch": ratio("tuned", "torch"), "registered/torch": ratio("registered", "torch")})
+        out[f"tuned_{schedule}_p2_m{m}"] = res
+        plain.close()
+        tuned.close()
+    base.close()
+    return out
+
+
 def _saved_bytes_per_microbatch(sched, x, y) -> float:
     """Bytes autograd saves for one microbatch on this rank (distinct storages, parameters not
     counted): one step under a counting ``saved_tensors_hooks``, divided by ``m``."""
@@ -346,7 +391,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", default="1f1b,zbv,interleaved_zb,dualpipev", help="part 1: comma list")
-    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split")
+    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split, tuned")
     p.add_argument("--worlds", default="2,4", help="part 2: comma list of rank counts (= pp)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -361,6 +406,8 @@ def main():
             res.update(r)
     if "split" in parts:
         res.update(bench_split(args))
+    if "tuned" in parts:
+        res.update(run_ranks(bench_tuned, 2, args, timeout=1800)[0])
     if "gain" in parts:
         for world in map(int, args.worlds.split(",")):
             res.update(run_ranks(bench_gain, world, args, timeout=1800)[0])

@@ -66,19 +66,22 @@ def _check_complete(got: list[Action], num_stages: int, microbatches: int) -> se
 
 def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches: int, *, f_time: float = 1.0,
              b_time: float = 2.0, w_time: float | None = None,
-             costs: Mapping[tuple[str, int], float] | None = None) -> tuple[float, list[float]]:
+             costs: Mapping[tuple[str, int], float] | None = None,
+             comm_time: float = 0.0) -> tuple[float, list[float]]:
     """Run the per-rank lists with the dependency rule of [Note: schedules]; return the makespan
     and each rank's busy time. A split backward takes ``b_time - w_time`` for I and ``w_time``
     for W (default: half each). ``costs[(kind, stage)]`` (kind ``"F"``, ``"B"``, ``"I"`` or
     ``"W"``), where given, is the duration of that kind of action on that stage instead (e.g.
-    measured ones: `PipelineSchedule.last_action_times`). Raises ``ValueError`` on a deadlock, a
-    missing or repeated action."""
+    measured ones: `PipelineSchedule.last_action_times`). ``comm_time``: a message between two
+    ranks arrives that long after the action producing it ends (a hand-off between two stages of
+    one rank takes none). Raises ``ValueError`` on a deadlock, a missing or repeated action."""
     w = b_time / 2 if w_time is None else w_time
     unit = {ActionKind.F: f_time, ActionKind.B: b_time, ActionKind.I: b_time - w, ActionKind.W: w}
     given = costs or {}
     cost = {(k, s): given.get((k.value, s), unit[k]) for k in ActionKind for s in range(num_stages) if k in unit}
     got = [a for acts in actions for a in acts]
     split = _check_complete(got, num_stages, microbatches)
+    owner = {a.stage: r for r, acts in enumerate(actions) for a in acts}
     done: dict[Action, float] = {}
     pos = [0] * len(actions)
     clock = [0.0] * len(actions)
@@ -92,7 +95,7 @@ def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches:
                 deps = dependencies(a, num_stages, split)
                 if any(d not in done for d in deps):
                     break
-                start = max([clock[r], *(done[d] for d in deps)])
+                start = max([clock[r], *(done[d] + (comm_time if owner[d.stage] != r else 0.0) for d in deps)])
                 done[a] = clock[r] = start + cost[a.kind, a.stage]
                 busy[r] += cost[a.kind, a.stage]
                 pos[r] += 1
