@@ -120,7 +120,7 @@ def test_plan_memory_counts_what_a_split_backward_keeps() -> None:
     ([Note: activations in flight]): the planner counts them (by default DEFAULT_KEPT_GRADS per
     microbatch-unit), as activations_in_flight's kept_grads does, and not for 1F1B."""
     from shardwise.composable import activations_in_flight, plan_memory
-    from shardwise.composable._plan import DEFAULT_KEPT_GRADS
+    from shardwise.composable import DEFAULT_KEPT_GRADS
     model = _meta_llama(vocab_size=1000, dim=64, n_layers=8, n_heads=4)
     A, m = 64 * 2**20, 8
     kw = dict(activation_bytes=A, pp=2, microbatches=m)
