@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .._compat import is_strided_shard
 from .._mesh_utils import mesh_device
 from ._param_group import ParamGroup
+from ._errors import FullyShardUsageError
 from ._policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._module import OWNER_ATTR as _OWNER_ATTR
 from ._module import FSDPModule, UnshardHandle, share_comm_ctx
@@ -23,7 +24,8 @@ from ._spmd import spmd_mesh, to_tp_dtensor
 from ._state import FSDPState, get_state
 from ._fsdp_class import fsdp_class as _fsdp_class
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
+           "FullyShardUsageError"]
 
 
 def _unit(module: nn.Module) -> FSDPState:
@@ -136,8 +138,8 @@ def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
             )
         if p.dim() == 0:
             raise ValueError(
-                f"fully_shard({label}): parameter '{fqn}' is 0-d and has no dim 0 to shard. Store it with shape (1,) "
-                "or pass it in ignored_params."
+                f"fully_shard({label}): parameter '{fqn}' is 0-d and has no dim 0 to shard. Change {fqn} to a 1D "
+                "tensor with numel equal to 1 (shape (1,)), or pass it in ignored_params."
             )
         # CPU parameters move to an accelerator mesh's device (a model built on CPU, as with FSDP2);
         # any other mismatch is a mistake.
@@ -160,8 +162,10 @@ def _shard_placement(fn, fqn: str, param, label: str) -> Shard | None:
                         "torch.distributed.tensor.Shard(dim) or None (Shard(0))")
     ndim = (param.to_local() if isinstance(param, DTensor) else param).dim()
     if not -ndim <= placement.dim < ndim:
-        raise ValueError(f"fully_shard({label}): shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of "
-                         f"shape {tuple(param.shape)}; the dim must be in [-{ndim}, {ndim - 1}]")
+        raise FullyShardUsageError(
+            f"fully_shard({label}): shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of shape "
+            f"{tuple(param.shape)}: Shard dim {placement.dim} is invalid for {ndim}D tensor; return a dim in "
+            f"[-{ndim}, {ndim - 1}] (or None for Shard(0))")
     return Shard(placement.dim % ndim)
 
 
@@ -237,9 +241,10 @@ def fully_shard(
             )
     for m in modules:
         if get_state(m) is not None:
-            raise ValueError(
+            raise FullyShardUsageError(
                 f"fully_shard({type(m).__name__}): this module is already sharded (fully_shard was called on it "
-                "before). Call fully_shard once per module; to change reshard_after_forward use "
+                "before). Each distinct composable distributed API can only be applied to a module once. Call "
+                "fully_shard once per module; to change reshard_after_forward use "
                 "module.set_reshard_after_forward(...)."
             )
     mesh = _default_mesh() if mesh is None else mesh
