@@ -17,7 +17,7 @@
    ZIP CRC-32 of a storage that is exactly the chunk (the usual case), the box's CRC must equal
    it, so damage in the source is caught, not copied under fresh checksums.
 4. ``index.json`` last, then the directory is renamed into place ([Note: atomic commit] in
-   ``_commit.py``, through ``_offline``'s temporary-directory helper: a failed import leaves
+   ``_commit.py``, through ``_offline_copy``'s temporary-directory helper: a failed import leaves
    nothing), and the new checkpoint is verified completely (``verify_checkpoint``).
 """
 
@@ -37,7 +37,8 @@ from .._format import (DTYPE_CODES, FORMAT_NAME, INDEX_FILE, Index, SavedBox, St
                        data_file_name, format_index, index_to_json)
 from .._format._file_io import pread_into
 from .._geometry import Box, tiling_problem
-from .._offline import _into_place, _Progress
+from .._offline_copy import Progress as _Progress
+from .._offline_copy import into_place as _into_place
 from .._storage import PosixStorage, ReadHandle, storage_for
 from .._verify import verify_checkpoint
 from ._keys import shardwise_keys
