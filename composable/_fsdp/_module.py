@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from ._adopt import readopt, reshard_for_update
+from ._adopt import OWNER_ATTR, readopt, reshard_for_update  # noqa: F401  OWNER_ATTR: also reached here
 from ._comm_methods import CommMethods
 from ._state import FSDPState, get_state, units_under
 from ._unit_inputs import check_reshard_after_forward
