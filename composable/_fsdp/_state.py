@@ -145,18 +145,19 @@ class FSDPState(BackwardHooks):
     def is_root(self) -> bool | None:
         return None if self.ctx is None else self.ctx.root is self
 
+    def _effective(self, name: str, configured: Any) -> Any:
+        """The value of setting ``name`` for this step: the override's when it sets one (not
+        None), else ``configured`` ([Note: step overrides])."""
+        value = None if self.override is None else getattr(self.override, name)
+        return configured if value is None else value
+
     @property
     def reshard_after_forward(self) -> bool | int:
-        o = self.override
-        if o is not None and o.reshard_after_forward is not None:
-            return o.reshard_after_forward
-        return self.configured_reshard_after_forward()
+        return self._effective("reshard_after_forward", self.configured_reshard_after_forward())
 
     @property
     def reshard_after_backward(self) -> bool:
-        o = self.override
-        return self.configured_reshard_after_backward if o is None or o.reshard_after_backward is None \
-            else o.reshard_after_backward
+        return self._effective("reshard_after_backward", self.configured_reshard_after_backward)
 
     @reshard_after_backward.setter
     def reshard_after_backward(self, value: bool) -> None:
@@ -164,9 +165,7 @@ class FSDPState(BackwardHooks):
 
     @property
     def requires_gradient_sync(self) -> bool:
-        o = self.override
-        return self.configured_requires_gradient_sync if o is None or o.requires_gradient_sync is None \
-            else o.requires_gradient_sync
+        return self._effective("requires_gradient_sync", self.configured_requires_gradient_sync)
 
     @requires_gradient_sync.setter
     def requires_gradient_sync(self, value: bool) -> None:
