@@ -20,7 +20,7 @@ gradient is redistributed to the parameter's TP placement (the TP all-reduce of 
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor, Shard
 
 from .._compat import root_mesh, strided_shard
 from .._mesh_utils import same_mesh
@@ -28,7 +28,7 @@ from .._mesh_utils import same_mesh
 __all__ = ["tp_sharded_placements"]
 
 
-def tp_sharded_placements(dp_mesh: DeviceMesh, dp: tuple, placement: Placement,
+def tp_sharded_placements(dp_mesh: DeviceMesh, dp: tuple, placement: Shard,
                           param: DTensor) -> tuple[DeviceMesh, tuple]:
     """``(mesh, placements)`` of the sharded form of the TP DTensor ``param``: ``dp`` (the
     data-parallel placements, sharding ``placement``'s dim) followed by ``param``'s TP
