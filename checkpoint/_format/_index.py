@@ -2,10 +2,11 @@
 
 The format itself is specified in ``docs/checkpoint-format.md``; this module is its code (the
 records themselves, `Index`, `TensorEntry`, `SavedBox`, and the format's names are in
-``_index_model.py``, and are imported from here too). An `Index` maps every tensor's flat key (see ``_flatten.py``) to a `TensorEntry` (dtype, global
-shape, the layout it was saved from, and its saved boxes, each a `SavedBox`: a box, the data
-file and safetensors key holding it, the CRC-32 of its bytes and, for a box of several
-checksum chunks, the chunks' rows and CRC-32s, see [Note: checksum chunks] in
+``_index_model.py``, and are imported from here too). An `Index` maps every tensor's flat
+key (see ``_flatten.py``) to a `TensorEntry` (dtype, global shape, the layout it was saved
+from, and its saved boxes, each a `SavedBox`: a box, the data file and safetensors key
+holding it, the CRC-32 of its bytes and, for a box of several checksum chunks, the chunks'
+rows and CRC-32s, see [Note: checksum chunks] in
 ``_checksums.py``), and every plain value's flat key to its JSON value. ``files`` records
 each data file's size in bytes, so a truncated or missing file is found before any data is
 read.

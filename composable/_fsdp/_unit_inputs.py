@@ -1,6 +1,7 @@
-"""What one ``fully_shard`` call takes, checked: the mesh, ``reshard_after_forward``, the unit's parameters (each once,
-those of nested units left out), the placement ``shard_placement_fn`` gives each, and the
-unit's buffers moved to the mesh's device. Every bad input is one line naming it and the fix."""
+"""What one ``fully_shard`` call takes, checked: the mesh, ``reshard_after_forward``, the
+unit's parameters (each once, those of nested units left out), the placement
+``shard_placement_fn`` gives each, and the unit's buffers moved to the mesh's device. Every bad
+input is one line naming it and the fix."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from ._errors import FullyShardUsageError
 from ._adopt import OWNER_ATTR
 from ._state import get_state
 
-__all__ = ["default_mesh", "check_mesh", "check_reshard_after_forward", "collect_params", "check_params", "shard_placement", "move_buffers"]
+__all__ = ["default_mesh", "check_mesh", "check_reshard_after_forward", "collect_params", "check_params",
+           "shard_placement", "move_buffers"]
 
 
 def default_mesh() -> DeviceMesh:
