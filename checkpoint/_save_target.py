@@ -4,6 +4,7 @@ rank 0 checks the target, cleans up the series and creates the temporary directo
 
 from __future__ import annotations
 
+import os
 import secrets
 from typing import Any
 
