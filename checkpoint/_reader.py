@@ -8,7 +8,8 @@
    boxes that meet it cover it (``_plan.plan_reads``); each data file to be read exists, has
    the size the index records and holds the expected keys, dtypes and shapes; with ``verify``
    the CRC-32 of each checksum unit in this rank's share matches the index (these file checks
-   are ``_load_checks.check_files``). All problems are
+   are ``_load_checks.check_files``; the target's side, which reads each tensor needs, is
+   ``_load_plan.plan_load``). All problems are
    agreed on (``_comm.agree``): if any rank found one, every rank raises before any target
    tensor is written, so a failed load leaves the target untouched.
 2. Read (every rank, no collective): per data file, per item, exactly the overlapping region
@@ -59,26 +60,23 @@ changes the folder (a writer's in-progress state is the writer's to finish). How
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from ._comm import agree, all_gather_json, rank_and_world
+from ._comm import agree, all_gather_json
 from ._commit import intact_replaced
 from ._dcp_api import check_alone_state, checkpoint_path, dcp_scope, refuse_dcp_extensions
 from ._errors import CheckpointError
 from ._files import CheckpointFiles, open_checkpoint
-from ._flatten import Leaf, flatten, set_values
-from ._format import Header, Index, SavedBox, TensorEntry
-from ._geometry import LocalBox, covered_numel, distinct_boxes, local_boxes, plan_reads, tiling_problem
+from ._flatten import flatten, set_values
 from ._load_checks import check_files
+from ._load_plan import plan_load as _plan_load
 from ._stateful import expand_stateful
-from ._reads import Read as _Read, read_all as _read
+from ._reads import read_all as _read
 from ._storage import Storage, storage_for
 from ._trace import phase
 
@@ -105,73 +103,9 @@ class LoadStats:
     files_opened: int
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _check_tensor(key: str, t: torch.Tensor, entry: TensorEntry, where: str, problems: list[str]) -> list[LocalBox]:
-    if entry.dtype != t.dtype:
-        problems.append(f"tensor '{key}' is {entry.dtype} in {where} but {t.dtype} in the target; cast one of them "
-                        "so they agree")
-        return []
-    if entry.shape != tuple(t.shape):
-        problems.append(f"tensor '{key}' has shape {list(entry.shape)} in {where} but {list(t.shape)} in the "
-                        "target (a different model configuration?)")
-        return []
-    if t.device.type == "meta":
-        problems.append(f"tensor '{key}' of the target is on the meta device; materialize it before loading")
-        return []
-    return local_boxes(t)
-
-
-def _plan_load(index: Index, leaves: list[Leaf], strict: bool, where: str):
-    problems: list[str] = []
-    reads: list[_Read] = []
-    for leaf in leaves:
-        t = leaf.value
-        if not isinstance(t, torch.Tensor):
-            if leaf.key not in index.values and strict:
-                problems.append(f"value '{leaf.key}' is not in {where}" + _similar(leaf.key, index.values))
-            continue
-        entry = index.tensors.get(leaf.key)
-        if entry is None:
-            if strict:
-                problems.append(f"tensor '{leaf.key}' is not in {where}" + _similar(leaf.key, index.tensors))
-            continue
-        lbs = _check_tensor(leaf.key, t, entry, where, problems)
-        if not lbs:
-            continue
-        keep = distinct_boxes([b.box for b in entry.boxes])  # exact duplicates: see _tiling.py
-        saved = [entry.boxes[i] for i in keep]
-        saved_boxes = [b.box for b in saved]  # once per tensor, not once per local box
-        problem = tiling_problem(entry.shape, saved_boxes)
-        if problem is not None:
-            problems.append(f"tensor '{leaf.key}' in {where}: {problem}; the index is damaged (run verify)")
-            continue
-        for lb in lbs:
-            items = plan_reads(lb, saved_boxes)
-            if covered_numel(items) != lb.box.numel:  # cannot happen after the tiling check; kept as a guard
-                problems.append(f"{where} lacks part of tensor '{leaf.key}' (box at {list(lb.box.offsets)} of size "
-                                f"{list(lb.box.sizes)} is not fully saved); the index is damaged")
-                continue
-            reads.extend(_Read(leaf.key, _local(t), saved[it.source], it) for it in items)
-    if not strict and leaves and not any(
-            (leaf.key in index.tensors) if isinstance(leaf.value, torch.Tensor) else (leaf.key in index.values)
-            for leaf in leaves):
-        problems.append(f"no key of the target is in {where} (strict=False skips missing keys, but loading nothing at "
-                        f"all is almost certainly a mistake: a different model, or a prefix such as 'model/' missing; "
-                        f"first target keys: {[leaf.key for leaf in leaves[:3]]}, first saved: {list(index.tensors)[:3]})")
-    return reads, problems
-
-
 def _retry(files: CheckpointFiles) -> str:
     return (f"checkpoint {files.where} is being replaced by a save (its path now names another version than the one "
             "this load started reading); nothing is damaged: retry the load")
-
-
-def _similar(key: str, names) -> str:
-    close = difflib.get_close_matches(key, list(names), n=3)
-    return f" (similar names there: {close})" if close else ""
 
 
 def load_from_index(state: dict, files: CheckpointFiles, *, strict: bool = True, verify: bool = True,

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from ._hf_folder import CONFIG_FILE, save_hf_folder
+from ._hf_config import CONFIG_FILE
+from ._hf_folder import save_hf_folder
 from ._hf import HF_INDEX_FILE
 
 __all__ = ["save_pretrained", "parse_shard_size"]

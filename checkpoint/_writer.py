@@ -25,21 +25,22 @@ import atexit
 import contextvars
 import logging
 import os
-import secrets
 import sys
 import threading
 import warnings
 from typing import Any
 
 from ._comm import agree, broadcast_json, gather_json, rank_and_world
-from ._commit import check_target, commit, remove_temp, temp_dir_for
+from ._commit import commit, remove_temp, temp_dir_for
 from ._dcp_api import check_alone_state, checkpoint_path, dcp_scope, refuse_dcp_extensions
 from ._errors import CheckpointError
 from ._format import INDEX_FILE, format_index, index_to_json
 from ._save_future import FutureMethods
-from ._series import abort_save, begin_save, default_series, finish_save
+from ._series import abort_save, default_series, finish_save
 from ._save_plan import SavePlan, build_index, keep_own_pieces, meta_digest, plan_save, snapshot
 from ._save_plan import write_file as _write_file  # a module global: tests replace it
+from ._save_target import check_save_target
+from ._save_target import prepare as _prepare
 from ._stateful import expand_stateful
 from ._storage import Storage, storage_for
 from ._trace import phase
@@ -180,28 +181,6 @@ class SaveHandle(FutureMethods):
             pass  # the record keeps it pending; the next save of the series cleans it up
 
 
-def _prepare(storage: Storage, path: str, series: str, rank: int) -> dict:
-    """Step 2 of [Note: the steps of a save] (collective): rank 0 checks the target, cleans up
-    the series and creates the temporary directory; every rank gets ``{"token", "said"}``."""
-    token = secrets.token_hex(4)
-    setup: dict[str, Any] = {"token": token, "error": None, "said": []}
-    if rank == 0:
-        try:
-            check_target(storage, path)
-            setup["said"] = begin_save(storage, path, series, token)
-            storage.mkdir(temp_dir_for(storage, path, token))
-        except Exception as e:
-            setup["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-            try:  # begin_save may have recorded it: forget it (else the next save of the series does)
-                abort_save(storage, path, series, token)
-            except Exception:
-                pass
-    setup = broadcast_json(setup, src=0)
-    if setup["error"] is not None:
-        raise CheckpointError(f"saving checkpoint {storage.url(path)} failed on rank 0: {setup['error']}")
-    return setup
-
-
 def _start(state: dict, path: str | os.PathLike, keep_last: int | None, background: bool, series: str | None,
            storage: Storage | None) -> SaveHandle:
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
@@ -234,26 +213,6 @@ def _start(state: dict, path: str | os.PathLike, keep_last: int | None, backgrou
                 snapshot_error = e
     return SaveHandle(storage, path, plan, temp_dir_for(storage, path, setup["token"]), setup["token"], keep_last,
                       background, snapshot_error, series, setup["said"])
-
-
-def check_save_target(path: str | os.PathLike, *, storage: Storage | None = None) -> None:
-    """Raise `CheckpointError` (one line naming ``path`` and the fix) unless `save` could write
-    a checkpoint at ``path`` now: it is missing, an empty folder or a shardwise checkpoint (not a
-    user's folder, not a symbolic link, not under a file), and its folder can be created and
-    written to (checked by creating and deleting a probe entry there). Not collective; nothing
-    is left behind. A training script calls it before the first step, so that a bad ``--save``
-    fails at once and not after hours of training."""
-    storage, norm = storage_for(path, storage)
-    check_target(storage, norm)
-    parent = storage.parent(norm)
-    probe = storage.join(parent, f".{storage.name(norm)}.probe-{secrets.token_hex(4)}")
-    try:
-        storage.mkdir(parent, parents=True)
-        storage.write_atomic(probe, b"")
-        storage.delete(probe)
-    except OSError as e:
-        raise CheckpointError(f"cannot save to {storage.url(norm)}: {storage.url(parent)} is not writable "
-                              f"({e.strerror or type(e).__name__}); choose a folder this job can write to") from None
 
 
 def save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: int | None = None,

@@ -5,9 +5,9 @@ The names follow torch's FSDP2 so that switching is one import::
     from shardwise.composable import fully_shard, FSDPModule, MixedPrecisionPolicy
 """
 
-from ._fsdp import (AllGather, CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                    ReduceScatter, UnshardHandle, broadcast_from_rank0, fully_shard, materialize,
-                    register_fsdp_forward_method, share_comm_ctx)
+from ._fsdp import (AllGather, CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, FullyShardUsageError,
+                    MixedPrecisionPolicy, OffloadPolicy, ReduceScatter, UnshardHandle, broadcast_from_rank0,
+                    fully_shard, materialize, register_fsdp_forward_method, share_comm_ctx)
 from ._clip_grad import clip_grad_norm_
 from ._replicate import ReplicateModule, replicate
 from ._tp import *  # noqa: F403  tensor parallelism: the names in _tp.__all__
@@ -26,6 +26,7 @@ __all__ = [
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
+    "FullyShardUsageError",
     "register_fsdp_forward_method",
     "share_comm_ctx",
     "AllGather",

@@ -23,12 +23,9 @@ import argparse
 import time
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 import shardwise.composable as sw
-from examples.data import global_batch, inputs_and_targets, local_slice
+from examples.data import inputs_and_targets
 from examples.model import Llama, LlamaConfig
 from examples.preflight import UsageError
 from shardwise.mesh import cp_mesh, data_parallel_mesh, init_distributed, init_mesh
@@ -72,34 +69,17 @@ def cp_shard(tokens: torch.Tensor, cp_rank: int, cp: int) -> tuple[torch.Tensor,
 def train_cp(model, mesh, *, steps: int, batch_size: int, seq_len: int, vocab: int, lr: float, seed: int,
              log=None, log_every: int = 5, optim: torch.optim.Optimizer | None = None,
              start_step: int = 1) -> list[float]:
-    """The training loop of ``examples/train.py`` with each sample's sequence sharded over ``cp``:
-    steps ``start_step .. steps`` with AdamW (or ``optim``, e.g. one a checkpoint was loaded into)."""
-    from examples.train import data_parallel_rank, mean_over_mesh, mesh_device
+    """The training loop of ``examples/train.py`` (`examples.train_loop.train`) with each
+    sample's sequence sharded over ``cp``: steps ``start_step .. steps`` with AdamW (or
+    ``optim``, e.g. one a checkpoint was loaded into). The rows come from the data-parallel
+    axes of ``mesh``, the losses are averaged over `data_parallel_mesh` (``dp_shard`` x ``cp``)."""
+    from examples.train_loop import train
 
-    device = mesh_device(mesh)
-    dp_rank, dp_size = data_parallel_rank(mesh)
     cpm = cp_mesh(mesh)
     cp_rank, cp = (cpm.get_local_rank(), cpm.size()) if cpm is not None else (0, 1)
-    dp_mesh = data_parallel_mesh(mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr) if optim is None else optim
-    losses: list[float] = []
-    for step in range(start_step, steps + 1):
-        tokens = local_slice(global_batch(step, batch_size, seq_len, vocab, seed), dp_rank, dp_size)
-        inputs, targets, pos = (t.to(device) for t in cp_shard(tokens, cp_rank, cp))
-        logits = model(inputs, pos)
-        if isinstance(logits, DTensor):
-            with sw.loss_parallel():
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        else:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        value = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        losses.append(mean_over_mesh(value, dp_mesh).item())
-        if log is not None and (step == start_step or step % log_every == 0 or step == steps):
-            log(step, losses[-1])
-    return losses
+    return train(model, data_parallel_mesh(mesh), steps=steps, batch_size=batch_size, seq_len=seq_len, vocab=vocab,
+                 lr=lr, seed=seed, log=log, log_every=log_every, optim=optim, start_step=start_step, data_mesh=mesh,
+                 batch_of=lambda tokens: cp_shard(tokens, cp_rank, cp))
 
 
 def run_cp(args: argparse.Namespace, dp_shard: int) -> list[float]:
@@ -107,9 +87,11 @@ def run_cp(args: argparse.Namespace, dp_shard: int) -> list[float]:
     train, save (``--save``), print. Checkpoints hold the parameters and optimizer state under
     the unsharded model's names, whatever cp: one saved at ``--cp 2`` resumes at ``--cp 1`` or
     any other cp, and the other way round."""
-    from examples.elastic import result_line
+    from examples.checkpoints import app_state, resume, save_or_rescue
+    from examples.parallel import build_and_shard
     from examples.preflight import MODEL_ARGS
-    from examples.train import app_state, build_and_shard, resume, resume_command, save_or_rescue
+    from examples.train import resume_command
+    from examples.train_loop import finish, say_summary
 
     t0 = time.perf_counter()
     rank, world_size = init_distributed()
@@ -136,19 +118,13 @@ def run_cp(args: argparse.Namespace, dp_shard: int) -> list[float]:
     losses = train_cp(model, mesh, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                       vocab=args.vocab, lr=args.lr, seed=args.seed, log_every=args.log_every,
                       log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"), optim=optim, start_step=start)
-    t2 = time.perf_counter()
-    if losses:
-        say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
-    say(f"time: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s "
-        f"({len(losses)} steps, {(t2 - t1) / max(len(losses), 1) * 1e3:.0f} ms/step)")
+    say_summary(say, losses, t0, t1, time.perf_counter())
     if args.save:
         state = app_state(model, optim, args.steps, {name: getattr(args, name) for name in MODEL_ARGS})
         where = save_or_rescue(state, args.save, say)
         say(f"saved step {args.steps} to {where}; resume (at any --cp) with: "
             f"{resume_command(args, world_size, where, 2 * args.steps)}")
-    dist.barrier()
-    say(result_line(args.steps, len(losses), args.steps * args.batch_size, losses[-1] if losses else None), flush=True)
-    dist.destroy_process_group()
+    finish(say, args, losses)
     return losses
 
 

@@ -10,14 +10,18 @@ The TP plan is Megatron-style with sequence parallelism:
   (``Y = sum_i X_i W_i``, reduce-scattered back to sequence shards);
 * ``output``: column-parallel over the vocabulary, logits stay class-sharded for
   ``loss_parallel`` (the vocabulary is never gathered).
+
+``build_and_shard`` builds the model from a seed and applies both.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 import shardwise.composable as sw
+from examples.model import Llama, LlamaConfig
 
 
 def _uneven(uneven_shards: bool) -> dict:
@@ -87,3 +91,19 @@ def apply_fsdp(model, dp_mesh: DeviceMesh, **shard_kwargs):
         sw.fully_shard(block, mesh=dp_mesh, **shard_kwargs)
     sw.fully_shard(model, mesh=dp_mesh, **shard_kwargs)
     return model
+
+
+def build_and_shard(
+    cfg: LlamaConfig, dp_mesh: DeviceMesh, *, seed: int = 0, tp_mesh: DeviceMesh | None = None,
+    uneven_shards: bool = False, **shard_kwargs
+) -> Llama:
+    """Build :class:`Llama` from ``seed`` (identical on every rank), tensor-parallelise it on
+    ``tp_mesh`` when given (``apply_tp``), then shard it on ``dp_mesh`` (``apply_fsdp``: each
+    block, then the root). A 2-D ``dp_mesh`` (``dp_replicate x dp_shard``) gives HSDP.
+    ``shard_kwargs`` go to every ``fully_shard`` call (e.g. ``reshard_after_forward``);
+    ``uneven_shards``: the sequence length is not a multiple of the tp size (``apply_tp``).
+    """
+    model = Llama(cfg, generator=torch.Generator().manual_seed(seed))
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        apply_tp(model, tp_mesh, uneven_shards=uneven_shards)
+    return apply_fsdp(model, dp_mesh, **shard_kwargs)

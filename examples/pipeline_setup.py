@@ -14,7 +14,6 @@ import argparse
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -66,7 +65,7 @@ def _loss(logits, targets):
 def run_pipeline(args: argparse.Namespace) -> list[float]:
     """Train with ``args.pp`` pipeline stages; returns the loss of each step (global batch mean,
     the same on every rank), like ``examples.train.main``."""
-    from examples.train import mean_over_mesh, mesh_device
+    from examples.train_loop import finish, mean_over_mesh, mesh_device
 
     t0 = time.perf_counter()
     rank, world = init_distributed()
@@ -147,6 +146,5 @@ def run_pipeline(args: argparse.Namespace) -> list[float]:
     if losses:
         say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
     say(f"time: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s ({(t2 - t1) / max(args.steps, 1) * 1e3:.0f} ms/step)")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(say, args, losses)  # the same last line as the other paths: result: steps=S trained=T samples=N loss=L
     return losses

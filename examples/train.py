@@ -15,8 +15,11 @@ mean over the data-parallel ranks) and finally the first and last loss.
 ``--steps`` is the total: ``--resume DIR`` continues from the saved step up to ``--steps``,
 and ``--save DIR`` prints the exact command that does so. ``--checkpoint-dir DIR`` resumes and
 saves by itself at any world size (:mod:`examples.elastic`, docs/elastic.md). The last line is
-``result: steps=S trained=T samples=N loss=L`` (``examples.elastic.parse_result``). Arguments are checked before
-anything is built (:mod:`examples.preflight`); see docs/example.md.
+``result: steps=S trained=T samples=N loss=L`` (``examples.elastic.parse_result``), whichever path
+trained. Arguments are checked before anything is built (:mod:`examples.preflight`); see
+docs/example.md. This file holds the arguments and the job's steps in order; the training loop
+is :mod:`examples.train_loop`, saving and resuming :mod:`examples.checkpoints`, building and
+sharding the model :mod:`examples.parallel`.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import argparse
 import os
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,89 +36,20 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable fro
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from examples.data import global_batch, inputs_and_targets, local_slice, loss_floor  # noqa: E402
-from examples.model import Llama, LlamaConfig  # noqa: E402
-from examples.parallel import apply_fsdp, apply_tp  # noqa: E402
+# the helpers, by concept; their names stay reachable as examples.train.<name>
+from examples.checkpoints import app_state, dir_bytes, resume, save_or_rescue  # noqa: E402,F401
+from examples.data import loss_floor  # noqa: E402
+from examples.model import LlamaConfig  # noqa: E402
+from examples.parallel import build_and_shard  # noqa: E402
 from examples.preflight import MODEL_ARGS, UsageError, preflight  # noqa: E402
+from examples.train_loop import (DP_DIMS, data_parallel_rank, finish, mean_over_mesh, mesh_device,  # noqa: E402,F401
+                                 say_summary, train)
 import shardwise.checkpoint as ckpt  # noqa: E402
-from shardwise.composable import loss_parallel  # noqa: E402
 from shardwise.mesh import data_parallel_mesh, init_distributed, init_mesh  # noqa: E402
 
-DP_DIMS = ("dp_replicate", "dp_shard")
 FAIL_WAIT_S = 2.0
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank computes on for ``mesh`` (the current CUDA device on GPU meshes)."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
-def data_parallel_rank(mesh: DeviceMesh, dims: tuple[str, ...] = DP_DIMS) -> tuple[int, int]:
-    """``(dp_rank, dp_size)``: this rank's index on the flattened data-parallel axes of ``mesh``.
-
-    Works on the full 3-D mesh or on the 1-D / 2-D data-parallel sub-mesh: the
-    axes of ``mesh`` named in ``dims`` (all its axes if it has no names) are
-    flattened row-major, ``dp_rank = replicate_coord * dp_shard + shard_coord``.
-    Ranks that differ only in other axes (tp) get the same data.
-    """
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise RuntimeError(f"rank {dist.get_rank()} is not part of {mesh}")
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    axes = [i for i, n in enumerate(names) if n in dims] if mesh.mesh_dim_names else list(range(mesh.ndim))
-    dp_rank, dp_size = 0, 1
-    for i in axes:
-        dp_rank = dp_rank * mesh.size(i) + coord[i]
-        dp_size *= mesh.size(i)
-    return dp_rank, dp_size
-
-
-def mean_over_mesh(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """Mean of ``value`` over all ranks of ``mesh`` (SUM per axis, then divide: gloo has no AVG)."""
-    out = value.detach().clone()
-    for i in range(mesh.ndim):
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=mesh.get_group(i))
-    return out / mesh.size()
-
-
-def build_and_shard(
-    cfg: LlamaConfig, dp_mesh: DeviceMesh, *, seed: int = 0, tp_mesh: DeviceMesh | None = None,
-    uneven_shards: bool = False, **shard_kwargs
-) -> Llama:
-    """Build :class:`Llama` from ``seed`` (identical on every rank), tensor-parallelise it on
-    ``tp_mesh`` when given (``apply_tp``), then shard it on ``dp_mesh`` (``apply_fsdp``: each
-    block, then the root). A 2-D ``dp_mesh`` (``dp_replicate x dp_shard``) gives HSDP.
-    ``shard_kwargs`` go to every ``fully_shard`` call (e.g. ``reshard_after_forward``);
-    ``uneven_shards``: the sequence length is not a multiple of the tp size (``apply_tp``).
-    """
-    model = Llama(cfg, generator=torch.Generator().manual_seed(seed))
-    if tp_mesh is not None and tp_mesh.size() > 1:
-        apply_tp(model, tp_mesh, uneven_shards=uneven_shards)
-    return apply_fsdp(model, dp_mesh, **shard_kwargs)
-
-
-def app_state(model: torch.nn.Module, optim: torch.optim.Optimizer, step: int, model_args: dict | None = None) -> dict:
-    """What a checkpoint holds: the model and optimizer state keyed by parameter name (so it
-    reshards like the parameters), the step and the arguments that fix the model's shapes
-    (``MODEL_ARGS``, checked before a resume builds anything)."""
-    return {"model": ckpt.get_model_state_dict(model), "optim": ckpt.get_optimizer_state_dict(model, optim),
-            "trainer": {"step": step, "model_args": dict(model_args or {})}}
-
-
-def resume(model: torch.nn.Module, optim: torch.optim.Optimizer, path: str) -> tuple[int, int]:
-    """Load ``path`` into ``model`` and ``optim`` (resharding to this job's layout); return the
-    step it was saved at and the bytes this rank read."""
-    state = app_state(model, optim, 0)
-    stats = ckpt.load(state, path)
-    ckpt.set_model_state_dict(model, state["model"])
-    ckpt.set_optimizer_state_dict(model, optim, state["optim"])
-    return int(state["trainer"]["step"]), stats.bytes_read
 
 
 def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -127,55 +60,6 @@ def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
         local += shard.numel() * shard.element_size()
         full += p.numel() * p.element_size()  # a DTensor's numel is its global size
     return local, full
-
-
-def train(
-    model: torch.nn.Module,
-    dp_mesh: DeviceMesh,
-    *,
-    steps: int = 30,
-    batch_size: int = 16,
-    seq_len: int = 64,
-    vocab: int = 256,
-    lr: float = 3e-3,
-    seed: int = 0,
-    log_every: int = 5,
-    log=None,
-    optim: torch.optim.Optimizer | None = None,
-    start_step: int = 1,
-) -> list[float]:
-    """Train ``model`` with AdamW (or ``optim``) for steps ``start_step .. steps``; return the
-    loss of each step.
-
-    Every rank builds the global batch of the step and keeps its data-parallel
-    slice. The returned losses are the means over the data-parallel ranks (equal
-    slices, so this is the global-batch loss) and are the same on every rank.
-    ``log(step, loss)`` is called on the logging steps (first, every
-    ``log_every``-th, last).
-    """
-    device = mesh_device(dp_mesh)
-    dp_rank, dp_size = data_parallel_rank(dp_mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=lr) if optim is None else optim
-    losses: list[float] = []
-    for step in range(start_step, steps + 1):
-        tokens = local_slice(global_batch(step, batch_size, seq_len, vocab, seed), dp_rank, dp_size)
-        inputs, targets = (t.to(device) for t in inputs_and_targets(tokens))
-        logits = model(inputs)
-        if isinstance(logits, DTensor):  # class-sharded logits under tensor parallelism
-            with loss_parallel():
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        else:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        if hasattr(model, "extra_loss"):  # e.g. an MoE model's load-balancing loss (examples/moe.py)
-            loss = model.extra_loss(loss)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        value = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        losses.append(mean_over_mesh(value, dp_mesh).item())
-        if log is not None and (step == start_step or step % log_every == 0 or step == steps):
-            log(step, losses[-1])
-    return losses
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,33 +120,6 @@ def resume_command(args: argparse.Namespace, world_size: int, path: str, steps: 
 def _script() -> str:
     rel = os.path.relpath(__file__)
     return __file__ if rel.startswith("..") else rel
-
-
-def dir_bytes(path: str) -> int:
-    """Bytes of the files in ``path`` (a checkpoint folder)."""
-    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-
-
-def save_or_rescue(state: dict, path: str, say) -> str:
-    """Save ``state`` to ``path``; if that fails after training (the disk filled up, the folder
-    went away), save it to a fresh folder under the system's temporary directory instead and say
-    so, so that the trained weights are not lost. Returns where it was saved; collective."""
-    try:
-        ckpt.save(state, path)
-        return path
-    except ckpt.CheckpointError as e:
-        first = str(e).splitlines()[0]
-    where = [os.path.join(tempfile.gettempdir(), f"shardwise-rescue-{time.strftime('%Y%m%d-%H%M%S')}-"
-                          f"{os.getpid()}", Path(path).name or "checkpoint")]
-    dist.broadcast_object_list(where)  # one folder for every rank (rank 0's name)
-    say(f"could not save to {path} ({first}); saving to {where[0]} instead", flush=True)
-    try:
-        ckpt.save(state, where[0])
-    except ckpt.CheckpointError as e2:
-        say(f"the trained weights are lost: saving to {where[0]} failed too "
-            f"({str(e2).splitlines()[0]})", flush=True)
-        raise
-    return where[0]
 
 
 def _fail(message: str) -> None:
@@ -391,11 +248,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         vocab=args.vocab, lr=args.lr, seed=args.seed, log_every=args.log_every,
         log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"), optim=optim, start_step=start,
     )
-    t2 = time.perf_counter()
-    if losses:
-        say(f"first loss {losses[0]:.4f}  last loss {losses[-1]:.4f}")
-    say(f"time: setup {t1 - t0:.1f}s, train {t2 - t1:.1f}s "
-        f"({len(losses)} steps, {(t2 - t1) / max(len(losses), 1) * 1e3:.0f} ms/step)")
+    say_summary(say, losses, t0, t1, time.perf_counter())
     if args.save:
         say(f"saving step {args.steps} to {args.save} ...", flush=True)
         ts = time.perf_counter()
@@ -406,11 +259,7 @@ def main(argv: list[str] | None = None) -> list[float]:
                 f"{time.perf_counter() - ts:.2f}s")
             say(f"resume (on any world size) with: "
                 f"{resume_command(args, world_size, where, 2 * args.steps)}")
-    dist.barrier()  # nobody tears down its connections while a peer still uses them
-    from examples.elastic import result_line  # the last line: steps, samples, final loss (machine-parseable)
-
-    say(result_line(args.steps, len(losses), args.steps * args.batch_size, losses[-1] if losses else None), flush=True)
-    dist.destroy_process_group()
+    finish(say, args, losses)  # the last line: steps, samples, final loss (machine-parseable)
     return losses
 
 

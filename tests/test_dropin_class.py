@@ -2,8 +2,10 @@
 a sharded ``nn.Sequential`` is a plain ``nn.Sequential`` (of sharded children) that trains like
 the same slice of an unsharded copy; ``copy.deepcopy`` of a sharded module raises a clear
 ``AssertionError``; ``fully_shard`` refuses ``nn.ModuleList`` / ``nn.ModuleDict`` (no forward
-to hook) up front; ``fully_shard.state(module)`` gives the unit's state object. Found by running
-torch's own FSDP2 unit tests with their imports rebound (docs/testing.md)."""
+to hook) up front; ``fully_shard.state(module)`` gives the unit's state object; the misuses FSDP2
+refuses with ``AssertionError`` (sharding a module twice, a ``shard_placement_fn`` dim that does
+not fit) raise ``FullyShardUsageError``, both that and a ``ValueError``, with FSDP2's words. Found
+by running torch's own FSDP2 unit tests with their imports rebound (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.composable import FSDPModule, fully_shard
+from shardwise.composable import FSDPModule, FullyShardUsageError, fully_shard
 from tests._dist import run_ranks
 
 TOL = 1e-6  # fp32, relative
@@ -118,3 +120,51 @@ def _states(rank, world_size):
 def test_fully_shard_state_gives_one_object_per_call():
     for same_pair, distinct, plain in run_ranks(_states, 2):
         assert same_pair and distinct and plain
+
+
+def _misuses(rank, world_size):
+    """``(exception class names, message)`` of each misuse, caught once as ``AssertionError``
+    (FSDP2's code) and once as ``ValueError`` (shardwise's), and whether the model stayed whole."""
+    out = {}
+    for catch in (AssertionError, ValueError):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        fully_shard(model)
+        try:
+            fully_shard(model)
+            out[("twice", catch.__name__)] = None
+        except catch as e:
+            out[("twice", catch.__name__)] = (type(e).__name__, str(e))
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8))
+        try:
+            fully_shard(model, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(1))
+            out[("dim", catch.__name__)] = None
+        except catch as e:
+            plain = not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+            out[("dim", catch.__name__)] = (type(e).__name__, str(e), plain)
+    scalar = nn.Linear(2, 2)
+    scalar.scale = nn.Parameter(torch.tensor(1.0))
+    with pytest.raises(ValueError) as e:
+        fully_shard(scalar)
+    out["0-d"] = (type(e.value).__name__, str(e.value))
+    return out
+
+
+def test_fsdp2_assertion_misuses_are_both_assertion_and_value_errors():
+    assert issubclass(FullyShardUsageError, ValueError) and issubclass(FullyShardUsageError, AssertionError)
+    for rank, out in enumerate(run_ranks(_misuses, 2)):
+        for catch in ("AssertionError", "ValueError"):
+            name, msg = out[("twice", catch)]
+            assert name == "FullyShardUsageError", (rank, name, msg)
+            # torch's test_fully_shard_reapply matches this sentence; ours also names the fix
+            assert "Each distinct composable distributed API can only be applied to a module once." in msg, msg
+            assert msg.startswith("fully_shard(FSDPSequential): this module is already sharded") and "\n" not in msg
+            assert "set_reshard_after_forward" in msg, msg
+            name, msg, plain = out[("dim", catch)]
+            assert name == "FullyShardUsageError" and plain, (rank, name, msg)
+            # torch's test_invalid_shard_dim matches "Shard dim 1 is invalid for 1D tensor"
+            assert "Shard dim 1 is invalid for 1D tensor" in msg and "'0.bias' of shape (16,)" in msg, msg
+            assert "return a dim in [-1, 0]" in msg and "\n" not in msg, msg
+        # a 0-d parameter stays a plain ValueError (as FSDP2), with FSDP2's fix in its words
+        name, msg = out["0-d"]
+        assert name == "ValueError" and "Change scale to a 1D tensor with numel equal to 1" in msg, msg
+        assert "'scale' is 0-d" in msg and "ignored_params" in msg, msg

@@ -73,6 +73,21 @@ def test_main_job_matches_single_process(world_size, extra):
         assert losses[-1] < losses[0], "the loss falls"
 
 
+@pytest.mark.parametrize("extra", [[], ["--pp", "2"], ["--cp", "2"]], ids=["plain", "pp2", "cp2"])
+def test_every_path_ends_with_the_same_result_line(extra):
+    """The plain, pipelined and context-parallel paths end alike: rank 0's last line is
+    ``result: steps=S trained=T samples=N loss=L`` with the last step's loss exactly; the
+    other rank prints nothing."""
+    from examples.elastic import parse_result
+
+    (losses, out0), (_, out1) = run_ranks(_main_job_output, 2, ARGS + extra, timeout=180)
+    assert len(losses) == 4, losses
+    last = out0.rstrip().splitlines()[-1]
+    assert last.startswith("result: "), out0
+    assert parse_result(out0) == {"steps": 4, "trained": 4, "samples": 32, "loss": losses[-1]}, last
+    assert out1 == "", out1
+
+
 def _hint_argv(text: str, world_size: int) -> list[str]:
     """The arguments of the resume command rank 0 printed after ``--save``, checked to be a
     torchrun command line of examples/train.py."""

@@ -111,7 +111,7 @@ def _bad_fn(rank, world_size, kind):
     return "no error", ""
 
 
-@pytest.mark.parametrize("kind,exc", [("type", "TypeError"), ("range", "ValueError")])
+@pytest.mark.parametrize("kind,exc", [("type", "TypeError"), ("range", "FullyShardUsageError")])
 def test_bad_placement_is_refused_on_every_rank(kind, exc):
     for rank, (name, msg) in enumerate(run_ranks(_bad_fn, 2, kind)):
         assert name == exc and "shard_placement_fn" in msg, f"rank {rank}: {name}: {msg}"

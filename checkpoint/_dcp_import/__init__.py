@@ -10,6 +10,7 @@ running code from the files.
 | `_metadata.py` | ``.metadata``: look-alikes of DCP's metadata classes, checked into `DcpCheckpoint` |
 | `_records.py` | the ``torch.save`` records in a ``.distcp`` file: where a chunk's bytes are; plain values |
 | `_keys.py` | DCP's flat keys to shardwise's, through the nested state dict that was saved |
+| `_source.py` | the source directory checked, its data files opened and their byte ranges checked |
 | `_convert.py` | `import_dcp`: check the source, copy every chunk into safetensors boxes, commit, verify |
 | `_cli.py` | the ``import-dcp`` subcommand |
 """

@@ -17,7 +17,7 @@
    ZIP CRC-32 of a storage that is exactly the chunk (the usual case), the box's CRC must equal
    it, so damage in the source is caught, not copied under fresh checksums.
 4. ``index.json`` last, then the directory is renamed into place ([Note: atomic commit] in
-   ``_commit.py``, through ``_offline``'s temporary-directory helper: a failed import leaves
+   ``_commit.py``, through ``_offline_copy``'s temporary-directory helper: a failed import leaves
    nothing), and the new checkpoint is verified completely (``verify_checkpoint``).
 """
 
@@ -37,12 +37,16 @@ from .._format import (DTYPE_CODES, FORMAT_NAME, INDEX_FILE, Index, SavedBox, St
                        data_file_name, format_index, index_to_json)
 from .._format._file_io import pread_into
 from .._geometry import Box, tiling_problem
-from .._offline import _into_place, _Progress
+from .._offline_copy import Progress as _Progress
+from .._offline_copy import into_place as _into_place
 from .._storage import PosixStorage, ReadHandle, storage_for
 from .._verify import verify_checkpoint
 from ._keys import shardwise_keys
 from ._metadata import METADATA_FILE, DcpCheckpoint, DcpChunk, read_dcp_metadata
 from ._records import TensorRecord, tensor_record, value_record
+from ._source import open_files as _open_files
+from ._source import rank_of as _rank_of
+from ._source import source_dir as _source_dir
 
 __all__ = ["ImportStats", "import_dcp"]
 
@@ -62,56 +66,6 @@ class ImportStats:
 
 
 _Part = tuple[str, torch.dtype, Box, Callable[[StreamingWriter, str], None]]  # key, dtype, box, its copier
-
-
-def _source_dir(storage, path: str, src: str) -> list[str]:
-    kind = storage.kind(path)
-    if kind == "missing":
-        raise CheckpointError(f"{src} does not exist")
-    if kind != "dir":
-        raise CheckpointError(f"{src} is not a directory; import-dcp reads a torch DCP checkpoint directory")
-    names = sorted(storage.list(path))
-    if METADATA_FILE in names:
-        return names
-    if INDEX_FILE in names:
-        raise CheckpointError(f"{src} is already a shardwise checkpoint (it has {INDEX_FILE}); load it directly, "
-                              "there is nothing to import")
-    if any(n.startswith("__") and n.endswith(".metadata") for n in names):
-        raise CheckpointError(f"{src} has only rank-local __<rank>.metadata files (saved without rank coordination) "
-                              f"and no {METADATA_FILE}; import-dcp needs the global {METADATA_FILE}")
-    raise CheckpointError(f"{src} is not a torch DCP checkpoint: it has no {METADATA_FILE} (contents: {names[:8]})")
-
-
-def _rank_of(name: str) -> int | None:
-    parts = name.split("_")  # __<rank>_<k>.distcp
-    return int(parts[2]) if len(parts) >= 4 and parts[0] == parts[1] == "" and parts[2].isdigit() else None
-
-
-def _open_files(storage, path: str, dcp: DcpCheckpoint, src: str) -> dict[str, ReadHandle]:
-    """Every file the metadata names, opened, with every byte range checked against its size."""
-    ranges: dict[str, list[tuple[str, int, int]]] = {}
-    for key, t in dcp.tensors.items():
-        for c in t.chunks:
-            ranges.setdefault(c.file, []).append((key, c.offset, c.length))
-    for key, v in dcp.values.items():
-        ranges.setdefault(v.file, []).append((key, v.offset, v.length))
-    handles: dict[str, ReadHandle] = {}
-    try:
-        for name in sorted(ranges):
-            where = storage.url(storage.join(path, name))
-            if storage.kind(storage.join(path, name)) == "missing":
-                raise CheckpointError(f"{where} is missing: the metadata places {len(ranges[name])} entries in it "
-                                      f"(e.g. '{ranges[name][0][0]}'); copy the whole DCP directory")
-            h = handles[name] = storage.open_read(storage.join(path, name), follow=False)
-            key, begin, length = max(ranges[name], key=lambda r: r[1] + r[2])
-            if begin + length > h.size:
-                raise CheckpointError(f"{where} is truncated: it has {h.size} bytes, but the metadata places entry "
-                                      f"'{key}' at bytes [{begin}, {begin + length})")
-    except BaseException:
-        for h in handles.values():
-            h.close()
-        raise
-    return handles
 
 
 def _layout(chunks: tuple[DcpChunk, ...], ndim: int) -> dict | None:

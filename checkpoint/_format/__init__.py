@@ -7,7 +7,8 @@ knows where the files are.
 | --- | --- |
 | `_file_io.py` | byte ranges of an open data file into tensors, CRC-32s of ranges |
 | `_safetensors_io.py` | the safetensors layout: streaming writer, checked header reader |
-| `_index.py` | `index.json`: `Index`/`TensorEntry`/`SavedBox`, read and checked, written |
+| `_index_model.py` | the index's records `Index`/`TensorEntry`/`SavedBox` and the format's names |
+| `_index.py` | `index.json` read and checked, written |
 """
 
 from ._index import (CHECKSUM_FIELD, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, Index,

@@ -1,10 +1,12 @@
 """The checkpoint index: what ``index.json`` holds, how it is read, checked and written.
 
-The format itself is specified in ``docs/checkpoint-format.md``; this module is its code.
-An `Index` maps every tensor's flat key (see ``_flatten.py``) to a `TensorEntry` (dtype, global
-shape, the layout it was saved from, and its saved boxes, each a `SavedBox`: a box, the data
-file and safetensors key holding it, the CRC-32 of its bytes and, for a box of several
-checksum chunks, the chunks' rows and CRC-32s, see [Note: checksum chunks] in
+The format itself is specified in ``docs/checkpoint-format.md``; this module is its code (the
+records themselves, `Index`, `TensorEntry`, `SavedBox`, and the format's names are in
+``_index_model.py``, and are imported from here too). An `Index` maps every tensor's flat
+key (see ``_flatten.py``) to a `TensorEntry` (dtype, global shape, the layout it was saved
+from, and its saved boxes, each a `SavedBox`: a box, the data file and safetensors key
+holding it, the CRC-32 of its bytes and, for a box of several checksum chunks, the chunks'
+rows and CRC-32s, see [Note: checksum chunks] in
 ``_checksums.py``), and every plain value's flat key to its JSON value. ``files`` records
 each data file's size in bytes, so a truncated or missing file is found before any data is
 read.
@@ -23,7 +25,6 @@ import hashlib
 import json
 import os
 import posixpath
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,82 +35,14 @@ from .._errors import CheckpointError
 from ._file_io import pread_exact
 from .._storage import DirView, Storage, storage_for
 from .._json_strict import DuplicateKey, parse_json_strict
-from ._safetensors_io import DTYPE_CODES
+from ._index_model import (CHECKSUM_FIELD, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, SavedBox,
+                           TensorEntry, data_file_name, dtype_from_name, dtype_name, plain_file_name)
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "Index", "SavedBox", "TensorEntry",
     "dtype_name", "dtype_from_name", "read_index", "index_to_json", "format_index", "data_file_name",
     "describe_non_checkpoint", "MAX_INDEX_BYTES",
 ]
-
-FORMAT_NAME = "shardwise.checkpoint"
-FORMAT_VERSION = 1
-INDEX_FILE = "index.json"
-INCOMPLETE_MARK = ".incomplete-"
-CHECKSUM_FIELD = "index_sha256"
-
-
-def data_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or dtype not in DTYPE_CODES:
-        raise CheckpointError(f"unknown dtype {str(name)[:40]!r} in the checkpoint index")
-    return dtype
-
-
-@dataclass(frozen=True)
-class SavedBox:
-    """A saved box: where it lies in the tensor, where its bytes are, and their checksums.
-
-    ``chunk_rows``/``chunk_crc32``: None when the box has no checksum chunks (one chunk, a
-    checkpoint written before chunks existed, a Hugging Face file); else the rows per chunk
-    ``R`` and the CRC-32 of each chunk ``i`` (rows ``[i * R, min((i + 1) * R, rows))``).
-    """
-
-    box: Box
-    file: str  # relative to the checkpoint directory
-    key: str  # safetensors key inside ``file``
-    crc32: int | None  # of the box's bytes; None when unknown (e.g. a Hugging Face file)
-    chunk_rows: int | None = None
-    chunk_crc32: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    boxes: tuple[SavedBox, ...]
-    layout: dict | None = None  # informational: {"mesh_shape", "mesh_dim_names", "placements"}
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass(frozen=True)
-class Index:
-    """What an ``index.json`` says (nothing about where it was read from: the storage and the
-    directory are the reader's, ``_files.CheckpointFiles``)."""
-
-    tensors: dict[str, TensorEntry]
-    values: dict[str, Any] = field(default_factory=dict)
-    files: dict[str, int | None] = field(default_factory=dict)  # name -> bytes (None: unknown)
-    world_size: int | None = None
-    created_unix_ns: int | None = None
-    version: int = FORMAT_VERSION
-    checksummed: bool = False  # the index carried its own checksum and it matched
-    save_id: str | None = None  # the save that wrote it (rotation compares it with the series record)
-
 
 def _box_to_json(b: SavedBox) -> dict:
     out: dict[str, Any] = {"offsets": list(b.box.offsets), "sizes": list(b.box.sizes), "file": b.file, "key": b.key,
@@ -129,13 +62,6 @@ def _ints(v, what: str) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
         raise ValueError(f"{what} must be a list of non-negative integers, got {_short(v)}")
     return tuple(v)
-
-
-def plain_file_name(name: Any) -> bool:
-    """Whether ``name`` may name a data file: a plain file name inside the checkpoint directory
-    (no directory part, not absolute, not ``.``/``..``, no NUL, not hidden)."""
-    return (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and "\\" not in name
-            and "\0" not in name and not name.startswith("."))
 
 
 def _file_of(b: dict, tensor: str) -> str:

@@ -1,29 +1,34 @@
-"""``fully_shard``: the public entry point, its input checks, and the ``FSDPModule`` mixin."""
+"""``fully_shard``: the public entry point and the state-dict hooks it registers on a unit.
+Its inputs are checked in ``_unit_inputs.py``; the ``FSDPModule`` methods are ``_module.py``'s."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Shard
 
-from .._compat import is_strided_shard
-from .._mesh_utils import mesh_device
 from ._param_group import ParamGroup
+from ._errors import FullyShardUsageError
 from ._policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from ._module import OWNER_ATTR as _OWNER_ATTR
+from ._adopt import OWNER_ATTR as _OWNER_ATTR
+from ._adopt import readopt as _readopt
+from ._adopt import reshard_for_update as _reshard_for_update
 from ._module import FSDPModule, UnshardHandle, share_comm_ctx
-from ._module import check_reshard_after_forward as _check_reshard_after_forward
-from ._module import readopt as _readopt
-from ._module import reshard_for_update as _reshard_for_update
 from ._spmd import spmd_mesh, to_tp_dtensor
+from ._unit_inputs import check_mesh as _check_mesh
+from ._unit_inputs import check_reshard_after_forward as _check_reshard_after_forward
+from ._unit_inputs import check_params as _check_params
+from ._unit_inputs import collect_params as _collect_params
+from ._unit_inputs import default_mesh as _default_mesh
+from ._unit_inputs import move_buffers as _move_buffers
+from ._unit_inputs import shard_placement as _shard_placement
 from ._state import FSDPState, get_state
 from ._fsdp_class import fsdp_class as _fsdp_class
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
+           "FullyShardUsageError"]
 
 
 def _unit(module: nn.Module) -> FSDPState:
@@ -50,136 +55,6 @@ def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
     unit's parameters, so ``submodule.state_dict()`` sees shards too; the unit is found through
     the module (a copied module finds its own copy)."""
     _reshard_for_update(_unit(module.__dict__[_UNIT_ATTR]), "state_dict()")
-
-
-def _default_mesh() -> DeviceMesh:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard needs torch.distributed: launch with torchrun and call "
-            "torch.distributed.init_process_group (or shardwise.mesh.init_distributed), "
-            "or pass mesh= explicitly"
-        )
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    world = dist.group.WORLD
-    assert world is not None, "initialized above"
-    return DeviceMesh.from_group(world, device_type)
-
-
-def _check_mesh(mesh: DeviceMesh) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim in (1, 2):
-        return
-    names = mesh.mesh_dim_names
-    head = f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}"  # FSDP2's words, for code matching them
-    if names is None:
-        raise ValueError(
-            f"{head}: a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} without axis names. fully_shard takes the "
-            "data-parallel mesh (1-D shard, or 2-D replicate x shard). Name the axes (build it with "
-            "shardwise.mesh.init_mesh) and pass shardwise.mesh.data_parallel_mesh(mesh)."
-        )
-    raise ValueError(
-        f"{head}: a {mesh.ndim}-D mesh with axes {names}; it takes the data-parallel mesh (1-D shard, or 2-D "
-        "replicate x shard), e.g. mesh['dp_replicate', 'dp_shard'] or shardwise.mesh.data_parallel_mesh(mesh)."
-    )
-
-
-def _collect_params(modules: list[nn.Module], ignored: set[int]):
-    """``[(fqn, param, uses)]`` of the parameters this unit takes: those under ``modules`` that
-    are not under an existing unit, not ignored, each once however many names it has."""
-    by_id: dict[int, tuple[str, nn.Parameter, list]] = {}
-    order: list[int] = []
-
-    def visit(mod: nn.Module, prefix: str, top: bool) -> None:
-        if not top and get_state(mod) is not None:
-            return  # a nested unit owns this subtree
-        for name, p in mod._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            fqn = prefix + name
-            owner = getattr(p, _OWNER_ATTR, None)
-            if owner is not None:
-                raise ValueError(
-                    f"fully_shard: parameter '{fqn}' is shared with {owner}, which is already sharded. A parameter "
-                    "shared between two units (e.g. an embedding tied to the output head) would be all-gathered and "
-                    "reduced twice and go stale. Put every module that uses it in one unit: call fully_shard on "
-                    "their common ancestor (often the root) instead of on the submodule, or pass both modules "
-                    "in one list: fully_shard([embedding, head])."
-                )
-            if id(p) not in by_id:
-                by_id[id(p)] = (fqn, p, [])
-                order.append(id(p))
-            by_id[id(p)][2].append((mod, name))
-        for cname, child in mod._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{cname}.", False)
-
-    for i, m in enumerate(modules):
-        visit(m, "" if len(modules) == 1 else f"[{i}].", True)
-    return [by_id[i] for i in order]
-
-
-def _check_params(entries, mesh: DeviceMesh, label: str) -> None:
-    for fqn, p, _ in entries:
-        if isinstance(p, DTensor) and not all(
-                isinstance(x, (Shard, Replicate)) and not is_strided_shard(x) for x in p.placements):
-            raise ValueError(
-                f"fully_shard({label}): parameter '{fqn}' is a DTensor with placements {tuple(p.placements)} on a "
-                f"{p.device_mesh.ndim}-D mesh; fully_shard composes with tensor parallelism on a 'tp' mesh "
-                "(or expert x tensor parallelism on ('ep', 'tp')) with Shard or Replicate placements. Apply tensor parallelism first, then fully_shard on the "
-                "data-parallel mesh."
-            )
-        if not p.is_floating_point():
-            raise ValueError(
-                f"fully_shard({label}): parameter '{fqn}' has dtype {p.dtype}; only floating-point parameters are "
-                "sharded. Register it as a buffer (module.register_buffer) or pass it in ignored_params."
-            )
-        if p.dim() == 0:
-            raise ValueError(
-                f"fully_shard({label}): parameter '{fqn}' is 0-d and has no dim 0 to shard. Store it with shape (1,) "
-                "or pass it in ignored_params."
-            )
-        # CPU parameters move to an accelerator mesh's device (a model built on CPU, as with FSDP2);
-        # any other mismatch is a mistake.
-        if p.device.type not in (mesh.device_type, "meta", "cpu"):
-            raise ValueError(
-                f"fully_shard({label}): parameter '{fqn}' is on device '{p.device.type}' but the mesh is "
-                f"'{mesh.device_type}'. Move the module first (module.to('{mesh.device_type}')) or build the mesh "
-                f"for '{p.device.type}'."
-            )
-
-def _shard_placement(fn, fqn: str, param, label: str) -> Shard | None:
-    """What ``shard_placement_fn`` says for ``param``, checked (None: ``Shard(0)``)."""
-    if fn is None:
-        return None
-    placement = fn(param)
-    if placement is None:
-        return None
-    if not isinstance(placement, Shard) or is_strided_shard(placement):
-        raise TypeError(f"fully_shard({label}): shard_placement_fn returned {placement!r} for '{fqn}'; return "
-                        "torch.distributed.tensor.Shard(dim) or None (Shard(0))")
-    ndim = (param.to_local() if isinstance(param, DTensor) else param).dim()
-    if not -ndim <= placement.dim < ndim:
-        raise ValueError(f"fully_shard({label}): shard_placement_fn returned Shard({placement.dim}) for '{fqn}' of "
-                         f"shape {tuple(param.shape)}; the dim must be in [-{ndim}, {ndim - 1}]")
-    return Shard(placement.dim % ndim)
-
-
-def _move_buffers(modules: list[nn.Module], mesh: DeviceMesh, dtype: torch.dtype | None) -> None:
-    """Move the unit's CPU buffers (not those of nested units) to the mesh's device and cast
-    its floating-point buffers to ``MixedPrecisionPolicy.buffer_dtype`` when set."""
-    device = mesh_device(mesh)
-    stack = list(modules)
-    while stack:
-        m = stack.pop()
-        for name, b in m._buffers.items():
-            if b is None or b.device.type == "meta":
-                continue
-            to_device = device if b.device.type == "cpu" and device.type != "cpu" else b.device
-            to_dtype = dtype if dtype is not None and b.is_floating_point() else b.dtype
-            if (to_device, to_dtype) != (b.device, b.dtype):
-                m._buffers[name] = b.to(device=to_device, dtype=to_dtype)
-        stack.extend(c for c in m._modules.values() if c is not None and get_state(c) is None)
 
 
 def fully_shard(
@@ -237,9 +112,10 @@ def fully_shard(
             )
     for m in modules:
         if get_state(m) is not None:
-            raise ValueError(
+            raise FullyShardUsageError(
                 f"fully_shard({type(m).__name__}): this module is already sharded (fully_shard was called on it "
-                "before). Call fully_shard once per module; to change reshard_after_forward use "
+                "before). Each distinct composable distributed API can only be applied to a module once. Call "
+                "fully_shard once per module; to change reshard_after_forward use "
                 "module.set_reshard_after_forward(...)."
             )
     mesh = _default_mesh() if mesh is None else mesh

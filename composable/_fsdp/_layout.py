@@ -39,8 +39,8 @@ from torch.distributed.tensor import Shard
 
 from .._chunks import chunk_range, chunk_rows
 
-__all__ = ["ShardLayout", "DimLayout", "DimZeroLayout", "make_layout", "byte_columns", "scatter_rows",
-           "gather_rows"]
+__all__ = ["ShardLayout", "DimLayout", "DimZeroLayout", "make_layout", "byte_columns", "byte_layout",
+           "scatter_rows", "gather_rows"]
 
 
 class ShardLayout(Protocol):
@@ -207,3 +207,14 @@ def scatter_rows(layout: ShardLayout, full: torch.Tensor, dst: torch.Tensor, lo:
 def gather_rows(layout: ShardLayout, src: torch.Tensor, full: torch.Tensor) -> None:
     """``layout.gather(src, full)``."""
     layout.gather(src, full)
+
+
+def byte_layout(sizes: list[int], align: int) -> tuple[list[int], int]:
+    """Offsets of consecutive segments of ``sizes`` bytes, each starting at a multiple of
+    ``align`` (the largest element size in the unit, so every typed view is aligned and a
+    single-dtype unit has no gaps at all)."""
+    offsets, total = [], 0
+    for s in sizes:
+        offsets.append(total)
+        total += -(-s // align) * align
+    return offsets, total

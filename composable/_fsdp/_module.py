@@ -13,16 +13,14 @@ import warnings
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from ._state import FSDPState, TrainingState, get_state, units_under
+from ._adopt import OWNER_ATTR, readopt, reshard_for_update  # noqa: F401  OWNER_ATTR: also reached here
+from ._comm_methods import CommMethods
+from ._state import FSDPState, get_state, units_under
+from ._unit_inputs import check_reshard_after_forward
 
 __all__ = ["FSDPModule", "UnshardHandle", "share_comm_ctx"]
-
-OWNER_ATTR = "_shardwise_sharded_as"  # set on an original parameter once a unit took it
-
 
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
@@ -36,11 +34,12 @@ class UnshardHandle:
         self._state = None
 
 
-class FSDPModule:
+class FSDPModule(CommMethods):
     """Mixin added to the class of every module passed to ``fully_shard``.
 
     ``isinstance(m, FSDPModule)`` tells whether ``m`` is the module of a unit. The methods act on
-    that unit (and with ``recurse=True`` on every unit below it).
+    that unit (and with ``recurse=True`` on every unit below it); those that configure the
+    unit's collectives come from `CommMethods` (``_comm_methods.py``).
     """
 
     def _fsdp_state(self) -> FSDPState:
@@ -171,67 +170,6 @@ class FSDPModule:
                                  "after the replica all-reduce; pass no stream")
             g.comm.all_reduce_hook = hook
 
-    # -- collectives --------------------------------------------------------------------------------
-    def set_custom_all_gather(self, comm) -> None:
-        """This unit's all-gathers use ``comm`` (FSDP2's ``AllGather`` protocol: ``allocate`` and
-        ``__call__(output_tensor, input_tensor, group, async_op)``); see [Note: what a custom
-        collective sees] in ``_comm.py``. ``TypeError`` if it lacks the two methods."""
-        _check_comm(comm, "set_custom_all_gather")
-        for g in self._groups():
-            g.comm.all_gather_comm = comm
-
-    def set_custom_reduce_scatter(self, comm) -> None:
-        """This unit's reduce-scatters use ``comm`` (FSDP2's ``ReduceScatter`` protocol:
-        ``allocate`` and ``__call__(output_tensor, input_tensor, group, op, async_op)``, always
-        called with ``op=ReduceOp.SUM``). A unit on a 1-rank shard axis issues none."""
-        _check_comm(comm, "set_custom_reduce_scatter")
-        for g in self._groups():
-            g.comm.reduce_scatter_comm = comm
-
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """True: the reduce-scatters run on a process group of their own over the same shard
-        ranks (made now, collective over each shard axis: call it on every rank), so they need
-        not queue behind the all-gathers; False: back to the all-gathers' group."""
-        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        for g in self._groups(recurse):
-            if not enable or g.world == 1:
-                g.comm.reduce_scatter_group = None
-                continue
-            ranks = tuple(dist.get_process_group_ranks(g.shard_group))
-            if ranks not in made:
-                made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            g.comm.reduce_scatter_group = made[ranks]
-
-    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
-        """How many reduce-scatters (each holding its send buffer) may be in flight at once
-        behind the backward (default 1: a unit's reduce-scatter is waited for when the next
-        unit issues its own). More overlap, more memory. ``TypeError`` unless an int,
-        ``ValueError`` unless >= 1 (as FSDP2)."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
-        if max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
-        for g in self._groups(recurse):
-            g.comm.max_input_buffers = max_input_buffers
-
-    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Recorded; shardwise allocates its collective buffers with ``torch.empty`` (the caching
-        allocator) on every backend, so this changes nothing (FSDP2 asks an NCCL process group
-        for them). ``ValueError`` with a custom all-gather / reduce-scatter set, as FSDP2."""
-        for g in self._groups():
-            _check_not_custom(g, "set_allocate_memory_from_process_group_for_comm")
-            g.comm.pg_allocate = bool(enable)
-
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        """Recorded; shardwise's all-gathers do not use symmetric memory, on CUDA or elsewhere,
-        so this changes nothing (accepted so FSDP2 code runs). ``ValueError`` for another
-        backend than "NCCL" or with a custom all-gather / reduce-scatter set."""
-        if backend != "NCCL":
-            raise ValueError(f"set_symm_mem_for_comm: backend must be 'NCCL', got {backend!r}")
-        for g in self._groups():
-            _check_not_custom(g, "set_symm_mem_for_comm")
-            g.comm.symm_mem = backend
-
     def set_post_optim_event(self, event: object) -> None:
         """The next forward of the root waits for ``event`` (recorded after the optimizer step)
         before its all-gathers, on an accelerator (``event.wait()``), and then drops it: pass a
@@ -299,58 +237,9 @@ def share_comm_ctx(modules: Iterable[nn.Module]) -> None:
                              "call fully_shard on it first")
 
 
-def _check_comm(comm, where: str) -> None:
-    if not (callable(getattr(comm, "allocate", None)) and callable(comm)):
-        raise TypeError(f"{where}: {type(comm).__name__} needs an allocate(size, *, dtype, device) method and a "
-                        "__call__ (the AllGather / ReduceScatter protocol: shardwise.composable.AllGather, "
-                        "shardwise.composable.ReduceScatter)")
-
-
-def _check_not_custom(g, where: str) -> None:
-    if g.comm.all_gather_comm is not None or g.comm.reduce_scatter_comm is not None:
-        raise ValueError(f"{where}: fully_shard({g.label}) has a custom all-gather or reduce-scatter "
-                         "(set_custom_all_gather / set_custom_reduce_scatter); it allocates its own buffers")
-
-
 def state_of(module: nn.Module, where: str) -> FSDPState:
     """The unit state of ``module``; ``ValueError`` naming ``where`` if it is not a unit."""
     s = get_state(module)
     if s is None:
         raise ValueError(f"{where}: {type(module).__name__} is not a fully_shard unit; call fully_shard on it first")
     return s
-
-
-def check_reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | int | None:
-    """``reshard_after_forward`` checked against the shard axis of ``mesh``; ``k == W`` is True,
-    ``k == 1`` False."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        world = mesh.size(mesh.ndim - 1)
-        if value < 1 or world % value != 0:
-            raise ValueError(
-                f"reshard_after_forward={value}: an int must divide the shard axis size {world} "
-                f"(1 <= k <= {world}, {world} % k == 0)"
-            )
-        return True if value == world else (False if value == 1 else value)
-    raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {type(value).__name__}")
-
-
-def reshard_for_update(state: FSDPState, what: str) -> None:
-    """Reshard the unit before ``what`` replaces or reads its parameters (between steps only)."""
-    g = state.group
-    if g is None or not (g.is_unsharded or g.unshard_pending):
-        return
-    if state.training is TrainingState.BACKWARD:
-        raise RuntimeError(f"fully_shard({g.label}): {what} during backward; call it between steps")
-    g.reshard()
-
-
-def readopt(state: FSDPState) -> None:
-    """Re-adopt the parameters the unit's modules hold now ([Note: re-adopting parameters])."""
-    if state.group is None:
-        return
-    state.group.readopt()
-    for sp in state.group.params:  # swap_tensors swaps __dict__ too: put the mark back
-        if getattr(sp.sharded, OWNER_ATTR, None) is None:
-            setattr(sp.sharded, OWNER_ATTR, sp.owner)

@@ -49,7 +49,6 @@ pointer comparison each; this never runs during a step.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
 import torch
@@ -58,44 +57,16 @@ from torch.profiler import record_function
 
 from ._comm import CommOptions, all_gather
 from ._layout import ShardLayout, byte_columns, make_layout
+from ._layout import byte_layout as _byte_layout
 from .._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
+from ._shard_state import NEXT as _NEXT
+from ._shard_state import ShardState
 from ._sharded_param import ShardedParam
 from ._trace import TraceNames
 
 __all__ = ["ParamGroup", "ShardState"]
-
-def _byte_layout(sizes: list[int], align: int) -> tuple[list[int], int]:
-    """Offsets of consecutive segments of ``sizes`` bytes, each starting at a multiple of
-    ``align`` (the largest element size in the unit, so every typed view is aligned and a
-    single-dtype unit has no gaps at all)."""
-    offsets, total = [], 0
-    for s in sizes:
-        offsets.append(total)
-        total += -(-s // align) * align
-    return offsets, total
-
-
-class ShardState(Enum):
-    """Where a unit's parameters are. Transitions (checked):
-
-    SHARDED -> GATHERING (``unshard``: all-gather issued) -> UNSHARDED (``wait_unshard``) ->
-    SHARDED or SHARDED_POST_FORWARD (``reshard``); SHARDED_POST_FORWARD -> GATHERING (the
-    cheaper all-gather over the smaller group) or -> SHARDED (the kept rows dropped)."""
-
-    SHARDED = "sharded"
-    SHARDED_POST_FORWARD = "sharded_post_forward"  # sharded, plus 1/k of the rows kept
-    GATHERING = "gathering"
-    UNSHARDED = "unsharded"
-
-
-_NEXT = {
-    ShardState.SHARDED: (ShardState.GATHERING,),
-    ShardState.SHARDED_POST_FORWARD: (ShardState.GATHERING, ShardState.SHARDED),
-    ShardState.GATHERING: (ShardState.UNSHARDED,),
-    ShardState.UNSHARDED: (ShardState.SHARDED, ShardState.SHARDED_POST_FORWARD),
-}
 
 
 class ParamGroup:

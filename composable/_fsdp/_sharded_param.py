@@ -20,20 +20,8 @@ tensor object: ``untyped_storage().resize_(0)`` drops the bytes and the all-gath
 backward resizes the same storage back and fills it. Writes go through ``.data`` (an alias
 with its own version counter), so autograd's in-place checks do not fire on the refill.
 
-[Note: sharding a tensor-parallel parameter]
-A parameter already distributed by tensor parallelism is a DTensor on a 1-D ``tp`` mesh (or,
-for experts split over ``ep`` and ``tp``, the 2-D ``(ep, tp)`` slice) whose local tensor is this
-rank's TP piece. fully_shard shards that *local* tensor along dim 0 over
-the data-parallel axes, so the layout arithmetic (``layout``) is on the TP-local shape and the
-collectives run within each data-parallel group, whose members hold TP pieces of the same
-shape. The sharded parameter is a DTensor on the combined ``(dp..., tp)`` mesh: if TP split
-dim 0 too (colwise weights), the dim-0 pieces are "TP chunk first, then dp chunk within it",
-which DTensor spells as a strided shard (``_compat.strided_shard(0, s)``, ``s`` the product of
-the sizes of the TP axes that split dim 0) on the dp axis; otherwise the dp
-axis is a plain ``Shard(0)``. ``full_tensor()`` therefore gives the global tensor. The
-unsharded parameter is again a DTensor on the ``tp`` mesh, as the TP module code expects; its
-gradient is redistributed to the parameter's TP placement (the TP all-reduce of a
-``Partial`` gradient, in ``reduce_dtype``) before the data-parallel reduce-scatter.
+A parameter already distributed by tensor parallelism keeps its TP placements on a combined
+``(dp..., tp)`` mesh ([Note: sharding a tensor-parallel parameter] in ``_tp_param.py``).
 
 [Note: a shard of one rank]
 When the shard axis has one rank (NO_SHARD, or a 1-rank world) and no cast or device move is
@@ -53,9 +41,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from .._compat import root_mesh, set_local_tensor, strided_shard
+from .._compat import set_local_tensor
 from ._layout import ShardLayout
 from .._mesh_utils import same_mesh
+from ._tp_param import tp_sharded_placements
 
 __all__ = ["ShardedParam"]
 
@@ -94,16 +83,9 @@ class ShardedParam:
         dp: tuple = (layout.placement,) if mesh.ndim == 1 else (Replicate(), layout.placement)
         self.tp_mesh: DeviceMesh | None
         self.tp_placements: tuple | None
-        if isinstance(param, DTensor):  # see [Note: sharding a tensor-parallel parameter]
+        if isinstance(param, DTensor):  # see [Note: sharding a tensor-parallel parameter] in _tp_param.py
             self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)
-            split = 1  # how many pieces the TP axes cut the dp-sharded dim into (1: none)
-            for i, pl in enumerate(self.tp_placements):
-                if pl == layout.placement:
-                    split *= self.tp_mesh.size(i)
-            if split > 1:  # TP split the same dim first
-                dp = dp[:-1] + (strided_shard(layout.placement.dim, split),)
-            self.mesh = _combined_mesh(mesh, self.tp_mesh)
-            self.placements = dp + self.tp_placements
+            self.mesh, self.placements = tp_sharded_placements(mesh, dp, layout.placement, param)
             self.global_shape = tuple(param.shape)
             data = param.to_local().detach()
         else:
@@ -294,25 +276,3 @@ class ShardedParam:
                 grad = self.sharded.grad
                 assert isinstance(grad, DTensor)
                 grad.to_local().add_(local_grad.to(device))
-
-
-def _combined_mesh(dp_mesh, tp_mesh):
-    """The ``(dp axes..., tp axis)`` mesh of the root mesh both were sliced from."""
-    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
-    root = root_mesh(dp_mesh)
-    names = root.mesh_dim_names or ()
-    # by value, never identity: an equal mesh built again (a second model, DTensor's caches
-    # handing back the first mesh's slice) is the same mesh
-    if (not dp_names or not tp_names or not set(tp_names) <= set(names)
-            or not same_mesh(root[tp_names], tp_mesh)):
-        raise ValueError(
-            "fully_shard: a tensor-parallel parameter needs the data-parallel mesh and its TP mesh to be named "
-            "slices of one mesh, e.g. mesh = init_mesh(dp_shard=2, tp=2); parallelize_module(m, mesh['tp'], plan); "
-            f"fully_shard(m, mesh=data_parallel_mesh(mesh)). Got dp axes {dp_names} and tp axes {tp_names}."
-            + (" Expert-parallel experts: call shardwise.composable.fully_shard_experts(moe, expert_meshes(mesh)) "
-               "before fully_shard of the enclosing module (docs/expert_parallel.md)." if "ep" in (tp_names or ())
-               else "")
-        )
-    if set(dp_names) & set(tp_names):
-        raise ValueError(f"fully_shard: the dp mesh {dp_names} and the TP mesh {tp_names} share an axis")
-    return root[(*dp_names, *tp_names)]

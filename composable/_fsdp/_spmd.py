@@ -6,7 +6,7 @@ parameters are DTensors on it, ``Replicate()`` on the data-parallel axes (as aft
 ``parallelize_module(model, mesh, plan)`` with the whole mesh, or ``distribute_tensor`` on
 it). fully_shard works on the data-parallel submesh (``mesh["dp"]``, or ``mesh["rep", "dp"]``
 for HSDP) and sees each parameter as a DTensor on the remaining (tensor-parallel) axis, the
-form it composes with ([Note: sharding a tensor-parallel parameter] in ``_sharded_param.py``).
+form it composes with ([Note: sharding a tensor-parallel parameter] in ``_tp_param.py``).
 The sharded parameters are then DTensors on the axes in that order, whatever the order of the
 axes in the whole mesh; ``full_tensor()`` gives the global tensor either way.
 """

@@ -57,15 +57,17 @@ an earlier unit of that backward had already stored there is the user's to clear
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._compat import backward_running, run_eagerly, tree_flatten, tree_map, tree_unflatten
+from .._compat import backward_running, run_eagerly, tree_flatten, tree_map
+from ._backward import BackwardHooks
 from ._root import DEFAULT_UNSHARD_LIMIT, RootContext
 from ._trace import TraceNames, unit_name
+from ._training_state import NEXT as _NEXT
+from ._training_state import TrainingState
 
 __all__ = ["FSDPState", "TrainingState", "get_state", "units_under"]
 
@@ -88,48 +90,15 @@ def units_under(modules) -> "list[FSDPState]":
     return out
 
 
-class TrainingState(Enum):
-    """What a unit is doing. IDLE -> FORWARD (pre-forward) -> IDLE (post-forward) ...
-    -> BACKWARD (first pre-backward) -> IDLE (the root's end-of-backward callback). A forward
-    in BACKWARD is a recomputation (activation checkpointing) and changes nothing."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
-_NEXT = {
-    TrainingState.IDLE: (TrainingState.FORWARD, TrainingState.BACKWARD),
-    # FORWARD -> FORWARD: a unit over several modules, or a module run again before its
-    # post-forward (e.g. after an exception); FORWARD -> BACKWARD: backward inside a forward
-    TrainingState.FORWARD: (TrainingState.FORWARD, TrainingState.IDLE, TrainingState.BACKWARD),
-    TrainingState.BACKWARD: (TrainingState.BACKWARD, TrainingState.IDLE),
-}
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity in forward; in backward, tells the unit that one of its forward calls is done."""
-
-    @staticmethod
-    def forward(ctx, state, *tensors):
-        ctx.state = state
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.state._post_backward_fired()
-        return (None, *grads)
-
-
 def _cast_floats(tree, dtype):
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-class FSDPState:
+class FSDPState(BackwardHooks):
     """Hooks and per-step bookkeeping of one unit over ``modules`` (one module, or the list
     given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters.
     What spans units (the root's) is in ``ctx``, a ``RootContext`` shared by every unit under
-    the root, set at lazy init."""
+    the root, set at lazy init. The backward hooks are `BackwardHooks`' (``_backward.py``)."""
 
     def __init__(self, modules, group, mesh, reshard_after_forward, mp) -> None:
         self.modules = modules
@@ -176,18 +145,19 @@ class FSDPState:
     def is_root(self) -> bool | None:
         return None if self.ctx is None else self.ctx.root is self
 
+    def _effective(self, name: str, configured: Any) -> Any:
+        """The value of setting ``name`` for this step: the override's when it sets one (not
+        None), else ``configured`` ([Note: step overrides])."""
+        value = None if self.override is None else getattr(self.override, name)
+        return configured if value is None else value
+
     @property
     def reshard_after_forward(self) -> bool | int:
-        o = self.override
-        if o is not None and o.reshard_after_forward is not None:
-            return o.reshard_after_forward
-        return self.configured_reshard_after_forward()
+        return self._effective("reshard_after_forward", self.configured_reshard_after_forward())
 
     @property
     def reshard_after_backward(self) -> bool:
-        o = self.override
-        return self.configured_reshard_after_backward if o is None or o.reshard_after_backward is None \
-            else o.reshard_after_backward
+        return self._effective("reshard_after_backward", self.configured_reshard_after_backward)
 
     @reshard_after_backward.setter
     def reshard_after_backward(self, value: bool) -> None:
@@ -195,9 +165,7 @@ class FSDPState:
 
     @property
     def requires_gradient_sync(self) -> bool:
-        o = self.override
-        return self.configured_requires_gradient_sync if o is None or o.requires_gradient_sync is None \
-            else o.requires_gradient_sync
+        return self._effective("requires_gradient_sync", self.configured_requires_gradient_sync)
 
     @requires_gradient_sync.setter
     def requires_gradient_sync(self, value: bool) -> None:
@@ -333,58 +301,3 @@ class FSDPState:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         return output
-
-    def _register_post_backward(self, args, kwargs):
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return args, kwargs
-        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
-        for i, t in zip(idx, outs):
-            flat[i] = t
-        self._pending_post_backward += 1
-        return tree_unflatten(flat, spec)
-
-    # -- backward ---------------------------------------------------------------------------------
-    def _pre_backward(self, grad):
-        self.ctx.start_backward()
-        self._set_training(TrainingState.BACKWARD)
-        if self.group is not None and self.unshard_in_backward:
-            self.group.unshard()
-        self._prefetch(self.backward_prefetch if self.backward_prefetch is not None else self._neighbour(-1),
-                       backward=True)
-        return None
-
-    def _post_backward_fired(self) -> None:
-        self._pending_post_backward -= 1
-        if self._pending_post_backward <= 0:
-            self._pending_post_backward = 0
-            # free the unsharded parameters before the reduce-scatter allocates its send
-            # buffer: the gradients and that buffer then never coexist with them
-            if self.group is not None and self.reshard_after_backward:
-                self.group.reshard()
-            self._reduce()
-
-    def _reduce(self) -> None:
-        if self.group is None:
-            return
-        if not self.requires_gradient_sync:
-            self.group.stash_unsharded_grads()
-            return
-        assert self.ctx is not None, "a backward runs after lazy init"
-        issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce,
-                                         replica_buckets=self.ctx.replica_buckets)
-        if issued:
-            self.ctx.keep_in_flight(issued)
-
-    def _end_step(self) -> None:
-        """Called by the root's end-of-backward callback on every unit: resharded (unless
-        ``reshard_after_backward=False``), per-step state reset."""
-        self._pending_post_backward = 0
-        self._forward_seen.clear()
-        self.training = TrainingState.IDLE  # from any state: the step is over
-        if self.group is not None:
-            self.group.wait_unshard()
-            if self.reshard_after_backward:
-                self.group.reshard()
-            self.group.drop_post_forward()

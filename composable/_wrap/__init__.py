@@ -1,6 +1,7 @@
 """The wrapping wing: which modules become units (a `ShardingPolicy`) and how they are
 sharded (a `ShardingStrategy`, Accelerate's names), and Accelerate's FSDP config read into
-both. Built on the fully_shard wing's public names only.
+both (``_accelerate.py`` reads it, ``_accelerate_config.py`` holds and applies it). Built on
+the fully_shard wing's public names only.
 
 [Note: ShardingPolicy.from_accelerate]
 The policy is defined below the Accelerate reader (which builds policies), so the reader's

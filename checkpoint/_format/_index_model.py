@@ -1,0 +1,93 @@
+"""The checkpoint index's records and names: `Index`, `TensorEntry`, `SavedBox` (frozen), the
+format's name, version and file names, the dtype names and what a data file may be called.
+Reading, checking and writing ``index.json`` is ``_index.py``; see its docstring for what the
+records hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._errors import CheckpointError
+from .._geometry._boxes import Box
+from ._safetensors_io import DTYPE_CODES
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "INCOMPLETE_MARK", "CHECKSUM_FIELD", "Index", "SavedBox",
+           "TensorEntry", "data_file_name", "dtype_name", "dtype_from_name", "plain_file_name"]
+
+FORMAT_NAME = "shardwise.checkpoint"
+FORMAT_VERSION = 1
+INDEX_FILE = "index.json"
+INCOMPLETE_MARK = ".incomplete-"
+CHECKSUM_FIELD = "index_sha256"
+
+
+def data_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPE_CODES:
+        raise CheckpointError(f"unknown dtype {str(name)[:40]!r} in the checkpoint index")
+    return dtype
+
+
+@dataclass(frozen=True)
+class SavedBox:
+    """A saved box: where it lies in the tensor, where its bytes are, and their checksums.
+
+    ``chunk_rows``/``chunk_crc32``: None when the box has no checksum chunks (one chunk, a
+    checkpoint written before chunks existed, a Hugging Face file); else the rows per chunk
+    ``R`` and the CRC-32 of each chunk ``i`` (rows ``[i * R, min((i + 1) * R, rows))``).
+    """
+
+    box: Box
+    file: str  # relative to the checkpoint directory
+    key: str  # safetensors key inside ``file``
+    crc32: int | None  # of the box's bytes; None when unknown (e.g. a Hugging Face file)
+    chunk_rows: int | None = None
+    chunk_crc32: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    boxes: tuple[SavedBox, ...]
+    layout: dict | None = None  # informational: {"mesh_shape", "mesh_dim_names", "placements"}
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Index:
+    """What an ``index.json`` says (nothing about where it was read from: the storage and the
+    directory are the reader's, ``_files.CheckpointFiles``)."""
+
+    tensors: dict[str, TensorEntry]
+    values: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, int | None] = field(default_factory=dict)  # name -> bytes (None: unknown)
+    world_size: int | None = None
+    created_unix_ns: int | None = None
+    version: int = FORMAT_VERSION
+    checksummed: bool = False  # the index carried its own checksum and it matched
+    save_id: str | None = None  # the save that wrote it (rotation compares it with the series record)
+
+
+def plain_file_name(name: Any) -> bool:
+    """Whether ``name`` may name a data file: a plain file name inside the checkpoint directory
+    (no directory part, not absolute, not ``.``/``..``, no NUL, not hidden)."""
+    return (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and "\\" not in name
+            and "\0" not in name and not name.startswith("."))

@@ -1,0 +1,65 @@
+"""The layout of a tensor-parallel parameter under ``fully_shard``: the combined ``(dp..., tp)``
+mesh and placements of its sharded DTensor.
+
+[Note: sharding a tensor-parallel parameter]
+A parameter already distributed by tensor parallelism is a DTensor on a 1-D ``tp`` mesh (or,
+for experts split over ``ep`` and ``tp``, the 2-D ``(ep, tp)`` slice) whose local tensor is this
+rank's TP piece. fully_shard shards that *local* tensor along dim 0 over
+the data-parallel axes, so the layout arithmetic (``layout``) is on the TP-local shape and the
+collectives run within each data-parallel group, whose members hold TP pieces of the same
+shape. The sharded parameter is a DTensor on the combined ``(dp..., tp)`` mesh: if TP split
+dim 0 too (colwise weights), the dim-0 pieces are "TP chunk first, then dp chunk within it",
+which DTensor spells as a strided shard (``_compat.strided_shard(0, s)``, ``s`` the product of
+the sizes of the TP axes that split dim 0) on the dp axis; otherwise the dp
+axis is a plain ``Shard(0)``. ``full_tensor()`` therefore gives the global tensor. The
+unsharded parameter is again a DTensor on the ``tp`` mesh, as the TP module code expects; its
+gradient is redistributed to the parameter's TP placement (the TP all-reduce of a
+``Partial`` gradient, in ``reduce_dtype``) before the data-parallel reduce-scatter.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .._compat import root_mesh, strided_shard
+from .._mesh_utils import same_mesh
+
+__all__ = ["tp_sharded_placements"]
+
+
+def tp_sharded_placements(dp_mesh: DeviceMesh, dp: tuple, placement: Shard,
+                          param: DTensor) -> tuple[DeviceMesh, tuple]:
+    """``(mesh, placements)`` of the sharded form of the TP DTensor ``param``: ``dp`` (the
+    data-parallel placements, sharding ``placement``'s dim) followed by ``param``'s TP
+    placements, on the combined mesh; the dp shard is strided when TP split the same dim first."""
+    tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+    split = 1  # how many pieces the TP axes cut the dp-sharded dim into (1: none)
+    for i, pl in enumerate(tp_placements):
+        if pl == placement:
+            split *= tp_mesh.size(i)
+    if split > 1:  # TP split the same dim first
+        dp = dp[:-1] + (strided_shard(placement.dim, split),)
+    return _combined_mesh(dp_mesh, tp_mesh), dp + tp_placements
+
+
+def _combined_mesh(dp_mesh, tp_mesh):
+    """The ``(dp axes..., tp axis)`` mesh of the root mesh both were sliced from."""
+    dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
+    root = root_mesh(dp_mesh)
+    names = root.mesh_dim_names or ()
+    # by value, never identity: an equal mesh built again (a second model, DTensor's caches
+    # handing back the first mesh's slice) is the same mesh
+    if (not dp_names or not tp_names or not set(tp_names) <= set(names)
+            or not same_mesh(root[tp_names], tp_mesh)):
+        raise ValueError(
+            "fully_shard: a tensor-parallel parameter needs the data-parallel mesh and its TP mesh to be named "
+            "slices of one mesh, e.g. mesh = init_mesh(dp_shard=2, tp=2); parallelize_module(m, mesh['tp'], plan); "
+            f"fully_shard(m, mesh=data_parallel_mesh(mesh)). Got dp axes {dp_names} and tp axes {tp_names}."
+            + (" Expert-parallel experts: call shardwise.composable.fully_shard_experts(moe, expert_meshes(mesh)) "
+               "before fully_shard of the enclosing module (docs/expert_parallel.md)." if "ep" in (tp_names or ())
+               else "")
+        )
+    if set(dp_names) & set(tp_names):
+        raise ValueError(f"fully_shard: the dp mesh {dp_names} and the TP mesh {tp_names} share an axis")
+    return root[(*dp_names, *tp_names)]
