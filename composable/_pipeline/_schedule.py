@@ -37,7 +37,9 @@ def build_schedule(schedule: str | ScheduleSpec, pp: int, microbatches: int,
 
 def dependencies(a: Action, num_stages: int, split: set[tuple[int, int]]) -> list[Action]:
     """The actions ``a`` waits for ([Note: action kinds]); ``split``: the ``(stage, microbatch)``
-    pairs whose backward is split into I and W."""
+    pairs whose backward is split into I and W. A pair (``FB``) waits for what its halves wait for."""
+    if a.kind is ActionKind.FB:
+        return [d for h in a.halves for d in dependencies(h, num_stages, split)]
     s, i = a.stage, a.microbatch
     if a.kind is ActionKind.F:
         return [Action(ActionKind.F, s - 1, i)] if s > 0 else []
@@ -51,7 +53,7 @@ def dependencies(a: Action, num_stages: int, split: set[tuple[int, int]]) -> lis
 
 def _check_complete(got: list[Action], num_stages: int, microbatches: int) -> set[tuple[int, int]]:
     """The split pairs; ``ValueError`` unless every (stage, microbatch) has one F and either one B
-    or one I and one W."""
+    or one I and one W. ``got``: the actions, pairs already cut into their halves."""
     split = {(a.stage, a.microbatch) for a in got if a.kind is ActionKind.I}
     want = set()
     for s in range(num_stages):
@@ -66,41 +68,93 @@ def _check_complete(got: list[Action], num_stages: int, microbatches: int) -> se
 
 def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches: int, *, f_time: float = 1.0,
              b_time: float = 2.0, w_time: float | None = None,
-             costs: Mapping[tuple[str, int], float] | None = None) -> tuple[float, list[float]]:
+             costs: Mapping[tuple[str, int], float] | None = None, comm_time: float = 0.0,
+             overlap: float | None = None) -> tuple[float, list[float]]:
     """Run the per-rank lists with the dependency rule of [Note: schedules]; return the makespan
     and each rank's busy time. A split backward takes ``b_time - w_time`` for I and ``w_time``
     for W (default: half each). ``costs[(kind, stage)]`` (kind ``"F"``, ``"B"``, ``"I"`` or
     ``"W"``), where given, is the duration of that kind of action on that stage instead (e.g.
-    measured ones: `PipelineSchedule.last_action_times`). Raises ``ValueError`` on a deadlock, a
-    missing or repeated action."""
+    measured ones: `PipelineSchedule.last_action_times`). ``comm_time``: a message between two
+    ranks arrives that long after the action that makes it ends (a hand-off between two stages
+    of one rank takes no time). Raises ``ValueError`` on a deadlock, a missing or repeated action.
+
+    Pairs (``FB``, [Note: action kinds]): by default as `PipelineSchedule` runs them without an
+    overlap function, the halves one after the other, the one whose inputs are there first going
+    first (a tie: the forward), each half's output leaving when that half ends; a pair costs its
+    halves' costs. ``overlap`` (in ``[0, 1]``) models an overlap function instead: the pair starts
+    once both halves' inputs are there, lasts ``f + b - overlap * min(f, b)`` (1: the shorter
+    half hidden behind the longer), and both outputs leave at its end. Either way, a pair whose
+    halves wait on each other is refused ([Note: forward/backward pairs] in ``_pairs.py``)."""
+    if overlap is not None and not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"simulate: overlap={overlap!r}; it is the fraction of a pair's shorter half hidden, in "
+                         "[0, 1] (None: the halves one after the other)")
+    if not comm_time >= 0:
+        raise ValueError(f"simulate: comm_time={comm_time!r}; it is a duration, >= 0")
     w = b_time / 2 if w_time is None else w_time
     unit = {ActionKind.F: f_time, ActionKind.B: b_time, ActionKind.I: b_time - w, ActionKind.W: w}
     given = costs or {}
-    cost = {(k, s): given.get((k.value, s), unit[k]) for k in ActionKind for s in range(num_stages) if k in unit}
-    got = [a for acts in actions for a in acts]
+    cost = {(k, s): given.get((k.value, s), t) for k, t in unit.items() for s in range(num_stages)}
+    got = [h for acts in actions for a in acts for h in a.halves]
     split = _check_complete(got, num_stages, microbatches)
+    if overlap is None and any(a.kind is ActionKind.FB for acts in actions for a in acts):
+        _replay(actions, num_stages, split, cost, comm_time, 1.0)  # refuses pairs that wait on themselves
+    return _replay(actions, num_stages, split, cost, comm_time, overlap)
+
+
+def _replay(actions: Sequence[Sequence[Action]], num_stages: int, split: set[tuple[int, int]],
+            cost: Mapping[tuple[ActionKind, int], float], comm_time: float,
+            overlap: float | None) -> tuple[float, list[float]]:
+    """`simulate`'s event loop: commit, of every rank's next half (or fused pair) whose inputs are
+    known, the one that starts first (a tie: the lower rank). Whatever is not committed yet
+    waits for something that ends no earlier, so a pair's half that waits cannot have been
+    ready before the half committed first ([Note: schedules])."""
+    rank_of = {h: r for r, acts in enumerate(actions) for a in acts for h in a.halves}
     done: dict[Action, float] = {}
     pos = [0] * len(actions)
     clock = [0.0] * len(actions)
     busy = [0.0] * len(actions)
-    remaining = len(got)
+
+    def ready(h: Action, r: int) -> float | None:
+        t = 0.0
+        for d in dependencies(h, num_stages, split):
+            if d not in done:
+                return None
+            t = max(t, done[d] + (comm_time if rank_of[d] != r else 0.0))
+        return t
+
+    def candidate(r: int) -> tuple[float, tuple[Action, ...], float] | None:
+        a = actions[r][pos[r]]
+        if overlap is not None and a.kind is ActionKind.FB:
+            times = [ready(h, r) for h in a.halves]
+            if any(t is None for t in times):
+                return None
+            f, b = (cost[h.kind, h.stage] for h in a.halves)
+            return max([clock[r], *(t for t in times if t is not None)]), a.halves, f + b - overlap * min(f, b)
+        best: tuple[float, Action] | None = None
+        for h in a.halves:
+            t = None if h in done else ready(h, r)
+            if t is not None and (best is None or t < best[0]):
+                best = (t, h)
+        if best is None:
+            return None
+        return max(clock[r], best[0]), (best[1],), cost[best[1].kind, best[1].stage]
+
+    remaining = len(rank_of)
     while remaining:
-        progressed = False
-        for r, acts in enumerate(actions):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                deps = dependencies(a, num_stages, split)
-                if any(d not in done for d in deps):
-                    break
-                start = max([clock[r], *(done[d] for d in deps)])
-                done[a] = clock[r] = start + cost[a.kind, a.stage]
-                busy[r] += cost[a.kind, a.stage]
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: acts[pos[r]] for r, acts in enumerate(actions) if pos[r] < len(acts)}
-            raise ValueError(f"schedule deadlocks: ranks wait on {stuck}")
+        cands = [(c[0], r, c) for r in range(len(actions)) if pos[r] < len(actions[r]) and (c := candidate(r))]
+        if not cands:
+            stuck = {r: actions[r][pos[r]] for r in range(len(actions)) if pos[r] < len(actions[r])}
+            together = " when each pair's halves run together (a pair's halves must not wait on each other)" if (
+                overlap is not None and any(a.kind is ActionKind.FB for a in stuck.values())) else ""
+            raise ValueError(f"schedule deadlocks{together}: ranks wait on {stuck}")
+        start, r, (_, halves, took) = min(cands, key=lambda c: (c[0], c[1]))
+        for h in halves:
+            done[h] = start + took
+        clock[r] = start + took
+        busy[r] += took
+        remaining -= len(halves)
+        if all(h in done for h in actions[r][pos[r]].halves):
+            pos[r] += 1
     return max(clock), busy
 
 
