@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.composable import (Action, ActionKind, PipelineError, PipelineSchedule, ScheduleSpec, build_schedule,
-                                  pipeline_split, register_schedule, simulate, stage_rank, unregister_schedule)
+from shardwise.composable import (Action, ActionKind, PipelineError, PipelineSchedule, ScheduleSpec,
+                                  activations_in_flight, build_schedule, get_schedule, pipeline_split, register_schedule,
+                                  simulate, stage_rank, unregister_schedule)
 from tests._dist import run_ranks
 from tests.test_pipeline import _check, _run
 from tests.test_pipeline_registry import Chain
@@ -50,6 +51,19 @@ def test_dualpipev_pairs_are_deadlock_free_in_either_order_and_together(pp, m):
         simulate(_unpaired(acts, backward_first), 2 * pp, m, **times)  # raises on a deadlock
     forward_first, _ = simulate(_unpaired(acts, False), 2 * pp, m, **times)
     assert arrival <= forward_first + 1e-9, (arrival, forward_first)  # the one that is there first never delays
+
+
+def _dualpipev_unpaired(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    return [h for a in get_schedule("dualpipev").build(rank, pp, m, v) for h in a.halves]
+
+
+@pytest.mark.parametrize("pp,m", [(1, 2), (2, 4), (3, 7), (4, 11)])
+def test_the_memory_walk_counts_a_pair_as_its_forward_then_its_backward(pp, m):
+    spec = ScheduleSpec("dualpipev_unpaired", _dualpipev_unpaired, virtual=True, placement="v", exact_virtual_stages=2)
+    with _registered(spec):
+        for kept in (0.0, 0.5):
+            assert (activations_in_flight("dualpipev", pp, m, 2, kept_grads=kept)
+                    == activations_in_flight("dualpipev_unpaired", pp, m, 2, kept_grads=kept))
 
 
 def test_a_pair_is_one_hashable_action_with_two_halves():

@@ -343,7 +343,8 @@ class _Watcher:
     """A daemon thread that waits on one posted receive and then sets ``done`` and ``wake``."""
 
     def __init__(self, work: dist.Work, wake: threading.Event) -> None:
-        self.work, self.done, self.error = work, threading.Event(), None
+        self.work, self.done = work, threading.Event()
+        self.error: BaseException | None = None
         self._wake = wake
         self._thread = threading.Thread(target=self._run, name="shardwise-pp-recv", daemon=True)
         self._thread.start()

@@ -8,7 +8,10 @@ dependencies are those of [Note: action kinds] in ``_actions.py``: ``F(s, i)`` n
 order; sends never block (they are asynchronous), a receive waits for the producing action.
 `simulate` replays that rule with unit times and so proves a schedule deadlock-free and gives
 its bubble: with forward time 1 and backward time 2, GPipe and 1F1B take ``3 (m + p - 1)`` per
-step, bubble ``(p - 1) / (m + p - 1)``; interleaving divides the bubble by about ``v``.
+step, bubble ``(p - 1) / (m + p - 1)``; interleaving divides the bubble by about ``v``. It
+replays in time order (of every rank's next action whose inputs are known, the one that starts
+first), which a pair (``FB``) needs: its half that is ready first runs first, as in the runtime.
+With ``comm_time`` a message between ranks arrives that long after its action ends.
 
 A schedule is a `ScheduleSpec` in the registry (``_registry.py``); the built-in ones are one
 file each (``_schedule_gpipe.py``, ``_schedule_1f1b.py``, ``_schedule_interleaved_1f1b.py``, the
