@@ -76,12 +76,13 @@ is not delayed. `wait_sends` checks that nothing is left held at the end of a st
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from ._arrival import Watchers
 
 __all__ = ["P2P", "PeerFailed"]
 
@@ -126,8 +127,7 @@ class P2P:
         self.ahead = device.type == "cpu"
         self._posted: dict[int, tuple] = {}  # peer -> (key, buffer, work) of the receive posted ahead
         self._held: dict[int, dict[tuple, torch.Tensor]] = {}  # peer -> key -> tensor: [Note: sends held back]
-        self._watch: dict[int, _Watcher] = {}  # peer -> the thread waiting on its receive posted ahead
-        self._wake = threading.Event()  # set by a watcher when its receive completes
+        self._watchers = Watchers()  # threads waiting on receives posted ahead, for `wait_first`
 
     def expect(self, peer: int, keys: list, sends: Sequence = ()) -> None:
         """``keys``: what ``peer`` sends us this step, in its order; ``sends``: what we send it."""
@@ -231,10 +231,7 @@ class P2P:
                                    f"{posted[0]}, not {key}")
             buf = posted[1]
             self.flush()
-            watcher = self._watch.pop(peer, None)
-            if watcher is not None and watcher.work is posted[2]:
-                watcher.join()  # it waited (or raised) for us
-            else:
+            if not self._watchers.take(peer, posted[2]):  # a watcher thread waited (or raised) for us
                 posted[2].wait()
             del self._posted[peer]  # only now: if anything above raised, `drop` keeps it in flight
         else:
@@ -276,20 +273,16 @@ class P2P:
         ahead (NCCL)."""
         while key not in self._buffer:
             posted = self._posted.get(peer)
-            watcher = self._watch.get(peer)
-            if posted is None or not (posted[2].is_completed() or (watcher is not None and watcher.done.is_set()
-                                                                   and watcher.work is posted[2])):
+            if posted is None or not (posted[2].is_completed() or self._watchers.done(peer, posted[2])):
                 return False
             self._take_next(peer)
         return True
 
     def wait_first(self, wants: Sequence[tuple[int, tuple]]) -> int:
         """The index in ``wants`` (``(peer, key)``s, each from its own peer, with receives posted
-        ahead) of the first message to arrive. gloo's receive ``Work.is_completed`` stays False
-        until someone waits on it, so a thread per peer waits on the posted receive (``wait``
-        releases the GIL) and wakes this one ([Note: forward/backward pairs] in ``_pairs.py``)."""
+        ahead) of the first message to arrive ([Note: waiting for the first arrival] in ``_arrival.py``)."""
         while True:
-            self._wake.clear()
+            self._watchers.wake.clear()
             for n, (peer, key) in enumerate(wants):
                 if self.arrived(peer, key):
                     return n
@@ -297,9 +290,8 @@ class P2P:
                 posted = self._posted.get(peer)
                 if posted is None:
                     raise RuntimeError(f"pipeline: internal error, nothing posted ahead from pp rank {peer}")
-                if peer not in self._watch:
-                    self._watch[peer] = _Watcher(posted[2], self._wake)
-            self._wake.wait()
+                self._watchers.watch(peer, posted[2])
+            self._watchers.wake.wait()
 
     def sent_before(self, peer: int, a: tuple, b: tuple) -> bool:
         """Whether ``peer`` sends us ``a`` before ``b`` (each still to come or buffered)."""
@@ -332,33 +324,8 @@ class P2P:
         self._pending.clear()
         self._outbox.clear()
         self._posted.clear()
-        self._watch.clear()  # their threads end with their receives, or stay waiting (daemons)
+        self._watchers.clear()
         self._held.clear()
         self._buffer.clear()
         self._sent.clear()
         self._received.clear()
-
-
-class _Watcher:
-    """A daemon thread that waits on one posted receive and then sets ``done`` and ``wake``."""
-
-    def __init__(self, work: dist.Work, wake: threading.Event) -> None:
-        self.work, self.done = work, threading.Event()
-        self.error: BaseException | None = None
-        self._wake = wake
-        self._thread = threading.Thread(target=self._run, name="shardwise-pp-recv", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.work.wait()
-        except BaseException as exc:  # noqa: BLE001 - re-raised where the receive is taken
-            self.error = exc
-        finally:
-            self.done.set()
-            self._wake.set()
-
-    def join(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            raise self.error

@@ -12,10 +12,11 @@ Without an overlap function the halves run one after the other, the one whose in
 first going first: an input that is local (a hand-off from this rank's other stage, or none:
 the first stage's forward, the last stage's backward) or already received; else, where both
 come from one peer, the one it sends first (it sends in its list's order); else (two peers,
-with receives posted ahead, gloo: [Note: receiving ahead]) whichever arrives first (`P2P.wait_first`:
-a thread per peer waits on its posted receive); with nothing posted ahead (NCCL) the forward. Ties go to the forward. So
-the order is fixed wherever the messages fix it, and otherwise only changes which of two
-independent computations comes first (no number changes: the halves touch different stages).
+with receives posted ahead, gloo: [Note: receiving ahead] in ``_p2p.py``) whichever arrives
+first (`P2P.wait_first`, [Note: waiting for the first arrival] in ``_arrival.py``); with
+nothing posted ahead (NCCL) the forward. Ties go to the forward. So the order is fixed wherever
+the messages fix it, and otherwise only changes which of two independent computations comes
+first (no number changes: the halves touch different stages).
 Each half's output is sent when that half ends: with the other half's receive, in one group, if
 that one still has to wait for it, or at once; a message to the peer that the forward also sends
 to waits for the forward's ([Note: sends held back] in ``_p2p.py``).

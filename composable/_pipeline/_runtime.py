@@ -43,7 +43,7 @@ from ._pairs import OverlapFn, PairRunner
 from ._registry import ScheduleSpec, get_schedule
 from ._schedule import simulate
 from ._stages import PipelineSplit
-from ._step_state import PipelineError, StepState, agree_on_tag, device_of, first_tensor, split_batch
+from ._step_state import PipelineError, StepState, agree_on_tag, capture_hook, device_of, inject_hook, split_batch
 from ._units import StageUnits
 
 __all__ = ["PipelineError", "PipelineSchedule", "RUNNABLE_KINDS"]
@@ -139,9 +139,9 @@ class PipelineSchedule(PairRunner):
             blocks = list(st.blocks)
             if not st.is_first:
                 self._hooks.append(blocks[0].register_forward_pre_hook(
-                    self._make_inject(st), prepend=True, with_kwargs=True))
+                    inject_hook(st), prepend=True, with_kwargs=True))
             if not st.is_last:
-                self._hooks.append(blocks[-1].register_forward_hook(self._make_capture(st)))
+                self._hooks.append(blocks[-1].register_forward_hook(capture_hook(st)))
         self._boundary_checked: set[int] = set()
         self.last_b = {}  # stage -> index of its last action that makes parameter gradients
         for i, a in enumerate(self.actions):
@@ -170,23 +170,6 @@ class PipelineSchedule(PairRunner):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-    @staticmethod
-    def _make_inject(st):
-        def hook(mod, args, kwargs):
-            if st.slot.value is None:
-                return None
-            if not args:
-                raise RuntimeError(f"pipeline: the first block of stage {st.index} got no positional argument to "
-                                   "take the previous stage's activation")
-            return (st.slot.value, *args[1:]), kwargs
-        return hook
-
-    @staticmethod
-    def _make_capture(st):
-        def hook(mod, args, out):
-            st.slot.out = first_tensor(out)
-        return hook
 
     def _sends_of(self, rank: int) -> list:
         """(destination rank, key) of every message rank ``rank`` sends in a step, in its order."""

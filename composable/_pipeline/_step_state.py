@@ -1,6 +1,7 @@
 """What the actions of one pipeline step share, and the small helpers of `PipelineSchedule`.
 
-The microbatches cut from the batch (`split_batch`), the state of one step (`StepState`: saved
+The microbatches cut from the batch (`split_batch`), the hooks that put a stage's received
+activation into its first block and take its last block's output (`inject_hook`, `capture_hook`), the state of one step (`StepState`: saved
 activations, local hand-offs between stages of one rank, per-action times), the tensor a block
 hands on (`first_tensor`), and the setup of a new schedule's message tag and device.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -17,7 +19,8 @@ import torch.distributed as dist
 from ._actions import Action
 from ._units import StageUnits
 
-__all__ = ["NullContext", "PipelineError", "StepState", "agree_on_tag", "device_of", "first_tensor", "split_batch"]
+__all__ = ["NullContext", "PipelineError", "StepState", "agree_on_tag", "capture_hook", "device_of", "first_tensor",
+           "inject_hook", "split_batch"]
 
 
 class PipelineError(RuntimeError):
@@ -50,6 +53,26 @@ def first_tensor(out: Any) -> torch.Tensor | None:
         if t is not None:
             return t
     return None
+
+
+def inject_hook(st: Any) -> Callable:
+    """A forward pre-hook for the first block of stage shell ``st``: its first positional
+    argument becomes the activation in ``st.slot.value`` (the previous stage's), when there is one."""
+    def hook(mod: Any, args: tuple, kwargs: dict) -> tuple | None:
+        if st.slot.value is None:
+            return None
+        if not args:
+            raise RuntimeError(f"pipeline: the first block of stage {st.index} got no positional argument to "
+                               "take the previous stage's activation")
+        return (st.slot.value, *args[1:]), kwargs
+    return hook
+
+
+def capture_hook(st: Any) -> Callable:
+    """A forward hook for the last block of stage shell ``st``: keeps the tensor it hands on in ``st.slot.out``."""
+    def hook(mod: Any, args: tuple, out: Any) -> None:
+        st.slot.out = first_tensor(out)
+    return hook
 
 
 class StepState:
