@@ -5,8 +5,9 @@
 
 Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split into ``p * v`` stages):
 
-1. ``vs_torch`` (p=2, 2 ranks): shardwise ``zbv`` / ``interleaved_zb`` (v=2) / ``dualpipev`` against
-   torch's ``ScheduleZBVZeroBubble`` / ``ScheduleInterleavedZeroBubble`` / ``ScheduleDualPipeV`` on
+1. ``vs_torch`` (p=2, 2 ranks): shardwise ``1f1b`` / ``zbv`` / ``interleaved_zb`` (v=2) / ``dualpipev``
+   against torch's ``Schedule1F1B`` / ``ScheduleZBVZeroBubble`` / ``ScheduleInterleavedZeroBubble`` /
+   ``ScheduleDualPipeV`` on
    stage modules holding the same blocks (V placement for ZBV and DualPipeV), the same
    microbatches. Steps alternate between the two; a step's time is rank 0's wall time between
    two barriers; medians and the median of per-pair ratios shardwise / torch. The losses of the
@@ -25,10 +26,16 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
    `PipelineSchedule.last_timing`) against `simulate` of its action lists with forward, input-
    and weight-gradient times 1 (the mean idle fraction of the ranks), and (part 2) against
    `simulate` with each (kind, stage)'s measured mean CPU and wall times in that step
-   (`PipelineSchedule.last_action_times`; ``costs_*`` lists the CPU ones in ms).
+   (`PipelineSchedule.last_action_times`; ``costs_*`` lists the CPU ones in ms), and with the wall
+   times plus ``comm_time``, one boundary message's latency measured by a ping-pong between the
+   ranks before the steps (``message_latency_*``).
 
 5. ``split`` (one process): CPU time per microbatch of the last stage's full backward ``B``
    against its ``I`` and ``W`` in the ``zb_h1`` order, alternating (the split backward's cost).
+
+6. ``tuned`` (p=2): ``zb_h1`` / ``zbv`` / ``interleaved_zb`` as registered and refitted to their own
+   measured step (`retune`: [Note: schedules tuned to measured costs]), against torch's schedule
+   of the same name where there is one and against shardwise ``1f1b``, steps alternating.
 
 On a machine with fewer cores than ranks the ranks share cores: wall times then mostly measure
 the total work, and the measured bubble includes time a rank waits for a core.
@@ -52,12 +59,18 @@ from benchmarks.pipeline import TorchStage, _batch, _ce, _timed  # noqa: E402
 from examples.model import Llama, LlamaConfig  # noqa: E402
 
 _TORCH = {"zbv": "ScheduleZBVZeroBubble", "interleaved_zb": "ScheduleInterleavedZeroBubble",
-          "dualpipev": "ScheduleDualPipeV"}
+          "dualpipev": "ScheduleDualPipeV", "1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
+          "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+def _v(schedule) -> int:
+    spec = sw.get_schedule(schedule)
+    return spec.exact_virtual_stages or (2 if spec.virtual else 1)
 
 
 def _ours(cfg, pp, m, schedule, mesh=None):
     spec = sw.get_schedule(schedule)
-    v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
+    v = _v(spec)
     model = Llama(cfg, generator=torch.Generator().manual_seed(0))
     split = sw.pipeline_split(model, mesh, virtual_stages=v, cost="params", placement=spec.placement,
                               split_points=list(sw.uniform_bounds(cfg.n_layers, pp * v)), verbose=False)
@@ -68,14 +81,15 @@ def _theirs(cfg, pp, m, schedule):
     import torch.distributed.pipelining as tp
 
     spec = sw.get_schedule(schedule)
-    S = 2 * pp
+    S = _v(spec) * pp
     bounds = sw.uniform_bounds(cfg.n_layers, S)
     rank = dist.get_rank()
     model = Llama(cfg, generator=torch.Generator().manual_seed(0))
     mine = [s for s in range(S) if sw.stage_rank(s, pp, spec.placement) == rank]
     stages = [tp.PipelineStage(TorchStage(model, range(bounds[s], bounds[s + 1]), s == 0, s == S - 1), s, S,
                                torch.device("cpu")) for s in mine]
-    return mine, getattr(tp, _TORCH[schedule])(stages, n_microbatches=m, loss_fn=_ce)
+    cls = getattr(tp, _TORCH[schedule])
+    return mine, cls(stages[0] if len(stages) == 1 else stages, n_microbatches=m, loss_fn=_ce)
 
 
 def _run_theirs(mine, sched, x, y, S, losses=None):
@@ -100,12 +114,36 @@ def _action_costs(sched, which: int = 1) -> dict:
     return {k: v for d in got for k, v in d.items()}
 
 
-def _simulated_with(schedule, pp, m, costs, makespan_only=False) -> float:
-    """`simulate`'s mean idle fraction of the ranks (or its makespan) with measured per-action times."""
-    spec = sw.get_schedule(schedule)
-    v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
-    makespan, busy = sw.simulate(sw.build_schedule(schedule, pp, m, v), pp * v, m, costs=costs)
+def _simulated_with(schedule, pp, m, costs, makespan_only=False, comm_time=0.0) -> float:
+    """`simulate`'s mean idle fraction of the ranks (or its makespan) with measured per-action times
+    (and ``comm_time``: a message's measured latency between ranks)."""
+    v = _v(schedule)
+    makespan, busy = sw.simulate(sw.build_schedule(schedule, pp, m, v), pp * v, m, costs=costs, comm_time=comm_time)
     return makespan if makespan_only else 1 - sum(busy) / len(busy) / makespan
+
+
+def _message_latency(shape, rounds: int = 24) -> float:
+    """Seconds one stage-boundary message of ``shape`` (fp32) takes between two ranks: half the
+    median round trip of a ping-pong between rank ``r`` and ``r ^ 1``, nothing else running."""
+    import time
+
+    rank = dist.get_rank()
+    peer = rank ^ 1
+    if peer >= dist.get_world_size():
+        return 0.0
+    t = torch.zeros(shape)
+    trips = []
+    for _ in range(rounds):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank % 2 == 0:
+            dist.send(t, peer)
+            dist.recv(t, peer)
+        else:
+            dist.recv(t, peer)
+            dist.send(t, peer)
+        trips.append(time.perf_counter() - t0)
+    return statistics.median(trips) / 2
 
 
 def _measured_bubble(sched) -> float:
@@ -115,8 +153,7 @@ def _measured_bubble(sched) -> float:
 
 
 def _simulated(schedule, pp, m) -> float:
-    spec = sw.get_schedule(schedule)
-    v = spec.exact_virtual_stages or (2 if spec.virtual else 1)
+    v = _v(schedule)
     makespan, busy = sw.simulate(sw.build_schedule(schedule, pp, m, v), pp * v, m, f_time=1 / v, b_time=2 / v,
                                  w_time=1 / v)
     return 1 - sum(busy) / len(busy) / makespan
@@ -134,17 +171,21 @@ def bench_vs_torch(rank, world, args):
         for _ in range(2):
             got = ours.step(x, y)
             losses: list = []
-            _run_theirs(mine, theirs, x, y, 4, losses)
+            _run_theirs(mine, theirs, x, y, 2 * _v(schedule), losses)
             if losses:
                 diff = max(abs(float(p) - float(q.detach())) for p, q in zip(got, losses))
                 assert diff <= 1e-5 * abs(float(got[0])), f"{schedule}: the two runs compute different losses ({diff})"
-        a, b, ca, cb, bub = [], [], [], [], []
+        a, b, ca, cb, bub, sim = [], [], [], [], [], []
+        latency = _message_latency((args.batch // m, args.seq, args.dim))
         for _ in range(args.reps):
             a.append(_timed(lambda: ours.step(x, y), ca))
             bub.append(_measured_bubble(ours))
-            b.append(_timed(lambda: _run_theirs(mine, theirs, x, y, 4), cb))
+            sim.append(_simulated_with(schedule, 2, m, _action_costs(ours, 0), comm_time=latency))
+            b.append(_timed(lambda: _run_theirs(mine, theirs, x, y, 2 * _v(schedule)), cb))
         out[f"vs_torch_{schedule}_p2_m{m}"] = _ratio(a, b, ca, cb)
-        out[f"bubble_{schedule}_p2_m{m}"] = {"measured": statistics.median(bub), "simulated": _simulated(schedule, 2, m)}
+        out[f"bubble_{schedule}_p2_m{m}"] = {"measured": statistics.median(bub), "measured_range": (min(bub), max(bub)),
+                                             "simulated": _simulated(schedule, 2, m),
+                                             "simulated_wall_costs_and_latency": statistics.median(sim)}
         ours.close()
     return out
 
@@ -156,41 +197,92 @@ def bench_gain(rank, world, args):
     out = {}
     for m in (4, 8):
         x, y = _batch(cfg, 2 * m, args.seq, 1)
+        latency = _message_latency((2, args.seq, args.dim))  # one microbatch's boundary activation
+        out[f"message_latency_p{pp}_m{m}_ms"] = latency * 1e3
         base = _ours(cfg, pp, m, "1f1b")
         for schedule in ("zb_h1", "zbv"):
             ours = _ours(cfg, pp, m, schedule)
             for _ in range(2):
                 base.step(x, y)
                 ours.step(x, y)
-            a, b, ca, cb, bub, bub1, costs, costs1, walls, walls1, predicted = ([] for _ in range(11))
+            a, b, ca, cb, bub, bub1, costs, costs1, walls, walls1, predicted, comm, comm1 = ([] for _ in range(13))
             for _ in range(args.reps):
                 a.append(_timed(lambda: ours.step(x, y), ca))
                 bub.append(_measured_bubble(ours))
                 mine = _action_costs(ours)
                 costs.append(_simulated_with(schedule, pp, m, mine))
-                walls.append(_simulated_with(schedule, pp, m, _action_costs(ours, 0)))
+                mine_wall = _action_costs(ours, 0)
+                walls.append(_simulated_with(schedule, pp, m, mine_wall))
+                comm.append(_simulated_with(schedule, pp, m, mine_wall, comm_time=latency))
                 b.append(_timed(lambda: base.step(x, y), cb))
                 bub1.append(_measured_bubble(base))
                 theirs = _action_costs(base)
                 costs1.append(_simulated_with("1f1b", pp, m, theirs))
                 predicted.append(_simulated_with(schedule, pp, m, mine, True) / _simulated_with("1f1b", pp, m, theirs, True))
-                walls1.append(_simulated_with("1f1b", pp, m, _action_costs(base, 0)))
+                base_wall = _action_costs(base, 0)
+                walls1.append(_simulated_with("1f1b", pp, m, base_wall))
+                comm1.append(_simulated_with("1f1b", pp, m, base_wall, comm_time=latency))
             out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = dict(_ratio(a, b, ca, cb),
                                                                core_per_rank_ratio=statistics.median(predicted))
             out[f"bubble_{schedule}_p{pp}_m{m}"] = {"measured": statistics.median(bub),
+                                                    "measured_range": (min(bub), max(bub)),
                                                     "simulated": _simulated(schedule, pp, m),
                                                     "simulated_measured_costs": statistics.median(costs),
-                                                    "simulated_measured_wall_costs": statistics.median(walls)}
+                                                    "simulated_measured_wall_costs": statistics.median(walls),
+                                                    "simulated_wall_costs_and_latency": statistics.median(comm)}
             out[f"bubble_1f1b_p{pp}_m{m}"] = {"measured": statistics.median(bub1),
+                                              "measured_range": (min(bub1), max(bub1)),
                                               "simulated": _simulated("1f1b", pp, m),
                                               "simulated_measured_costs": statistics.median(costs1),
-                                              "simulated_measured_wall_costs": statistics.median(walls1)}
+                                              "simulated_measured_wall_costs": statistics.median(walls1),
+                                              "simulated_wall_costs_and_latency": statistics.median(comm1)}
             out[f"costs_{schedule}_p{pp}_m{m}_ms"] = {f"{k}{s}": round(t * 1e3, 2)
                                                       for (k, s), t in sorted(_action_costs(ours).items())}
             out[f"costs_1f1b_p{pp}_m{m}_ms"] = {f"{k}{s}": round(t * 1e3, 2)
                                                 for (k, s), t in sorted(_action_costs(base).items())}
             ours.close()
         base.close()
+    return out
+
+
+def bench_tuned(rank, world, args):
+    """Part 6 (p=2): each tunable schedule as registered, and refitted to its own measured step
+    (`retune`, wall times, ``comm_time`` = the measured message latency), against torch's class of
+    the same name (where there is one) and against shardwise ``1f1b``; steps alternate."""
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    m = args.microbatches
+    x, y = _batch(cfg, args.batch, args.seq, 1)
+    latency = _message_latency((args.batch // m, args.seq, args.dim))
+    out: dict = {"tuned_message_latency_ms": latency * 1e3}
+    base = _ours(cfg, 2, m, "1f1b")
+    for schedule in [s for s in args.schedules.split(",") if s in sw.TUNABLE_SCHEDULES]:
+        plain, tuned = _ours(cfg, 2, m, schedule), _ours(cfg, 2, m, schedule)
+        for _ in range(2):
+            tuned.step(x, y)
+        tuned = sw.retune(tuned, comm_time=latency)
+        runs = {"registered": lambda: plain.step(x, y), "tuned": lambda: tuned.step(x, y),
+                "1f1b": lambda: base.step(x, y)}
+        if schedule in _TORCH:
+            mine, theirs = _theirs(cfg, 2, m, schedule)
+            runs["torch"] = lambda: _run_theirs(mine, theirs, x, y, 2 * _v(schedule))
+        for _ in range(2):
+            for fn in runs.values():
+                fn()
+        times: dict = {k: [] for k in runs}
+        for _ in range(args.reps):
+            for k, fn in runs.items():
+                times[k].append(_timed(fn))
+        ratio = lambda a, b: statistics.median(p / q for p, q in zip(times[a], times[b]))  # noqa: E731
+        res = {k: statistics.median(v) for k, v in times.items()}
+        res.update({"tuned/registered": ratio("tuned", "registered"), "tuned/1f1b": ratio("tuned", "1f1b"),
+                    "registered/1f1b": ratio("registered", "1f1b"), "summary": tuned.schedule.summary})
+        if "torch" in runs:
+            res.update({"tuned/torch": ratio("tuned", "torch"), "registered/torch": ratio("registered", "torch")})
+        out[f"tuned_{schedule}_p2_m{m}"] = res
+        plain.close()
+        tuned.close()
+    base.close()
     return out
 
 
@@ -298,8 +390,8 @@ def main():
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--schedules", default="zbv,interleaved_zb,dualpipev", help="part 1: comma list")
-    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split")
+    p.add_argument("--schedules", default="1f1b,zbv,interleaved_zb,dualpipev", help="part 1: comma list")
+    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split, tuned")
     p.add_argument("--worlds", default="2,4", help="part 2: comma list of rank counts (= pp)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -314,6 +406,8 @@ def main():
             res.update(r)
     if "split" in parts:
         res.update(bench_split(args))
+    if "tuned" in parts:
+        res.update(run_ranks(bench_tuned, 2, args, timeout=1800)[0])
     if "gain" in parts:
         for world in map(int, args.worlds.split(",")):
             res.update(run_ranks(bench_gain, world, args, timeout=1800)[0])

@@ -10,7 +10,8 @@ storages). The estimate is ``plan_memory(model, (1, 2), "FULL_SHARD", pp=2, micr
 schedule=..., activation_bytes=A)`` with ``A`` measured as in ``benchmarks/plan_check.py``
 (the peak of one forward + loss of the unsharded model on one data-parallel rank's batch,
 minus its parameters). Reported per schedule and stage: the larger peak of the stage's two
-ranks against the stage's ``plan.peak``, and the ``accumulated_grads`` term in it.
+ranks against the stage's ``plan.peak``, and the ``accumulated_grads`` term in it. ``zb_h1`` is
+planned with the default ``kept_grads`` (`DEFAULT_KEPT_GRADS`) for what its ``I`` keeps.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main(argv=None) -> None:
     add_model_args(p)
     p.set_defaults(batch_per_rank=4)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedules", default="gpipe,1f1b,zb_h1", help="comma list (one stage per rank)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     cfg, meta, A = model_and_activations(args)
@@ -84,7 +86,7 @@ def main(argv=None) -> None:
           f"microbatches; A = {A / MB:.1f} MiB; torch {torch.__version__}\n")
     print("| schedule | stage | measured peak MiB (max of its 2 ranks) | plan.peak | error | of which accumulated_grads |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in args.schedules.split(","):
         got = run_ranks(this.measure, 4, cfg, schedule, args.microbatches, args, timeout=600)
         plan = plan_memory(meta, (1, 2), "FULL_SHARD", pp=2, microbatches=args.microbatches, schedule=schedule,
                            activation_bytes=A)

@@ -20,7 +20,7 @@ from ._cp import *  # noqa: F403  context parallelism: the names in _cp.__all__
 from ._cp import __all__ as _cp_all
 from ._moe import *  # noqa: F403  mixture of experts, expert parallelism: the names in _moe.__all__
 from ._moe import __all__ as _moe_all
-from ._plan import MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
+from ._plan import DEFAULT_KEPT_GRADS, MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
 
 __all__ = [
     "fully_shard",
@@ -51,6 +51,7 @@ __all__ = [
     "MemoryPlan",
     "MeshSuggestion",
     "UnitPlan",
+    "DEFAULT_KEPT_GRADS",
 ]
 __all__ += _tp_all
 __all__ += _pipeline_all

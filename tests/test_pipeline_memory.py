@@ -102,7 +102,8 @@ def _walk_kept(acts, kept):
     """Peak units with ``kept`` more per microbatch between its I and its W (by hand, v = 1)."""
     level = peak = 0.0
     for a in acts:
-        level += {"F": 1.0, "B": -1.0, "I": kept, "W": -1.0 - kept}[a.kind.value]
+        k = kept if a.stage > 0 else 0.0  # stage 0's I keeps nothing: its W is the whole backward
+        level += {"F": 1.0, "B": -1.0, "I": k, "W": -1.0 - k}[a.kind.value]
         peak = max(peak, level)
     return peak
 
@@ -117,6 +118,8 @@ def test_kept_gradients_count_between_i_and_w(schedule, pp, m, kept):
         assert abs(got[r] - _walk_kept(acts, kept)) < 1e-9, (r, got[r])
         if schedule == "1f1b":
             assert got[r] == base[r]  # no I: nothing kept
+        elif r == 0:  # zb_h1's first stage keeps nothing from I to W
+            assert got[r] == base[r]
         else:  # zb_h1: rank r holds r + 1 microbatches between I and W at its peak (m >= r + 1)
             assert abs(got[r] - base[r] - min(r + 1, m) * kept) < 1e-9, (r, got[r], base[r])
 

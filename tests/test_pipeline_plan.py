@@ -115,6 +115,36 @@ def test_plan_memory_per_stage_and_schedule_activations() -> None:
     assert all(a.peak < b.peak for a, b in zip(between.stages, one.stages)), (between, one)
 
 
+def test_plan_memory_counts_what_a_split_backward_keeps() -> None:
+    """A zero-bubble schedule holds, from each I to its W, the gradients at the frontier nodes
+    ([Note: activations in flight]): the planner counts them (by default DEFAULT_KEPT_GRADS per
+    microbatch-unit), as activations_in_flight's kept_grads does, and not for 1F1B."""
+    from shardwise.composable import activations_in_flight, plan_memory
+    from shardwise.composable import DEFAULT_KEPT_GRADS
+    model = _meta_llama(vocab_size=1000, dim=64, n_layers=8, n_heads=4)
+    A, m = 64 * 2**20, 8
+    kw = dict(activation_bytes=A, pp=2, microbatches=m)
+    one = plan_memory(model, (1, 2), "FULL_SHARD", **kw)
+    zb = plan_memory(model, (1, 2), "FULL_SHARD", schedule="zb_h1", **kw)
+    zb0 = plan_memory(model, (1, 2), "FULL_SHARD", schedule="zb_h1", kept_grads=0, **kw)
+    zbk = plan_memory(model, (1, 2), "FULL_SHARD", schedule="zb_h1", kept_grads=0.3, **kw)
+    assert one.kept_grads == 0 and zb.kept_grads == DEFAULT_KEPT_GRADS and zbk.kept_grads == 0.3
+    share = [len(range(zb.bounds[s], zb.bounds[s + 1])) / 8 for s in range(2)]
+    for plan, k in ((zb, DEFAULT_KEPT_GRADS), (zb0, 0.0), (zbk, 0.3)):
+        alive = activations_in_flight("zb_h1", 2, m, kept_grads=k).per_rank
+        assert plan.in_flight == alive
+        assert [p.activations for p in plan.stages] == [int(A * share[r] * alive[r] / m) for r in range(2)]
+    # the last rank keeps gradients while W waits: more than without them, and more than 1F1B
+    assert zb.stages[1].activations > zbk.stages[1].activations > zb0.stages[1].activations
+    assert zb0.stages[1].activations >= one.stages[1].activations
+    assert "kept gradients 0.62" in str(zb) and "kept" not in str(one)
+    v = plan_memory(model, (1, 2), "FULL_SHARD", schedule="zbv", **kw)
+    assert v.kept_grads == DEFAULT_KEPT_GRADS and v.virtual_stages == 2
+    for bad in (-1, "big", True):
+        with pytest.raises(ValueError, match="kept_grads="):
+            plan_memory(model, (1, 2), "FULL_SHARD", schedule="zb_h1", kept_grads=bad, **kw)
+
+
 def test_suggest_mesh_uses_a_pipeline_only_when_needed() -> None:
     from shardwise.composable import suggest_mesh
     model = _meta_llama(vocab_size=1000, dim=256, n_layers=8, n_heads=4)
@@ -125,6 +155,12 @@ def test_suggest_mesh_uses_a_pipeline_only_when_needed() -> None:
     assert tight.pp == 2 and "pp=2" in str(tight), str(tight)
     with pytest.raises(ValueError, match="must divide hosts"):
         suggest_mesh(model, hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, pp_sizes=(3,))
+    # a zero-bubble schedule's kept gradients count: zb_h1 plans more than 1F1B on the same mesh
+    kw = dict(hosts=2, gpus_per_host=1, bytes_per_gpu=2**30, activation_bytes=2 * 2**30, pp_sizes=(2,),
+              microbatches=8)
+    zb = suggest_mesh(model, schedule="zb_h1", **kw)
+    assert zb.pp == 2 and zb.plan.peak > tight.plan.peak
+    assert suggest_mesh(model, schedule="zb_h1", kept_grads=0, **kw).plan.peak < zb.plan.peak
 
 
 class _Tied(__import__("torch").nn.Module):

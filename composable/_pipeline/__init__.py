@@ -12,7 +12,9 @@ from ._placement import PLACEMENTS, stage_rank
 from ._registry import ScheduleSpec, get_schedule, register_schedule, unregister_schedule
 from ._runtime import RUNNABLE_KINDS, PipelineError, PipelineSchedule
 from ._schedule import SCHEDULES, Action, ActionKind, build_schedule, simulate, theoretical_bubble
+from ._schedule_tuned import TUNABLE_SCHEDULES, tune_schedule
 from ._stages import PipelineSplit, pipeline_split, plan_stages
+from ._tune import retune
 
 __all__ = [
     "Action",
@@ -40,7 +42,10 @@ __all__ = [
     "set_pipeline_optimizer_state_dict",
     "set_pipeline_state_dict",
     "plan_stages",
+    "retune",
     "simulate",
     "theoretical_bubble",
+    "TUNABLE_SCHEDULES",
+    "tune_schedule",
     "uniform_bounds",
 ]

@@ -18,7 +18,8 @@ peak of the two orders the runtime may run them in.
 A split backward holds more than the graph between ``I`` and ``W``: the gradient that reached
 each frontier source, which ``W`` needs ([Note: split backward] in ``_split_backward.py``; for
 a linear, the gradient of its output). ``kept_grads`` counts it: ``I`` adds ``kept_grads``
-units on its stage and ``W`` frees them with the activations. It is the stage's kept gradient
+units on its stage and ``W`` frees them with the activations; on stage 0 nothing (its ``I`` has
+no input gradient to compute and keeps nothing: its ``W`` is the whole backward). It is the stage's kept gradient
 bytes per microbatch over its activation bytes per microbatch, a property of the model, not of
 the schedule: measured 0.36-0.62 on the example Llama's stages (`PipelineSchedule.last_kept_grad_bytes`
 gives the numerator, `benchmarks/pipeline_zb.py --parts memory` both). Its default 0 counts the
@@ -59,10 +60,10 @@ def walk_in_flight(actions: Sequence[Action], weights: dict[int, float],
     for a in (h for x in actions for h in x.halves):
         if a.kind is ActionKind.F:
             delta, units = 1, 1.0
-        elif a.kind is ActionKind.I:
-            delta, units = 0, kept_grads
+        elif a.kind is ActionKind.I:  # the first stage's I has no input gradient: it keeps nothing
+            delta, units = 0, kept_grads if a.stage > 0 else 0.0
         elif a.kind is ActionKind.W:
-            delta, units = -1, -1.0 - kept_grads
+            delta, units = -1, -1.0 - (kept_grads if a.stage > 0 else 0.0)
         elif a.kind.frees_activations:
             delta, units = -1, -1.0
         else:

@@ -1,53 +1,90 @@
-"""Zero-bubble action lists built by a list scheduler over unit times (pure).
+"""Zero-bubble action lists built by a list scheduler, over unit or measured times (pure).
 
 [Note: greedy zero-bubble lists]
-`greedy_lists` plays all ranks forward in time, with ``F``, ``I`` and ``W`` one unit each. A
-rank that is free takes, in this order: a ready ``I`` (the critical path: a rank upstream
-waits for it; the latest stage first, then the oldest microbatch); a ready ``F`` while the
-microbatch-stages it holds alive (``F`` done, ``W`` not yet: a split backward keeps its
-activations until ``W``) are under its ``cap``; a pending ``W`` (the oldest first); else it
-idles one unit. What each rank ran, in order, is its action list. Such a list comes from an
-execution in which every action started after its dependencies ended, so the orders are
-acyclic with the dependencies and the lists are deadlock-free under any timing (``simulate``
-checks it too). The ``cap`` bounds each rank's peak activations (in microbatch-stages): ZBV's
-is ``2 p`` (1F1B's ``p`` microbatches of the whole rank), interleaved ZB's that of interleaved
-1F1B's list; with those, the weight gradients fill what 1F1B leaves idle.
+`greedy_lists` plays all ranks forward in time. A rank that is free takes, by default in this
+order (``prefer="IFW"``): a ready ``I`` (the critical path: a rank upstream waits for it; the
+oldest microbatch first, then the latest stage); a ready ``F`` while the microbatch-stages it
+holds alive (``F`` done, ``W`` not yet: a split backward keeps its activations until ``W``) are
+under its ``cap`` (the latest stage first, then the oldest microbatch); a pending ``W`` (the oldest
+first); else it waits until some action ends. What each rank ran, in order, is its action list.
+Such a list comes from an execution in which every action started after its dependencies ended,
+so the orders are acyclic with the dependencies and the lists are deadlock-free under any timing
+(``simulate`` checks it too). The ``cap`` bounds each rank's peak activations (in
+microbatch-stages): ZBV's is ``2 p`` (1F1B's ``p`` microbatches of the whole rank), interleaved
+ZB's that of interleaved 1F1B's list; with those, the weight gradients fill what 1F1B leaves idle.
+
+With ``costs`` (seconds per ``(kind, stage)``, as `simulate` takes them) the play uses those
+durations instead of one unit each, and a message between ranks arrives ``comm_time`` after the
+action that sends it; the lists then fit the measured times ([Note: schedules tuned to measured
+costs] in ``_schedule_tuned.py``). Without them every action takes one unit and messages none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import heapq
+from collections.abc import Callable, Mapping
 
 from ._actions import Action, ActionKind
 from ._placement import stage_rank
 
 __all__ = ["greedy_lists"]
 
-
-def greedy_lists(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int]) -> list[list[Action]]:
-    """Every rank's action list ([Note: greedy zero-bubble lists]); ``cap(rank)`` >= ``v``."""
+def greedy_lists(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int], *,
+                 costs: Mapping[tuple[str, int], float] | None = None, comm_time: float = 0.0,
+                 prefer: str = "IFW", reserve: bool = False) -> list[list[Action]]:
+    """Every rank's action list ([Note: greedy zero-bubble lists]); ``cap(rank)`` >= ``v``;
+    ``prefer``: the order in which a free rank considers the kinds, a permutation of ``"IFW"``;
+    ``reserve``: a forward on one of a rank's stages leaves one slot under the cap for each of
+    the rank's later stages (so the oldest microbatch can always go on; without it, measured
+    times can fill the cap with first-stage forwards and stall: ValueError)."""
+    if sorted(prefer) != ["F", "I", "W"]:
+        raise ValueError(f"pipeline: prefer={prefer!r}; it must order the letters I, F and W (e.g. 'IFW')")
     S = pp * v
-    stages = [[s for s in range(S) if stage_rank(s, pp, placement) == r] for r in range(pp)]
-    done: dict[Action, int] = {}  # action -> end time
+    where = [stage_rank(s, pp, placement) for s in range(S)]
+    stages = [[s for s in range(S) if where[s] == r] for r in range(pp)]
+    later = {s: sum(1 for u in stages[where[s]] if u > s) for s in range(S)}  # the rank's stages after s
+
+    def cost(kind: ActionKind, s: int) -> float:
+        return 1.0 if costs is None else float(costs.get((kind.value, s), 1.0))
+
+    done: dict[Action, float] = {}  # action -> when its result is usable on its own rank
     lists: list[list[Action]] = [[] for _ in range(pp)]
     next_f = {s: 0 for s in range(S)}  # next microbatch to forward on stage s
     next_i = {s: 0 for s in range(S)}
     pending_w: list[list[Action]] = [[] for _ in range(pp)]
     alive = [0] * pp
-    free_at = [0] * pp
-    total, t = 3 * S * m, 0
-    while len(done) < total:
-        progressed = False
+    free_at = [0.0] * pp
+    times = [0.0]  # a heap of the instants at which something may become ready
+    total, count = 3 * S * m, 0
+
+    def ready(r: int, deps: list[Action], t: float) -> bool:
+        for d in deps:
+            end = done.get(d)
+            if end is None or end + (comm_time if where[d.stage] != r else 0.0) > t:
+                return False
+        return True
+
+    while count < total:
+        if not times:
+            raise ValueError(f"pipeline: greedy schedule stuck at pp={pp}, m={m}, v={v}; raise the cap")
+        t = heapq.heappop(times)
+        while times and times[0] <= t:
+            heapq.heappop(times)
         for r in range(pp):
             if free_at[r] > t:
                 continue
-            a = _pick(r, t, stages[r], S, m, done, next_f, next_i, pending_w[r], alive[r] < cap(r))
+            room = cap(r) - alive[r]
+            may = (lambda s, r=r, room=room: room > later[s]) if reserve else (lambda s, room=room: room > 0)
+            a = _pick(r, t, stages[r], S, m, next_f, next_i, pending_w[r], may, prefer, ready)
             if a is None:
                 continue
-            progressed = True
             lists[r].append(a)
-            done[a] = t + 1
-            free_at[r] = t + 1
+            end = t + cost(a.kind, a.stage)
+            done[a] = free_at[r] = end
+            count += 1
+            heapq.heappush(times, end)
+            if comm_time:
+                heapq.heappush(times, end + comm_time)
             if a.kind is ActionKind.F:
                 next_f[a.stage] += 1
                 alive[r] += 1
@@ -57,32 +94,28 @@ def greedy_lists(pp: int, m: int, v: int, placement: str, cap: Callable[[int], i
             else:
                 pending_w[r].remove(a)
                 alive[r] -= 1
-        if not progressed and all(f <= t for f in free_at) and not any(d > t for d in done.values()):
-            raise ValueError(f"pipeline: greedy schedule stuck at pp={pp}, m={m}, v={v}; raise the cap")
-        t += 1
     return lists
 
 
-def _ready(deps: list[Action], done: dict[Action, int], t: int) -> bool:
-    return all(done.get(d, t + 1) <= t for d in deps)
-
-
-def _pick(r, t, mine, S, m, done, next_f, next_i, pending_w, may_forward):
-    best = None
-    for s in sorted(mine, reverse=True):  # I: the latest stage first
-        i = next_i[s]
-        if i < m:
-            deps = [Action(ActionKind.F, s, i)] + ([Action(ActionKind.I, s + 1, i)] if s + 1 < S else [])
-            if _ready(deps, done, t) and (best is None or i < best.microbatch):
-                best = Action(ActionKind.I, s, i)
-    if best is not None:
-        return best
-    if may_forward:
-        for s in sorted(mine, reverse=True):  # F: the latest stage first (its backward comes sooner)
-            i = next_f[s]
-            if i < m and (s == 0 or _ready([Action(ActionKind.F, s - 1, i)], done, t)):
-                if best is None or i < best.microbatch:
-                    best = Action(ActionKind.F, s, i)
+def _pick(r, t, mine, S, m, next_f, next_i, pending_w, may_forward: Callable[[int], bool], prefer, ready):
+    for kind in prefer:
+        if kind == "I":
+            best = None
+            for s in sorted(mine, reverse=True):  # the latest stage first, then the oldest microbatch
+                i = next_i[s]
+                if i < m:
+                    deps = [Action(ActionKind.F, s, i)] + ([Action(ActionKind.I, s + 1, i)] if s + 1 < S else [])
+                    if ready(r, deps, t) and (best is None or i < best.microbatch):
+                        best = Action(ActionKind.I, s, i)
+        elif kind == "F":
+            best = None
+            for s in sorted(mine, reverse=True):  # the latest stage first (its backward comes sooner)
+                i = next_f[s]
+                if i < m and may_forward(s) and (s == 0 or ready(r, [Action(ActionKind.F, s - 1, i)], t)):
+                    if best is None or i < best.microbatch:
+                        best = Action(ActionKind.F, s, i)
+        else:
+            best = pending_w[0] if pending_w else None
         if best is not None:
             return best
-    return pending_w[0] if pending_w else None
+    return None

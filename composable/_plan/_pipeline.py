@@ -17,7 +17,13 @@ unit's parameters gathered from its stage's first forward to its last backward u
 ``reshard_between_microbatches=True`` or the unit set ``reshard_after_forward`` itself
 ([Note: fully_shard units in a pipeline step]), so by default a stage is planned with
 ``reshard_after_forward=False`` (its blocks' gathered parameters all count at the peak, as with
-``SHARD_GRAD_OP``). Gradients: with ``m > 1`` microbatches (and not ``reduce_every_microbatch``)
+``SHARD_GRAD_OP``). A schedule with a split backward (``I`` / ``W`` actions: ``zb_h1``, ``zbv``,
+``interleaved_zb``, ``dualpipev``) also keeps, from each ``I`` to its ``W``, the gradients that
+reached the frontier nodes ([Note: activations in flight]): ``kept_grads`` of them per
+microbatch-unit of activations. Given None, it is `DEFAULT_KEPT_GRADS` for such a schedule
+(the largest ratio measured on the example Llama's stages, 0.62, so that the plan does not
+under-count; pass a measured one: `PipelineSchedule.last_kept_grad_bytes` over the stage's
+activation bytes per microbatch) and 0 for one without ``I``. Gradients: with ``m > 1`` microbatches (and not ``reduce_every_microbatch``)
 every unit keeps its unsharded gradient from its first backward of the step to its last, summed
 in the reduce dtype when the parameters compute in a lower one
 ([Note: accumulating in the reduce dtype]): ``accumulated_grads`` adds those not already in ``grad_buffers`` /
@@ -32,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
+from .._pipeline._actions import ActionKind
 from .._pipeline._in_flight import activations_in_flight
 from .._pipeline._placement import stage_rank
 from .._pipeline._registry import get_schedule
@@ -39,7 +46,12 @@ from .._pipeline._stages import plan_stages
 from .._wrap import ShardingPolicy
 from ._units import declares_units, fmt_bytes, plan_units
 
-__all__ = ["PipelineMemoryPlan", "plan_pipeline_memory"]
+__all__ = ["DEFAULT_KEPT_GRADS", "PipelineMemoryPlan", "plan_pipeline_memory", "splits_backward"]
+
+DEFAULT_KEPT_GRADS = 0.62
+"""``kept_grads`` planned for a schedule with a split backward when none is given: the largest of
+the ratios measured on the example Llama's stages (0.36-0.62; ``benchmarks/pipeline_zb.py --parts
+memory``), see [Note: the memory of a pipeline stage]."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,7 @@ class PipelineMemoryPlan:
     stages: tuple
     virtual_stages: int = 1
     in_flight: tuple[float, ...] = ()
+    kept_grads: float = 0.0
 
     @property
     def peak(self) -> int:
@@ -66,7 +79,8 @@ class PipelineMemoryPlan:
         return max(range(len(self.stages)), key=lambda s: self.stages[s].peak)
 
     def __str__(self) -> str:
-        lines = [f"pipeline pp={self.pp}, {self.schedule}, {self.microbatches} microbatches; peak per GPU "
+        kept = f", kept gradients {self.kept_grads:g} per microbatch-unit" if self.kept_grads else ""
+        lines = [f"pipeline pp={self.pp}, {self.schedule}, {self.microbatches} microbatches{kept}; peak per GPU "
                  f"{fmt_bytes(self.peak)} (stage {self.worst_stage})"]
         for s, p in enumerate(self.stages):
             blocks = ", ".join(f"{self.bounds[k]}..{self.bounds[k + 1] - 1}"
@@ -99,22 +113,30 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
                          schedule: str = "1f1b", virtual_stages: int | None = None, stage_bounds=None,
                          layers: str | None = None, activation_bytes: int = 0,
                          reshard_between_microbatches: bool = False, reduce_every_microbatch: bool = False,
-                         **kwargs) -> PipelineMemoryPlan:
+                         kept_grads: float | None = None, **kwargs) -> PipelineMemoryPlan:
     """Plan each of the ``pp`` ranks of ``model`` with `plan_memory`; see
     [Note: the memory of a pipeline stage]. ``virtual_stages``: stages per rank (default 2 for a
-    schedule with virtual stages, else 1). ``kwargs`` go to `plan_memory`."""
+    schedule with virtual stages, else 1). ``kept_grads``: gradients kept from ``I`` to ``W`` per
+    microbatch-unit (None: `DEFAULT_KEPT_GRADS` if the schedule splits its backward, else 0).
+    ``kwargs`` go to `plan_memory`."""
     spec = get_schedule(schedule)
     if microbatches < 1:
         raise ValueError(f"plan_memory: microbatches={microbatches}; it must be >= 1")
     v = (2 if spec.virtual else 1) if virtual_stages is None else virtual_stages
     spec.check(pp, microbatches, v)
+    if kept_grads is None:
+        kept_grads = DEFAULT_KEPT_GRADS if splits_backward(spec, pp, microbatches, v) else 0.0
+    elif isinstance(kept_grads, bool) or not isinstance(kept_grads, (int, float)) or not kept_grads >= 0:
+        raise ValueError(f"plan_memory: kept_grads={kept_grads!r}; it is a size ratio >= 0 (kept gradient bytes "
+                         "per microbatch over activation bytes per microbatch), or None for the default")
     plan, path, names, pre, post = plan_stages(model, pp * v, layers=layers, cost="params",
                                                split_points=stage_bounds)
     blocks = list(path[-1]._modules[names[-1]])
     sizes = [len(plan.blocks(k)) for k in range(pp * v)]
     where = [stage_rank(k, pp, spec.placement) for k in range(pp * v)]
     on_rank = [sum(sz for sz, r in zip(sizes, where) if r == rank) for rank in range(pp)]
-    alive = activations_in_flight(spec, pp, microbatches, v, [sizes[k] / on_rank[where[k]] for k in range(pp * v)])
+    alive = activations_in_flight(spec, pp, microbatches, v, [sizes[k] / on_rank[where[k]] for k in range(pp * v)],
+                                  kept_grads=float(kept_grads))
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
     if not reshard_between_microbatches and policy.reshard_after_forward is None:
@@ -141,4 +163,11 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
         if microbatches > 1 and not reduce_every_microbatch:
             stage = replace(stage, accumulated_grads=_accumulated(stage, kwargs.get("mp_policy")))
         stages.append(stage)
-    return PipelineMemoryPlan(pp, spec.name, microbatches, plan.bounds, tuple(stages), v, alive.per_rank)
+    return PipelineMemoryPlan(pp, spec.name, microbatches, plan.bounds, tuple(stages), v, alive.per_rank,
+                              float(kept_grads))
+
+
+def splits_backward(schedule, pp: int, microbatches: int, virtual_stages: int = 1) -> bool:
+    """Whether ``schedule``'s action lists at these sizes split any backward into ``I`` and ``W``."""
+    spec = get_schedule(schedule)
+    return any(a.kind is ActionKind.I for acts in spec.actions(pp, microbatches, virtual_stages) for a in acts)

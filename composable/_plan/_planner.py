@@ -74,7 +74,7 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 prefetch: int = 2, activation_bytes: int = 0, pp: int = 1, microbatches: int = 1,
                 schedule: str = "1f1b", stage_bounds=None, reshard_between_microbatches: bool = False,
                 reduce_every_microbatch: bool = False, virtual_stages: int | None = None,
-                cp: int = 1) -> MemoryPlan | PipelineMemoryPlan:
+                cp: int = 1, kept_grads: float | None = None) -> MemoryPlan | PipelineMemoryPlan:
     """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
     devices (the model may be on the meta device). See [Note: the memory model].
 
@@ -96,7 +96,10 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
             ``_plan/_pipeline.py``. ``reshard_between_microbatches``, ``reduce_every_microbatch``:
             as `PipelineSchedule`'s (by default units keep their parameters gathered for the
             step and sum their gradients over the microbatches). ``virtual_stages``: stages per
-            rank (default 2 for ``interleaved_1f1b``, else 1).
+            rank (default 2 for ``interleaved_1f1b``, else 1). ``kept_grads``: for a schedule with
+            a split backward (``zb_h1``, ``zbv``, ``interleaved_zb``, ``dualpipev``), the gradients
+            each ``I`` keeps for its ``W``, per microbatch-unit of activations (None: the measured
+            default, ``DEFAULT_KEPT_GRADS``; 0 for other schedules).
         cp: context-parallel ranks (``init_mesh(cp=N)``): parameters sharded over ``dp_shard x
             cp``, ``activation_bytes`` (given as at cp 1) divided by ``cp``; see
             [Note: context parallelism in the plan].
@@ -109,7 +112,7 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                                     optimizer_states=optimizer_states, optimizer_dtype=optimizer_dtype,
                                     prefetch=prefetch, activation_bytes=activation_bytes,
                                     reshard_between_microbatches=reshard_between_microbatches,
-                                    reduce_every_microbatch=reduce_every_microbatch, cp=cp)
+                                    reduce_every_microbatch=reduce_every_microbatch, cp=cp, kept_grads=kept_grads)
     return plan_units(model, mesh_shape, policy, units=units, mp_policy=mp_policy, optimizer_states=optimizer_states,
                       optimizer_dtype=optimizer_dtype, prefetch=prefetch, activation_bytes=activation_bytes, cp=cp)
 
@@ -160,7 +163,8 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
                  activation_bytes: int = 0, optimizer_states: int = 2, headroom: float = 0.9,
                  intra_host_bandwidth: float = 200e9, inter_host_bandwidth: float = 25e9,
                  pp_sizes: tuple[int, ...] = (1,), microbatches: int = 8,
-                 schedule: str = "1f1b", cp_sizes: tuple[int, ...] = (1,)) -> MeshSuggestion:
+                 schedule: str = "1f1b", cp_sizes: tuple[int, ...] = (1,),
+                 kept_grads: float | None = None) -> MeshSuggestion:
     """The mesh ``(dp_replicate, dp_shard, tp)`` and strategy that fit ``bytes_per_gpu`` with the
     least estimated data-parallel communication time.
 
@@ -177,7 +181,7 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
 
     ``pp_sizes``: pipeline sizes to consider too (each dividing ``hosts``: whole hosts per
     stage, so only activations cross hosts); each stage is planned with `plan_memory`'s ``pp``
-    (``microbatches``, ``schedule``) and the worst stage must fit. The smallest fitting ``pp``
+    (``microbatches``, ``schedule``, ``kept_grads``) and the worst stage must fit. The smallest fitting ``pp``
     is used (a pipeline adds a bubble of ``(pp - 1) / (m + pp - 1)``), then the rule above.
 
     ``cp_sizes``: context-parallel sizes to consider too (``cp x tp`` dividing ``gpus_per_host``:
@@ -210,7 +214,7 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
                 pol = replace(base, strategy=name, reshard_after_forward=None)
                 plan = plan_memory(model, (R, S, tp), pol, mp_policy=mp_policy, optimizer_states=optimizer_states,
                                    activation_bytes=activation_bytes // tp, pp=pp, microbatches=microbatches,
-                                   schedule=schedule, cp=cp)
+                                   schedule=schedule, cp=cp, kept_grads=kept_grads)
                 if isinstance(plan, PipelineMemoryPlan):
                     plan = plan.stages[plan.worst_stage]
                 secs, cross = _comm(plan, gpus_per_host, hosts // pp, intra_host_bandwidth, inter_host_bandwidth,

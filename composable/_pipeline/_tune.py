@@ -1,0 +1,49 @@
+"""`retune`: rebuild a running `PipelineSchedule` with lists fitted to its own measured step.
+
+See [Note: schedules tuned to measured costs] in ``_schedule_tuned.py``. After a step, each rank
+knows the mean time of each kind of action on its own stages (`PipelineSchedule.last_action_times`).
+`retune` gathers them over the ``pp`` group (one ``all_gather_object``), so that every rank holds
+the same costs, fits the lists with `tune_schedule`, closes the old schedule and returns a new
+one on the same split with the same settings. Every rank must call it (a collective). On CUDA
+the runtime's action times are host times of asynchronous work; pass ``costs`` measured with
+CUDA events (or synchronized) there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch.distributed as dist
+
+from ._runtime import PipelineSchedule
+from ._schedule_tuned import tune_schedule
+
+__all__ = ["retune"]
+
+
+def retune(schedule: PipelineSchedule, *, costs: Mapping[tuple[str, int], float] | None = None,
+           comm_time: float = 0.0, clock: str = "wall") -> PipelineSchedule:
+    """A `PipelineSchedule` like ``schedule`` (same split, microbatches, loss and settings, its
+    overlap function too) whose action lists fit ``costs`` (default: ``schedule``'s last step, gathered from every pp rank;
+    ``clock`` ``"wall"`` or ``"cpu"`` picks which of `PipelineSchedule.last_action_times`);
+    ``comm_time``: seconds per message between ranks. ``schedule`` is closed. See
+    [Note: schedules tuned to measured costs]."""
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"retune: clock={clock!r}; use 'wall' or 'cpu'")
+    split = schedule.split
+    if costs is None:
+        which = 0 if clock == "wall" else 1
+        mine = {k: v[which] for k, v in schedule.last_action_times.items()}
+        got: list = [mine]
+        if split.pp_size > 1:
+            got = [None] * split.pp_size
+            dist.all_gather_object(got, mine, group=split.pp_group)
+        costs = {k: v for d in got for k, v in d.items()}
+    name = schedule.schedule.name.split(":")[0]
+    tuned = tune_schedule(name, split.pp_size, schedule.m, split.virtual_stages, costs, comm_time=comm_time)
+    schedule.close()
+    return PipelineSchedule(split, schedule=tuned, microbatches=schedule.m, loss_fn=schedule.loss_fn,
+                            loss_context=schedule.loss_context,
+                            reduce_every_microbatch=schedule.reduce_every_microbatch,
+                            reshard_between_microbatches=schedule.reshard_between_microbatches,
+                            overlap=schedule.overlap)
