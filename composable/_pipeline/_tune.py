@@ -25,8 +25,8 @@ def retune(schedule: PipelineSchedule, *, costs: Mapping[tuple[str, int], float]
            comm_time: float = 0.0, clock: str = "wall") -> PipelineSchedule:
     """A `PipelineSchedule` like ``schedule`` (same split, microbatches, loss and settings, its
     overlap function too) whose action lists fit ``costs`` (default: ``schedule``'s last step,
-    gathered from every pp rank; ``clock`` ``"wall"`` or ``"cpu"`` picks which of `PipelineSchedule.last_action_times`);
-    ``comm_time``: seconds per message between ranks. ``schedule`` is closed. See
+    gathered from every pp rank; ``clock`` ``"wall"`` or ``"cpu"`` picks which of
+    `PipelineSchedule.last_action_times`); ``comm_time``: seconds per message between ranks. ``schedule`` is closed. See
     [Note: schedules tuned to measured costs]."""
     if clock not in ("wall", "cpu"):
         raise ValueError(f"retune: clock={clock!r}; use 'wall' or 'cpu'")
