@@ -2,7 +2,7 @@
 
 Two stages per rank in a V ([Note: stage placement]: rank ``r`` holds ``r`` and ``2 p - 1 - r``),
 ``m >= 2 p``. Rank ``r``'s list, in eight phases: ``2 (p - r - 1)`` forwards of its first stage;
-``r + 1`` pairs of forwards (first stage, then second); ``p - r - 1`` rounds of "input gradient
+``r + 1`` rounds of two forwards (first stage, then second); ``p - r - 1`` rounds of "input gradient
 of the second stage, one pending weight gradient, a forward of the second stage"; the steady
 state of ``m - 2 p + r + 1`` rounds of two forward/backward pairs, each one ``FB`` action
 ([Note: action kinds]) — (forward of the first stage, full backward of the second) and (forward
