@@ -174,7 +174,17 @@ def _loop3(rank: int, pp: int, m: int, v: int) -> list[Action]:
         Action("F", 2, 0), Action("B", 2, 0), Action("F", 2, 1), Action("B", 2, 1)]
 
 
-SPECS = {"v_grad": ScheduleSpec("v_grad", _v_grad, virtual=True, placement="v"),
+def _v_split(rank: int, pp: int, m: int, v: int) -> list[Action]:
+    """p=2, m=2 in a V; rank 0 pairs F0.1 with the input-gradient half I3.0 (its W later)."""
+    if rank == 0:
+        return [Action("F", 0, 0), Action("F", 3, 0), Action.pair(Action("F", 0, 1), Action("I", 3, 0)),
+                Action("W", 3, 0), Action("F", 3, 1), Action("B", 3, 1), Action("B", 0, 0), Action("B", 0, 1)]
+    return [Action("F", 1, 0), Action("F", 2, 0), Action("F", 1, 1), Action("B", 2, 0), Action("B", 1, 0),
+            Action("F", 2, 1), Action("B", 2, 1), Action("B", 1, 1)]
+
+
+SPECS = {"v_split": ScheduleSpec("v_split", _v_split, virtual=True, placement="v"),
+         "v_grad": ScheduleSpec("v_grad", _v_grad, virtual=True, placement="v"),
          "v_act": ScheduleSpec("v_act", _v_act, virtual=True, placement="v"),
          "loop3": ScheduleSpec("loop3", _loop3), "bad_pair": ScheduleSpec("bad_pair", _bad_pair)}
 
@@ -254,6 +264,14 @@ def test_an_overlap_function_runs_each_pair_once_with_the_same_numbers():
     assert res[0]["calls"] == ["F3.1&B0.0"] and res[0]["order"] == [["B0.0", "F3.1"]] and res[1]["calls"] == []
     res = run_ranks(_order_run, 2, "v_act", None, "forward_first", timeout=60)
     assert res[0]["calls"] == ["F3.1&B0.0"] and res[0]["order"] == [["F3.1", "B0.0"]], res
+
+
+def test_a_pair_with_an_input_gradient_half_trains_like_one_process():
+    for overlap in (None, "backward_first"):
+        res = run_ranks(_order_run, 2, "v_split", None, overlap, timeout=60)
+        for r in res:
+            assert r["grad_err"] <= 1e-6 and r["loss_err"] <= 1e-6, r
+        assert res[0]["order"] == [["F0.1", "I3.0"] if overlap is None else ["I3.0", "F0.1"]], res
 
 
 def test_the_runtime_refuses_a_pair_whose_halves_wait_on_each_other_on_every_rank():
