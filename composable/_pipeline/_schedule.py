@@ -8,10 +8,10 @@ dependencies are those of [Note: action kinds] in ``_actions.py``: ``F(s, i)`` n
 order; sends never block (they are asynchronous), a receive waits for the producing action.
 `simulate` replays that rule with unit times and so proves a schedule deadlock-free and gives
 its bubble: with forward time 1 and backward time 2, GPipe and 1F1B take ``3 (m + p - 1)`` per
-step, bubble ``(p - 1) / (m + p - 1)``; interleaving divides the bubble by about ``v``. It
-replays in time order (of every rank's next action whose inputs are known, the one that starts
-first), which a pair (``FB``) needs: its half that is ready first runs first, as in the runtime.
-With ``comm_time`` a message between ranks arrives that long after its action ends.
+step, bubble ``(p - 1) / (m + p - 1)``; interleaving divides the bubble by about ``v``. Where
+a pair's (``FB``) halves run in the order their inputs arrive, as in the runtime, it replays in
+time order instead (of every rank's next half whose inputs are known, the one that starts
+first). With ``comm_time`` a message between ranks arrives that long after its action ends.
 
 A schedule is a `ScheduleSpec` in the registry (``_registry.py``); the built-in ones are one
 file each (``_schedule_gpipe.py``, ``_schedule_1f1b.py``, ``_schedule_interleaved_1f1b.py``, the
@@ -99,65 +99,96 @@ def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches:
     cost = {(k, s): given.get((k.value, s), t) for k, t in unit.items() for s in range(num_stages)}
     got = [h for acts in actions for a in acts for h in a.halves]
     split = _check_complete(got, num_stages, microbatches)
-    if overlap is None and any(a.kind is ActionKind.FB for acts in actions for a in acts):
-        _replay(actions, num_stages, split, cost, comm_time, 1.0)  # refuses pairs that wait on themselves
-    return _replay(actions, num_stages, split, cost, comm_time, overlap)
+    if overlap is not None or not any(a.kind is ActionKind.FB for acts in actions for a in acts):
+        return _sweep(actions, num_stages, split, cost, comm_time, overlap or 0.0)
+    _sweep(actions, num_stages, split, cost, comm_time, 1.0)  # refuses pairs that wait on each other
+    return _replay(actions, num_stages, split, cost, comm_time)
+
+
+def _sweep(actions: Sequence[Sequence[Action]], num_stages: int, split: set[tuple[int, int]],
+           cost: Mapping[tuple[ActionKind, int], float], comm_time: float,
+           overlap: float) -> tuple[float, list[float]]:
+    """`simulate` of lists whose order is fixed (no pair, or each pair's halves run together):
+    sweep the ranks, each running its list as far as the inputs are there; a start time is
+    then the same whatever the sweep's order ([Note: schedules])."""
+    rank_of = {h: r for r, acts in enumerate(actions) for a in acts for h in a.halves}
+    done: dict[Action, float] = {}
+    pos, clock, busy = [0] * len(actions), [0.0] * len(actions), [0.0] * len(actions)
+    remaining = sum(len(acts) for acts in actions)
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(actions):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                deps = dependencies(a, num_stages, split)
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[r], *(done[d] + (comm_time if rank_of[d] != r else 0.0) for d in deps)])
+                if a.kind is ActionKind.FB:
+                    f, b = (cost[h.kind, h.stage] for h in a.halves)
+                    took = f + b - overlap * min(f, b)
+                else:
+                    took = cost[a.kind, a.stage]
+                for h in a.halves:
+                    done[h] = start + took
+                clock[r] = start + took
+                busy[r] += took
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: acts[pos[r]] for r, acts in enumerate(actions) if pos[r] < len(acts)}
+            together = " when each pair's halves run together (a pair's halves must not wait on each other)" if any(
+                a.kind is ActionKind.FB for a in stuck.values()) else ""
+            raise ValueError(f"schedule deadlocks{together}: ranks wait on {stuck}")
+    return max(clock), busy
 
 
 def _replay(actions: Sequence[Sequence[Action]], num_stages: int, split: set[tuple[int, int]],
-            cost: Mapping[tuple[ActionKind, int], float], comm_time: float,
-            overlap: float | None) -> tuple[float, list[float]]:
-    """`simulate`'s event loop: commit, of every rank's next half (or fused pair) whose inputs are
-    known, the one that starts first (a tie: the lower rank). Whatever is not committed yet
-    waits for something that ends no earlier, so a pair's half that waits cannot have been
-    ready before the half committed first ([Note: schedules])."""
+            cost: Mapping[tuple[ActionKind, int], float], comm_time: float) -> tuple[float, list[float]]:
+    """`simulate` of lists with pairs whose halves run in arrival order: commit, of every rank's
+    next half whose inputs are known, the one that starts first (a tie: the lower rank).
+    Whatever is not committed yet waits for something that ends no earlier, so a pair's half
+    that waits cannot have been ready before the half committed first. A rank's next step,
+    once known, changes only when that rank commits, or, in a pair, when its other half gets ready."""
     rank_of = {h: r for r, acts in enumerate(actions) for a in acts for h in a.halves}
+    deps_of = {h: dependencies(h, num_stages, split) for h in rank_of}
     done: dict[Action, float] = {}
-    pos = [0] * len(actions)
-    clock = [0.0] * len(actions)
-    busy = [0.0] * len(actions)
+    n = len(actions)
+    pos, clock, busy = [0] * n, [0.0] * n, [0.0] * n
 
-    def ready(h: Action, r: int) -> float | None:
-        t = 0.0
-        for d in dependencies(h, num_stages, split):
-            if d not in done:
-                return None
-            t = max(t, done[d] + (comm_time if rank_of[d] != r else 0.0))
-        return t
-
-    def candidate(r: int) -> tuple[float, tuple[Action, ...], float] | None:
-        a = actions[r][pos[r]]
-        if overlap is not None and a.kind is ActionKind.FB:
-            times = [ready(h, r) for h in a.halves]
-            if any(t is None for t in times):
-                return None
-            f, b = (cost[h.kind, h.stage] for h in a.halves)
-            return max([clock[r], *(t for t in times if t is not None)]), a.halves, f + b - overlap * min(f, b)
-        best: tuple[float, Action] | None = None
-        for h in a.halves:
-            t = None if h in done else ready(h, r)
-            if t is not None and (best is None or t < best[0]):
-                best = (t, h)
-        if best is None:
+    def candidate(r: int) -> tuple[float, Action] | None:
+        """(start, half) of rank ``r``'s next half to run, if its inputs are known."""
+        if pos[r] == len(actions[r]):
             return None
-        return max(clock[r], best[0]), (best[1],), cost[best[1].kind, best[1].stage]
+        best: tuple[float, Action] | None = None
+        for h in actions[r][pos[r]].halves:
+            if h in done or any(d not in done for d in deps_of[h]):
+                continue
+            t = max([0.0, *(done[d] + (comm_time if rank_of[d] != r else 0.0) for d in deps_of[h])])
+            if best is None or t < best[0]:
+                best = (t, h)
+        return None if best is None else (max(clock[r], best[0]), best[1])
 
+    cands = [candidate(r) for r in range(n)]
     remaining = len(rank_of)
     while remaining:
-        cands = [(c[0], r, c) for r in range(len(actions)) if pos[r] < len(actions[r]) and (c := candidate(r))]
-        if not cands:
-            stuck = {r: actions[r][pos[r]] for r in range(len(actions)) if pos[r] < len(actions[r])}
-            together = " when each pair's halves run together (a pair's halves must not wait on each other)" if (
-                overlap is not None and any(a.kind is ActionKind.FB for a in stuck.values())) else ""
-            raise ValueError(f"schedule deadlocks{together}: ranks wait on {stuck}")
-        start, r, (_, halves, took) = min(cands, key=lambda c: (c[0], c[1]))
-        for h in halves:
-            done[h] = start + took
-        clock[r] = start + took
-        busy[r] += took
-        remaining -= len(halves)
-        if all(h in done for h in actions[r][pos[r]].halves):
+        live = [(c[0], r) for r, c in enumerate(cands) if c is not None]
+        if not live:
+            stuck = {r: actions[r][pos[r]] for r in range(n) if pos[r] < len(actions[r])}
+            raise ValueError(f"schedule deadlocks: ranks wait on {stuck}")
+        start, r = min(live)
+        c = cands[r]
+        assert c is not None
+        h = c[1]
+        done[h] = clock[r] = start + cost[h.kind, h.stage]
+        busy[r] += cost[h.kind, h.stage]
+        remaining -= 1
+        if all(x in done for x in actions[r][pos[r]].halves):
             pos[r] += 1
+        for q in range(n):
+            if q == r or cands[q] is None or (pos[q] < len(actions[q]) and actions[q][pos[q]].kind is ActionKind.FB):
+                cands[q] = candidate(q)
     return max(clock), busy
 
 
