@@ -102,11 +102,19 @@ def _run(rank, world_size, opts):
         dp_size = dp_shard * dp_rep
     per = inputs.shape[0] // dp_size
     sl = slice(dp_rank * per, (dp_rank + 1) * per)
+    pairs: list = []
+
+    def overlap(pair):  # opts["overlap"]: a user overlap function that runs the backward half first
+        pairs.append(pair.action)
+        pair.backward()
+        pair.forward()
+
     sched = PipelineSchedule(split, schedule=opts.get("schedule", "1f1b"), microbatches=opts.get("m", 4),
                              loss_fn=_ce_parallel if tp > 1 else _ce,
                              loss_context=sw.loss_parallel if tp > 1 else None,
                              reduce_every_microbatch=opts.get("every", False),
-                             reshard_between_microbatches=opts.get("between", False))
+                             reshard_between_microbatches=opts.get("between", False),
+                             overlap=overlap if opts.get("overlap") else None)
     import shardwise.composable._fsdp._param_group as pgroup  # units all-gather with all_gather_single
     import shardwise.composable._fsdp._reduce as pg  # the reduction pipeline calls reduce_scatter_single
     calls, gathers = [0], [0]
@@ -174,7 +182,8 @@ def _run(rank, world_size, opts):
     return {"loss_err": abs(float(loss) - ref_loss.item()) / ref_loss.item(), "grad_err": worst, "names": names,
             "bounds": split.plan.bounds, "reduce_scatters": calls[0], "units": units, "replica_all_reduces": rep_calls[0],
             "all_gathers": gathers[0],
-            "norm_err": norm_err}
+            "norm_err": norm_err, "overlapped": [repr(a) for a in pairs],
+            "pairs": [repr(a) for a in sched.actions if a.kind is sw.ActionKind.FB]}
 
 
 def _check(results, per_step=1, cfg=CFG):

@@ -101,8 +101,8 @@ def _loop_split_for_zbv(rank, world_size):
 @settings(deadline=None, max_examples=40)
 @given(pp=st.integers(1, 8), extra=st.integers(0, 12))
 def test_dualpipev_is_deadlock_free_and_within_1f1b_memory_plus_one_stage(pp, extra):
-    """DualPipeV (m >= 2p): complete and deadlock-free (simulate raises otherwise), its pairs run one
-    after the other here; peak activations at most p + 1/2 rank-units (1F1B's p and one half-rank
+    """DualPipeV (m >= 2p): complete and deadlock-free (simulate raises otherwise), its FB pairs' halves
+    in the order their inputs arrive (tests/test_pipeline_pairs.py: in either order and together); peak activations at most p + 1/2 rank-units (1F1B's p and one half-rank
     stage); never slower than 1F1B, and as fast as ZBV within one unit."""
     m = 2 * pp + extra
     acts = build_schedule("dualpipev", pp, m, 2)

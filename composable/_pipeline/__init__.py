@@ -1,9 +1,12 @@
 """Pipeline parallelism: balanced automatic partitioning, GPipe / 1F1B / interleaved 1F1B
-schedules and the zero-bubble ones (zb_h1, zbv, interleaved_zb; a registry of schedule specs), composed with ``fully_shard`` and tensor parallelism. See docs/pipeline.md."""
+schedules and the zero-bubble ones (zb_h1, zbv, interleaved_zb, dualpipev with its forward/backward
+pairs and an overlap hook; a registry of schedule specs), composed with ``fully_shard`` and tensor
+parallelism. See docs/pipeline.md."""
 
 from ._checkpoint import (pipeline_optimizer_state_dict, pipeline_state_dict, set_pipeline_optimizer_state_dict,
                           set_pipeline_state_dict)
 from ._in_flight import InFlight, activations_in_flight
+from ._pairs import PairHalves
 from ._partition import StagePlan, balanced_bounds, uniform_bounds
 from ._placement import PLACEMENTS, stage_rank
 from ._registry import ScheduleSpec, get_schedule, register_schedule, unregister_schedule
@@ -25,6 +28,7 @@ __all__ = [
     "stage_rank",
     "register_schedule",
     "unregister_schedule",
+    "PairHalves",
     "PipelineError",
     "PipelineSchedule",
     "PipelineSplit",

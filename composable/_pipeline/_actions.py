@@ -14,12 +14,24 @@ waits for it; zero-bubble schedules put it where a rank would otherwise idle). D
 Activations: ``F`` keeps one microbatch of the stage's activations alive, ``B`` frees it. ``I``
 frees nothing in this model (its ``W`` still needs the saved inputs of the stage's layers) and
 ``W`` frees it, so a split backward is planned as holding its activations until ``W``.
+
+Pairs: ``FB`` is a forward and a backward (``B`` or ``I``) of two other (stage, microbatch)s on
+the same rank, listed as one action (DualPipe's overlapped chunks): ``Action.pair(F(s, i),
+B(t, j))``. Its ``halves`` are the two actions, forward first; its own ``stage`` and
+``microbatch`` are its forward's (so it sorts, and is placed on a rank, like its forward). A pair
+changes no dependency: each half waits for what it would alone and is waited for as it would be
+alone ("done" when that half is done), so everything that walks action lists (`dependencies`,
+`simulate`, the in-flight walk, the runtime's messages) walks ``a.halves``, which for any other
+action is ``(a,)``. The halves must not wait on each other, not even through other ranks: an
+overlap function runs them together ([Note: forward/backward pairs] in ``_pairs.py``);
+`simulate` and `PipelineSchedule` refuse a pair that does. A pair is frozen and hashable like
+every action (its halves are a tuple of actions); a pair inside a pair is refused.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Action", "ActionKind"]
 
@@ -31,6 +43,7 @@ class ActionKind(str, enum.Enum):
     B = "B"  # full backward (input and parameter gradients)
     I = "I"  # noqa: E741 - split backward, input gradient only
     W = "W"  # split backward, parameter gradients only
+    FB = "FB"  # a pair: a forward and a backward (B or I) of another (stage, microbatch)
 
     @property
     def is_forward(self) -> bool:
@@ -52,11 +65,13 @@ class ActionKind(str, enum.Enum):
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """``kind`` (an `ActionKind`, or its letter) on virtual ``stage`` for ``microbatch``."""
+    """``kind`` (an `ActionKind`, or its letter) on virtual ``stage`` for ``microbatch``; for a
+    pair (``FB``, made with `Action.pair`) also ``sub``, its forward and its backward."""
 
     kind: ActionKind
     stage: int
     microbatch: int
+    sub: tuple[Action, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, ActionKind):
@@ -66,6 +81,31 @@ class Action:
                 raise ValueError(f"pipeline: action kind {self.kind!r} is unknown; use one of "
                                  f"{[k.value for k in ActionKind]}") from None
             object.__setattr__(self, "kind", kind)
+        if self.kind is ActionKind.FB:
+            f, b = self.sub if len(self.sub) == 2 else (None, None)
+            if not (isinstance(f, Action) and isinstance(b, Action) and f.kind is ActionKind.F
+                    and b.kind in (ActionKind.B, ActionKind.I)):
+                raise ValueError(f"pipeline: a pair (FB) is a forward and a backward (B or I), got {self.sub!r}; "
+                                 "make it with Action.pair(Action('F', s, i), Action('B', t, j))")
+            if (f.stage, f.microbatch) == (b.stage, b.microbatch) or (self.stage, self.microbatch) != (
+                    f.stage, f.microbatch):
+                raise ValueError(f"pipeline: pair {f!r}&{b!r} is not a forward and a backward of two (stage, "
+                                 "microbatch)s; make it with Action.pair(forward, backward) of different ones")
+        elif self.sub:
+            raise ValueError(f"pipeline: only a pair (FB) has sub-actions, not {self.kind.value}; use Action.pair")
+
+    @classmethod
+    def pair(cls, forward: Action, backward: Action) -> Action:
+        """The ``FB`` action of ``forward`` (an ``F``) and ``backward`` (a ``B`` or an ``I``) of
+        another (stage, microbatch) on the same rank. See [Note: action kinds]."""
+        return cls(ActionKind.FB, forward.stage, forward.microbatch, (forward, backward))
+
+    @property
+    def halves(self) -> tuple[Action, ...]:
+        """A pair's forward and backward; ``(self,)`` for any other action."""
+        return self.sub if self.kind is ActionKind.FB else (self,)
 
     def __repr__(self) -> str:
+        if self.kind is ActionKind.FB:
+            return "&".join(map(repr, self.sub))
         return f"{self.kind.value}{self.stage}.{self.microbatch}"

@@ -12,6 +12,8 @@ unit is one microbatch's activations of all the rank's blocks, so 1F1B's rank ``
 last rank (5 virtual-stage forwards of half its blocks each). Counting is after each action:
 the activations an action builds are counted once it is done, and not the boundary buffers
 in transit between ranks. Every registered schedule gets this model from its action lists.
+A pair (``FB``, [Note: action kinds]) counts as its forward, then its backward: the higher
+peak of the two orders the runtime may run them in.
 
 A split backward holds more than the graph between ``I`` and ``W``: the gradient that reached
 each frontier source, which ``W`` needs ([Note: split backward] in ``_split_backward.py``; for
@@ -55,7 +57,7 @@ def walk_in_flight(actions: Sequence[Action], weights: dict[int, float],
     alive: dict[int, int] = {s: 0 for s in weights}
     peak_stage = dict(alive)
     level = peak = 0.0
-    for a in actions:
+    for a in (h for x in actions for h in x.halves):
         if a.kind is ActionKind.F:
             delta, units = 1, 1.0
         elif a.kind is ActionKind.I:  # the first stage's I has no input gradient: it keeps nothing

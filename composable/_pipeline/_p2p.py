@@ -64,6 +64,14 @@ makes the other end show up after the drop, both ways round). So `drop` does not
 moves them to ``in_flight``, a list that the split owns (``PipelineSplit.in_flight``) and a
 new schedule on the split shares, where they complete whenever their message comes, or stay.
 Cost: the few buffers of the transfers left open by each failure, for as long as the split.
+
+[Note: sends held back]
+A pair's halves ([Note: forward/backward pairs] in ``_pairs.py``) may run in either order, but
+each peer expects our messages in one static order (it receives ahead by size, in that order):
+the order of our action list, a pair's forward before its backward. So a message that is ready
+before an earlier one to the same peer (a pair's backward output, when its backward ran first)
+is held (`send` keeps it) and goes out right after the earlier one; a message to another peer
+is not delayed. `wait_sends` checks that nothing is left held at the end of a step.
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from ._arrival import Watchers
 
 __all__ = ["P2P", "PeerFailed"]
 
@@ -116,6 +126,8 @@ class P2P:
         # receiving ahead: see [Note: receiving ahead]; gloo only (CPU tensors)
         self.ahead = device.type == "cpu"
         self._posted: dict[int, tuple] = {}  # peer -> (key, buffer, work) of the receive posted ahead
+        self._held: dict[int, dict[tuple, torch.Tensor]] = {}  # peer -> key -> tensor: [Note: sends held back]
+        self._watchers = Watchers()  # threads waiting on receives posted ahead, for `wait_first`
 
     def expect(self, peer: int, keys: list, sends: Sequence = ()) -> None:
         """``keys``: what ``peer`` sends us this step, in its order; ``sends``: what we send it."""
@@ -152,8 +164,18 @@ class P2P:
         if t.dtype not in _CODE:
             raise ValueError(f"pipeline: activations of dtype {t.dtype} cannot be sent between stages")
         queue = self._to_send.get(peer)
+        if queue and queue[0] != key and key in queue:  # [Note: sends held back]
+            self._held.setdefault(peer, {})[key] = t
+            return
         if not queue or queue[0] != key:
             raise RuntimeError(f"pipeline: internal error, message {key} to pp rank {peer} is out of order")
+        self._send_now(peer, key, t, queue)
+        held = self._held.get(peer)
+        while held and queue and queue[0] in held:
+            nxt = queue[0]
+            self._send_now(peer, nxt, held.pop(nxt), queue)
+
+    def _send_now(self, peer: int, key: tuple, t: torch.Tensor, queue: deque) -> None:
         channel, shape = (peer, key[0], key[1]), tuple(t.shape)
         known = self._sent.get(channel)
         if known is not None and known[0] == t.dtype and known[1] == shape:
@@ -209,7 +231,8 @@ class P2P:
                                    f"{posted[0]}, not {key}")
             buf = posted[1]
             self.flush()
-            posted[2].wait()
+            if not self._watchers.take(peer, posted[2]):  # a watcher thread waited (or raised) for us
+                posted[2].wait()
             del self._posted[peer]  # only now: if anything above raised, `drop` keeps it in flight
         else:
             buf = torch.empty(_HEADER_BYTES + _nbytes(known), dtype=torch.uint8, device=self.device)
@@ -234,18 +257,60 @@ class P2P:
         self._received[channel] = (dtype, shape)
         return out
 
+    def _take_next(self, peer: int) -> None:
+        """Receive the next message ``peer`` sends us into the buffer."""
+        queue = self._expected.get(peer)
+        if not queue:
+            raise RuntimeError(f"pipeline: internal error, no more messages expected from pp rank {peer}")
+        nxt = queue.popleft()
+        self._buffer[nxt] = self._recv_one(peer, nxt)
+        self._post_ahead(peer)
+
+    def arrived(self, peer: int, key: tuple) -> bool:
+        """Whether taking ``key`` from ``peer`` would not wait: it is buffered, or it and every
+        message before it have arrived in receives posted ahead ([Note: receiving ahead]), which
+        this takes into the buffer. False for a message not taken yet where nothing is posted
+        ahead (NCCL)."""
+        while key not in self._buffer:
+            posted = self._posted.get(peer)
+            if posted is None or not (posted[2].is_completed() or self._watchers.done(peer, posted[2])):
+                return False
+            self._take_next(peer)
+        return True
+
+    def wait_first(self, wants: Sequence[tuple[int, tuple]]) -> int:
+        """The index in ``wants`` (``(peer, key)``s, each from its own peer, with receives posted
+        ahead) of the first message to arrive ([Note: waiting for the first arrival] in ``_arrival.py``)."""
+        while True:
+            self._watchers.wake.clear()
+            for n, (peer, key) in enumerate(wants):
+                if self.arrived(peer, key):
+                    return n
+            for peer, _ in wants:
+                posted = self._posted.get(peer)
+                if posted is None:
+                    raise RuntimeError(f"pipeline: internal error, nothing posted ahead from pp rank {peer}")
+                self._watchers.watch(peer, posted[2])
+            self._watchers.wake.wait()
+
+    def sent_before(self, peer: int, a: tuple, b: tuple) -> bool:
+        """Whether ``peer`` sends us ``a`` before ``b`` (each still to come or buffered)."""
+        if a in self._buffer or b in self._buffer:
+            return a in self._buffer
+        queue = list(self._expected.get(peer, ()))
+        return a in queue and (b not in queue or queue.index(a) < queue.index(b))
+
     def recv(self, peer: int, key: tuple) -> torch.Tensor:
         """The message ``key`` from ``peer``, receiving (and buffering) the ones it sends first."""
         while key not in self._buffer:
-            queue = self._expected.get(peer)
-            if not queue:
+            if not self._expected.get(peer):
                 raise RuntimeError(f"pipeline: internal error, no message {key} expected from pp rank {peer}")
-            nxt = queue.popleft()
-            self._buffer[nxt] = self._recv_one(peer, nxt)
-            self._post_ahead(peer)
+            self._take_next(peer)
         return self._buffer.pop(key)
 
     def wait_sends(self) -> None:
+        if any(self._held.values()):
+            raise RuntimeError(f"pipeline: internal error, sends held back at the end of the step: {self._held}")
         self.flush()
         for work, _ in self._pending:
             work.wait()
@@ -259,6 +324,8 @@ class P2P:
         self._pending.clear()
         self._outbox.clear()
         self._posted.clear()
+        self._watchers.clear()
+        self._held.clear()
         self._buffer.clear()
         self._sent.clear()
         self._received.clear()

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
-from ._actions import Action
-from ._placement import check_placement
+from ._actions import Action, ActionKind
+from ._placement import check_placement, stage_rank
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "get_schedule", "one_f_one_b_bubble", "register_schedule",
            "unregister_schedule"]
@@ -85,9 +85,16 @@ class ScheduleSpec:
                              "virtual_stages=1")
 
     def actions(self, pp: int, microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
-        """The checked action list of every rank (index = rank on the ``pp`` axis)."""
+        """The checked action list of every rank (index = rank on the ``pp`` axis); ``ValueError``
+        if a pair (``FB``) holds a half of a stage its rank does not hold."""
         self.check(pp, microbatches, virtual_stages)
-        return [list(self.build(r, pp, microbatches, virtual_stages)) for r in range(pp)]
+        out = [list(self.build(r, pp, microbatches, virtual_stages)) for r in range(pp)]
+        for r, acts in enumerate(out):
+            for a in acts:
+                if a.kind is ActionKind.FB and any(stage_rank(h.stage, pp, self.placement) != r for h in a.halves):
+                    raise ValueError(f"pipeline: schedule {self.name!r} pairs {a!r} on pp rank {r}, which does not "
+                                     f"hold both stages (placement {self.placement!r}); pair two actions of one rank")
+        return out
 
 
 _REGISTRY: dict[str, ScheduleSpec] = {}

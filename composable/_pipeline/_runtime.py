@@ -9,8 +9,14 @@ inputs, and send the output of its last block on; the last stage computes
 ``loss_i / m``, the others the received gradient of their output; then the gradient of the
 stage's input goes back. ``I(s, i)`` and ``W(s, i)`` split ``B`` in two: ``I`` sends the input
 gradient back at once and keeps the graph, ``W`` later accumulates the parameters' gradients
-from it ([Note: split backward] in ``_split_backward.py``). With mean-reduced losses over equal microbatches the accumulated
-gradients are those of the whole batch on one process.
+from it ([Note: split backward] in ``_split_backward.py``). ``FB`` runs a pair: a forward and a
+backward of two other (stage, microbatch)s, in the order their inputs arrive or inside the user's
+overlap function ([Note: forward/backward pairs] in ``_pairs.py``). With mean-reduced losses over
+equal microbatches the accumulated gradients are those of the whole batch on one process.
+
+Files: this one holds `PipelineSchedule` (set-up, the messages of a step, the step and its end);
+``_bodies.py`` the body of each action kind, ``_pairs.py`` pairs, ``_step_state.py`` what a
+step's actions share.
 
 ``fully_shard`` units: one reduce-scatter per unit per step and, by default, one all-gather;
 see [Note: fully_shard units in a pipeline step] in ``_units.py``.
@@ -23,67 +29,35 @@ all-reduce, so every rank raises the same ``PipelineError`` instead of hanging.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from ._boundary import check_boundary
-from ._p2p import P2P, PeerFailed
-from ._placement import stage_rank
-from ._registry import ScheduleSpec, get_schedule
-from ._schedule import Action, ActionKind
+from ._actions import Action, ActionKind
+from ._bodies import PHASE
 from ._graph_split import SplitCache
-from ._split import StageShell
-from ._split_backward import input_grad, weight_grad
+from ._p2p import P2P, PeerFailed
+from ._pairs import OverlapFn, PairRunner
+from ._registry import ScheduleSpec, get_schedule
+from ._schedule import simulate
 from ._stages import PipelineSplit
+from ._step_state import PipelineError, StepState, agree_on_tag, capture_hook, device_of, inject_hook, split_batch
 from ._units import StageUnits
 
 __all__ = ["PipelineError", "PipelineSchedule", "RUNNABLE_KINDS"]
 
 
-class PipelineError(RuntimeError):
-    """A pipeline step failed on some rank; raised on every rank with the same message."""
-
-
-def _split_batch(x, m: int, what: str):
-    if isinstance(x, torch.Tensor):
-        if x.dim() == 0 or x.shape[0] % m:
-            n = x.shape[0] if x.dim() else 0
-            raise ValueError(f"pipeline: {what} has batch size {n}, not divisible by microbatches={m}; use a batch "
-                             f"size that is a multiple of {m}, or another number of microbatches")
-        return list(x.chunk(m, dim=0))
-    if isinstance(x, (tuple, list)):
-        parts = [_split_batch(t, m, what) if isinstance(t, torch.Tensor) else [t] * m for t in x]
-        return [tuple(p[i] for p in parts) for i in range(m)]
-    if x is None:
-        return [None] * m
-    raise TypeError(f"pipeline: {what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
-
-
-def _first_tensor(out):
-    """The tensor a block hands on: itself, or the first tensor of a tuple/list/dict output."""
-    if isinstance(out, torch.Tensor):
-        return out
-    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
-    for x in items:
-        t = _first_tensor(x)
-        if t is not None:
-            return t
-    return None
-
-
-class PipelineSchedule:
+class PipelineSchedule(PairRunner):
     """Runs training steps of a `PipelineSplit` with a schedule.
 
     Args:
         split: from `pipeline_split` (after TP / ``fully_shard`` of its stages).
         schedule: a registered schedule's name (``SCHEDULES``: ``"gpipe"``, ``"1f1b"``,
             ``"interleaved_1f1b"``, which needs ``microbatches % pp == 0``, ``"zb_h1"``, ...) or
-            a `ScheduleSpec`. Its actions are of the kinds in `RUNNABLE_KINDS` (F, B, and the
-            split backward's I and W).
+            a `ScheduleSpec`. Its actions are of the kinds in `RUNNABLE_KINDS` (F, B, the
+            split backward's I and W, and FB pairs).
         microbatches: ``m``; the batch size must be a multiple of it.
         loss_fn: ``loss_fn(output, targets) -> scalar`` on the last stage, mean-reduced over the
             microbatch (the step backpropagates ``loss / m``).
@@ -94,6 +68,12 @@ class PipelineSchedule:
         reshard_between_microbatches: free ``fully_shard`` units' gathered parameters after every
             microbatch's forward and backward (less memory, ``2 m`` all-gathers per unit per
             step) instead of keeping them gathered for the step; see [Note: fully_shard units in a pipeline step].
+        overlap: ``overlap(pair)``, called to run each forward/backward pair (``FB``) of the
+            schedule, e.g. to overlap one half's communication with the other's compute; it gets
+            a `PairHalves` and must call ``pair.forward()`` and ``pair.backward()`` once each.
+            None: the halves run one after the other, whichever's input is there first. Also
+            settable with ``register_custom_function(ActionKind.FB, fn)``. See [Note:
+            forward/backward pairs].
 
     ``step(inputs, targets)`` returns the ``m`` microbatch losses (a float64 CPU tensor, the
     same on every rank); ``last_timing`` then holds this rank's ``compute_s`` (wall time inside
@@ -101,12 +81,15 @@ class PipelineSchedule:
     on the machine disturbs less) and ``step_s``; ``last_action_times[(kind, stage)]`` the mean
     wall and CPU seconds of this rank's actions of that kind (``"F"``, ``"B"``, ``"I"``, ``"W"``)
     on that stage (for `simulate`'s ``costs``); ``last_kept_grad_bytes[stage]`` the most bytes of
-    gradients one ``I`` of the stage kept for its ``W`` (see `activations_in_flight`'s ``kept_grads``).
+    gradients one ``I`` of the stage kept for its ``W`` (see `activations_in_flight`'s ``kept_grads``);
+    ``last_pair_order`` the halves of this rank's pairs in the order they ran (a pair's halves are
+    timed under their own kinds).
     """
 
     def __init__(self, split: PipelineSplit, *, schedule: str | ScheduleSpec = "1f1b", microbatches: int,
                  loss_fn: Callable, loss_context: Callable | None = None,
-                 reduce_every_microbatch: bool = False, reshard_between_microbatches: bool = False) -> None:
+                 reduce_every_microbatch: bool = False, reshard_between_microbatches: bool = False,
+                 overlap: OverlapFn | None = None) -> None:
         if not isinstance(split, PipelineSplit):
             raise TypeError(f"PipelineSchedule: split must be the PipelineSplit that pipeline_split(model, pp_mesh) "
                             f"returns, got {type(split).__name__}; split the model first")
@@ -128,13 +111,21 @@ class PipelineSchedule:
         if kinds - RUNNABLE_KINDS:
             raise ValueError(f"pipeline: schedule {spec.name!r} uses action kinds "
                              f"{sorted(k.value for k in kinds - RUNNABLE_KINDS)}, which this runtime cannot run yet "
-                             f"(it runs {sorted(k.value for k in RUNNABLE_KINDS)}: forward and full backward); "
-                             "use a schedule of F and B actions")
+                             f"(it runs {sorted(k.value for k in RUNNABLE_KINDS)}); use a schedule of those")
         if spec.placement != split.placement:
             raise ValueError(f"pipeline: schedule {spec.name!r} places stages as {spec.placement!r} but the model was "
                              f"split with placement={split.placement!r}; split it with pipeline_split(..., "
                              f"placement={spec.placement!r})")
+        if ActionKind.FB in kinds:  # [Note: forward/backward pairs]: the halves never wait on each other
+            try:
+                simulate(self.all_actions, split.num_stages, microbatches, overlap=1.0)
+            except ValueError as exc:
+                raise ValueError(f"pipeline: schedule {spec.name!r} cannot run its pairs: {exc}") from None
         self.schedule = spec
+        self.overlap = None
+        if overlap is not None:
+            self.register_custom_function(ActionKind.FB, overlap)
+        self.last_pair_order: list[tuple[Action, Action]] = []
         self.actions = self.all_actions[split.pp_rank]
         self.stages = {st.index: st for st in split.stages}
         self.split_caches = {i: SplitCache() for i in self.stages}  # [Note: recorded graph shape]
@@ -143,24 +134,35 @@ class PipelineSchedule:
         self.last_timing: dict[str, float] = {}
         self.last_action_times: dict[tuple[str, int], tuple[float, float]] = {}
         self.last_kept_grad_bytes: dict[int, int] = {}
-        self._hooks = []
+        self._hooks: list = []
         for st in split.stages:
             blocks = list(st.blocks)
             if not st.is_first:
                 self._hooks.append(blocks[0].register_forward_pre_hook(
-                    self._make_inject(st), prepend=True, with_kwargs=True))
+                    inject_hook(st), prepend=True, with_kwargs=True))
             if not st.is_last:
-                self._hooks.append(blocks[-1].register_forward_hook(self._make_capture(st)))
+                self._hooks.append(blocks[-1].register_forward_hook(capture_hook(st)))
         self._boundary_checked: set[int] = set()
         self.last_b = {}  # stage -> index of its last action that makes parameter gradients
         for i, a in enumerate(self.actions):
-            if a.kind in (ActionKind.B, ActionKind.W):
-                self.last_b[a.stage] = i
+            for h in a.halves:
+                if h.kind in (ActionKind.B, ActionKind.W):
+                    self.last_b[h.stage] = i
         param = next((p for p in split.module.parameters()), None)
-        self.device = _device_of(param)
+        self.device = device_of(param)
         self._order: dict[int, tuple[list, list]] | None = None  # peer -> (keys it sends us, we send it)
-        self.p2p = (P2P(split.pp_group, self.device, _agree_on_tag(split.pp_group, self.device),
+        self.p2p = (P2P(split.pp_group, self.device, agree_on_tag(split.pp_group, self.device),
                         in_flight=split.in_flight) if pp > 1 else None)
+
+    def register_custom_function(self, kind: ActionKind | str, fn: OverlapFn) -> None:
+        """Run every action of ``kind`` with ``fn``; only ``ActionKind.FB`` (pairs) takes one:
+        ``fn(pair)`` as the ``overlap`` argument ([Note: forward/backward pairs])."""
+        if ActionKind(kind) is not ActionKind.FB:
+            raise ValueError(f"PipelineSchedule.register_custom_function: only pairs (ActionKind.FB) take a custom "
+                             f"function, not {ActionKind(kind).value}")
+        if not callable(fn):
+            raise TypeError(f"PipelineSchedule: the overlap function must be a callable fn(pair), got {fn!r}")
+        self.overlap = fn
 
     def close(self) -> None:
         """Remove the hooks this schedule put on the stages' first and last blocks (to build
@@ -169,30 +171,10 @@ class PipelineSchedule:
             h.remove()
         self._hooks.clear()
 
-    @staticmethod
-    def _make_inject(st):
-        def hook(mod, args, kwargs):
-            if st.slot.value is None:
-                return None
-            if not args:
-                raise RuntimeError(f"pipeline: the first block of stage {st.index} got no positional argument to "
-                                   "take the previous stage's activation")
-            return (st.slot.value, *args[1:]), kwargs
-        return hook
-
-    @staticmethod
-    def _make_capture(st):
-        def hook(mod, args, out):
-            st.slot.out = _first_tensor(out)
-        return hook
-
-    def _rank_of(self, stage: int) -> int:
-        return stage_rank(stage, self.split.pp_size, self.split.placement)
-
     def _sends_of(self, rank: int) -> list:
         """(destination rank, key) of every message rank ``rank`` sends in a step, in its order."""
         out = []
-        for a in self.all_actions[rank]:
+        for a in (h for x in self.all_actions[rank] for h in x.halves):  # a pair: its forward's first
             if a.kind.is_forward and a.stage + 1 < self.S and self._rank_of(a.stage + 1) != rank:
                 out.append((self._rank_of(a.stage + 1), ("act", a.stage + 1, a.microbatch)))
             if a.kind.gives_input_grad and a.stage > 0 and self._rank_of(a.stage - 1) != rank:
@@ -211,34 +193,26 @@ class PipelineSchedule:
             self.p2p.expect(peer, keys, sends)
 
     def _receives(self, a: Action) -> bool:
-        """Whether action ``a`` takes a message from another rank."""
+        """Whether action ``a`` (or a half of pair ``a``) takes a message from another rank."""
+        if a.kind is ActionKind.FB:
+            return any(self._receives(h) for h in a.halves)
         if a.kind is ActionKind.W:
             return False
         if a.kind.is_forward:
             return a.stage > 0 and self._rank_of(a.stage - 1) != self.split.pp_rank
         return a.stage < self.S - 1 and self._rank_of(a.stage + 1) != self.split.pp_rank
 
-    def _get(self, key, from_stage, local):
-        if self._rank_of(from_stage) == self.split.pp_rank:
-            return local.pop(key)
-        return self.p2p.recv(self._rank_of(from_stage), key)
-
-    def _put(self, key, to_stage, tensor, local):
-        if self._rank_of(to_stage) == self.split.pp_rank:
-            local[key] = tensor.detach()
-        else:
-            self.p2p.send(self._rank_of(to_stage), key, tensor)
-
     def step(self, inputs, targets=None) -> torch.Tensor:
         """One training step (forward and backward of every microbatch); gradients accumulate into
         ``.grad`` as ``loss.backward()`` would. See [Note: one pipeline step]."""
         if self.broken:
             raise PipelineError(f"pipeline: a previous step failed ({self.broken}); build a new PipelineSchedule")
-        mb_in = _split_batch(inputs, self.m, "inputs")
-        mb_tg = _split_batch(targets, self.m, "targets")
+        mb_in = split_batch(inputs, self.m, "inputs")
+        mb_tg = split_batch(targets, self.m, "targets")
         if self.p2p is not None:
             self._expect()
         losses = torch.zeros(self.m, dtype=torch.float64)
+        self.last_pair_order = []
         units = StageUnits({i: st.module for i, st in self.stages.items()},
                            keep=not self.reshard_between_microbatches, every_microbatch=self.reduce_every_microbatch)
         t_start = time.perf_counter()
@@ -261,11 +235,11 @@ class PipelineSchedule:
         """Run this rank's action list, dispatching on each action's `ActionKind`; returns (the
         error text or None, (compute s, compute CPU s))."""
         run = {ActionKind.F: self._forward, ActionKind.B: self._backward, ActionKind.I: self._input_grad,
-               ActionKind.W: self._weight_grad}
-        step = _StepState(mb_in, mb_tg, losses, units)
+               ActionKind.W: self._weight_grad, ActionKind.FB: self._pair}
+        step = StepState(mb_in, mb_tg, losses, units)
         error = None
         for idx, a in enumerate(self.actions):
-            step.x = None
+            step.x, step.current = None, None
             try:
                 if self.p2p is not None and not self._receives(a):
                     self.p2p.flush()  # see [Note: messages between stages]
@@ -276,97 +250,15 @@ class PipelineSchedule:
                 break
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 first = (str(exc).strip().splitlines() or [""])[0]
-                error = (f"pipeline stage {a.stage} (pp rank {self.split.pp_rank}) failed in "
-                         f"{_PHASE[a.kind]} of microbatch {a.microbatch}: {type(exc).__name__}: {first}")
-                if a.kind is ActionKind.F and isinstance(step.x, torch.Tensor):
-                    error += (f" (its input, from stage {a.stage - 1}, has shape {tuple(step.x.shape)} and dtype "
+                cur = step.current or a
+                error = (f"pipeline stage {cur.stage} (pp rank {self.split.pp_rank}) failed in "
+                         f"{PHASE[cur.kind]} of microbatch {cur.microbatch}: {type(exc).__name__}: {first}")
+                if cur.kind is ActionKind.F and isinstance(step.x, torch.Tensor):
+                    error += (f" (its input, from stage {cur.stage - 1}, has shape {tuple(step.x.shape)} and dtype "
                               f"{step.x.dtype}: check that stage boundaries carry what the next block takes)")
                 self._notify(error)
                 break
         return error, (step.compute, step.cpu, step.per_action, step.kept)
-
-    def _forward(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
-        """``F(s, i)``: receive (or take) the input, run the stage shell, send the output or
-        compute the loss; see [Note: one pipeline step]."""
-        x = None
-        if not st.is_first:
-            x = self._get(("act", a.stage, a.microbatch), a.stage - 1, step.local)
-            x = x.detach().requires_grad_(x.is_floating_point())
-        step.x = x
-        t0, c0 = time.perf_counter(), time.thread_time()
-        st.slot.value, st.slot.out = x, None
-        args = step.mb_in[a.microbatch]
-        out = st.module(*(args if isinstance(args, tuple) else (args,)))
-        st.slot.value = None
-        if st.is_last:
-            ctx = self.loss_context() if self.loss_context else _null()
-            with ctx:
-                loss = self.loss_fn(out, step.mb_tg[a.microbatch])
-            step.saved[(a.stage, a.microbatch)] = (x, loss)
-            value = loss.detach()
-            value = value.full_tensor() if hasattr(value, "full_tensor") else value
-            step.losses[a.microbatch] = float(value)
-            step.timed(t0, c0, a)
-            return
-        y = st.slot.out
-        if not isinstance(y, torch.Tensor):
-            raise TypeError(f"the last block of stage {a.stage} returned no tensor; a pipeline "
-                            "boundary carries one tensor (the hidden state)")
-        if a.stage not in self._boundary_checked:  # [Note: work between blocks], first step only
-            check_boundary(a.stage, _first_tensor(out), y)
-            self._boundary_checked.add(a.stage)
-        step.saved[(a.stage, a.microbatch)] = (x, y)
-        step.timed(t0, c0, a)
-        self._put(("act", a.stage + 1, a.microbatch), a.stage + 1, y, step.local)
-
-    def _backward(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
-        """``B(s, i)``: backpropagate ``loss_i / m`` (last stage) or the received gradient of the
-        stage's output, then send the gradient of its input back."""
-        x, y = step.saved.pop((a.stage, a.microbatch))
-        g = None
-        if not st.is_last:
-            g = self._get(("grad", a.stage, a.microbatch), a.stage + 1, step.local)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        step.units.before_backward(a.stage, self.last_b[a.stage] == idx)
-        if st.is_last:
-            ctx = self.loss_context() if self.loss_context else _null()
-            with ctx:
-                torch.autograd.backward(y / self.m)
-        else:
-            torch.autograd.backward(y, g)
-        step.timed(t0, c0, a)
-        if not st.is_first:
-            if x is None or x.grad is None:
-                raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
-            self._put(("grad", a.stage - 1, a.microbatch), a.stage - 1, x.grad, step.local)
-
-    def _input_grad(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
-        """``I(s, i)``: the gradient of the stage's input only, sent back at once; the graph is
-        kept for ``W(s, i)`` ([Note: split backward])."""
-        x, y = step.saved.pop((a.stage, a.microbatch))
-        g = None if st.is_last else self._get(("grad", a.stage, a.microbatch), a.stage + 1, step.local)
-        t0, c0 = time.perf_counter(), time.thread_time()
-        step.units.before_input_grad(a.stage)
-        with self.loss_context() if st.is_last and self.loss_context else _null():
-            gx, pending = input_grad([y / self.m] if st.is_last else [y], [g], x, self.split_caches[a.stage])
-        step.pending[(a.stage, a.microbatch)] = (x, pending)
-        step.timed(t0, c0, a)
-        step.kept[a.stage] = max(step.kept.get(a.stage, 0), pending.kept_bytes())
-        if not st.is_first:
-            if gx is None:
-                raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
-            self._put(("grad", a.stage - 1, a.microbatch), a.stage - 1, gx, step.local)
-
-    def _weight_grad(self, idx: int, a: Action, st: StageShell, step: _StepState) -> None:
-        """``W(s, i)``: the parameters' gradients from what ``I(s, i)`` kept; after the stage's
-        last, its units reduce ([Note: fully_shard units in a pipeline step])."""
-        x, pending = step.pending.pop((a.stage, a.microbatch))
-        t0, c0 = time.perf_counter(), time.thread_time()
-        step.units.before_weight_grad(a.stage, self.last_b[a.stage] == idx)
-        with self.loss_context() if st.is_last and self.loss_context else _null():
-            weight_grad(pending, x)
-        step.units.after_weight_grad(a.stage)
-        step.timed(t0, c0, a)
 
     def _notify(self, text: str) -> None:
         if self.p2p is None:
@@ -407,59 +299,5 @@ class PipelineSchedule:
         self.last_kept_grad_bytes = dict(compute[3])
 
 
-_PHASE = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "input-gradient backward",
-          ActionKind.W: "weight-gradient backward"}
-RUNNABLE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+RUNNABLE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.FB})
 """The action kinds this runtime executes; a schedule with others is refused when it is built."""
-
-
-class _StepState:
-    """What the actions of one step share: the microbatches, losses, saved activations, local
-    hand-offs between stages of this rank, and the compute time so far."""
-
-    def __init__(self, mb_in: list, mb_tg: list, losses: torch.Tensor, units: StageUnits) -> None:
-        self.mb_in, self.mb_tg, self.losses, self.units = mb_in, mb_tg, losses, units
-        self.local: dict = {}
-        self.saved: dict = {}
-        self.pending: dict = {}  # (stage, microbatch) -> what I kept for W
-        self.x: torch.Tensor | None = None  # the current forward's input, for the error message
-        self.compute = self.cpu = 0.0
-        self.per_action: dict[tuple[str, int], list[float]] = {}  # (kind, stage) -> [wall s, CPU s, count]
-        self.kept: dict[int, int] = {}  # stage -> most bytes of gradients one I kept for its W
-
-    def timed(self, t0: float, c0: float, a: Action) -> None:
-        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-        self.compute += wall
-        self.cpu += cpu
-        acc = self.per_action.setdefault((a.kind.value, a.stage), [0.0, 0.0, 0])
-        acc[0] += wall
-        acc[1] += cpu
-        acc[2] += 1
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _agree_on_tag(group, device: torch.device) -> int:
-    """A random message tag for a new schedule, drawn by the group's first rank and broadcast
-    (see [Note: messages between stages]). The broadcast is also the group's first collective:
-    NCCL needs every rank of a group in its first batched point-to-point call, and a collective
-    first sets up the group's communicator on all of them."""
-    tag = torch.tensor([int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1], dtype=torch.int64)
-    tag = tag.to(device)
-    dist.broadcast(tag, group=group, group_src=0)
-    return int(tag.item())
-
-
-def _device_of(param) -> torch.device:
-    if param is None:
-        return torch.device("cpu")
-    local = param.to_local() if hasattr(param, "to_local") else param
-    if local.device.type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return local.device

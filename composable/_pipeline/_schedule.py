@@ -8,7 +8,10 @@ dependencies are those of [Note: action kinds] in ``_actions.py``: ``F(s, i)`` n
 order; sends never block (they are asynchronous), a receive waits for the producing action.
 `simulate` replays that rule with unit times and so proves a schedule deadlock-free and gives
 its bubble: with forward time 1 and backward time 2, GPipe and 1F1B take ``3 (m + p - 1)`` per
-step, bubble ``(p - 1) / (m + p - 1)``; interleaving divides the bubble by about ``v``.
+step, bubble ``(p - 1) / (m + p - 1)``; interleaving divides the bubble by about ``v``. Where
+a pair's (``FB``) halves run in the order their inputs arrive, as in the runtime, it replays in
+time order instead (of every rank's next half whose inputs are known, the one that starts
+first). With ``comm_time`` a message between ranks arrives that long after its action ends.
 
 A schedule is a `ScheduleSpec` in the registry (``_registry.py``); the built-in ones are one
 file each (``_schedule_gpipe.py``, ``_schedule_1f1b.py``, ``_schedule_interleaved_1f1b.py``, the
@@ -37,7 +40,9 @@ def build_schedule(schedule: str | ScheduleSpec, pp: int, microbatches: int,
 
 def dependencies(a: Action, num_stages: int, split: set[tuple[int, int]]) -> list[Action]:
     """The actions ``a`` waits for ([Note: action kinds]); ``split``: the ``(stage, microbatch)``
-    pairs whose backward is split into I and W."""
+    pairs whose backward is split into I and W. A pair (``FB``) waits for what its halves wait for."""
+    if a.kind is ActionKind.FB:
+        return [d for h in a.halves for d in dependencies(h, num_stages, split)]
     s, i = a.stage, a.microbatch
     if a.kind is ActionKind.F:
         return [Action(ActionKind.F, s - 1, i)] if s > 0 else []
@@ -51,7 +56,7 @@ def dependencies(a: Action, num_stages: int, split: set[tuple[int, int]]) -> lis
 
 def _check_complete(got: list[Action], num_stages: int, microbatches: int) -> set[tuple[int, int]]:
     """The split pairs; ``ValueError`` unless every (stage, microbatch) has one F and either one B
-    or one I and one W."""
+    or one I and one W. ``got``: the actions, pairs already cut into their halves."""
     split = {(a.stage, a.microbatch) for a in got if a.kind is ActionKind.I}
     want = set()
     for s in range(num_stages):
@@ -66,27 +71,50 @@ def _check_complete(got: list[Action], num_stages: int, microbatches: int) -> se
 
 def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches: int, *, f_time: float = 1.0,
              b_time: float = 2.0, w_time: float | None = None,
-             costs: Mapping[tuple[str, int], float] | None = None,
-             comm_time: float = 0.0) -> tuple[float, list[float]]:
+             costs: Mapping[tuple[str, int], float] | None = None, comm_time: float = 0.0,
+             overlap: float | None = None) -> tuple[float, list[float]]:
     """Run the per-rank lists with the dependency rule of [Note: schedules]; return the makespan
     and each rank's busy time. A split backward takes ``b_time - w_time`` for I and ``w_time``
     for W (default: half each). ``costs[(kind, stage)]`` (kind ``"F"``, ``"B"``, ``"I"`` or
     ``"W"``), where given, is the duration of that kind of action on that stage instead (e.g.
     measured ones: `PipelineSchedule.last_action_times`). ``comm_time``: a message between two
-    ranks arrives that long after the action producing it ends (a hand-off between two stages of
-    one rank takes none). Raises ``ValueError`` on a deadlock, a missing or repeated action."""
+    ranks arrives that long after the action that makes it ends (a hand-off between two stages
+    of one rank takes no time). Raises ``ValueError`` on a deadlock, a missing or repeated action.
+
+    Pairs (``FB``, [Note: action kinds]): by default as `PipelineSchedule` runs them without an
+    overlap function, the halves one after the other, the one whose inputs are there first going
+    first (a tie: the forward), each half's output leaving when that half ends; a pair costs its
+    halves' costs. ``overlap`` (in ``[0, 1]``) models an overlap function instead: the pair starts
+    once both halves' inputs are there, lasts ``f + b - overlap * min(f, b)`` (1: the shorter
+    half hidden behind the longer), and both outputs leave at its end. Either way, a pair whose
+    halves wait on each other is refused ([Note: forward/backward pairs] in ``_pairs.py``)."""
+    if overlap is not None and not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"simulate: overlap={overlap!r}; it is the fraction of a pair's shorter half hidden, in "
+                         "[0, 1] (None: the halves one after the other)")
+    if not comm_time >= 0:
+        raise ValueError(f"simulate: comm_time={comm_time!r}; it is a duration, >= 0")
     w = b_time / 2 if w_time is None else w_time
     unit = {ActionKind.F: f_time, ActionKind.B: b_time, ActionKind.I: b_time - w, ActionKind.W: w}
     given = costs or {}
-    cost = {(k, s): given.get((k.value, s), unit[k]) for k in ActionKind for s in range(num_stages) if k in unit}
-    got = [a for acts in actions for a in acts]
+    cost = {(k, s): given.get((k.value, s), t) for k, t in unit.items() for s in range(num_stages)}
+    got = [h for acts in actions for a in acts for h in a.halves]
     split = _check_complete(got, num_stages, microbatches)
-    owner = {a.stage: r for r, acts in enumerate(actions) for a in acts}
+    if overlap is not None or not any(a.kind is ActionKind.FB for acts in actions for a in acts):
+        return _sweep(actions, num_stages, split, cost, comm_time, overlap or 0.0)
+    _sweep(actions, num_stages, split, cost, comm_time, 1.0)  # refuses pairs that wait on each other
+    return _replay(actions, num_stages, split, cost, comm_time)
+
+
+def _sweep(actions: Sequence[Sequence[Action]], num_stages: int, split: set[tuple[int, int]],
+           cost: Mapping[tuple[ActionKind, int], float], comm_time: float,
+           overlap: float) -> tuple[float, list[float]]:
+    """`simulate` of lists whose order is fixed (no pair, or each pair's halves run together):
+    sweep the ranks, each running its list as far as the inputs are there; a start time is
+    then the same whatever the sweep's order ([Note: schedules])."""
+    rank_of = {h: r for r, acts in enumerate(actions) for a in acts for h in a.halves}
     done: dict[Action, float] = {}
-    pos = [0] * len(actions)
-    clock = [0.0] * len(actions)
-    busy = [0.0] * len(actions)
-    remaining = len(got)
+    pos, clock, busy = [0] * len(actions), [0.0] * len(actions), [0.0] * len(actions)
+    remaining = sum(len(acts) for acts in actions)
     while remaining:
         progressed = False
         for r, acts in enumerate(actions):
@@ -95,15 +123,72 @@ def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches:
                 deps = dependencies(a, num_stages, split)
                 if any(d not in done for d in deps):
                     break
-                start = max([clock[r], *(done[d] + (comm_time if owner[d.stage] != r else 0.0) for d in deps)])
-                done[a] = clock[r] = start + cost[a.kind, a.stage]
-                busy[r] += cost[a.kind, a.stage]
+                start = max([clock[r], *(done[d] + (comm_time if rank_of[d] != r else 0.0) for d in deps)])
+                if a.kind is ActionKind.FB:
+                    f, b = (cost[h.kind, h.stage] for h in a.halves)
+                    took = f + b - overlap * min(f, b)
+                else:
+                    took = cost[a.kind, a.stage]
+                for h in a.halves:
+                    done[h] = start + took
+                clock[r] = start + took
+                busy[r] += took
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             stuck = {r: acts[pos[r]] for r, acts in enumerate(actions) if pos[r] < len(acts)}
+            together = " when each pair's halves run together (a pair's halves must not wait on each other)" if any(
+                a.kind is ActionKind.FB for a in stuck.values()) else ""
+            raise ValueError(f"schedule deadlocks{together}: ranks wait on {stuck}")
+    return max(clock), busy
+
+
+def _replay(actions: Sequence[Sequence[Action]], num_stages: int, split: set[tuple[int, int]],
+            cost: Mapping[tuple[ActionKind, int], float], comm_time: float) -> tuple[float, list[float]]:
+    """`simulate` of lists with pairs whose halves run in arrival order: commit, of every rank's
+    next half whose inputs are known, the one that starts first (a tie: the lower rank).
+    Whatever is not committed yet waits for something that ends no earlier, so a pair's half
+    that waits cannot have been ready before the half committed first. A rank's next step,
+    once known, changes only when that rank commits, or, in a pair, when its other half gets ready."""
+    rank_of = {h: r for r, acts in enumerate(actions) for a in acts for h in a.halves}
+    deps_of = {h: dependencies(h, num_stages, split) for h in rank_of}
+    done: dict[Action, float] = {}
+    n = len(actions)
+    pos, clock, busy = [0] * n, [0.0] * n, [0.0] * n
+
+    def candidate(r: int) -> tuple[float, Action] | None:
+        """(start, half) of rank ``r``'s next half to run, if its inputs are known."""
+        if pos[r] == len(actions[r]):
+            return None
+        best: tuple[float, Action] | None = None
+        for h in actions[r][pos[r]].halves:
+            if h in done or any(d not in done for d in deps_of[h]):
+                continue
+            t = max([0.0, *(done[d] + (comm_time if rank_of[d] != r else 0.0) for d in deps_of[h])])
+            if best is None or t < best[0]:
+                best = (t, h)
+        return None if best is None else (max(clock[r], best[0]), best[1])
+
+    cands = [candidate(r) for r in range(n)]
+    remaining = len(rank_of)
+    while remaining:
+        live = [(c[0], r) for r, c in enumerate(cands) if c is not None]
+        if not live:
+            stuck = {r: actions[r][pos[r]] for r in range(n) if pos[r] < len(actions[r])}
             raise ValueError(f"schedule deadlocks: ranks wait on {stuck}")
+        start, r = min(live)
+        c = cands[r]
+        assert c is not None
+        h = c[1]
+        done[h] = clock[r] = start + cost[h.kind, h.stage]
+        busy[r] += cost[h.kind, h.stage]
+        remaining -= 1
+        if all(x in done for x in actions[r][pos[r]].halves):
+            pos[r] += 1
+        for q in range(n):
+            if q == r or cands[q] is None or (pos[q] < len(actions[q]) and actions[q][pos[q]].kind is ActionKind.FB):
+                cands[q] = candidate(q)
     return max(clock), busy
 
 

@@ -2,17 +2,22 @@
 
 Two stages per rank in a V ([Note: stage placement]: rank ``r`` holds ``r`` and ``2 p - 1 - r``),
 ``m >= 2 p``. Rank ``r``'s list, in eight phases: ``2 (p - r - 1)`` forwards of its first stage;
-``r + 1`` pairs of forwards (first stage, then second); ``p - r - 1`` rounds of "input gradient
+``r + 1`` rounds of two forwards (first stage, then second); ``p - r - 1`` rounds of "input gradient
 of the second stage, one pending weight gradient, a forward of the second stage"; the steady
-state of ``m - 2 p + r + 1`` rounds of two forward/backward pairs — (forward of the first stage,
-full backward of the second) and (forward of the second, full backward of the first): DualPipe
-overlaps the two halves of a pair on a GPU, this runtime runs them one after the other, the
-forward first; ``p - r - 1`` rounds of a backward of the second stage and a (second-stage
-forward, first-stage backward) pair; ``r + 1`` backward pairs (second stage, then first), whose
-later half splits into ``I`` and deferred ``W`` (from the middle, on the first stage first on
-even ranks, on the second on odd ones); ``p - r - 1`` rounds of a pending ``W`` and a backward of
-the first stage; then the remaining ``W``s. Activations: at most ``2 p`` microbatch-stages per
-rank (1F1B's peak) up to one; `simulate` proves the lists deadlock-free for every ``p``, ``m``.
+state of ``m - 2 p + r + 1`` rounds of two forward/backward pairs, each one ``FB`` action
+([Note: action kinds]) — (forward of the first stage, full backward of the second) and (forward
+of the second, full backward of the first); ``p - r - 1`` rounds of a backward of the second
+stage and a (second-stage forward, first-stage backward) ``FB`` pair; ``r + 1`` rounds of two
+backwards (second stage, then first; two actions, not a pair), whose later half splits into
+``I`` and deferred ``W`` (from the middle, on the first stage first on even ranks, on the second
+on odd ones); ``p - r - 1`` rounds of a pending ``W`` and a backward of the first stage; then
+the remaining ``W``s. An ``FB`` pair's halves never wait on each other, so an overlap function
+can run them together (DualPipe overlaps one half's all-to-all with the other's compute:
+`PipelineSchedule`'s ``overlap``); without one the runtime runs them one after the other, the
+one whose input is there first going first ([Note: forward/backward pairs] in ``_pairs.py``).
+Activations: at most ``2 p`` microbatch-stages per rank (1F1B's peak) up to one; `simulate`
+proves the lists deadlock-free for every ``p``, ``m``, with the pairs' halves in either order or
+run together.
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ def _build(rank: int, pp: int, m: int, v: int) -> list[Action]:
         else:
             acts.append(Action(ActionKind.B, s, i))
 
+    def pair(f: int, b: int) -> None:  # an FB action: forward of stage f, full backward of stage b
+        forward(f)
+        backward(b, False)
+        acts[-2:] = [Action.pair(acts[-2], acts[-1])]
+
     def one_weight() -> None:
         if weights:
             acts.append(weights.popleft())
@@ -59,15 +69,12 @@ def _build(rank: int, pp: int, m: int, v: int) -> list[Action]:
         backward(second, True)
         one_weight()
         forward(second)
-    for k in range(m - 2 * pp + rank + 1):
-        forward(first)  # pair: forward of the first stage, backward of the second
-        backward(second, False)
-        forward(second)  # pair: forward of the second stage, backward of the first
-        backward(first, False)
+    for _ in range(m - 2 * pp + rank + 1):
+        pair(first, second)
+        pair(second, first)
     for _ in range(cool):
         backward(second, False)
-        forward(second)
-        backward(first, False)
+        pair(second, first)
     split = False
     half = (rank + 1) // 2
     for k in range(rank + 1):

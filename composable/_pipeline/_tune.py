@@ -23,10 +23,10 @@ __all__ = ["retune"]
 
 def retune(schedule: PipelineSchedule, *, costs: Mapping[tuple[str, int], float] | None = None,
            comm_time: float = 0.0, clock: str = "wall") -> PipelineSchedule:
-    """A `PipelineSchedule` like ``schedule`` (same split, microbatches, loss and settings) whose
-    action lists fit ``costs`` (default: ``schedule``'s last step, gathered from every pp rank;
-    ``clock`` ``"wall"`` or ``"cpu"`` picks which of `PipelineSchedule.last_action_times`);
-    ``comm_time``: seconds per message between ranks. ``schedule`` is closed. See
+    """A `PipelineSchedule` like ``schedule`` (same split, microbatches, loss and settings, its
+    overlap function too) whose action lists fit ``costs`` (default: ``schedule``'s last step,
+    gathered from every pp rank; ``clock`` ``"wall"`` or ``"cpu"`` picks which of
+    `PipelineSchedule.last_action_times`); ``comm_time``: seconds per message between ranks. ``schedule`` is closed. See
     [Note: schedules tuned to measured costs]."""
     if clock not in ("wall", "cpu"):
         raise ValueError(f"retune: clock={clock!r}; use 'wall' or 'cpu'")
@@ -45,4 +45,5 @@ def retune(schedule: PipelineSchedule, *, costs: Mapping[tuple[str, int], float]
     return PipelineSchedule(split, schedule=tuned, microbatches=schedule.m, loss_fn=schedule.loss_fn,
                             loss_context=schedule.loss_context,
                             reduce_every_microbatch=schedule.reduce_every_microbatch,
-                            reshard_between_microbatches=schedule.reshard_between_microbatches)
+                            reshard_between_microbatches=schedule.reshard_between_microbatches,
+                            overlap=schedule.overlap)
