@@ -37,6 +37,11 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
    measured step (`retune`: [Note: schedules tuned to measured costs]), against torch's schedule
    of the same name where there is one and against shardwise ``1f1b``, steps alternating.
 
+7. ``order`` (p=2): torch's own ``zbv`` / ``interleaved_zb`` list (its ``pipeline_order``) replayed
+   in shardwise's runtime, against torch running it and against shardwise's registered and
+   refitted lists (what separates runtime from order), with `simulate`'s makespans of the three
+   lists under the registered run's measured times.
+
 On a machine with fewer cores than ranks the ranks share cores: wall times then mostly measure
 the total work, and the measured bubble includes time a rank waits for a core.
 """
@@ -286,6 +291,56 @@ def bench_tuned(rank, world, args):
     return out
 
 
+def _torch_lists(theirs, S: int) -> list[list]:
+    """torch's schedule's own per-rank order (``pipeline_order``) as shardwise actions."""
+    out = []
+    for r in range(len(theirs.pipeline_order)):
+        out.append([sw.Action(a.computation_type.value, a.stage_index, a.microbatch_index)
+                     for a in theirs.pipeline_order[r] if a is not None])
+    return out
+
+
+def bench_order(rank, world, args):
+    """Part 7 (p=2): torch's own list for a schedule replayed in shardwise's runtime (a registered
+    copy of the spec whose lists are torch's ``pipeline_order``), against torch running it, and
+    against shardwise's registered and refitted lists; steps alternate."""
+    import dataclasses
+
+    torch.set_num_threads(1)
+    cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)
+    m = args.microbatches
+    x, y = _batch(cfg, args.batch, args.seq, 1)
+    out: dict = {}
+    for schedule in [s for s in args.schedules.split(",") if s in ("zbv", "interleaved_zb")]:
+        mine, theirs = _theirs(cfg, 2, m, schedule)
+        lists = _torch_lists(theirs, 2 * _v(schedule))
+        sw.register_schedule(dataclasses.replace(sw.get_schedule(schedule), name=f"torch_{schedule}",
+                                                 build=lambda r, pp, mm, v, lists=lists: list(lists[r])), replace=True)
+        plain, replay, tuned = (_ours(cfg, 2, m, n) for n in (schedule, f"torch_{schedule}", schedule))
+        for _ in range(2):
+            tuned.step(x, y)
+        tuned = sw.retune(tuned)
+        runs = {"registered": lambda: plain.step(x, y), "torch_list": lambda: replay.step(x, y),
+                "tuned": lambda: tuned.step(x, y), "torch": lambda: _run_theirs(mine, theirs, x, y, 2 * _v(schedule))}
+        for _ in range(2):
+            for fn in runs.values():
+                fn()
+        times: dict = {k: [] for k in runs}
+        for _ in range(args.reps):
+            for k, fn in runs.items():
+                times[k].append(_timed(fn))
+        res = {f"{k}/torch": statistics.median(p / q for p, q in zip(v, times["torch"])) for k, v in times.items()
+               if k != "torch"}
+        wall = _action_costs(plain, 0)
+        res["simulated_s"] = {k: sw.simulate(acts, 2 * _v(schedule), m, costs=wall)[0] for k, acts in
+                              (("registered", plain.all_actions), ("torch_list", lists), ("tuned", tuned.all_actions))}
+        out[f"order_{schedule}_p2_m{m}"] = res
+        for sch in (plain, replay, tuned):
+            sch.close()
+        sw.unregister_schedule(f"torch_{schedule}")
+    return out
+
+
 def _saved_bytes_per_microbatch(sched, x, y) -> float:
     """Bytes autograd saves for one microbatch on this rank (distinct storages, parameters not
     counted): one step under a counting ``saved_tensors_hooks``, divided by ``m``."""
@@ -391,7 +446,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", default="1f1b,zbv,interleaved_zb,dualpipev", help="part 1: comma list")
-    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split, tuned")
+    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split, tuned, order")
     p.add_argument("--worlds", default="2,4", help="part 2: comma list of rank counts (= pp)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -406,6 +461,8 @@ def main():
             res.update(r)
     if "split" in parts:
         res.update(bench_split(args))
+    if "order" in parts:
+        res.update(run_ranks(bench_order, 2, args, timeout=1800)[0])
     if "tuned" in parts:
         res.update(run_ranks(bench_tuned, 2, args, timeout=1800)[0])
     if "gain" in parts:
