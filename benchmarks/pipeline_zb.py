@@ -250,6 +250,19 @@ def bench_gain(rank, world, args):
     return out
 
 
+def _alternate(runs: dict, reps: int) -> dict:
+    """Two untimed rounds of every step function, then ``reps`` timed rounds, the steps of each
+    round in turn (`_timed`); the wall times by name."""
+    for _ in range(2):
+        for fn in runs.values():
+            fn()
+    times: dict = {k: [] for k in runs}
+    for _ in range(reps):
+        for k, fn in runs.items():
+            times[k].append(_timed(fn))
+    return times
+
+
 def bench_tuned(rank, world, args):
     """Part 6 (p=2): each tunable schedule as registered, and refitted to its own measured step
     (`retune`, wall times, ``comm_time`` = the measured message latency), against torch's class of
@@ -271,13 +284,7 @@ def bench_tuned(rank, world, args):
         if schedule in _TORCH:
             mine, theirs = _theirs(cfg, 2, m, schedule)
             runs["torch"] = lambda: _run_theirs(mine, theirs, x, y, 2 * _v(schedule))
-        for _ in range(2):
-            for fn in runs.values():
-                fn()
-        times: dict = {k: [] for k in runs}
-        for _ in range(args.reps):
-            for k, fn in runs.items():
-                times[k].append(_timed(fn))
+        times = _alternate(runs, args.reps)
         ratio = lambda a, b: statistics.median(p / q for p, q in zip(times[a], times[b]))  # noqa: E731
         res = {k: statistics.median(v) for k, v in times.items()}
         res.update({"tuned/registered": ratio("tuned", "registered"), "tuned/1f1b": ratio("tuned", "1f1b"),
@@ -322,13 +329,7 @@ def bench_order(rank, world, args):
         tuned = sw.retune(tuned)
         runs = {"registered": lambda: plain.step(x, y), "torch_list": lambda: replay.step(x, y),
                 "tuned": lambda: tuned.step(x, y), "torch": lambda: _run_theirs(mine, theirs, x, y, 2 * _v(schedule))}
-        for _ in range(2):
-            for fn in runs.values():
-                fn()
-        times: dict = {k: [] for k in runs}
-        for _ in range(args.reps):
-            for k, fn in runs.items():
-                times[k].append(_timed(fn))
+        times = _alternate(runs, args.reps)
         res = {f"{k}/torch": statistics.median(p / q for p, q in zip(v, times["torch"])) for k, v in times.items()
                if k != "torch"}
         wall = _action_costs(plain, 0)
