@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import copy
 import time
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shardwise.composable import (Action, ActionKind, PipelineError, PipelineSchedule, ScheduleSpec,
-                                  activations_in_flight, build_schedule, get_schedule, pipeline_split, register_schedule,
-                                  simulate, stage_rank, unregister_schedule)
+                                  activations_in_flight, build_schedule, get_schedule, pipeline_split, simulate,
+                                  stage_rank)
 from tests._dist import run_ranks
 from tests.test_pipeline import _check, _run
-from tests.test_pipeline_registry import Chain
+from tests.test_pipeline_registry import Chain, _registered
 
 FB = ActionKind.FB
 
@@ -134,15 +133,6 @@ def test_simulate_runs_the_half_that_is_ready_first():
     got = simulate(list(v_grad_first), 4, 2, comm_time=0.5)
     assert got == simulate(_unpaired(list(v_grad_first), True), 4, 2, comm_time=0.5)
     assert got[0] < simulate(_unpaired(list(v_grad_first), False), 4, 2, comm_time=0.5)[0]
-
-
-@contextmanager
-def _registered(spec: ScheduleSpec):
-    register_schedule(spec)
-    try:
-        yield spec
-    finally:
-        unregister_schedule(spec.name)
 
 
 def _v_schedule(rank: int, pp: int, m: int, v: int, first: str = "grad") -> list[Action]:
