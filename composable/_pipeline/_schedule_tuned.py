@@ -33,6 +33,7 @@ from ._actions import Action, ActionKind
 from ._registry import ScheduleSpec, get_schedule
 from ._schedule import simulate
 from ._schedule_greedy import greedy_lists
+from ._schedule_zbv import izb_cap, zbv_cap
 
 __all__ = ["PREFERENCES", "TUNABLE_SCHEDULES", "tune_schedule"]
 
@@ -42,9 +43,9 @@ PREFERENCES = ("IFW", "IWF", "FIW")
 
 def _caps(name: str, pp: int, m: int, v: int) -> tuple[str, Callable[[int], int]]:
     if name == "zbv":
-        return "v", lambda r: 2 * pp
+        return "v", zbv_cap(pp, m, v)
     if name == "interleaved_zb":
-        return "loop", lambda r: max(v, min(2 * (pp - r - 1) + (v - 1) * pp + 1, v * m))
+        return "loop", izb_cap(pp, m, v)
     return "loop", lambda r: pp  # zb_h1: at most p microbatches alive, 1F1B's worst rank
 
 
@@ -76,7 +77,7 @@ def tune_schedule(schedule: str | ScheduleSpec, pp: int, microbatches: int, virt
     if bad or not comm_time >= 0:
         raise ValueError(f"pipeline: tune_schedule costs and comm_time must be >= 0 seconds (bad: {bad or comm_time})")
     placement, cap = _caps(base.name, pp, microbatches, v)
-    candidates, spans = [base.actions(pp, microbatches, v)], []
+    candidates = [base.actions(pp, microbatches, v)]
     for prefer in PREFERENCES:
         for reserve in (False, True):
             try:
