@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.composable._pipeline import _split_backward
-from shardwise.composable._pipeline._compat import weight_grads_of
+from shardwise.composable._pipeline._compat import bind_weight_grads, weight_grads_of
 from shardwise.composable._pipeline._graph_split import SplitCache, graph_split, number
 from shardwise.composable._pipeline._split_backward import input_grad, weight_grad
 
@@ -68,13 +68,21 @@ def _split(net, xs, gs, cache, branches=None):
 
 
 def _count_direct(monkeypatch):
-    """Count ``weight_grads_of`` answers: computed directly / left to the engine."""
+    """Count how the sources' weight gradients are found: bound in ``I`` / computed directly in
+    ``W`` (``direct``), or left to the engine."""
     seen = {"direct": 0, "engine": 0}
+
+    def bind_spy(*args, **kw):
+        got = bind_weight_grads(*args, **kw)
+        if got is not None:
+            seen["direct"] += 1
+        return got
 
     def spy(*args):
         got = weight_grads_of(*args)
         seen["engine" if got is None else "direct"] += 1
         return got
+    monkeypatch.setattr(_split_backward, "bind_weight_grads", bind_spy)
     monkeypatch.setattr(_split_backward, "weight_grads_of", spy)
     return seen
 
@@ -163,7 +171,7 @@ def test_kept_bytes_counts_each_kept_gradient_once():
     net = Net(4, 6, bias=True)
     x = torch.randn(2, 3, 4, requires_grad=True)
     _, pending = input_grad([net(x)], [torch.randn(2, 3, 4)], x)
-    grads = {id(g): g for _, gs in pending.sources for g in gs or () if g is not None}
+    grads = {id(g): g for *_, gs in pending.sources + pending.bound for g in gs or () if g is not None}
     assert pending.kept_bytes() == sum(g.numel() * g.element_size() for g in grads.values()) > 0
     weight_grad(pending, x)
     assert pending.kept_bytes() == 0  # spent by W
@@ -183,3 +191,92 @@ def test_engine_fallback_keeps_exactness_for_a_shared_frontier(reuse):
     assert pending.exact is not reuse
     weight_grad(pending, x)
     assert torch.equal(gain.grad, ref)
+
+
+def test_the_graph_is_freed_after_I_but_what_W_reads():
+    """[Note: what I keeps for W]: after ``I`` only the bound sources' gradients and saved operands
+    stay: a tensor only the input path needs (exp's saved result) is gone; ``W`` is still exact."""
+    import weakref
+
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5, 4))
+    x, g = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+    xr = x.clone().requires_grad_()
+    torch.autograd.backward(torch.exp(xr @ w.t()) * 3.0, g)
+    ref, w.grad = w.grad.clone(), None
+    xi = x.clone().requires_grad_()
+    e = torch.exp(xi @ w.t())
+    alive = weakref.ref(e)
+    y = e * 3.0
+    del e
+    gx, pending = input_grad([y], [g], xi)
+    del y
+    assert alive() is None, "the graph of I outlived it"
+    assert pending.outputs == [] and len(pending.bound) == 1
+    weight_grad(pending, xi)
+    assert torch.equal(w.grad, ref) and torch.equal(gx, xr.grad)
+
+
+def test_a_checkpointed_operand_is_read_by_W_not_I():
+    """A saved operand behind an unpack hook (a non-reentrant checkpoint) is not bound in ``I``
+    (reading it there would recompute the region to keep what the checkpoint frees)."""
+    from torch.utils.checkpoint import checkpoint
+
+    lin = nn.Linear(4, 5, bias=False)
+    calls = {"n": 0}
+
+    def region(t):
+        calls["n"] += 1
+        return lin(t)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = checkpoint(region, x, use_reentrant=False)
+    g = torch.randn(3, 5)
+    gx, pending = input_grad([y], [g], x)
+    assert calls["n"] == 2, calls  # the forward and the engine's recompute in I, nothing more
+    assert not pending.bound and len(pending.sources) == 1
+    weight_grad(pending, x)
+    ref = g.t() @ x.detach()
+    assert torch.allclose(lin.weight.grad, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tied_head", [False, True])
+@pytest.mark.parametrize("budget", [1, 1 << 40])
+def test_bounded_batches_keep_a_tied_weight_exact(monkeypatch, budget, tied_head):
+    """[Note: weight gradients in bounded batches]: W hands gradients to the engine in batches,
+    never splitting the two uses of a tied weight, so every gradient is bit for bit the full
+    backward's; with a 1-byte budget and no tied weight every parameter goes alone."""
+    monkeypatch.setattr(_split_backward, "PHASE2_BYTES", budget)
+    calls = {"n": 0}
+    real = _split_backward.run_backward
+
+    def spy(edges, values):
+        calls["n"] += 1
+        return real(edges, values)
+    monkeypatch.setattr(_split_backward, "run_backward", spy)
+    torch.manual_seed(0)
+    ps = {n: nn.Parameter(torch.randn(*shape)) for n, shape in
+          (("tied", (5, 4)), ("other", (5, 5)), ("gain", (5,)), ("back", (4, 5)), ("head", (5, 4)))}
+    head = ps["tied"] if tied_head else ps["head"]
+
+    def f(x):
+        h = x @ ps["tied"].t()
+        h = torch.tanh(h @ ps["other"].t()) * ps["gain"]
+        return (h @ ps["back"].t()) @ head.t()  # tied: the first weight again, through its own transpose
+
+    x, g = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+    xr = x.clone().requires_grad_()
+    torch.autograd.backward(f(xr), g)
+    ref = {n: p.grad.clone() for n, p in ps.items() if p.grad is not None}
+    for p in ps.values():
+        p.grad = None
+    xi = x.clone().requires_grad_()
+    gx, pending = input_grad([f(xi)], [g], xi)
+    assert pending.exact and len(pending.bound) == 5
+    weight_grad(pending, xi)
+    assert all(torch.equal(ps[n].grad, r) for n, r in ref.items()) and torch.equal(gx, xr.grad)
+    if budget > 1:
+        assert calls["n"] == 1, calls
+    elif not tied_head:
+        assert calls["n"] == 5, calls  # one batch per parameter
+    else:
+        assert 1 <= calls["n"] < 5, calls  # the two uses of the tied weight in one batch

@@ -86,7 +86,7 @@ class ActionBodies:
             step.losses[a.microbatch] = float(value)
             step.timed(t0, c0, a)
             return
-        y = st.slot.out
+        y, st.slot.out = st.slot.out, None
         if not isinstance(y, torch.Tensor):
             raise TypeError(f"the last block of stage {a.stage} returned no tensor; a pipeline "
                             "boundary carries one tensor (the hidden state)")

@@ -14,10 +14,13 @@ writes nor reads any of that tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["mesh_without_groups", "run_backward", "weight_grads_of"]
+__all__ = ["bind_weight_grads", "mesh_without_groups", "run_backward", "weight_grads_of"]
 
 
 def mesh_without_groups(device_type: str, ranks: list, names: tuple[str, ...] | None) -> DeviceMesh:
@@ -37,7 +40,10 @@ def mesh_without_groups(device_type: str, ranks: list, names: tuple[str, ...] | 
 # them with the expression autograd's own formula uses (torch's ``mm_mat2_backward`` and
 # ``mul_tensor_backward``: the same ops on the same operands in the same layouts, so the same
 # bits), reduced to the edge's shape and dtype checked as the engine does on a node's outputs.
-# Anything else returns None and ``W`` uses the engine. tests/test_pipeline_split_fast.py
+# Anything else returns None and ``W`` uses the engine. `bind_weight_grads` checks all this
+# when ``I`` ends and returns a function holding just the gradient and the operands (so ``I`` can
+# let the graph go: [Note: what I keeps for W]); an operand saved behind an unpack hook
+# (``_raw_saved_*.unpack_hook``, private) is left to be read by ``W``. tests/test_pipeline_split_fast.py
 # compares every case bit for bit with a full backward. (On this CPU build both operand orders of
 # the mm give the same bits; the rule is kept for backends where they differ.) Reading a saved
 # tensor of a non-reentrant activation checkpoint outside a backward recomputes its region, as
@@ -54,45 +60,78 @@ def _dense(*ts: torch.Tensor) -> bool:
     return all(t.layout == torch.strided and not t.is_complex() for t in ts)
 
 
-def weight_grads_of(node, grad_outputs: tuple, slots: list[tuple[int, ...]], edges: list) -> list | None:
-    """The gradients ``node`` sends along ``edges`` (fed by its outputs ``slots[k]``), given the
-    ``grad_outputs`` it received, for known node types; None where the engine must run it.
-    See [Note: weight gradients from saved tensors]."""
+def _hooked(node, name: str) -> bool:
+    """Whether the tensor ``node`` saved as ``name`` comes back through an unpack hook (an
+    activation checkpoint's, an offload's): reading it then recomputes or copies it."""
+    return getattr(node, f"_raw_saved_{name}").unpack_hook is not None
+
+
+def _run(g: torch.Tensor, steps: list) -> list:
+    out = []
+    for op, operand, sizes, strides, shape in steps:
+        if op == "mm":
+            out.append(_mm_mat2_grad(g, operand, sizes, strides))
+            continue
+        v = g if operand is None else g * operand
+        out.append(v if v.shape == shape else v.sum_to_size(shape))
+    return out
+
+
+def bind_weight_grads(node, grad_outputs: tuple, slots: list[tuple[int, ...]], edges: list, *,
+                      unhooked: bool = False) -> Callable[[], list] | None:
+    """A function of no arguments that returns the gradients ``node`` sends along ``edges`` (fed
+    by its outputs ``slots[k]``), given the ``grad_outputs`` it received, for known node types;
+    None where the engine must run it. It holds the gradient and the saved operands it reads, not
+    ``node``. ``unhooked``: None also where an operand is saved behind an unpack hook (so that it is
+    read only when the function's result is needed). See [Note: weight gradients from saved tensors]."""
     name = type(node).__name__
     if len(grad_outputs) != 1 or not isinstance(grad_outputs[0], torch.Tensor) or any(len(s) != 1 for s in slots):
         return None
     g = grad_outputs[0]
-    out = []
+    steps: list = []
     for (slot,), edge in zip(slots, edges):
         if name == "MmBackward0" and slot == 1:
+            if unhooked and _hooked(node, "self"):
+                return None
             # mm's operands share dtype and device; the result has mat2's sizes: the edge's metadata
             mat1, strides = node._saved_self, node._saved_mat2_sym_strides
             if not _dense(g, mat1) or len(strides) != 2:  # a strided mat2 (a sparse one has no strides)
                 return None
-            out.append(_mm_mat2_grad(g, mat1, node._saved_mat2_sym_sizes, strides))
+            steps.append(("mm", mat1, node._saved_mat2_sym_sizes, strides, None))
             continue
         if name == "AddmmBackward0" and slot in (0, 2):
             if node._saved_alpha != 1 or node._saved_beta != 1:
                 return None
             if slot == 2:
+                if unhooked and _hooked(node, "mat1"):
+                    return None
                 mat1, strides = node._saved_mat1, node._saved_mat2_sym_strides
                 if not _dense(g, mat1) or len(strides) != 2:
                     return None
-                out.append(_mm_mat2_grad(g, mat1, node._saved_mat2_sym_sizes, strides))
+                steps.append(("mm", mat1, node._saved_mat2_sym_sizes, strides, None))
                 continue
-            v = g  # the bias: broadcast in the forward, reduced below
+            factor, dtype = None, g.dtype  # the bias: broadcast in the forward, reduced in `_run`
         elif name == "MulBackward0" and slot in (0, 1):
+            if unhooked and _hooked(node, "other" if slot == 0 else "self"):
+                return None
             factor = node._saved_other if slot == 0 else node._saved_self
             if not _dense(g, factor):
                 return None
-            v = g * factor
+            dtype = torch.result_type(g, factor)
         else:
             return None
         meta = edge.node._input_metadata[edge.output_nr]  # the engine's checks on a node's output
-        if v.dtype != meta.dtype or v.device != meta.device:
+        if dtype != meta.dtype or g.device != meta.device:
             return None
-        out.append(v if v.shape == meta.shape else v.sum_to_size(meta.shape))
-    return out
+        steps.append(("mul", factor, None, None, meta.shape))
+    return partial(_run, g, steps)
+
+
+def weight_grads_of(node, grad_outputs: tuple, slots: list[tuple[int, ...]], edges: list) -> list | None:
+    """The gradients ``node`` sends along ``edges`` now (`bind_weight_grads`, called), or None
+    where the engine must run it."""
+    fn = bind_weight_grads(node, grad_outputs, slots, edges)
+    return None if fn is None else fn()
 
 
 def run_backward(edges: list, values: list) -> None:
