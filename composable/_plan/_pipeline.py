@@ -42,8 +42,10 @@ from .._pipeline._actions import ActionKind
 from .._pipeline._in_flight import activations_in_flight
 from .._pipeline._placement import stage_rank
 from .._pipeline._registry import get_schedule
+from .._pipeline._schedule import build_schedule
 from .._pipeline._stages import plan_stages
 from .._wrap import ShardingPolicy
+from ._stage_terms import before_and_after_first_backward, end_terms, held_grads
 from ._units import declares_units, fmt_bytes, plan_units
 
 __all__ = ["DEFAULT_KEPT_GRADS", "PipelineMemoryPlan", "plan_pipeline_memory", "splits_backward"]
@@ -69,6 +71,8 @@ class PipelineMemoryPlan:
     virtual_stages: int = 1
     in_flight: tuple[float, ...] = ()
     kept_grads: float = 0.0
+    head_activations: int = 0  # the head's + loss's share of activation_bytes (estimated from ``tokens``)
+    embedding_activations: int = 0  # the embedding's share
 
     @property
     def peak(self) -> int:
@@ -80,6 +84,9 @@ class PipelineMemoryPlan:
 
     def __str__(self) -> str:
         kept = f", kept gradients {self.kept_grads:g} per microbatch-unit" if self.kept_grads else ""
+        if self.head_activations or self.embedding_activations:
+            kept += (f"; of the activations, head + loss {fmt_bytes(self.head_activations)}, embedding "
+                     f"{fmt_bytes(self.embedding_activations)}")
         lines = [f"pipeline pp={self.pp}, {self.schedule}, {self.microbatches} microbatches{kept}; peak per GPU "
                  f"{fmt_bytes(self.peak)} (stage {self.worst_stage})"]
         for s, p in enumerate(self.stages):
@@ -113,11 +120,14 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
                          schedule: str = "1f1b", virtual_stages: int | None = None, stage_bounds=None,
                          layers: str | None = None, activation_bytes: int = 0,
                          reshard_between_microbatches: bool = False, reduce_every_microbatch: bool = False,
-                         kept_grads: float | None = None, **kwargs) -> PipelineMemoryPlan:
+                         kept_grads: float | None = None, tokens: int | None = None,
+                         **kwargs) -> PipelineMemoryPlan:
     """Plan each of the ``pp`` ranks of ``model`` with `plan_memory`; see
     [Note: the memory of a pipeline stage]. ``virtual_stages``: stages per rank (default 2 for a
     schedule with virtual stages, else 1). ``kept_grads``: gradients kept from ``I`` to ``W`` per
     microbatch-unit (None: `DEFAULT_KEPT_GRADS` if the schedule splits its backward, else 0).
+    ``tokens``: the tokens per data-parallel rank per step ``activation_bytes`` was measured on,
+    to place the head's and embedding's activations on their stages (None: spread with the blocks).
     ``kwargs`` go to `plan_memory`."""
     spec = get_schedule(schedule)
     if microbatches < 1:
@@ -137,6 +147,13 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
     on_rank = [sum(sz for sz, r in zip(sizes, where) if r == rank) for rank in range(pp)]
     alive = activations_in_flight(spec, pp, microbatches, v, [sizes[k] / on_rank[where[k]] for k in range(pp * v)],
                                   kept_grads=float(kept_grads))
+    mp = kwargs.get("mp_policy")
+    ends = end_terms([path[d]._modules[n] for d, n in pre], [path[d]._modules[n] for d, n in post], tokens,
+                     mp.param_dtype if mp is not None else None, _tp(mesh_shape))
+    per_block = max(activation_bytes - ends.total, 0) / len(blocks)  # one block's share of the whole batch
+    weight = [(per_block * sizes[k] + ends.embedding * (k == 0) + ends.head_kept * (k == pp * v - 1)) / microbatches
+              for k in range(pp * v)]  # bytes per microbatch alive on virtual stage k
+    acts = build_schedule(spec, pp, microbatches, v)
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
     if not reshard_between_microbatches and policy.reshard_after_forward is None:
@@ -157,14 +174,23 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
         if where[-1] == s:
             for d, n in post:
                 view.add_module(f"post_{d}_{n}", path[d]._modules[n])
-        share = on_rank[s] / len(blocks)
-        act = activation_bytes * share * alive.per_rank[s] / microbatches
-        stage = plan_units(view, mesh_shape, policy, activation_bytes=int(act), **kwargs)
+        transient = ends.head_transient / microbatches if where[-1] == s else 0.0
+        before, after = before_and_after_first_backward(acts[s], {k: weight[k] for k in range(pp * v) if where[k] == s},
+                                                        float(kept_grads))
+        stage = plan_units(view, mesh_shape, policy, activation_bytes=int(max(before, after) + transient), **kwargs)
         if microbatches > 1 and not reduce_every_microbatch:
-            stage = replace(stage, accumulated_grads=_accumulated(stage, kwargs.get("mp_policy")))
+            stage = replace(stage, accumulated_grads=_accumulated(stage, mp))
+            later = replace(stage, activations=-(-int(after + transient) // stage.cp), held_grads=held_grads(stage, acts[s]))
+            first = replace(stage, activations=-(-int(before + transient) // stage.cp))
+            stage = max(first, later, key=lambda p: p.start_of_backward)  # before / from the first backward
         stages.append(stage)
     return PipelineMemoryPlan(pp, spec.name, microbatches, plan.bounds, tuple(stages), v, alive.per_rank,
-                              float(kept_grads))
+                              float(kept_grads), ends.head_kept + ends.head_transient, ends.embedding)
+
+
+def _tp(mesh_shape) -> int:
+    t = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+    return t[2] if len(t) == 3 and isinstance(t[2], int) and t[2] >= 1 else 1
 
 
 def splits_backward(schedule, pp: int, microbatches: int, virtual_stages: int = 1) -> bool:
