@@ -19,9 +19,9 @@ __all__ = ["EndTerms", "end_terms", "before_and_after_first_backward", "held_gra
 
 @dataclass(frozen=True)
 class EndTerms:
-    """Bytes on ``tokens`` tokens: ``head_kept`` (what the head and loss keep for backward per
-    microbatch-sum: the log-softmax and the final norm's tensors), ``head_transient`` (the
-    logits, or their gradient: one microbatch's at a time) and ``embedding`` (its output)."""
+    """Bytes on the whole batch of ``tokens`` tokens: ``head_kept`` (what the head and loss keep
+    for backward: the log-softmax and the final norm's tensors), ``head_transient`` (the logits,
+    or their gradient: alive for one microbatch at a time) and ``embedding`` (its output)."""
 
     head_kept: int = 0
     head_transient: int = 0
