@@ -7,11 +7,15 @@ balanced point (the planner's default), ``fully_shard`` each stage's blocks and 
 on ``dp_shard=2``, train one untracked step (forward + backward of every microbatch, then
 AdamW), then track two steps with `benchmarks.tracker.AllocationTracker` (live tensor
 storages). The estimate is ``plan_memory(model, (1, 2), "FULL_SHARD", pp=2, microbatches=m,
-schedule=..., activation_bytes=A)`` with ``A`` measured as in ``benchmarks/plan_check.py``
-(the peak of one forward + loss of the unsharded model on one data-parallel rank's batch,
-minus its parameters). Reported per schedule and stage: the larger peak of the stage's two
-ranks against the stage's ``plan.peak``, and the ``accumulated_grads`` term in it. ``zb_h1`` is
-planned with the default ``kept_grads`` (`DEFAULT_KEPT_GRADS`) for what its ``I`` keeps.
+schedule=..., activation_bytes=A, tokens=batch x seq_len)`` with ``A`` measured as in
+``benchmarks/plan_check.py`` (the peak of one forward + loss of the unsharded model on one
+data-parallel rank's batch, minus its parameters; ``tokens`` places the head's and embedding's
+part of it on their stages). Reported per schedule and stage: the larger peak of the stage's
+two ranks against the stage's ``plan.peak``, the plan without ``tokens`` (the head's
+activations spread with the blocks), and the ``accumulated_grads`` and ``held_grads`` terms in
+the plan. ``zb_h1`` is planned with the default ``kept_grads`` (`DEFAULT_KEPT_GRADS`) for what
+its ``I`` keeps. Options: ``--schedules gpipe,1f1b,zb_h1``, ``--microbatches 4`` and the
+model's (``--layers``, ``--vocab``, ``--batch-per-rank``, ...); a schedule takes about 20 s.
 """
 
 from __future__ import annotations
@@ -84,16 +88,19 @@ def main(argv=None) -> None:
     cfg, meta, A = model_and_activations(args)
     print(f"model: {cfg}; {args.batch_per_rank} x {args.seq_len} tokens per dp rank, {args.microbatches} "
           f"microbatches; A = {A / MB:.1f} MiB; torch {torch.__version__}\n")
-    print("| schedule | stage | measured peak MiB (max of its 2 ranks) | plan.peak | error | of which accumulated_grads |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| schedule | stage | measured peak MiB (max of its 2 ranks) | plan.peak | error | without tokens | error "
+          "| accumulated_grads, held_grads in it |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for schedule in args.schedules.split(","):
         got = run_ranks(this.measure, 4, cfg, schedule, args.microbatches, args, timeout=600)
-        plan = plan_memory(meta, (1, 2), "FULL_SHARD", pp=2, microbatches=args.microbatches, schedule=schedule,
-                           activation_bytes=A)
-        for s, st in enumerate(plan.stages):
+        kw = dict(pp=2, microbatches=args.microbatches, schedule=schedule, activation_bytes=A)
+        plan = plan_memory(meta, (1, 2), "FULL_SHARD", tokens=args.batch_per_rank * args.seq_len, **kw)
+        spread = plan_memory(meta, (1, 2), "FULL_SHARD", **kw)
+        for s, (st, sp) in enumerate(zip(plan.stages, spread.stages)):
             peak = max(r["peak"] for r in got if r["stage"] == s)
             print(f"| {schedule} | {s} | {peak / MB:.1f} | {st.peak / MB:.1f} | {(st.peak - peak) / peak:+.1%} | "
-                  f"{st.accumulated_grads / MB:.1f} |", flush=True)
+                  f"{sp.peak / MB:.1f} | {(sp.peak - peak) / peak:+.1%} | {st.accumulated_grads / MB:.1f}, "
+                  f"{st.held_grads / MB:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,33 +3,66 @@
 [Note: the memory of a pipeline stage]
 Each stage is planned as a model of its own with `plan_memory` (its blocks as units, the
 embedding / head in the stage's root unit) on the stage's ``(dp_replicate, dp_shard, tp)`` mesh.
-Activations: ``activation_bytes`` is the peak of one forward + loss of the whole model on one
-data-parallel rank's batch (as for `plan_memory`); a rank holds its share of the blocks
-(``blocks_on_rank / blocks``) for the microbatches alive at once, each ``1 / m`` of the batch.
-How many are alive is read off the schedule's own action lists (`activations_in_flight`,
-[Note: activations in flight] in ``_pipeline/_in_flight.py``), virtual stages weighted by their
-share of the rank's blocks: ``m`` under GPipe, ``min(pp - s, m)`` on rank ``s`` under 1F1B,
-2.5 on the last rank of interleaved 1F1B at ``pp=4, v=2``; any registered schedule gets its
-figures the same way. With ``virtual_stages = v > 1`` the model is split into ``pp * v``
-stages and rank ``r`` is planned holding stages ``r, r + pp, ...``. Stage boundaries are those
-of the automatic split by parameter bytes unless given. Parameters: `PipelineSchedule` keeps a
-unit's parameters gathered from its stage's first forward to its last backward unless
-``reshard_between_microbatches=True`` or the unit set ``reshard_after_forward`` itself
-([Note: fully_shard units in a pipeline step]), so by default a stage is planned with
-``reshard_after_forward=False`` (its blocks' gathered parameters all count at the peak, as with
-``SHARD_GRAD_OP``). A schedule with a split backward (``I`` / ``W`` actions: ``zb_h1``, ``zbv``,
+With ``virtual_stages = v > 1`` the model is split into ``pp * v`` stages and rank ``r`` is
+planned holding stages ``r, r + pp, ...`` (or the schedule's placement). Stage boundaries are
+those of the automatic split by parameter bytes unless given.
+
+Activations. ``activation_bytes = A`` is the peak of one forward + loss of the whole model on
+one data-parallel rank's batch (as for `plan_memory`). Given that batch's ``tokens``, the parts
+of ``A`` that sit at the ends are estimated from shapes (`end_terms` in ``_stage_terms.py``),
+in the compute dtype and ``/ tp``: with the output projection ``D -> V`` (the last
+``nn.Linear`` after the blocks) the head and loss keep ``H_k = tokens (V + 2D)`` elements for
+backward (the log-softmax of the loss, the final norm's normalised input and output) and hold
+``H_t = tokens V`` more for one microbatch at a time (the logits, then their gradient); the
+embedding (the last ``nn.Embedding`` before the blocks, width ``E``) outputs ``E_b = tokens E``.
+The blocks share the rest, ``b = max(A - H_k - H_t - E_b, 0) / blocks`` each. A microbatch
+alive on virtual stage ``k`` then weighs
+
+    w_k = (b * blocks_k + E_b [k = 0] + H_k [k = last]) / m    bytes
+
+and a rank's activations are the peak of the walk of its own action list with these weights
+(`walk_in_flight`, [Note: activations in flight] in ``_pipeline/_in_flight.py``), plus
+``H_t / m`` on the rank that holds the head. The walk gives ``m`` microbatches alive under
+GPipe, ``min(pp - r, m)`` on rank ``r`` under 1F1B, 2.5 rank-units on the last rank of
+interleaved 1F1B at ``pp=4, v=2``; any registered schedule gets its figures the same way.
+Without ``tokens``, ``H = E = 0``: the ends count as blocks (each rank ``A * blocks_on_rank /
+blocks`` per microbatch), which under-counts the last stage when the logits dominate and
+over-counts the first. ``in_flight`` reports the walk in microbatch-units of the rank's blocks.
+A schedule with a split backward (``I`` / ``W`` actions: ``zb_h1``, ``zbv``,
 ``interleaved_zb``, ``dualpipev``) also keeps, from each ``I`` to its ``W``, the gradients that
-reached the frontier nodes ([Note: activations in flight]): ``kept_grads`` of them per
-microbatch-unit of activations. Given None, it is `DEFAULT_KEPT_GRADS` for such a schedule
-(the largest ratio measured on the example Llama's stages, 0.62, so that the plan does not
-under-count; pass a measured one: `PipelineSchedule.last_kept_grad_bytes` over the stage's
-activation bytes per microbatch) and 0 for one without ``I``. Gradients: with ``m > 1`` microbatches (and not ``reduce_every_microbatch``)
-every unit keeps its unsharded gradient from its first backward of the step to its last, summed
-in the reduce dtype when the parameters compute in a lower one
-([Note: accumulating in the reduce dtype]): ``accumulated_grads`` adds those not already in ``grad_buffers`` /
-``root_grads`` (the largest unit's and the root's), and the extra bytes of those two in the
-wider dtype. Not modelled: the activation buffers in flight between stages, the embedding's and
-head's activations beyond that share.
+reached the frontier nodes (the head's: the logits' gradient): ``kept_grads * w_k`` per
+microbatch on a stage ``k > 0``. Given None, ``kept_grads`` is `DEFAULT_KEPT_GRADS` for such a
+schedule (the largest ratio measured on the example Llama's stages, 0.62, so that the plan does
+not under-count; pass a measured one: `PipelineSchedule.last_kept_grad_bytes` over the stage's
+activation bytes per microbatch) and 0 for one without ``I``.
+
+Parameters: `PipelineSchedule` keeps a unit's parameters gathered from its stage's first
+forward to its last backward unless ``reshard_between_microbatches=True`` or the unit set
+``reshard_after_forward`` itself ([Note: fully_shard units in a pipeline step]), so by default
+a stage is planned with ``reshard_after_forward=False`` (its blocks' gathered parameters all
+count at the peak, as with ``SHARD_GRAD_OP``).
+
+Gradients: with ``m > 1`` microbatches (and not ``reduce_every_microbatch``) every unit keeps
+its unsharded gradient from its first backward of the step to its last, summed in the reduce
+dtype when the parameters compute in a lower one ([Note: accumulating in the reduce dtype]):
+``accumulated_grads`` adds those not already in ``grad_buffers`` / ``root_grads`` (the largest
+unit's and the root's), and the extra bytes of those two in the wider dtype. From a rank's first
+backward (its first ``B`` or ``W``) on, a later backward runs while every unit holds its sum:
+``held_grads`` adds, at the start of backward, the largest unit's sum (which ``grad_buffers``
+counts only at the end) and the new gradients computed before they are added: the largest
+unit's in a full backward, all of the rank's in the ``W`` of a split backward on a stage
+``> 0`` (it computes every weight gradient, then accumulates them, [Note: split backward]).
+So the start of backward is the larger of two moments (`before_and_after_first_backward`):
+before the first backward (the walk's peak over the list up to it, no ``held_grads``) and from
+it on (the walk's peak over the rest, with ``held_grads``). GPipe peaks at the first (all ``m``
+forwards done, no gradient yet), 1F1B and zb_h1 at the second. With virtual stages all of a
+rank's units are taken to hold gradients from its first backward (an upper bound).
+
+Measured (``benchmarks/plan_check_pp.py``, example Llama, ``pp=2 x dp_shard=2``, 4 gloo ranks,
+``tokens`` given): every stage of GPipe, 1F1B and zb_h1 within -6.3 % to +7.1 % of its peak.
+Not modelled: the activation buffers in flight between stages (a later stage's input, ``tokens
+x D`` per microbatch), a head or loss other than a projection and a log-softmax (a fused or
+chunked loss keeps less), allocator caching.
 """
 
 from __future__ import annotations
@@ -42,8 +75,10 @@ from .._pipeline._actions import ActionKind
 from .._pipeline._in_flight import activations_in_flight
 from .._pipeline._placement import stage_rank
 from .._pipeline._registry import get_schedule
+from .._pipeline._schedule import build_schedule
 from .._pipeline._stages import plan_stages
 from .._wrap import ShardingPolicy
+from ._stage_terms import before_and_after_first_backward, end_terms, held_grads
 from ._units import declares_units, fmt_bytes, plan_units
 
 __all__ = ["DEFAULT_KEPT_GRADS", "PipelineMemoryPlan", "plan_pipeline_memory", "splits_backward"]
@@ -58,8 +93,10 @@ memory``), see [Note: the memory of a pipeline stage]."""
 class PipelineMemoryPlan:
     """``stages[r]``: the `MemoryPlan` of pp rank ``r`` (its stage, or its ``virtual_stages``
     stages); ``bounds``: the blocks of all ``pp * virtual_stages`` stages; ``in_flight[r]``: the
-    microbatch-units of activations rank ``r`` holds at its peak; ``peak``: the largest rank peak
-    (what each GPU must hold)."""
+    microbatch-units of activations rank ``r`` holds at its peak; ``head_activations``,
+    ``embedding_activations``: the parts of ``activation_bytes`` planned on the last and the
+    first stage (estimated from ``tokens``; 0 without); ``peak``: the largest rank peak (what
+    each GPU must hold)."""
 
     pp: int
     schedule: str
@@ -69,6 +106,8 @@ class PipelineMemoryPlan:
     virtual_stages: int = 1
     in_flight: tuple[float, ...] = ()
     kept_grads: float = 0.0
+    head_activations: int = 0  # the head's + loss's share of activation_bytes (estimated from ``tokens``)
+    embedding_activations: int = 0  # the embedding's share
 
     @property
     def peak(self) -> int:
@@ -80,6 +119,9 @@ class PipelineMemoryPlan:
 
     def __str__(self) -> str:
         kept = f", kept gradients {self.kept_grads:g} per microbatch-unit" if self.kept_grads else ""
+        if self.head_activations or self.embedding_activations:
+            kept += (f"; of the activations, head + loss {fmt_bytes(self.head_activations)}, embedding "
+                     f"{fmt_bytes(self.embedding_activations)}")
         lines = [f"pipeline pp={self.pp}, {self.schedule}, {self.microbatches} microbatches{kept}; peak per GPU "
                  f"{fmt_bytes(self.peak)} (stage {self.worst_stage})"]
         for s, p in enumerate(self.stages):
@@ -113,11 +155,14 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
                          schedule: str = "1f1b", virtual_stages: int | None = None, stage_bounds=None,
                          layers: str | None = None, activation_bytes: int = 0,
                          reshard_between_microbatches: bool = False, reduce_every_microbatch: bool = False,
-                         kept_grads: float | None = None, **kwargs) -> PipelineMemoryPlan:
+                         kept_grads: float | None = None, tokens: int | None = None,
+                         **kwargs) -> PipelineMemoryPlan:
     """Plan each of the ``pp`` ranks of ``model`` with `plan_memory`; see
     [Note: the memory of a pipeline stage]. ``virtual_stages``: stages per rank (default 2 for a
     schedule with virtual stages, else 1). ``kept_grads``: gradients kept from ``I`` to ``W`` per
     microbatch-unit (None: `DEFAULT_KEPT_GRADS` if the schedule splits its backward, else 0).
+    ``tokens``: the tokens per data-parallel rank per step ``activation_bytes`` was measured on,
+    to place the head's and embedding's activations on their stages (None: spread with the blocks).
     ``kwargs`` go to `plan_memory`."""
     spec = get_schedule(schedule)
     if microbatches < 1:
@@ -137,6 +182,13 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
     on_rank = [sum(sz for sz, r in zip(sizes, where) if r == rank) for rank in range(pp)]
     alive = activations_in_flight(spec, pp, microbatches, v, [sizes[k] / on_rank[where[k]] for k in range(pp * v)],
                                   kept_grads=float(kept_grads))
+    mp = kwargs.get("mp_policy")
+    ends = end_terms([path[d]._modules[n] for d, n in pre], [path[d]._modules[n] for d, n in post], tokens,
+                     mp.param_dtype if mp is not None else None, _tp(mesh_shape))
+    per_block = max(activation_bytes - ends.total, 0) / len(blocks)  # one block's share of the whole batch
+    weight = [(per_block * sizes[k] + ends.embedding * (k == 0) + ends.head_kept * (k == pp * v - 1)) / microbatches
+              for k in range(pp * v)]  # bytes per microbatch alive on virtual stage k
+    acts = build_schedule(spec, pp, microbatches, v)
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
     if not reshard_between_microbatches and policy.reshard_after_forward is None:
@@ -157,14 +209,23 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
         if where[-1] == s:
             for d, n in post:
                 view.add_module(f"post_{d}_{n}", path[d]._modules[n])
-        share = on_rank[s] / len(blocks)
-        act = activation_bytes * share * alive.per_rank[s] / microbatches
-        stage = plan_units(view, mesh_shape, policy, activation_bytes=int(act), **kwargs)
+        transient = ends.head_transient / microbatches if where[-1] == s else 0.0
+        before, after = before_and_after_first_backward(acts[s], {k: weight[k] for k in range(pp * v) if where[k] == s},
+                                                        float(kept_grads))
+        stage = plan_units(view, mesh_shape, policy, activation_bytes=int(max(before, after) + transient), **kwargs)
         if microbatches > 1 and not reduce_every_microbatch:
-            stage = replace(stage, accumulated_grads=_accumulated(stage, kwargs.get("mp_policy")))
+            stage = replace(stage, accumulated_grads=_accumulated(stage, mp))
+            later = replace(stage, activations=-(-int(after + transient) // stage.cp), held_grads=held_grads(stage, acts[s]))
+            first = replace(stage, activations=-(-int(before + transient) // stage.cp))
+            stage = max(first, later, key=lambda p: p.start_of_backward)  # before / from the first backward
         stages.append(stage)
     return PipelineMemoryPlan(pp, spec.name, microbatches, plan.bounds, tuple(stages), v, alive.per_rank,
-                              float(kept_grads))
+                              float(kept_grads), ends.head_kept + ends.head_transient, ends.embedding)
+
+
+def _tp(mesh_shape) -> int:
+    t = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+    return t[2] if len(t) == 3 and isinstance(t[2], int) and t[2] >= 1 else 1
 
 
 def splits_backward(schedule, pp: int, microbatches: int, virtual_stages: int = 1) -> bool:

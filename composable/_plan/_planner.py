@@ -74,7 +74,8 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 prefetch: int = 2, activation_bytes: int = 0, pp: int = 1, microbatches: int = 1,
                 schedule: str = "1f1b", stage_bounds=None, reshard_between_microbatches: bool = False,
                 reduce_every_microbatch: bool = False, virtual_stages: int | None = None,
-                cp: int = 1, kept_grads: float | None = None) -> MemoryPlan | PipelineMemoryPlan:
+                cp: int = 1, kept_grads: float | None = None,
+                tokens: int | None = None) -> MemoryPlan | PipelineMemoryPlan:
     """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
     devices (the model may be on the meta device). See [Note: the memory model].
 
@@ -99,7 +100,12 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
             rank (default 2 for ``interleaved_1f1b``, else 1). ``kept_grads``: for a schedule with
             a split backward (``zb_h1``, ``zbv``, ``interleaved_zb``, ``dualpipev``), the gradients
             each ``I`` keeps for its ``W``, per microbatch-unit of activations (None: the measured
-            default, ``DEFAULT_KEPT_GRADS``; 0 for other schedules).
+            default, ``DEFAULT_KEPT_GRADS``; 0 for other schedules). ``tokens``: the tokens per
+            data-parallel rank per step (batch x sequence length) ``activation_bytes`` was measured
+            on; with it the head's and loss's activations (logits of ``tokens x vocab``, ...) and
+            the embedding's are estimated from their shapes and planned on the stages that hold
+            them, the rest as the blocks' (None: all of it spread with the blocks). Unused without
+            a pipeline.
         cp: context-parallel ranks (``init_mesh(cp=N)``): parameters sharded over ``dp_shard x
             cp``, ``activation_bytes`` (given as at cp 1) divided by ``cp``; see
             [Note: context parallelism in the plan].
@@ -112,7 +118,8 @@ def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                                     optimizer_states=optimizer_states, optimizer_dtype=optimizer_dtype,
                                     prefetch=prefetch, activation_bytes=activation_bytes,
                                     reshard_between_microbatches=reshard_between_microbatches,
-                                    reduce_every_microbatch=reduce_every_microbatch, cp=cp, kept_grads=kept_grads)
+                                    reduce_every_microbatch=reduce_every_microbatch, cp=cp, kept_grads=kept_grads,
+                                    tokens=tokens)
     return plan_units(model, mesh_shape, policy, units=units, mp_policy=mp_policy, optimizer_states=optimizer_states,
                       optimizer_dtype=optimizer_dtype, prefetch=prefetch, activation_bytes=activation_bytes, cp=cp)
 
@@ -164,7 +171,7 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
                  intra_host_bandwidth: float = 200e9, inter_host_bandwidth: float = 25e9,
                  pp_sizes: tuple[int, ...] = (1,), microbatches: int = 8,
                  schedule: str = "1f1b", cp_sizes: tuple[int, ...] = (1,),
-                 kept_grads: float | None = None) -> MeshSuggestion:
+                 kept_grads: float | None = None, tokens: int | None = None) -> MeshSuggestion:
     """The mesh ``(dp_replicate, dp_shard, tp)`` and strategy that fit ``bytes_per_gpu`` with the
     least estimated data-parallel communication time.
 
@@ -181,7 +188,7 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
 
     ``pp_sizes``: pipeline sizes to consider too (each dividing ``hosts``: whole hosts per
     stage, so only activations cross hosts); each stage is planned with `plan_memory`'s ``pp``
-    (``microbatches``, ``schedule``, ``kept_grads``) and the worst stage must fit. The smallest fitting ``pp``
+    (``microbatches``, ``schedule``, ``kept_grads``, ``tokens``) and the worst stage must fit. The smallest fitting ``pp``
     is used (a pipeline adds a bubble of ``(pp - 1) / (m + pp - 1)``), then the rule above.
 
     ``cp_sizes``: context-parallel sizes to consider too (``cp x tp`` dividing ``gpus_per_host``:
@@ -214,7 +221,7 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
                 pol = replace(base, strategy=name, reshard_after_forward=None)
                 plan = plan_memory(model, (R, S, tp), pol, mp_policy=mp_policy, optimizer_states=optimizer_states,
                                    activation_bytes=activation_bytes // tp, pp=pp, microbatches=microbatches,
-                                   schedule=schedule, cp=cp, kept_grads=kept_grads)
+                                   schedule=schedule, cp=cp, kept_grads=kept_grads, tokens=tokens)
                 if isinstance(plan, PipelineMemoryPlan):
                     plan = plan.stages[plan.worst_stage]
                 secs, cross = _comm(plan, gpus_per_host, hosts // pp, intra_host_bandwidth, inter_host_bandwidth,

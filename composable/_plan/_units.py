@@ -49,6 +49,7 @@ class MemoryPlan:
     activations: int
     accumulated_grads: int = 0  # a pipeline stage's other units' gradients summed over microbatches
     cp: int = 1  # context-parallel ranks: parameters sharded over dp_shard x cp, activations / cp
+    held_grads: int = 0  # a pipeline stage's gradients held at once in a later backward, beyond those above
 
     @property
     def between_steps(self) -> int:  # gradients freed by zero_grad(set_to_none=True)
@@ -56,7 +57,8 @@ class MemoryPlan:
 
     @property
     def start_of_backward(self) -> int:
-        return self.between_steps + self.unsharded_forward + self.activations + self.root_grads + self.accumulated_grads
+        return (self.between_steps + self.unsharded_forward + self.activations + self.root_grads
+                + self.accumulated_grads + self.held_grads)
 
     @property
     def end_of_backward(self) -> int:
@@ -73,7 +75,7 @@ class MemoryPlan:
     def __str__(self) -> str:
         (R, S, T), big = self.mesh_shape, max(self.units, key=lambda u: u.unsharded)
         keys = ("params", "optimizer", "grads", "unsharded_forward", "unsharded_backward", "root_grads",
-                "grad_buffers", "accumulated_grads", "activations", "start_of_backward", "end_of_backward", "peak")
+                "grad_buffers", "accumulated_grads", "held_grads", "activations", "start_of_backward", "end_of_backward", "peak")
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
         return "\n".join([f"{self.strategy}, dp_replicate={R} x dp_shard={S}{cp} x tp={T}: {len(self.units)} units, "
                           f"{sum(u.numel for u in self.units):,} params; largest '{big.name or '(root)'}' "
