@@ -27,7 +27,11 @@ from collections.abc import Callable, Mapping
 from ._actions import Action, ActionKind
 from ._placement import stage_rank
 
-__all__ = ["greedy_lists"]
+__all__ = ["PREFERENCES", "greedy_lists"]
+
+PREFERENCES = ("IFW", "IWF", "FIW")
+"""The orders of preference among ready kinds tried by `tune_schedule` and by the registered
+``zbv`` / ``interleaved_zb`` lists ([Note: greedy zero-bubble lists])."""
 
 def greedy_lists(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int], *,
                  costs: Mapping[tuple[str, int], float] | None = None, comm_time: float = 0.0,

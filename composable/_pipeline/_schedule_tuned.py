@@ -32,13 +32,11 @@ from dataclasses import replace
 from ._actions import Action, ActionKind
 from ._registry import ScheduleSpec, get_schedule
 from ._schedule import simulate
-from ._schedule_greedy import greedy_lists
+from ._schedule_greedy import PREFERENCES, greedy_lists
 from ._schedule_zbv import izb_cap, zbv_cap
 
 __all__ = ["PREFERENCES", "TUNABLE_SCHEDULES", "tune_schedule"]
 
-PREFERENCES = ("IFW", "IWF", "FIW")
-"""The orders of preference among ready kinds tried by `tune_schedule` ([Note: greedy zero-bubble lists])."""
 
 
 def _caps(name: str, pp: int, m: int, v: int) -> tuple[str, Callable[[int], int]]:

@@ -215,7 +215,7 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
         stage = plan_units(view, mesh_shape, policy, activation_bytes=int(max(before, after) + transient), **kwargs)
         if microbatches > 1 and not reduce_every_microbatch:
             stage = replace(stage, accumulated_grads=_accumulated(stage, mp))
-            later = replace(stage, activations=-(-int(after + transient) // stage.cp), held_grads=held_grads(stage, acts[s]))
+            later = replace(stage, activations=-(-int(after + transient) // stage.cp), held_grads=held_grads(stage))
             first = replace(stage, activations=-(-int(before + transient) // stage.cp))
             stage = max(first, later, key=lambda p: p.start_of_backward)  # before / from the first backward
         stages.append(stage)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .._pipeline._actions import Action, ActionKind
+from .._pipeline._actions import Action
 from .._pipeline._in_flight import walk_in_flight
 
 __all__ = ["EndTerms", "end_terms", "before_and_after_first_backward", "held_grads"]
@@ -74,15 +74,14 @@ def before_and_after_first_backward(actions: Sequence[Action], weights: dict[int
     return before, walk_in_flight(alive + halves[first + 1:], weights, kept_grads)[0]
 
 
-def held_grads(plan, actions: Sequence[Action]) -> int:
+def held_grads(plan) -> int:
     """Gradient bytes a stage holds at once in a backward after its first, beyond what
     ``start_of_backward`` counts (``root_grads``, ``accumulated_grads``): the largest unit's
-    summed gradients, and the new gradients computed before they are added: one unit's (the
-    largest) in a full backward, all of the stage's in a split backward's ``W`` (it computes every
-    weight gradient, then accumulates them)."""
+    summed gradients, and the new gradients computed before they are added: at most one unit's
+    (the largest), in a full backward and in a split backward's ``W`` alike (``W`` adds its
+    gradients in bounded batches: [Note: weight gradients in bounded batches] in
+    ``_pipeline/_split_backward.py``)."""
     root, others = plan.units[-1], plan.units[:-1]
     largest = max(others, key=lambda u: u.unsharded, default=root)
     summed = largest.unsharded_grads if largest is not root else 0
-    split = any(h.kind is ActionKind.I and h.stage > 0 for a in actions for h in a.halves)
-    new = sum(u.unsharded_grads for u in plan.units) if split else max(u.unsharded_grads for u in plan.units)
-    return summed + new
+    return summed + max(u.unsharded_grads for u in plan.units)
