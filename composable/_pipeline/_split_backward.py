@@ -165,15 +165,17 @@ def weight_grad(pending: PendingWeights, x: torch.Tensor | None) -> None:
                 return
         torch.autograd.backward(pending.outputs, pending.grads, inputs=inputs)
         return
-    work = [(fn, e) for fn, e, _ in pending.bound] + [(partial(_through_engine, s, g), s.edges) for s, g in pending.sources]
+    work: list = [(fn, e) for fn, e, _ in pending.bound]
+    work += [(partial(_through_engine, s, g), s.edges) for s, g in pending.sources]
     pending.sources, pending.bound = [], []  # the kept gradients are spent
-    last = {leaf: i for i, (_, src_edges) in enumerate(work) for leaf in _leaves_below(src_edges)}
+    leaves = [_leaves_below(e) for _, e in work]
+    last = {leaf: i for i, found in enumerate(leaves) for leaf in found}
     edges: list[GradientEdge] = []
     values: list[torch.Tensor] = []
     held, reach = 0, -1
     for i in range(len(work)):
         fn, src_edges = work[i]
-        work[i] = None  # type: ignore[call-overload]  # its gradient and operands go once used
+        work[i] = None  # its gradient and operands go once used
         with torch.no_grad():
             got = fn()
         del fn
@@ -182,7 +184,7 @@ def weight_grad(pending: PendingWeights, x: torch.Tensor | None) -> None:
                 edges.append(e)
                 values.append(g)
                 held += g.numel() * g.element_size()
-        reach = max([reach, *(last[leaf] for leaf in _leaves_below(src_edges))])
+        reach = max([reach, *(last[leaf] for leaf in leaves[i])])
         if held >= PHASE2_BYTES and reach <= i:  # [Note: weight gradients in bounded batches]
             run_backward(edges, values)
             edges, values, held = [], [], 0
@@ -194,11 +196,11 @@ def _through_engine(src: Source, grad_outputs: tuple) -> list:
     """A source `bind_weight_grads` left alone: `weight_grads_of` now, or the engine runs the node
     once more for its frontier outputs."""
     got = weight_grads_of(src.node, grad_outputs, src.slots, src.edges)  # [Note: weight gradients ...]
-    if got is None:
-        roots = [GradientEdge(src.node, k) for k, g in enumerate(grad_outputs) if g is not None]
-        got = torch.autograd.grad(roots, src.edges, [g for g in grad_outputs if g is not None],
-                                  retain_graph=True, allow_unused=True)
-    return list(got)
+    if got is not None:
+        return got
+    roots = [GradientEdge(src.node, k) for k, g in enumerate(grad_outputs) if g is not None]
+    return list(torch.autograd.grad(roots, src.edges, [g for g in grad_outputs if g is not None],
+                                    retain_graph=True, allow_unused=True))
 
 
 def _leaves_below(edges: list[GradientEdge]) -> set[Node]:
