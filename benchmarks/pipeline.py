@@ -16,7 +16,7 @@ Parts (all ``pp=2``; 2 ranks except ``composed``; the Llama of ``examples/model.
    the slowest stage's compute CPU time per step (what sets a pipeline's step time when every
    rank has its own core; on a shared, oversubscribed machine wall times mostly measure the
    total work).
-3. ``bubble``: per rank ``1 - compute / step`` of shardwise's steps (``last_timing``), against
+3. ``bubble``: per rank ``1 - (compute + send) / step`` of shardwise's steps (``last_timing``), against
    ``(p - 1) / (m + p - 1)``.
 4. ``memory``: peak tensor bytes per stage over one step (`benchmarks.tracker.AllocationTracker`,
    parameters included), GPipe vs 1F1B.
@@ -214,7 +214,8 @@ def bench(rank, world, args):
         a, b, bubbles, ca, cb = [], [], [], [], []
         for _ in range(args.reps):
             a.append(_timed(lambda: ours.step(x, y), ca))
-            bubbles.append(1 - ours.last_timing["compute_s"] / ours.last_timing["step_s"])
+            lt = ours.last_timing  # idle: neither in an action nor issuing its sends
+            bubbles.append(1 - (lt["compute_s"] + lt["send_s"]) / lt["step_s"])
             b.append(_timed(lambda: _run_torch(theirs, x, y), cb))
         out[f"vs_torch_{schedule}"] = _pair_stats(a, b, ca, cb)
         out[f"bubble_{schedule}"] = {"measured": statistics.median(bubbles),

@@ -22,8 +22,8 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
    ratio from the action lists (`activations_in_flight`), without and with the kept frontier
    gradients (``kept_grads``: this rank's `PipelineSchedule.last_kept_grad_bytes` over the bytes
    autograd saves per microbatch, counted by a ``saved_tensors_hooks``).
-4. ``bubble``: per schedule, the measured idle fraction ``1 - compute / step`` (mean over ranks,
-   `PipelineSchedule.last_timing`) against `simulate` of its action lists with forward, input-
+4. ``bubble``: per schedule, the measured idle fraction ``1 - (compute + send) / step`` (mean over
+   ranks, `PipelineSchedule.last_timing`: time in actions and issuing their sends is busy) against `simulate` of its action lists with forward, input-
    and weight-gradient times 1 (the mean idle fraction of the ranks), and (part 2) against
    `simulate` with each (kind, stage)'s measured mean CPU and wall times in that step
    (`PipelineSchedule.last_action_times`; ``costs_*`` lists the CPU ones in ms), and with the wall
@@ -152,7 +152,8 @@ def _message_latency(shape, rounds: int = 24) -> float:
 
 
 def _measured_bubble(sched) -> float:
-    t = torch.tensor([1 - sched.last_timing["compute_s"] / sched.last_timing["step_s"]], dtype=torch.float64)
+    lt = sched.last_timing  # idle: neither in an action nor issuing its sends
+    t = torch.tensor([1 - (lt["compute_s"] + lt["send_s"]) / lt["step_s"]], dtype=torch.float64)
     dist.all_reduce(t)
     return float(t) / dist.get_world_size()
 

@@ -76,6 +76,7 @@ is not delayed. `wait_sends` checks that nothing is left held at the end of a st
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -128,6 +129,7 @@ class P2P:
         self._posted: dict[int, tuple] = {}  # peer -> (key, buffer, work) of the receive posted ahead
         self._held: dict[int, dict[tuple, torch.Tensor]] = {}  # peer -> key -> tensor: [Note: sends held back]
         self._watchers = Watchers()  # threads waiting on receives posted ahead, for `wait_first`
+        self.send_s = 0.0  # seconds spent issuing sends (gloo writes what the socket takes there and then)
 
     def expect(self, peer: int, keys: list, sends: Sequence = ()) -> None:
         """``keys``: what ``peer`` sends us this step, in its order; ``sends``: what we send it."""
@@ -194,16 +196,21 @@ class P2P:
         return ops
 
     def flush(self) -> None:
-        """Issue the sends waiting in the outbox."""
+        """Issue the sends waiting in the outbox (the time it takes adds to ``send_s``)."""
         if self._outbox:
+            t0 = time.perf_counter()
             works = dist.batch_isend_irecv(self._ops())
             self._pending += list(zip(works, [x for _, x in self._outbox]))
             self._outbox.clear()
+            self.send_s += time.perf_counter() - t0
 
     def _recv_into(self, t: torch.Tensor, peer: int) -> None:
         """Receive ``t`` from ``peer``, issuing the outbox's sends in the same group."""
         ops = self._ops() + [dist.P2POp(dist.irecv, t, group=self.group, tag=self.tag, group_peer=peer)]
+        t0 = time.perf_counter()
         works = dist.batch_isend_irecv(ops)
+        if len(ops) > 1:
+            self.send_s += time.perf_counter() - t0
         self._pending += list(zip(works[:-1], [x for _, x in self._outbox]))
         self._outbox.clear()
         works[-1].wait()

@@ -203,11 +203,11 @@ def _through_engine(src: Source, grad_outputs: tuple) -> list:
                                     retain_graph=True, allow_unused=True))
 
 
-def _leaves_below(edges: list[GradientEdge]) -> set[Node]:
-    """The nodes without children (``AccumulateGrad``: the parameters) that ``edges`` lead to."""
-    out: set[Node] = set()
+def _childless(starts: list[Node]) -> list[Node]:
+    """The nodes without children under ``starts`` (``AccumulateGrad``: the leaves), each once."""
     seen: set[Node] = set()
-    stack = [e.node for e in edges]
+    out: list[Node] = []
+    stack = list(starts)
     while stack:
         n = stack.pop()
         if n in seen:
@@ -215,23 +215,17 @@ def _leaves_below(edges: list[GradientEdge]) -> set[Node]:
         seen.add(n)
         children = [c for c, _ in n.next_functions if c is not None]
         if not children:
-            out.add(n)
+            out.append(n)
         stack.extend(children)
     return out
 
 
+def _leaves_below(edges: list[GradientEdge]) -> set[Node]:
+    """The parameters' nodes that ``edges`` lead to (where a batch of `weight_grad` may end)."""
+    return set(_childless([e.node for e in edges]))
+
+
 def _leaves_except(outputs: list[torch.Tensor], skip: Node) -> list[torch.Tensor]:
     """The leaves (of ``AccumulateGrad`` nodes) under ``outputs`` but ``skip`` (the fallback's inputs)."""
-    seen: set[Node] = set()
-    leaves: list[torch.Tensor] = []
-    stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        children = [c for c, _ in n.next_functions if c is not None]
-        if not children and n is not skip and hasattr(n, "variable"):
-            leaves.append(n.variable)
-        stack.extend(children)
-    return leaves
+    roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    return [n.variable for n in _childless(roots) if n is not skip and hasattr(n, "variable")]
