@@ -27,16 +27,17 @@ def _timing(rank, world_size, schedule):
 
 
 def test_a_step_reports_compute_sends_and_its_actions():
-    """``send_s`` (issuing sends between actions) is busy time apart from ``compute_s``; both fit in
-    the step; every (kind, stage) of this rank's actions has a mean wall and CPU time."""
+    """``send_s`` (issuing sends between actions) is busy time apart from ``compute_s``, ``wait_s``
+    (for messages, and for the other ranks at the step's end) the idle time; all fit in the step;
+    every (kind, stage) of this rank's actions has a mean wall and CPU time."""
     for rank, (timing, actions, stages) in enumerate(run_ranks(_timing, 2, "zbv", timeout=120)):
-        assert set(timing) == {"compute_s", "compute_cpu_s", "send_s", "step_s"}, timing
-        assert timing["send_s"] > 0 and timing["compute_s"] > 0, timing
-        assert timing["compute_s"] + timing["send_s"] <= timing["step_s"], timing
+        assert set(timing) == {"compute_s", "compute_cpu_s", "send_s", "wait_s", "step_s"}, timing
+        assert timing["send_s"] > 0 and timing["compute_s"] > 0 and timing["wait_s"] > 0, timing
+        assert timing["compute_s"] + timing["send_s"] + timing["wait_s"] <= timing["step_s"], timing
         assert set(actions) == {(k, s) for s in stages for k in "FIW"}, (rank, sorted(actions))
         assert all(wall >= 0 and cpu >= 0 for wall, cpu in actions.values()), actions
 
 
 def test_one_rank_sends_nothing():
     ((timing, actions, stages),) = run_ranks(_timing, 1, "1f1b", timeout=120)
-    assert timing["send_s"] == 0.0 and set(actions) == {("F", 0), ("B", 0)}, (timing, actions)
+    assert timing["send_s"] == timing["wait_s"] == 0.0 and set(actions) == {("F", 0), ("B", 0)}, (timing, actions)

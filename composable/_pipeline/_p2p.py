@@ -130,6 +130,7 @@ class P2P:
         self._held: dict[int, dict[tuple, torch.Tensor]] = {}  # peer -> key -> tensor: [Note: sends held back]
         self._watchers = Watchers()  # threads waiting on receives posted ahead, for `wait_first`
         self.send_s = 0.0  # seconds spent issuing sends (gloo writes what the socket takes there and then)
+        self.wait_s = 0.0  # seconds spent waiting for messages to arrive
 
     def expect(self, peer: int, keys: list, sends: Sequence = ()) -> None:
         """``keys``: what ``peer`` sends us this step, in its order; ``sends``: what we send it."""
@@ -213,7 +214,9 @@ class P2P:
             self.send_s += time.perf_counter() - t0
         self._pending += list(zip(works[:-1], [x for _, x in self._outbox]))
         self._outbox.clear()
+        t0 = time.perf_counter()
         works[-1].wait()
+        self.wait_s += time.perf_counter() - t0
 
     def send_error(self, peer: int, text: str) -> None:
         """Send ``text`` as an error to ``peer``, sized as the message it waits for from us next."""
@@ -238,8 +241,10 @@ class P2P:
                                    f"{posted[0]}, not {key}")
             buf = posted[1]
             self.flush()
+            t0 = time.perf_counter()
             if not self._watchers.take(peer, posted[2]):  # a watcher thread waited (or raised) for us
                 posted[2].wait()
+            self.wait_s += time.perf_counter() - t0
             del self._posted[peer]  # only now: if anything above raised, `drop` keeps it in flight
         else:
             buf = torch.empty(_HEADER_BYTES + _nbytes(known), dtype=torch.uint8, device=self.device)
@@ -298,7 +303,9 @@ class P2P:
                 if posted is None:
                     raise RuntimeError(f"pipeline: internal error, nothing posted ahead from pp rank {peer}")
                 self._watchers.watch(peer, posted[2])
+            t0 = time.perf_counter()
             self._watchers.wake.wait()
+            self.wait_s += time.perf_counter() - t0
 
     def sent_before(self, peer: int, a: tuple, b: tuple) -> bool:
         """Whether ``peer`` sends us ``a`` before ``b`` (each still to come or buffered)."""

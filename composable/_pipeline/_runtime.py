@@ -79,7 +79,8 @@ class PipelineSchedule(PairRunner):
     same on every rank); ``last_timing`` then holds this rank's ``compute_s`` (wall time inside
     forward/backward), ``compute_cpu_s`` (the CPU time of this thread in them, which other load
     on the machine disturbs less), ``send_s`` (wall time issuing sends between actions: busy, not
-    idle) and ``step_s``; ``last_action_times[(kind, stage)]`` the mean
+    idle), ``wait_s`` (wall time waiting for messages and, in the step's closing all-reduce, for
+    the other ranks: the idle time) and ``step_s``; ``last_action_times[(kind, stage)]`` the mean
     wall and CPU seconds of this rank's actions of that kind (``"F"``, ``"B"``, ``"I"``, ``"W"``)
     on that stage (for `simulate`'s ``costs``); ``last_kept_grad_bytes[stage]`` the most bytes of
     gradients one ``I`` of the stage kept for its ``W`` (see `activations_in_flight`'s ``kept_grads``);
@@ -217,7 +218,7 @@ class PipelineSchedule(PairRunner):
         units = StageUnits({i: st.module for i, st in self.stages.items()},
                            keep=not self.reshard_between_microbatches, every_microbatch=self.reduce_every_microbatch)
         t_start = time.perf_counter()
-        sent0 = self.p2p.send_s if self.p2p is not None else 0.0
+        p2p0 = (self.p2p.send_s, self.p2p.wait_s) if self.p2p is not None else (0.0, 0.0)
         try:
             error, timing = self._run_actions(mb_in, mb_tg, losses, units)
         except BaseException:  # KeyboardInterrupt...: settings back (no collective), no more steps
@@ -231,7 +232,7 @@ class PipelineSchedule(PairRunner):
             units.abandon()  # see [Note: fully_shard units in a pipeline step]
         else:
             units.restore()
-        return self._finish(losses, error, timing, t_start, sent0)
+        return self._finish(losses, error, timing, t_start, p2p0)
 
     def _run_actions(self, mb_in, mb_tg, losses, units: StageUnits):
         """Run this rank's action list, dispatching on each action's `ActionKind`; returns (the
@@ -269,19 +270,21 @@ class PipelineSchedule(PairRunner):
         for peer in {(me - 1) % pp, (me + 1) % pp} - {me}:
             self.p2p.send_error(peer, text)
 
-    def _finish(self, losses, error, compute, t_start, sent0: float) -> torch.Tensor:
+    def _finish(self, losses, error, compute, t_start, p2p0: tuple[float, float]) -> torch.Tensor:
         if self.p2p is None:
             if error:
                 self.broken = error
                 raise PipelineError(error)
-            self._timing(compute, t_start, 0.0)
+            self._timing(compute, t_start, 0.0, 0.0)
             return losses
         if not error:
             self.p2p.flush()  # the step's last sends, before anyone waits in the all-reduce
         status = torch.cat([torch.tensor([1.0 if error else 0.0], dtype=torch.float64), losses]).to(self.device)
         if not self.stages.get(self.S - 1):
             status[1:] = 0
+        t_end = time.perf_counter()  # the closing all-reduce waits for the last rank to finish
         dist.all_reduce(status, group=self.split.pp_group)
+        end_wait = time.perf_counter() - t_end
         status = status.cpu()
         if status[0] > 0:
             texts = [None] * self.split.pp_size
@@ -291,12 +294,12 @@ class PipelineSchedule(PairRunner):
             self.broken = message
             raise PipelineError(message)
         self.p2p.wait_sends()
-        self._timing(compute, t_start, self.p2p.send_s - sent0)
+        self._timing(compute, t_start, self.p2p.send_s - p2p0[0], self.p2p.wait_s - p2p0[1] + end_wait)
         return status[1:].clone()
 
-    def _timing(self, compute, t_start: float, sent: float) -> None:
+    def _timing(self, compute, t_start: float, sent: float, waited: float) -> None:
         self.last_timing = {"compute_s": compute[0], "compute_cpu_s": compute[1], "send_s": sent,
-                            "step_s": time.perf_counter() - t_start}
+                            "wait_s": waited, "step_s": time.perf_counter() - t_start}
         self.last_action_times = {k: (v[0] / v[2], v[1] / v[2]) for k, v in compute[2].items()}
         self.last_kept_grad_bytes = dict(compute[3])
 

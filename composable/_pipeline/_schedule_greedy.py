@@ -33,6 +33,7 @@ PREFERENCES = ("IFW", "IWF", "FIW")
 """The orders of preference among ready kinds tried by `tune_schedule` and by the registered
 ``zbv`` / ``interleaved_zb`` lists ([Note: greedy zero-bubble lists])."""
 
+
 def greedy_lists(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int], *,
                  costs: Mapping[tuple[str, int], float] | None = None, comm_time: float = 0.0,
                  prefer: str = "IFW", reserve: bool = False) -> list[list[Action]]:

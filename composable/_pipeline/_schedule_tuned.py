@@ -38,7 +38,6 @@ from ._schedule_zbv import izb_cap, zbv_cap
 __all__ = ["PREFERENCES", "TUNABLE_SCHEDULES", "tune_schedule"]
 
 
-
 def _caps(name: str, pp: int, m: int, v: int) -> tuple[str, Callable[[int], int]]:
     if name == "zbv":
         return "v", zbv_cap(pp, m, v)
