@@ -151,11 +151,20 @@ def _message_latency(shape, rounds: int = 24) -> float:
     return statistics.median(trips) / 2
 
 
-def _measured_bubble(sched) -> float:
-    lt = sched.last_timing  # idle: neither in an action nor issuing its sends
-    t = torch.tensor([1 - (lt["compute_s"] + lt["send_s"]) / lt["step_s"]], dtype=torch.float64)
+def _measured_bubble(sched) -> tuple[float, float]:
+    """The idle fraction, mean over ranks, two ways: not in an action nor issuing its sends; and
+    waiting (for messages and, at the step's end, for the other ranks)."""
+    lt = sched.last_timing
+    t = torch.tensor([1 - (lt["compute_s"] + lt["send_s"]) / lt["step_s"], lt["wait_s"] / lt["step_s"]],
+                     dtype=torch.float64)
     dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+    return float(t[0]) / dist.get_world_size(), float(t[1]) / dist.get_world_size()
+
+
+def _bubble_row(bub: list) -> dict:
+    idle, wait = [b[0] for b in bub], [b[1] for b in bub]
+    return {"measured": statistics.median(idle), "measured_range": (min(idle), max(idle)),
+            "measured_waiting": statistics.median(wait), "measured_waiting_range": (min(wait), max(wait))}
 
 
 def _simulated(schedule, pp, m) -> float:
@@ -189,8 +198,7 @@ def bench_vs_torch(rank, world, args):
             sim.append(_simulated_with(schedule, 2, m, _action_costs(ours, 0), comm_time=latency))
             b.append(_timed(lambda: _run_theirs(mine, theirs, x, y, 2 * _v(schedule)), cb))
         out[f"vs_torch_{schedule}_p2_m{m}"] = _ratio(a, b, ca, cb)
-        out[f"bubble_{schedule}_p2_m{m}"] = {"measured": statistics.median(bub), "measured_range": (min(bub), max(bub)),
-                                             "simulated": _simulated(schedule, 2, m),
+        out[f"bubble_{schedule}_p2_m{m}"] = {**_bubble_row(bub), "simulated": _simulated(schedule, 2, m),
                                              "simulated_wall_costs_and_latency": statistics.median(sim)}
         ours.close()
     return out
@@ -230,15 +238,11 @@ def bench_gain(rank, world, args):
                 comm1.append(_simulated_with("1f1b", pp, m, base_wall, comm_time=latency))
             out[f"gain_{schedule}_over_1f1b_p{pp}_m{m}"] = dict(_ratio(a, b, ca, cb),
                                                                core_per_rank_ratio=statistics.median(predicted))
-            out[f"bubble_{schedule}_p{pp}_m{m}"] = {"measured": statistics.median(bub),
-                                                    "measured_range": (min(bub), max(bub)),
-                                                    "simulated": _simulated(schedule, pp, m),
+            out[f"bubble_{schedule}_p{pp}_m{m}"] = {**_bubble_row(bub), "simulated": _simulated(schedule, pp, m),
                                                     "simulated_measured_costs": statistics.median(costs),
                                                     "simulated_measured_wall_costs": statistics.median(walls),
                                                     "simulated_wall_costs_and_latency": statistics.median(comm)}
-            out[f"bubble_1f1b_p{pp}_m{m}"] = {"measured": statistics.median(bub1),
-                                              "measured_range": (min(bub1), max(bub1)),
-                                              "simulated": _simulated("1f1b", pp, m),
+            out[f"bubble_1f1b_p{pp}_m{m}"] = {**_bubble_row(bub1), "simulated": _simulated("1f1b", pp, m),
                                               "simulated_measured_costs": statistics.median(costs1),
                                               "simulated_measured_wall_costs": statistics.median(walls1),
                                               "simulated_wall_costs_and_latency": statistics.median(comm1)}
