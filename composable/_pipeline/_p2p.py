@@ -84,29 +84,12 @@ import torch
 import torch.distributed as dist
 
 from ._arrival import Watchers
+from ._wire import CODE, DATA, DTYPES, ERROR, HEADER_BYTES, NEW_SHAPE, check_sendable, header, nbytes
 
 __all__ = ["P2P", "PeerFailed"]
 
-_HEADER = 12
-_HEADER_BYTES = _HEADER * 8
-_DATA, _ERROR, _NEW_SHAPE = 0, 1, 2
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.uint8,
-           torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
-_CODE = {d: i for i, d in enumerate(_DTYPES)}
-
-
 class PeerFailed(RuntimeError):
     """Another pipeline rank failed; ``str()`` is its message."""
-
-
-def _nbytes(meta) -> int:
-    if meta is None:
-        return 0
-    dtype, shape = meta
-    n = 1
-    for s in shape:
-        n *= s
-    return n * dtype.itemsize
 
 
 class P2P:
@@ -144,28 +127,20 @@ class P2P:
         if not self.ahead or peer in self._posted or not queue:
             return
         key = queue[0]
-        buf = torch.empty(_HEADER_BYTES + _nbytes(self._received.get((peer, key[0], key[1]))), dtype=torch.uint8,
+        buf = torch.empty(HEADER_BYTES + nbytes(self._received.get((peer, key[0], key[1]))), dtype=torch.uint8,
                           device=self.device)
         self._posted[peer] = (key, buf, dist.irecv(buf, group=self.group, tag=self.tag, group_src=peer))
-
-    def _header(self, status: int, code: int, sizes) -> torch.Tensor:
-        h = [status, code, len(sizes), *sizes]
-        return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64).view(torch.uint8)
 
     def _message(self, peer: int, key: tuple, header: torch.Tensor) -> torch.Tensor:
         """A zeroed message of the size ``peer`` expects next on ``key``'s channel, ``header`` in front."""
         known = self._sent.get((peer, key[0], key[1]))
-        size = _HEADER_BYTES + (_nbytes(known[:2]) if known else 0)
+        size = HEADER_BYTES + (nbytes(known[:2]) if known else 0)
         buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
-        buf[:_HEADER_BYTES].copy_(header)
+        buf[:HEADER_BYTES].copy_(header)
         return buf
 
     def send(self, peer: int, key: tuple, tensor: torch.Tensor) -> None:
-        t = tensor.detach().contiguous()
-        if t.dim() > _HEADER - 3:
-            raise ValueError(f"pipeline: an activation of {t.dim()} dims cannot be sent (at most {_HEADER - 3})")
-        if t.dtype not in _CODE:
-            raise ValueError(f"pipeline: activations of dtype {t.dtype} cannot be sent between stages")
+        t = check_sendable(tensor.detach().contiguous())
         queue = self._to_send.get(peer)
         if queue and queue[0] != key and key in queue:  # [Note: sends held back]
             self._held.setdefault(peer, {})[key] = t
@@ -182,14 +157,14 @@ class P2P:
         channel, shape = (peer, key[0], key[1]), tuple(t.shape)
         known = self._sent.get(channel)
         if known is not None and known[0] == t.dtype and known[1] == shape:
-            buf = torch.empty(_HEADER_BYTES + t.numel() * t.element_size(), dtype=torch.uint8, device=self.device)
-            buf[:_HEADER_BYTES].copy_(known[2])
-            buf[_HEADER_BYTES:].view(t.dtype).view(shape).copy_(t)
+            buf = torch.empty(HEADER_BYTES + t.numel() * t.element_size(), dtype=torch.uint8, device=self.device)
+            buf[:HEADER_BYTES].copy_(known[2])
+            buf[HEADER_BYTES:].view(t.dtype).view(shape).copy_(t)
             self._outbox.append((peer, buf))
         else:
-            head = self._header(_NEW_SHAPE, _CODE[t.dtype], shape)
+            head = header(NEW_SHAPE, CODE[t.dtype], shape)
             self._outbox += [(peer, self._message(peer, key, head)), (peer, t)]
-            self._sent[channel] = (t.dtype, shape, self._header(_DATA, _CODE[t.dtype], shape).to(self.device))
+            self._sent[channel] = (t.dtype, shape, header(DATA, CODE[t.dtype], shape).to(self.device))
         queue.popleft()
 
     def _ops(self) -> list:
@@ -223,9 +198,9 @@ class P2P:
         data = torch.tensor(list(text.encode()[:4000]), dtype=torch.uint8, device=self.device)
         queue = self._to_send.get(peer)
         key = queue[0] if queue else ("error", -1)
-        buf = self._message(peer, key, self._header(_ERROR, 0, [data.numel()]))
-        if data.numel() <= buf.numel() - _HEADER_BYTES:
-            buf[_HEADER_BYTES:_HEADER_BYTES + data.numel()].copy_(data)
+        buf = self._message(peer, key, header(ERROR, 0, [data.numel()]))
+        if data.numel() <= buf.numel() - HEADER_BYTES:
+            buf[HEADER_BYTES:HEADER_BYTES + data.numel()].copy_(data)
             self._outbox.append((peer, buf))
         else:
             self._outbox += [(peer, buf), (peer, data)]
@@ -247,23 +222,23 @@ class P2P:
             self.wait_s += time.perf_counter() - t0
             del self._posted[peer]  # only now: if anything above raised, `drop` keeps it in flight
         else:
-            buf = torch.empty(_HEADER_BYTES + _nbytes(known), dtype=torch.uint8, device=self.device)
+            buf = torch.empty(HEADER_BYTES + nbytes(known), dtype=torch.uint8, device=self.device)
             self._recv_into(buf, peer)
-        h = buf[:_HEADER_BYTES].view(torch.int64).tolist()
-        if h[0] == _ERROR:
+        h = buf[:HEADER_BYTES].view(torch.int64).tolist()
+        if h[0] == ERROR:
             n = h[3]
-            if n <= buf.numel() - _HEADER_BYTES:
-                data = buf[_HEADER_BYTES:_HEADER_BYTES + n]
+            if n <= buf.numel() - HEADER_BYTES:
+                data = buf[HEADER_BYTES:HEADER_BYTES + n]
             else:
                 data = torch.empty(n, dtype=torch.uint8, device=self.device)
                 self._recv_into(data, peer)
             raise PeerFailed(bytes(data.cpu().tolist()).decode(errors="replace"))
-        dtype, shape = _DTYPES[h[1]], tuple(h[3:3 + h[2]])
-        if h[0] == _DATA:
+        dtype, shape = DTYPES[h[1]], tuple(h[3:3 + h[2]])
+        if h[0] == DATA:
             if known != (dtype, shape):
                 raise RuntimeError(f"pipeline: internal error, message {key} from pp rank {peer} has shape "
                                    f"{shape} and dtype {dtype}, expected {known}")
-            return buf[_HEADER_BYTES:].view(dtype).view(shape)
+            return buf[HEADER_BYTES:].view(dtype).view(shape)
         out = torch.empty(shape, dtype=dtype, device=self.device)
         self._recv_into(out, peer)
         self._received[channel] = (dtype, shape)
