@@ -1,51 +1,50 @@
 """Pipeline parallelism: balanced automatic partitioning, GPipe / 1F1B / interleaved 1F1B
 schedules and the zero-bubble ones (zb_h1, zbv, interleaved_zb, dualpipev with its forward/backward
 pairs and an overlap hook; a registry of schedule specs), composed with ``fully_shard`` and tensor
-parallelism. See docs/pipeline.md."""
+parallelism. See docs/pipeline.md.
 
-from ._checkpoint import (pipeline_optimizer_state_dict, pipeline_state_dict, set_pipeline_optimizer_state_dict,
-                          set_pipeline_state_dict)
-from ._in_flight import InFlight, activations_in_flight
-from ._pairs import PairHalves
-from ._partition import StagePlan, balanced_bounds, uniform_bounds
-from ._placement import PLACEMENTS, stage_rank
-from ._registry import ScheduleSpec, get_schedule, register_schedule, unregister_schedule
-from ._runtime import RUNNABLE_KINDS, PipelineError, PipelineSchedule
-from ._schedule import SCHEDULES, Action, ActionKind, build_schedule, simulate, theoretical_bubble
-from ._schedule_tuned import TUNABLE_SCHEDULES, tune_schedule
-from ._stages import PipelineSplit, pipeline_split, plan_stages
-from ._tune import retune
+Rooms, lowest first (`ROOMS`): ``_schedules`` (pure: action lists, registry, `simulate`),
+``_split`` (the model cut into stages), ``_runtime`` (`PipelineSchedule`). A room imports only
+rooms below it, and those only through their ``__init__``. Besides the user-facing names of
+``__all__``, this package exports what ``shardwise.composable`` re-exports and what the planner
+(``_plan``) uses."""
+
+from ._runtime import RUNNABLE_KINDS, PairHalves, PipelineError, PipelineSchedule, retune
+from ._schedules import (PLACEMENTS, SCHEDULES, TUNABLE_SCHEDULES, Action, ActionKind, InFlight, ScheduleSpec,
+                         activations_in_flight, build_schedule, get_schedule, register_schedule, simulate, stage_rank,
+                         theoretical_bubble, tune_schedule, unregister_schedule, walk_in_flight)
+from ._split import (PipelineSplit, StagePlan, balanced_bounds, pipeline_optimizer_state_dict, pipeline_split,
+                     pipeline_state_dict, plan_stages, set_pipeline_optimizer_state_dict, set_pipeline_state_dict,
+                     uniform_bounds)
+
+ROOMS = ("_schedules", "_split", "_runtime")
+"""The rooms of ``_pipeline``, lowest first: each imports only those before it."""
 
 __all__ = [
     "Action",
     "ActionKind",
-    "RUNNABLE_KINDS",
-    "ScheduleSpec",
-    "InFlight",
-    "activations_in_flight",
-    "get_schedule",
-    "PLACEMENTS",
-    "stage_rank",
-    "register_schedule",
-    "unregister_schedule",
     "PairHalves",
     "PipelineError",
     "PipelineSchedule",
     "PipelineSplit",
     "SCHEDULES",
+    "ScheduleSpec",
     "StagePlan",
-    "balanced_bounds",
+    "TUNABLE_SCHEDULES",
+    "activations_in_flight",
     "build_schedule",
+    "get_schedule",
     "pipeline_optimizer_state_dict",
     "pipeline_split",
     "pipeline_state_dict",
+    "plan_stages",
+    "register_schedule",
+    "retune",
     "set_pipeline_optimizer_state_dict",
     "set_pipeline_state_dict",
-    "plan_stages",
-    "retune",
     "simulate",
+    "stage_rank",
     "theoretical_bubble",
-    "TUNABLE_SCHEDULES",
     "tune_schedule",
-    "uniform_bounds",
+    "unregister_schedule",
 ]

@@ -71,12 +71,7 @@ from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
-from .._pipeline._actions import ActionKind
-from .._pipeline._in_flight import activations_in_flight
-from .._pipeline._placement import stage_rank
-from .._pipeline._registry import get_schedule
-from .._pipeline._schedule import build_schedule
-from .._pipeline._stages import plan_stages
+from .._pipeline import ActionKind, activations_in_flight, build_schedule, get_schedule, plan_stages, stage_rank
 from .._wrap import ShardingPolicy
 from ._stage_terms import before_and_after_first_backward, end_terms, held_grads
 from ._units import declares_units, fmt_bytes, plan_units

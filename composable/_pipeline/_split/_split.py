@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ._placement import stage_rank
+from .._schedules import stage_rank
 
 __all__ = ["Blocks", "StageShell", "blocks_list", "classify", "find_layers", "split_model"]
 

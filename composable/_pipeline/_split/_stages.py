@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.mesh import PP_AXIS, mesh_axes
 
-from .._compat import root_mesh
-from ._placement import check_placement
+from ..._compat import root_mesh
+from .._schedules import check_placement
 from ._agree import agree, fingerprint
 from ._cost import COST_KINDS, average_costs, measure_costs, param_costs
 from ._partition import StagePlan, balanced_plan, plan_from_bounds

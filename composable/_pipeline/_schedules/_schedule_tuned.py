@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from ._actions import Action, ActionKind
 from ._registry import ScheduleSpec, get_schedule
-from ._schedule import simulate
+from ._simulate import simulate
 from ._schedule_greedy import PREFERENCES, greedy_lists
 from ._schedule_zbv import izb_cap, zbv_cap
 

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from ._runtime import PipelineSchedule
-from ._schedule_tuned import tune_schedule
+from .._schedules import tune_schedule
+from ._pipeline_schedule import PipelineSchedule
 
 __all__ = ["retune"]
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._actions import Action
+from .._schedules import Action
 from ._units import StageUnits
 
-__all__ = ["NullContext", "PipelineError", "StepState", "agree_on_tag", "capture_hook", "device_of", "first_tensor",
+__all__ = ["PipelineError", "StepState", "agree_on_tag", "capture_hook", "device_of", "first_tensor",
            "inject_hook", "split_batch"]
 
 
@@ -99,14 +99,6 @@ class StepState:
         acc[0] += wall
         acc[1] += cpu
         acc[2] += 1
-
-
-class NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> Literal[False]:
-        return False
 
 
 def agree_on_tag(group: Any, device: torch.device) -> int:

@@ -11,12 +11,11 @@ stage's input goes back. ``I(s, i)`` and ``W(s, i)`` split ``B`` in two: ``I`` s
 gradient back at once and keeps the graph, ``W`` later accumulates the parameters' gradients
 from it ([Note: split backward] in ``_split_backward.py``). ``FB`` runs a pair: a forward and a
 backward of two other (stage, microbatch)s, in the order their inputs arrive or inside the user's
-overlap function ([Note: forward/backward pairs] in ``_pairs.py``). With mean-reduced losses over
+overlap function ([Note: forward/backward pairs], below). With mean-reduced losses over
 equal microbatches the accumulated gradients are those of the whole batch on one process.
 
-Files: this one holds `PipelineSchedule` (set-up, the messages of a step, the step and its end);
-``_bodies.py`` the body of each action kind, ``_pairs.py`` pairs, ``_step_state.py`` what a
-step's actions share.
+Files: this one holds `PipelineSchedule` (set-up, the messages of a step, the body of each action
+kind, pairs, the step and its end); ``_step_state.py`` what a step's actions share.
 
 ``fully_shard`` units: one reduce-scatter per unit per step and, by default, one all-gather;
 see [Note: fully_shard units in a pipeline step] in ``_units.py``.
@@ -25,31 +24,81 @@ End of step: one small all-reduce on the ``pp`` group carries a failure flag and
 microbatch losses (so every rank returns them). A rank whose action raised first sends the
 error to its pipeline neighbours ([Note: messages between stages]), then joins that
 all-reduce, so every rank raises the same ``PipelineError`` instead of hanging.
+
+[Note: forward/backward pairs]
+A pair ([Note: action kinds] in ``_actions.py``) is a forward and a backward of two (stage,
+microbatch)s on one rank, listed as one action so that they can overlap (DualPipe runs one
+half's all-to-all during the other's compute). Its halves must not wait on each other, even
+through other ranks: `simulate` with the halves run together (``overlap``) must not deadlock;
+`PipelineSchedule` checks that when it is built (the same on every rank) and refuses the
+schedule otherwise. So either half can go first, and both inputs can be taken before either runs.
+
+Without an overlap function the halves run one after the other, the one whose input is there
+first going first: an input that is local (a hand-off from this rank's other stage, or none:
+the first stage's forward, the last stage's backward) or already received; else, where both
+come from one peer, the one it sends first (it sends in its list's order); else (two peers,
+with receives posted ahead, gloo: [Note: receiving ahead] in ``_p2p.py``) whichever arrives
+first (`P2P.wait_first`, [Note: waiting for the first arrival] in ``_arrival.py``); with
+nothing posted ahead (NCCL) the forward. Ties go to the forward. So the order is fixed wherever
+the messages fix it, and otherwise only changes which of two independent computations comes
+first (no number changes: the halves touch different stages).
+Each half's output is sent when that half ends: with the other half's receive, in one group, if
+that one still has to wait for it, or at once; a message to the peer that the forward also sends
+to waits for the forward's ([Note: sends held back] in ``_p2p.py``).
+
+Overlap function (``PipelineSchedule(..., overlap=fn)``, like torch's
+``register_custom_function(OVERLAP_F_B, fn)``): ``fn(pair)`` is called once per pair, after both
+halves' inputs have been taken, with a `PairHalves`: ``pair.action`` (the ``FB`` action),
+``pair.forward()`` and ``pair.backward()``, each of which runs its half (compute, then its
+output sent or handed on) and must be called exactly once, from the calling thread, in either
+order; between or around them ``fn`` may do anything that leaves the numbers alone (enter a CUDA
+stream, split its own communication, record events). ``fn`` returning without running both, or
+running one twice, fails the step on every rank (`PipelineError`) naming the pair.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._actions import Action, ActionKind
-from ._bodies import PHASE
-from ._graph_split import SplitCache
+from .._schedules import Action, ActionKind, ScheduleSpec, get_schedule, simulate, stage_rank
+from .._split import PipelineSplit, SplitCache, StageShell, input_grad, weight_grad
+from ._boundary import check_boundary
 from ._p2p import P2P, PeerFailed
-from ._pairs import OverlapFn, PairRunner
-from ._registry import ScheduleSpec, get_schedule
-from ._schedule import simulate
-from ._stages import PipelineSplit
-from ._step_state import PipelineError, StepState, agree_on_tag, capture_hook, device_of, inject_hook, split_batch
+from ._step_state import (PipelineError, StepState, agree_on_tag, capture_hook, device_of, first_tensor, inject_hook,
+                          split_batch)
 from ._units import StageUnits
 
-__all__ = ["PipelineError", "PipelineSchedule", "RUNNABLE_KINDS"]
+__all__ = ["OverlapFn", "PHASE", "PairHalves", "PipelineSchedule", "RUNNABLE_KINDS"]
+
+RUNNABLE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.FB})
+"""The action kinds this runtime executes; a schedule with others is refused when it is built."""
+
+PHASE = {ActionKind.F: "forward", ActionKind.B: "backward", ActionKind.I: "input-gradient backward",
+         ActionKind.W: "weight-gradient backward", ActionKind.FB: "forward/backward pair"}
+"""What an action kind is called in error messages."""
 
 
-class PipelineSchedule(PairRunner):
+@dataclass
+class PairHalves:
+    """What an overlap function gets for one pair: see [Note: forward/backward pairs]."""
+
+    action: Action
+    forward: Callable[[], None]
+    backward: Callable[[], None]
+    ran: list[str] = field(default_factory=list)
+
+
+OverlapFn = Callable[[PairHalves], None]
+
+
+class PipelineSchedule:
     """Runs training steps of a `PipelineSplit` with a schedule.
 
     Args:
@@ -173,6 +222,112 @@ class PipelineSchedule(PairRunner):
             h.remove()
         self._hooks.clear()
 
+    def _rank_of(self, stage: int) -> int:
+        return stage_rank(stage, self.split.pp_size, self.split.placement)
+
+    def _loss_ctx(self) -> Any:
+        return self.loss_context() if self.loss_context else nullcontext()
+
+    def _get(self, key: tuple, from_stage: int, local: dict) -> torch.Tensor:
+        """The input ``key``: handed on within this rank or received ahead by a pair (in
+        ``local``), or received from the rank of ``from_stage``."""
+        if key in local or self._rank_of(from_stage) == self.split.pp_rank:
+            return local.pop(key)
+        assert self.p2p is not None, "a one-rank pipeline hands everything on locally"
+        return self.p2p.recv(self._rank_of(from_stage), key)
+
+    def _put(self, key: tuple, to_stage: int, tensor: torch.Tensor, local: dict) -> None:
+        if self._rank_of(to_stage) == self.split.pp_rank:
+            local[key] = tensor.detach()
+        else:
+            assert self.p2p is not None, "a one-rank pipeline hands everything on locally"
+            self.p2p.send(self._rank_of(to_stage), key, tensor)
+
+    def _forward(self, idx: int, a: Action, st: StageShell, step: StepState) -> None:
+        """``F(s, i)``: receive (or take) the input, run the stage shell, send the output or
+        compute the loss; see [Note: one pipeline step]."""
+        step.current = a
+        x = None
+        if not st.is_first:
+            x = self._get(("act", a.stage, a.microbatch), a.stage - 1, step.local)
+            x = x.detach().requires_grad_(x.is_floating_point())
+        step.x = x
+        t0, c0 = time.perf_counter(), time.thread_time()
+        st.slot.value, st.slot.out = x, None
+        args = step.mb_in[a.microbatch]
+        out = st.module(*(args if isinstance(args, tuple) else (args,)))
+        st.slot.value = None
+        if st.is_last:
+            with self._loss_ctx():
+                loss = self.loss_fn(out, step.mb_tg[a.microbatch])
+            step.saved[(a.stage, a.microbatch)] = (x, loss)
+            value = loss.detach()
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            step.losses[a.microbatch] = float(value)
+            step.timed(t0, c0, a)
+            return
+        y, st.slot.out = st.slot.out, None
+        if not isinstance(y, torch.Tensor):
+            raise TypeError(f"the last block of stage {a.stage} returned no tensor; a pipeline "
+                            "boundary carries one tensor (the hidden state)")
+        if a.stage not in self._boundary_checked:  # [Note: work between blocks], first step only
+            check_boundary(a.stage, first_tensor(out), y)
+            self._boundary_checked.add(a.stage)
+        step.saved[(a.stage, a.microbatch)] = (x, y)
+        step.timed(t0, c0, a)
+        self._put(("act", a.stage + 1, a.microbatch), a.stage + 1, y, step.local)
+
+    def _backward(self, idx: int, a: Action, st: StageShell, step: StepState) -> None:
+        """``B(s, i)``: backpropagate ``loss_i / m`` (last stage) or the received gradient of the
+        stage's output, then send the gradient of its input back."""
+        step.current = a
+        x, y = step.saved.pop((a.stage, a.microbatch))
+        g = None
+        if not st.is_last:
+            g = self._get(("grad", a.stage, a.microbatch), a.stage + 1, step.local)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step.units.before_backward(a.stage, self.last_b[a.stage] == idx)
+        if st.is_last:
+            with self._loss_ctx():
+                torch.autograd.backward(y / self.m)
+        else:
+            torch.autograd.backward(y, g)
+        step.timed(t0, c0, a)
+        if not st.is_first:
+            if x is None or x.grad is None:
+                raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
+            self._put(("grad", a.stage - 1, a.microbatch), a.stage - 1, x.grad, step.local)
+
+    def _input_grad(self, idx: int, a: Action, st: StageShell, step: StepState) -> None:
+        """``I(s, i)``: the gradient of the stage's input only, sent back at once; the graph is
+        kept for ``W(s, i)`` ([Note: split backward])."""
+        step.current = a
+        x, y = step.saved.pop((a.stage, a.microbatch))
+        g = None if st.is_last else self._get(("grad", a.stage, a.microbatch), a.stage + 1, step.local)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step.units.before_input_grad(a.stage)
+        with self._loss_ctx() if st.is_last else nullcontext():
+            gx, pending = input_grad([y / self.m] if st.is_last else [y], [g], x, self.split_caches[a.stage])
+        step.pending[(a.stage, a.microbatch)] = (x, pending)
+        step.timed(t0, c0, a)
+        step.kept[a.stage] = max(step.kept.get(a.stage, 0), pending.kept_bytes())
+        if not st.is_first:
+            if gx is None:
+                raise RuntimeError(f"stage {a.stage} produced no gradient for its input activation")
+            self._put(("grad", a.stage - 1, a.microbatch), a.stage - 1, gx, step.local)
+
+    def _weight_grad(self, idx: int, a: Action, st: StageShell, step: StepState) -> None:
+        """``W(s, i)``: the parameters' gradients from what ``I(s, i)`` kept; after the stage's
+        last, its units reduce ([Note: fully_shard units in a pipeline step])."""
+        step.current = a
+        x, pending = step.pending.pop((a.stage, a.microbatch))
+        t0, c0 = time.perf_counter(), time.thread_time()
+        step.units.before_weight_grad(a.stage, self.last_b[a.stage] == idx)
+        with self._loss_ctx() if st.is_last else nullcontext():
+            weight_grad(pending, x)
+        step.units.after_weight_grad(a.stage)
+        step.timed(t0, c0, a)
+
     def _sends_of(self, rank: int) -> list:
         """(destination rank, key) of every message rank ``rank`` sends in a step, in its order."""
         out = []
@@ -270,6 +425,83 @@ class PipelineSchedule(PairRunner):
         for peer in {(me - 1) % pp, (me + 1) % pp} - {me}:
             self.p2p.send_error(peer, text)
 
+    def _source(self, h: Action) -> tuple[str, tuple, int]:
+        """Where half ``h``'s input comes from: ``("none" | "local" | "peer", key, peer rank)``."""
+        if h.kind is ActionKind.F:
+            key, src = ("act", h.stage, h.microbatch), h.stage - 1
+            if h.stage == 0:
+                return "none", key, -1
+        else:
+            key, src = ("grad", h.stage, h.microbatch), h.stage + 1
+            if h.stage == self.S - 1:
+                return "none", key, -1
+        peer = self._rank_of(src)
+        return ("local" if peer == self.split.pp_rank else "peer"), key, peer
+
+    def _there(self, h: Action, step: StepState) -> bool:
+        where, key, peer = self._source(h)
+        if where != "peer" or key in step.local:
+            return True
+        assert self.p2p is not None
+        return self.p2p.arrived(peer, key)
+
+    def _first_half(self, a: Action, step: StepState) -> int:
+        """Which half (0: the forward, 1: the backward) runs first."""
+        for n, h in enumerate(a.halves):
+            if self._there(h, step):
+                return n
+        (_, kf, pf), (_, kb, pb) = (self._source(h) for h in a.halves)
+        assert self.p2p is not None, "both halves wait for a peer"
+        if pf == pb:
+            return 0 if self.p2p.sent_before(pf, kf, kb) else 1
+        if not self.p2p.ahead:
+            return 0
+        self.p2p.flush()  # nothing of ours may wait while we wait
+        return self.p2p.wait_first([(pf, kf), (pb, kb)])
+
+    def _pair(self, idx: int, a: Action, st: StageShell, step: StepState) -> None:
+        run = {ActionKind.F: self._forward, ActionKind.B: self._backward, ActionKind.I: self._input_grad}
+        if self.overlap is not None:
+            self._overlapped(idx, a, step, run)
+            return
+        first = self._first_half(a, step)
+        one, two = a.halves[first], a.halves[1 - first]
+        self.last_pair_order.append((one, two))
+        run[one.kind](idx, one, self.stages[one.stage], step)
+        where, key, peer = self._source(two)
+        if self.p2p is not None and (where != "peer" or key in step.local or self.p2p.arrived(peer, key)):
+            self.p2p.flush()  # else the receive of `two` sends the output of `one` in its group
+        run[two.kind](idx, two, self.stages[two.stage], step)
+
+    def _overlapped(self, idx: int, a: Action, step: StepState, run: dict) -> None:
+        for h in sorted(a.halves, key=lambda h: 0 if self._there(h, step) else 1):
+            where, key, peer = self._source(h)
+            if where == "peer" and key not in step.local:
+                step.local[key] = self._get(key, h.stage - 1 if h.kind is ActionKind.F else h.stage + 1, step.local)
+
+        def half(n: int, name: str) -> Callable[[], None]:
+            def go() -> None:
+                h = a.halves[n]
+                if name in halves.ran:
+                    raise RuntimeError(f"the overlap function ran the {name} {h!r} of pair {a!r} twice; run "
+                                       "pair.forward() and pair.backward() once each")
+                halves.ran.append(name)
+                run[h.kind](idx, h, self.stages[h.stage], step)
+                if self.p2p is not None:
+                    self.p2p.flush()
+            return go
+
+        halves = PairHalves(a, half(0, "forward"), half(1, "backward"))
+        assert self.overlap is not None
+        self.overlap(halves)
+        step.current = a
+        missing = [n for n in ("forward", "backward") if n not in halves.ran]
+        if missing:
+            raise RuntimeError(f"the overlap function returned without running the {' and '.join(missing)} of pair "
+                               f"{a!r}; it must call pair.forward() and pair.backward() once each")
+        self.last_pair_order.append((a.halves[0], a.halves[1]) if halves.ran[0] == "forward"
+                                    else (a.halves[1], a.halves[0]))
+
     def _finish(self, losses, error, compute, t_start, p2p0: tuple[float, float]) -> torch.Tensor:
         if self.p2p is None:
             if error:
@@ -302,7 +534,3 @@ class PipelineSchedule(PairRunner):
                             "wait_s": waited, "step_s": time.perf_counter() - t_start}
         self.last_action_times = {k: (v[0] / v[2], v[1] / v[2]) for k, v in compute[2].items()}
         self.last_kept_grad_bytes = dict(compute[3])
-
-
-RUNNABLE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.FB})
-"""The action kinds this runtime executes; a schedule with others is refused when it is built."""

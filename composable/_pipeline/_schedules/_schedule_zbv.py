@@ -35,6 +35,7 @@ from functools import lru_cache
 from ._actions import Action
 from ._registry import ScheduleSpec, register_schedule
 from ._schedule_greedy import PREFERENCES, greedy_lists
+from ._simulate import simulate
 
 __all__ = ["INTERLEAVED_ZB", "STAGE_MODELS", "ZBV", "izb_cap", "zbv_cap"]
 
@@ -54,8 +55,6 @@ def _model(S: int, i: float, w: float, last: float) -> dict[tuple[str, int], flo
 
 def _played_on_models(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int]) -> list[list[Action]]:
     """The registered list: [Note: lists played on a model of real stages]."""
-    from ._schedule import simulate  # _schedule registers this module on import: no import at load
-
     S = pp * v
     unit = greedy_lists(pp, m, v, placement, cap)
     models = [_model(S, *x) for x in STAGE_MODELS]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from ._actions import Action, ActionKind
 from ._placement import stages_of
 from ._registry import ScheduleSpec, get_schedule
-from ._schedule import build_schedule
+from ._simulate import build_schedule
 
 __all__ = ["InFlight", "activations_in_flight", "walk_in_flight"]
 

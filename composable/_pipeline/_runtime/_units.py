@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .._fsdp import StepOverride, clear_override, override_unit, units_of
+from ..._fsdp import StepOverride, clear_override, override_unit, units_of
 
 __all__ = ["StageUnits"]
 

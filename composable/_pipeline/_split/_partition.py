@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._placement import stage_rank
+from .._schedules import stage_rank
 
 __all__ = ["StagePlan", "balanced_bounds", "plan_from_bounds", "uniform_bounds"]
 

@@ -16,7 +16,9 @@ first). With ``comm_time`` a message between ranks arrives that long after its a
 A schedule is a `ScheduleSpec` in the registry (``_registry.py``); the built-in ones are one
 file each (``_schedule_gpipe.py``, ``_schedule_1f1b.py``, ``_schedule_interleaved_1f1b.py``, the
 zero-bubble ``_schedule_zb_h1.py``, ``_schedule_zbv.py`` (``zbv`` and ``interleaved_zb``) and
-``_schedule_dualpipev.py``), imported here in the order of ``SCHEDULES``. ``zbv`` and
+``_schedule_dualpipev.py``), imported by this room's ``__init__`` in the order of ``SCHEDULES``
+(so that they register on import); they sit above this file (``_schedule_zbv.py`` plays its
+lists with `simulate`). ``zbv`` and
 ``dualpipev`` place stages in a V ([Note: stage placement] in ``_placement.py``).
 """
 
@@ -24,11 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from . import _schedule_gpipe, _schedule_1f1b, _schedule_interleaved_1f1b, _schedule_zb_h1, _schedule_zbv, _schedule_dualpipev  # noqa: F401,E501  register, in this order
 from ._actions import Action, ActionKind
-from ._registry import SCHEDULES, ScheduleSpec, get_schedule, one_f_one_b_bubble
+from ._registry import ScheduleSpec, get_schedule, one_f_one_b_bubble
 
-__all__ = ["Action", "ActionKind", "SCHEDULES", "build_schedule", "dependencies", "simulate", "theoretical_bubble"]
+__all__ = ["build_schedule", "dependencies", "simulate", "theoretical_bubble"]
 
 
 def build_schedule(schedule: str | ScheduleSpec, pp: int, microbatches: int,
