@@ -30,7 +30,7 @@ Parts (all ``pp=2``; 2 ranks except ``composed``; the Llama of ``examples/model.
    a pipeline) — and ``resharded`` — FSDP's per-microbatch resharding (shardwise with
    ``reshard_between_microbatches=True``; torch FSDP2's default).
 6. ``ahead``: shardwise 1F1B with and without receiving ahead ([Note: receiving ahead] in
-   ``composable/_pipeline/_p2p.py``), alternating, same split; ratio of wall and CPU times.
+   ``composable/_pipeline/_runtime/_p2p.py``), alternating, same split; ratio of wall and CPU times.
 
 The zero-bubble schedules (against torch's, their gain over 1F1B, their bubble) are measured by
 ``benchmarks/pipeline_zb.py``.

@@ -403,8 +403,8 @@ def bench_split(args) -> dict:
     import torch.nn.functional as F
 
     from benchmarks.pipeline import TorchStage
-    from shardwise.composable._pipeline._graph_split import SplitCache
-    from shardwise.composable._pipeline._split_backward import input_grad, weight_grad
+    from shardwise.composable._pipeline._split._graph_split import SplitCache
+    from shardwise.composable._pipeline._split._split_backward import input_grad, weight_grad
 
     torch.set_num_threads(1)
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4, max_seq_len=args.seq)

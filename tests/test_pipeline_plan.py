@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.composable import balanced_bounds, uniform_bounds
-from shardwise.composable._pipeline._partition import balanced_plan, plan_from_bounds
+from shardwise.composable._pipeline._split._partition import balanced_plan, plan_from_bounds
 from shardwise.composable import SCHEDULES, Action, build_schedule, simulate, theoretical_bubble
 
 COSTS = st.lists(st.integers(0, 50), min_size=1, max_size=9)

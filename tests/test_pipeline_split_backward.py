@@ -1,4 +1,4 @@
-"""The split backward ([Note: split backward] in composable/_pipeline/_split_backward.py): ``I`` then ``W``
+"""The split backward ([Note: split backward] in composable/_pipeline/_split/_split_backward.py): ``I`` then ``W``
 give exactly the gradients of one full backward (hypothesis over shapes), ``I`` computes no parameter
 gradient (a reentrant checkpoint excepted), for keyword arguments, non-reentrant and reentrant activation
 checkpointing, frozen and tied parameters, and a module reused inside the stage (the exact fallback)."""
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
-from shardwise.composable._pipeline._split_backward import input_grad, weight_grad
+from shardwise.composable._pipeline._split._split_backward import input_grad, weight_grad
 
 
 class Stage(nn.Module):

@@ -2,10 +2,10 @@
 
 * ``W`` computes the weight gradients of linear layers (``mm`` with the weight row- or column-major,
   ``addmm`` with a bias) and of gains (``mul``, broadcast) from what their nodes saved
-  ([Note: weight gradients from saved tensors] in composable/_pipeline/_compat.py), and falls back
+  ([Note: weight gradients from saved tensors] in composable/_pipeline/_split/_compat.py), and falls back
   to the engine for other nodes (a LayerNorm) and cases (``addmm`` with ``alpha != 1``).
 * ``SplitCache`` replays the split of a graph of the same shape and walks again when the shape
-  differs ([Note: recorded graph shape] in composable/_pipeline/_graph_split.py).
+  differs ([Note: recorded graph shape] in composable/_pipeline/_split/_graph_split.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardwise.composable._pipeline import _split_backward
-from shardwise.composable._pipeline._compat import bind_weight_grads, weight_grads_of
-from shardwise.composable._pipeline._graph_split import SplitCache, graph_split, number
-from shardwise.composable._pipeline._split_backward import input_grad, weight_grad
+from shardwise.composable._pipeline._split import _split_backward
+from shardwise.composable._pipeline._split._compat import bind_weight_grads, weight_grads_of
+from shardwise.composable._pipeline._split._graph_split import SplitCache, graph_split, number
+from shardwise.composable._pipeline._split._split_backward import input_grad, weight_grad
 
 
 class Net(nn.Module):

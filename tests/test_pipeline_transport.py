@@ -164,7 +164,7 @@ def _left_in_flight(rank, world_size, side, keep):
     receiver posts later (``side="send"``). Then a new schedule's message must still get through."""
     import gc
 
-    from shardwise.composable._pipeline._p2p import P2P
+    from shardwise.composable._pipeline._runtime._p2p import P2P
 
     key, first_message = ("act", 1, 0), 96  # a channel's first message: the 96-byte header alone
     old = P2P(dist.group.WORLD, torch.device("cpu"), tag=11, in_flight=[] if keep else None)

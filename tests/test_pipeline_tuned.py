@@ -53,8 +53,8 @@ def test_tuned_lists_are_valid_capped_and_never_longer(name, pp, extra, data, co
 def _unit_play(name, pp, m, v):
     """The list scheduler's play at one unit per action (the registered lists before [Note: lists
     played on a model of real stages])."""
-    from shardwise.composable._pipeline._schedule_greedy import greedy_lists
-    from shardwise.composable._pipeline._schedule_zbv import izb_cap, zbv_cap
+    from shardwise.composable._pipeline._schedules._schedule_greedy import greedy_lists
+    from shardwise.composable._pipeline._schedules._schedule_zbv import izb_cap, zbv_cap
 
     cap = zbv_cap if name == "zbv" else izb_cap
     return greedy_lists(pp, m, v, "v" if name == "zbv" else "loop", cap(pp, m, v))
@@ -81,7 +81,7 @@ def test_unit_costs_keep_the_registered_lists_and_measured_ones_shorten_the_unit
 def test_registered_lists_are_played_on_models_of_real_stages(name, pp, m, v):
     """[Note: lists played on a model of real stages]: the registered list is never longer than the
     unit-time play at unit times, nor in total over `STAGE_MODELS`."""
-    from shardwise.composable._pipeline._schedule_zbv import STAGE_MODELS, _model
+    from shardwise.composable._pipeline._schedules._schedule_zbv import STAGE_MODELS, _model
 
     v = 2 if name == "zbv" else v
     S = pp * v
@@ -94,7 +94,7 @@ def test_registered_lists_are_played_on_models_of_real_stages(name, pp, m, v):
 
 @pytest.mark.parametrize("name", ["zbv", "interleaved_zb"])
 def test_registered_lists_beat_the_unit_play_on_the_models(name):
-    from shardwise.composable._pipeline._schedule_zbv import STAGE_MODELS, _model
+    from shardwise.composable._pipeline._schedules._schedule_zbv import STAGE_MODELS, _model
 
     reg, play = build_schedule(name, 2, 4, 2), _unit_play(name, 2, 4, 2)
     models = [_model(4, *x) for x in STAGE_MODELS]

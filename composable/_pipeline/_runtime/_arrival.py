@@ -2,7 +2,7 @@
 
 [Note: waiting for the first arrival]
 A forward/backward pair whose two inputs come from two peers runs first the half whose input
-arrives first ([Note: forward/backward pairs] in ``_pairs.py``). gloo's receive
+arrives first ([Note: forward/backward pairs] in ``_pipeline_schedule.py``). gloo's receive
 ``Work.is_completed()`` stays False until someone calls ``wait()`` on it, so it cannot be polled;
 instead a daemon thread per peer calls ``wait()`` on that peer's receive posted ahead (``wait``
 releases the GIL) and then sets ``wake``, on which `P2P.wait_first` sleeps. The thread that

@@ -1,7 +1,7 @@
 """The check that a non-last stage's output is its last block's output, on the first step.
 
 [Note: work between blocks]
-A split stage sends on what its last block returned (`_split.py`: the output is captured by
+A split stage sends on what its last block returned (`_pipeline/_split/_split.py`: the output is captured by
 a hook on that block), and the next stage's first block takes it as its input. That is only
 the unsplit model's computation if the model's ``forward`` passes each block's output
 straight on: ``h = block(h)``. A loop such as ``h = torch.tanh(block(h))``, or a scale applied

@@ -66,7 +66,7 @@ new schedule on the split shares, where they complete whenever their message com
 Cost: the few buffers of the transfers left open by each failure, for as long as the split.
 
 [Note: sends held back]
-A pair's halves ([Note: forward/backward pairs] in ``_pairs.py``) may run in either order, but
+A pair's halves ([Note: forward/backward pairs] in ``_pipeline_schedule.py``) may run in either order, but
 each peer expects our messages in one static order (it receives ahead by size, in that order):
 the order of our action list, a pair's forward before its backward. So a message that is ready
 before an earlier one to the same peer (a pair's backward output, when its backward ran first)

@@ -9,7 +9,7 @@ inputs, and send the output of its last block on; the last stage computes
 ``loss_i / m``, the others the received gradient of their output; then the gradient of the
 stage's input goes back. ``I(s, i)`` and ``W(s, i)`` split ``B`` in two: ``I`` sends the input
 gradient back at once and keeps the graph, ``W`` later accumulates the parameters' gradients
-from it ([Note: split backward] in ``_split_backward.py``). ``FB`` runs a pair: a forward and a
+from it ([Note: split backward] in ``_pipeline/_split/_split_backward.py``). ``FB`` runs a pair: a forward and a
 backward of two other (stage, microbatch)s, in the order their inputs arrive or inside the user's
 overlap function ([Note: forward/backward pairs], below). With mean-reduced losses over
 equal microbatches the accumulated gradients are those of the whole batch on one process.
@@ -26,7 +26,7 @@ error to its pipeline neighbours ([Note: messages between stages]), then joins t
 all-reduce, so every rank raises the same ``PipelineError`` instead of hanging.
 
 [Note: forward/backward pairs]
-A pair ([Note: action kinds] in ``_actions.py``) is a forward and a backward of two (stage,
+A pair ([Note: action kinds] in ``_pipeline/_schedules/_actions.py``) is a forward and a backward of two (stage,
 microbatch)s on one rank, listed as one action so that they can overlap (DualPipe runs one
 half's all-to-all during the other's compute). Its halves must not wait on each other, even
 through other ranks: `simulate` with the halves run together (``overlap``) must not deadlock;

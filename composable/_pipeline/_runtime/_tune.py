@@ -1,6 +1,6 @@
 """`retune`: rebuild a running `PipelineSchedule` with lists fitted to its own measured step.
 
-See [Note: schedules tuned to measured costs] in ``_schedule_tuned.py``. After a step, each rank
+See [Note: schedules tuned to measured costs] in ``_pipeline/_schedules/_schedule_tuned.py``. After a step, each rank
 knows the mean time of each kind of action on its own stages (`PipelineSchedule.last_action_times`).
 `retune` gathers them over the ``pp`` group (one ``all_gather_object``), so that every rank holds
 the same costs, fits the lists with `tune_schedule`, closes the old schedule and returns a new

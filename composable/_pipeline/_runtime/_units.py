@@ -24,7 +24,7 @@ first forward to its last backward, as ``SHARD_GRAD_OP`` (ZeRO-2) does; the memo
 plans that ([Note: the memory of a pipeline stage]). ``reshard_between_microbatches=True``
 leaves FSDP's resharding alone (``2 m`` all-gathers per unit per step, FSDP's memory).
 
-A split backward ([Note: split backward] in ``_split_backward.py``) treats ``I`` as a backward
+A split backward ([Note: split backward] in ``_pipeline/_split/_split_backward.py``) treats ``I`` as a backward
 that neither reduces nor reshards (its gradients reach no parameter) and ``W`` as the stage's
 backward for these rules: the reduce-scatter is issued after the stage's last ``W``, one per unit
 per step. ``W`` runs outside the units' autograd hooks (nothing of it passes their inputs or

@@ -23,7 +23,7 @@ changes no dependency: each half waits for what it would alone and is waited for
 alone ("done" when that half is done), so everything that walks action lists (`dependencies`,
 `simulate`, the in-flight walk, the runtime's messages) walks ``a.halves``, which for any other
 action is ``(a,)``. The halves must not wait on each other, not even through other ranks: an
-overlap function runs them together ([Note: forward/backward pairs] in ``_pairs.py``);
+overlap function runs them together ([Note: forward/backward pairs] in ``_pipeline/_runtime/_pipeline_schedule.py``);
 `simulate` and `PipelineSchedule` refuse a pair that does. A pair is frozen and hashable like
 every action (its halves are a tuple of actions); a pair inside a pair is refused.
 """

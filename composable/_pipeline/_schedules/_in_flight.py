@@ -16,7 +16,7 @@ A pair (``FB``, [Note: action kinds]) counts as its forward, then its backward: 
 peak of the two orders the runtime may run them in.
 
 A split backward holds more than the graph between ``I`` and ``W``: the gradient that reached
-each frontier source, which ``W`` needs ([Note: split backward] in ``_split_backward.py``; for
+each frontier source, which ``W`` needs ([Note: split backward] in ``_pipeline/_split/_split_backward.py``; for
 a linear, the gradient of its output). ``kept_grads`` counts it: ``I`` adds ``kept_grads``
 units on its stage and ``W`` frees them with the activations; on stage 0 nothing (its ``I`` has
 no input gradient to compute and keeps nothing: its ``W`` is the whole backward). It is the stage's kept gradient

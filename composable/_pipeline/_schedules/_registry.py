@@ -37,7 +37,7 @@ class ScheduleSpec:
         name: what ``PipelineSchedule(schedule=...)`` and ``build_schedule`` take.
         build: ``build(rank, pp, microbatches, virtual_stages) -> list[Action]``: the actions of
             rank ``rank`` in the order it runs them; rank ``r`` holds virtual stages ``r``,
-            ``r + pp``, ... ([Note: schedules] in ``_schedule.py``), or as ``placement`` says.
+            ``r + pp``, ... ([Note: schedules] in ``_simulate.py``), or as ``placement`` says.
         virtual: True if it runs ``virtual_stages >= 1`` stages per rank; False: exactly one
             (``virtual_stages != 1`` is refused).
         microbatch_multiple_of_pp: refuse a microbatch count that ``pp`` does not divide.

@@ -14,7 +14,8 @@ on odd ones); ``p - r - 1`` rounds of a pending ``W`` and a backward of the firs
 the remaining ``W``s. An ``FB`` pair's halves never wait on each other, so an overlap function
 can run them together (DualPipe overlaps one half's all-to-all with the other's compute:
 `PipelineSchedule`'s ``overlap``); without one the runtime runs them one after the other, the
-one whose input is there first going first ([Note: forward/backward pairs] in ``_pairs.py``).
+one whose input is there first going first ([Note: forward/backward pairs] in
+``_pipeline/_runtime/_pipeline_schedule.py``).
 Activations: at most ``2 p`` microbatch-stages per rank (1F1B's peak) up to one; `simulate`
 proves the lists deadlock-free for every ``p``, ``m``, with the pairs' halves in either order or
 run together.

@@ -19,7 +19,7 @@ neighbouring actions of a rank while the makespan falls (`_swap_search`; a swap 
 breaks the cap is refused; at most `MAX_SWAP_TRIALS` simulations, a count rather than a time so
 that every rank ends on the same lists). Ties go to the earlier
 candidate (the registered list first), so every rank given the same costs picks the same lists;
-`retune` in ``_tune.py`` gathers one set of costs for all ranks. The result keeps the
+`retune` in ``_pipeline/_runtime/_tune.py`` gathers one set of costs for all ranks. The result keeps the
 schedule's placement and stages per rank, and (like every list) is checked complete and
 deadlock-free by `simulate`.
 """

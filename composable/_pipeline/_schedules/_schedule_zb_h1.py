@@ -10,7 +10,7 @@ equal, the bubble is ``(p - 1) / (3 m + p - 1)`` (1F1B: ``3 (p - 1) / (3 m + 3 (
 about a third; `tests/test_pipeline_zb.py` checks both with `simulate` and the memory walk.
 
 The runtime runs ``I`` and ``W`` as a split backward ([Note: split backward] in
-``_split_backward.py``).
+``_pipeline/_split/_split_backward.py``).
 """
 
 from __future__ import annotations

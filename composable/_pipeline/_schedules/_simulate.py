@@ -88,7 +88,8 @@ def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches:
     halves' costs. ``overlap`` (in ``[0, 1]``) models an overlap function instead: the pair starts
     once both halves' inputs are there, lasts ``f + b - overlap * min(f, b)`` (1: the shorter
     half hidden behind the longer), and both outputs leave at its end. Either way, a pair whose
-    halves wait on each other is refused ([Note: forward/backward pairs] in ``_pairs.py``)."""
+    halves wait on each other is refused ([Note: forward/backward pairs] in
+    ``_pipeline/_runtime/_pipeline_schedule.py``)."""
     if overlap is not None and not 0.0 <= overlap <= 1.0:
         raise ValueError(f"simulate: overlap={overlap!r}; it is the fraction of a pair's shorter half hidden, in "
                          "[0, 1] (None: the halves one after the other)")

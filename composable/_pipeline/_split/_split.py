@@ -208,7 +208,7 @@ def split_model(model: nn.Module, path: list[nn.Module], names: list[str], pre, 
                 pp: int, pp_rank: int, placement: str = "loop") -> list[StageShell]:
     """Turn ``model`` into this rank's rank model and return its stage shells; see
     [Note: how a model is split]. Stage ``s`` (blocks ``bounds[s]..bounds[s+1]-1``) is on rank
-    ``s % pp`` (or as ``placement`` says: [Note: stage placement] in ``_placement.py``)."""
+    ``s % pp`` (or as ``placement`` says: [Note: stage placement] in ``_pipeline/_schedules/_placement.py``)."""
     num_stages = len(bounds) - 1
     blocks = list(blocks_list(path, names))
     mine = [s for s in range(num_stages) if stage_rank(s, pp, placement) == pp_rank]

@@ -199,7 +199,7 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtu
         virtual_stages: stages per rank (``> 1`` for the interleaved schedules, 2 for ``zbv``).
         placement: ``"loop"`` (stage ``s`` on rank ``s % pp``) or ``"v"`` (the V of ``zbv``:
             rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``); the schedule's own
-            (``ScheduleSpec.placement``). See [Note: stage placement] in ``_placement.py``.
+            (``ScheduleSpec.placement``). See [Note: stage placement] in ``_pipeline/_schedules/_placement.py``.
         layers: dotted path of the blocks list; default ``layers`` or ``model.layers``.
         cost: what to balance: ``"time"`` (measured forward+backward of each block, the
             embedding and the head+loss on ``sample``; averaged over ranks), ``"params"``
