@@ -79,6 +79,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,7 +96,7 @@ class PeerFailed(RuntimeError):
 class P2P:
     """Messages on the ``pp`` process group ``group`` (ranks are group ranks)."""
 
-    def __init__(self, group, device: torch.device, tag: int = 0, in_flight: list | None = None) -> None:
+    def __init__(self, group: Any, device: torch.device, tag: int = 0, in_flight: list | None = None) -> None:
         self.group = group
         self.in_flight = [] if in_flight is None else in_flight  # see [Note: after a failed step]
         self.tag = tag

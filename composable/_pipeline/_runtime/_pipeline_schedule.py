@@ -173,7 +173,7 @@ class PipelineSchedule:
             except ValueError as exc:
                 raise ValueError(f"pipeline: schedule {spec.name!r} cannot run its pairs: {exc}") from None
         self.schedule = spec
-        self.overlap = None
+        self.overlap: OverlapFn | None = None
         if overlap is not None:
             self.register_custom_function(ActionKind.FB, overlap)
         self.last_pair_order: list[tuple[Action, Action]] = []
@@ -185,7 +185,7 @@ class PipelineSchedule:
         self.last_timing: dict[str, float] = {}
         self.last_action_times: dict[tuple[str, int], tuple[float, float]] = {}
         self.last_kept_grad_bytes: dict[int, int] = {}
-        self._hooks: list = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for st in split.stages:
             blocks = list(st.blocks)
             if not st.is_first:
@@ -194,7 +194,7 @@ class PipelineSchedule:
             if not st.is_last:
                 self._hooks.append(blocks[-1].register_forward_hook(capture_hook(st)))
         self._boundary_checked: set[int] = set()
-        self.last_b = {}  # stage -> index of its last action that makes parameter gradients
+        self.last_b: dict[int, int] = {}  # stage -> index of its last action that makes parameter gradients
         for i, a in enumerate(self.actions):
             for h in a.halves:
                 if h.kind in (ActionKind.B, ActionKind.W):
@@ -225,7 +225,7 @@ class PipelineSchedule:
     def _rank_of(self, stage: int) -> int:
         return stage_rank(stage, self.split.pp_size, self.split.placement)
 
-    def _loss_ctx(self) -> Any:
+    def _loss_ctx(self) -> AbstractContextManager[Any]:
         return self.loss_context() if self.loss_context else nullcontext()
 
     def _get(self, key: tuple, from_stage: int, local: dict) -> torch.Tensor:
@@ -359,7 +359,7 @@ class PipelineSchedule:
             return a.stage > 0 and self._rank_of(a.stage - 1) != self.split.pp_rank
         return a.stage < self.S - 1 and self._rank_of(a.stage + 1) != self.split.pp_rank
 
-    def step(self, inputs, targets=None) -> torch.Tensor:
+    def step(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """One training step (forward and backward of every microbatch); gradients accumulate into
         ``.grad`` as ``loss.backward()`` would. See [Note: one pipeline step]."""
         if self.broken:
@@ -375,7 +375,7 @@ class PipelineSchedule:
         t_start = time.perf_counter()
         p2p0 = (self.p2p.send_s, self.p2p.wait_s) if self.p2p is not None else (0.0, 0.0)
         try:
-            error, timing = self._run_actions(mb_in, mb_tg, losses, units)
+            error, done = self._run_actions(mb_in, mb_tg, losses, units)
         except BaseException:  # KeyboardInterrupt...: settings back (no collective), no more steps
             units.restore()
             self.broken = "interrupted"
@@ -387,15 +387,16 @@ class PipelineSchedule:
             units.abandon()  # see [Note: fully_shard units in a pipeline step]
         else:
             units.restore()
-        return self._finish(losses, error, timing, t_start, p2p0)
+        return self._finish(losses, error, done, t_start, p2p0)
 
-    def _run_actions(self, mb_in, mb_tg, losses, units: StageUnits):
+    def _run_actions(self, mb_in: list, mb_tg: list, losses: torch.Tensor,
+                     units: StageUnits) -> tuple[str | None, StepState]:
         """Run this rank's action list, dispatching on each action's `ActionKind`; returns (the
-        error text or None, (compute s, compute CPU s))."""
+        error text or None, the step's state: its times)."""
         run = {ActionKind.F: self._forward, ActionKind.B: self._backward, ActionKind.I: self._input_grad,
                ActionKind.W: self._weight_grad, ActionKind.FB: self._pair}
         step = StepState(mb_in, mb_tg, losses, units)
-        error = None
+        error: str | None = None
         for idx, a in enumerate(self.actions):
             step.x, step.current = None, None
             try:
@@ -416,7 +417,7 @@ class PipelineSchedule:
                               f"{step.x.dtype}: check that stage boundaries carry what the next block takes)")
                 self._notify(error)
                 break
-        return error, (step.compute, step.cpu, step.per_action, step.kept)
+        return error, step
 
     def _notify(self, text: str) -> None:
         if self.p2p is None:
@@ -502,12 +503,13 @@ class PipelineSchedule:
         self.last_pair_order.append((a.halves[0], a.halves[1]) if halves.ran[0] == "forward"
                                     else (a.halves[1], a.halves[0]))
 
-    def _finish(self, losses, error, compute, t_start, p2p0: tuple[float, float]) -> torch.Tensor:
+    def _finish(self, losses: torch.Tensor, error: str | None, done: StepState, t_start: float,
+                p2p0: tuple[float, float]) -> torch.Tensor:
         if self.p2p is None:
             if error:
                 self.broken = error
                 raise PipelineError(error)
-            self._timing(compute, t_start, 0.0, 0.0)
+            self._timing(done, t_start, 0.0, 0.0)
             return losses
         if not error:
             self.p2p.flush()  # the step's last sends, before anyone waits in the all-reduce
@@ -519,18 +521,18 @@ class PipelineSchedule:
         end_wait = time.perf_counter() - t_end
         status = status.cpu()
         if status[0] > 0:
-            texts = [None] * self.split.pp_size
+            texts: list[str | None] = [None] * self.split.pp_size
             dist.all_gather_object(texts, error, group=self.split.pp_group)
             self.p2p.drop()
             message = next(t for t in texts if t)
             self.broken = message
             raise PipelineError(message)
         self.p2p.wait_sends()
-        self._timing(compute, t_start, self.p2p.send_s - p2p0[0], self.p2p.wait_s - p2p0[1] + end_wait)
+        self._timing(done, t_start, self.p2p.send_s - p2p0[0], self.p2p.wait_s - p2p0[1] + end_wait)
         return status[1:].clone()
 
-    def _timing(self, compute, t_start: float, sent: float, waited: float) -> None:
-        self.last_timing = {"compute_s": compute[0], "compute_cpu_s": compute[1], "send_s": sent,
+    def _timing(self, done: StepState, t_start: float, sent: float, waited: float) -> None:
+        self.last_timing = {"compute_s": done.compute, "compute_cpu_s": done.cpu, "send_s": sent,
                             "wait_s": waited, "step_s": time.perf_counter() - t_start}
-        self.last_action_times = {k: (v[0] / v[2], v[1] / v[2]) for k, v in compute[2].items()}
-        self.last_kept_grad_bytes = dict(compute[3])
+        self.last_action_times = {k: (v[0] / v[2], v[1] / v[2]) for k, v in done.per_action.items()}
+        self.last_kept_grad_bytes = dict(done.kept)

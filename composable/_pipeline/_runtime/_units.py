@@ -35,7 +35,7 @@ A step that fails must not leave parameters gathered (the modules would hold pla
 instead of their shards: a checkpoint or an optimizer built then would see full tensors) nor
 the failed step's partial gradients in the units (the next step would add them in): `abandon`
 restores the settings, then every unit's root abandons the step as after a backward that
-raised ([Note: a backward that raised] in ``_state.py``).
+raised ([Note: a backward that raised] in ``_fsdp/_state.py``).
 """
 
 from __future__ import annotations

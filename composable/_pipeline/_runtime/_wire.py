@@ -5,6 +5,8 @@ comes as a second message), the dtype's code in `DTYPES`, ndim, sizes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = ["CODE", "DATA", "DTYPES", "ERROR", "HEADER", "HEADER_BYTES", "NEW_SHAPE", "check_sendable", "header",
@@ -18,7 +20,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
 CODE = {d: i for i, d in enumerate(DTYPES)}
 
 
-def nbytes(meta) -> int:
+def nbytes(meta: tuple[torch.dtype, Sequence[int]] | None) -> int:
     """Bytes of a tensor of ``meta = (dtype, shape)``; 0 for None (nothing known yet)."""
     if meta is None:
         return 0
@@ -29,7 +31,7 @@ def nbytes(meta) -> int:
     return n * dtype.itemsize
 
 
-def header(status: int, code: int, sizes) -> torch.Tensor:
+def header(status: int, code: int, sizes: Sequence[int]) -> torch.Tensor:
     """A header as bytes."""
     h = [status, code, len(sizes), *sizes]
     return torch.tensor(h + [0] * (HEADER - len(h)), dtype=torch.int64).view(torch.uint8)

@@ -102,10 +102,12 @@ def greedy_lists(pp: int, m: int, v: int, placement: str, cap: Callable[[int], i
     return lists
 
 
-def _pick(r, t, mine, S, m, next_f, next_i, pending_w, may_forward: Callable[[int], bool], prefer, ready):
+def _pick(r: int, t: float, mine: list[int], S: int, m: int, next_f: dict[int, int], next_i: dict[int, int],
+          pending_w: list[Action], may_forward: Callable[[int], bool], prefer: str,
+          ready: Callable[[int, list[Action], float], bool]) -> Action | None:
     for kind in prefer:
+        best: Action | None = None
         if kind == "I":
-            best = None
             for s in sorted(mine, reverse=True):  # the latest stage first, then the oldest microbatch
                 i = next_i[s]
                 if i < m:
@@ -113,7 +115,6 @@ def _pick(r, t, mine, S, m, next_f, next_i, pending_w, may_forward: Callable[[in
                     if ready(r, deps, t) and (best is None or i < best.microbatch):
                         best = Action(ActionKind.I, s, i)
         elif kind == "F":
-            best = None
             for s in sorted(mine, reverse=True):  # the latest stage first (its backward comes sooner)
                 i = next_f[s]
                 if i < m and may_forward(s) and (s == 0 or ready(r, [Action(ActionKind.F, s - 1, i)], t)):

@@ -15,6 +15,8 @@ first rank writes it. The keys are those of the unsplit model, so the checkpoint
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
@@ -48,7 +50,7 @@ def _describe(t: torch.Tensor, stage_ranks: list[int]) -> dict:
             "device": t.device.type}
 
 
-def _as_dtensor(t, d: dict):
+def _as_dtensor(t: torch.Tensor | None, d: dict) -> DTensor:
     if isinstance(t, DTensor):
         return t
     mesh = mesh_without_groups(d["device"], d["ranks"], d["names"])
@@ -60,7 +62,7 @@ def _as_dtensor(t, d: dict):
                               stride=d["stride"])
 
 
-def _complete(split: PipelineSplit, mine: dict, order) -> dict:
+def _complete(split: PipelineSplit, mine: dict, order: Callable[[str], tuple[int, str]]) -> dict:
     """``mine`` (flat key -> tensor or value) completed with the other stages' keys."""
     stage_ranks = _stage_ranks(split)
     meta = {k: _describe(v, stage_ranks) for k, v in mine.items() if isinstance(v, torch.Tensor)}
@@ -76,7 +78,7 @@ def _complete(split: PipelineSplit, mine: dict, order) -> dict:
     return {k: out[k] for k in sorted(out, key=order)}
 
 
-def _order(split: PipelineSplit):
+def _order(split: PipelineSplit) -> Callable[[str], tuple[int, str]]:
     index = {k: i for i, k in enumerate(split.fqns)}
     return lambda k: (index.get(k.split("/")[0], len(index)), k)
 

@@ -14,8 +14,9 @@ writes nor reads any of that tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -49,7 +50,7 @@ def mesh_without_groups(device_type: str, ranks: list, names: tuple[str, ...] | 
 # tensor of a non-reentrant activation checkpoint outside a backward recomputes its region, as
 # each engine call of the fallback does: one read per node, the input, so no more than before.
 
-def _mm_mat2_grad(grad: torch.Tensor, mat1: torch.Tensor, sizes, strides) -> torch.Tensor:
+def _mm_mat2_grad(grad: torch.Tensor, mat1: torch.Tensor, sizes: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
     # mat2 column-major (a linear's ``weight.t()``): the gradient in that order, as autograd does
     if strides[0] == 1 and strides[1] == sizes[0]:
         return grad.t().mm(mat1).t()
@@ -60,7 +61,7 @@ def _dense(*ts: torch.Tensor) -> bool:
     return all(t.layout == torch.strided and not t.is_complex() for t in ts)
 
 
-def _hooked(node, name: str) -> bool:
+def _hooked(node: Any, name: str) -> bool:
     """Whether the tensor ``node`` saved as ``name`` comes back through an unpack hook (an
     activation checkpoint's, an offload's): reading it then recomputes or copies it."""
     return getattr(node, f"_raw_saved_{name}").unpack_hook is not None
@@ -77,7 +78,7 @@ def _run(g: torch.Tensor, steps: list) -> list:
     return out
 
 
-def bind_weight_grads(node, grad_outputs: tuple, slots: list[tuple[int, ...]], edges: list, *,
+def bind_weight_grads(node: Any, grad_outputs: tuple, slots: list[tuple[int, ...]], edges: list, *,
                       unhooked: bool = False) -> Callable[[], list] | None:
     """A function of no arguments that returns the gradients ``node`` sends along ``edges`` (fed
     by its outputs ``slots[k]``), given the ``grad_outputs`` it received, for known node types;
@@ -127,7 +128,7 @@ def bind_weight_grads(node, grad_outputs: tuple, slots: list[tuple[int, ...]], e
     return partial(_run, g, steps)
 
 
-def weight_grads_of(node, grad_outputs: tuple, slots: list[tuple[int, ...]], edges: list) -> list | None:
+def weight_grads_of(node: Any, grad_outputs: tuple, slots: list[tuple[int, ...]], edges: list) -> list | None:
     """The gradients ``node`` sends along ``edges`` now (`bind_weight_grads`, called), or None
     where the engine must run it."""
     fn = bind_weight_grads(node, grad_outputs, slots, edges)

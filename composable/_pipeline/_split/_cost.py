@@ -19,12 +19,16 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["COST_KINDS", "average_costs", "measure_costs", "param_costs"]
+__all__ = ["COST_KINDS", "Costs", "average_costs", "measure_costs", "param_costs"]
+
+Costs = tuple[float, list[float], float]
+"""``(pre, per block, post)``."""
 
 COST_KINDS = ("time", "params", "activations")
 
@@ -33,12 +37,12 @@ def _bytes(module: nn.Module) -> float:
     return float(sum(p.numel() * p.element_size() for p in module.parameters()))
 
 
-def param_costs(blocks: Sequence[nn.Module], pre: Sequence[nn.Module], post: Sequence[nn.Module]):
+def param_costs(blocks: Sequence[nn.Module], pre: Sequence[nn.Module], post: Sequence[nn.Module]) -> Costs:
     """``(pre, per block, post)`` parameter bytes."""
     return sum(map(_bytes, pre)), [_bytes(b) for b in blocks], sum(map(_bytes, post))
 
 
-def _first_tensor(x):
+def _first_tensor(x: Any) -> torch.Tensor | None:
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, (tuple, list)) and x and isinstance(x[0], torch.Tensor):
@@ -46,28 +50,30 @@ def _first_tensor(x):
     return None
 
 
-def _one_pass(model, blocks, run: Callable[[], torch.Tensor], kind: str, sync, clock):
+def _one_pass(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[], torch.Tensor], kind: str,
+              sync: Callable[[], None], clock: Callable[[], float]) -> Costs:
     n = len(blocks)
-    region = ["pre"]
+    region: list[str | int] = ["pre"]
     act: dict[str | int, float] = {"pre": 0.0, "post": 0.0, **{i: 0.0 for i in range(n)}}
-    f_start, f_end, g_in = [0.0] * n, [0.0] * n, [None] * n
-    g_out = [None]
+    f_start, f_end = [0.0] * n, [0.0] * n
+    g_in: list[float | None] = [None] * n
+    g_out: list[float | None] = [None]
     param_ptrs = {p.data_ptr() for p in model.parameters()}
-    handles = []
+    handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def now():
+    def now() -> float:
         sync()
         return clock()
 
     for i, b in enumerate(blocks):
-        def pre_hook(mod, args, i=i):
+        def pre_hook(mod: nn.Module, args: tuple, i: int = i) -> None:
             f_start[i] = now()
             region[0] = i
             x = _first_tensor(args)
             if x is not None and x.requires_grad:
                 x.register_hook(lambda g, i=i: g_in.__setitem__(i, now()))
 
-        def post_hook(mod, args, out, i=i):
+        def post_hook(mod: nn.Module, args: tuple, out: Any, i: int = i) -> None:
             f_end[i] = now()
             region[0] = "post" if i == n - 1 else "between"
             y = _first_tensor(out)
@@ -77,7 +83,7 @@ def _one_pass(model, blocks, run: Callable[[], torch.Tensor], kind: str, sync, c
         handles.append(b.register_forward_pre_hook(pre_hook))
         handles.append(b.register_forward_hook(post_hook))
 
-    def pack(t):
+    def pack(t: torch.Tensor) -> torch.Tensor:
         if region[0] != "between" and t.data_ptr() not in param_ptrs:
             act[region[0]] += t.numel() * t.element_size()
         return t
@@ -94,18 +100,19 @@ def _one_pass(model, blocks, run: Callable[[], torch.Tensor], kind: str, sync, c
             h.remove()
     if kind == "activations":
         return act["pre"], [act[i] for i in range(n)], act["post"]
-    if any(g is None for g in g_in) or g_out[0] is None:
+    g_at, g_end = [g for g in g_in if g is not None], g_out[0]
+    if len(g_at) < n or g_end is None:
         raise ValueError("pipeline: cost='time' could not time every block's backward (a block input or output "
                          "needs no grad); use cost='params' or pass split_points=")
-    bwd = [g_in[i] - (g_out[0] if i == n - 1 else g_in[i + 1]) for i in range(n)]
+    bwd = [g_at[i] - (g_end if i == n - 1 else g_at[i + 1]) for i in range(n)]
     fwd = [f_end[i] - f_start[i] for i in range(n)]
-    pre = (f_start[0] - t0) + (t2 - g_in[0])
-    post = (t1 - f_end[-1]) + (g_out[0] - t1)
+    pre = (f_start[0] - t0) + (t2 - g_at[0])
+    post = (t1 - f_end[-1]) + (g_end - t1)
     return pre, [f + b for f, b in zip(fwd, bwd)], post
 
 
 def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[], torch.Tensor], kind: str,
-                  repeats: int = 3, average: bool = True):
+                  repeats: int = 3, average: bool = True) -> Costs:
     """``(pre, per block, post)`` measured on ``run()`` (forward + loss of a sample batch, returning the
     loss) as described in [Note: measuring block costs]. With ``average``, costs are averaged over
     all ranks of the default group when it is initialized (`average_costs`), so every rank plans
@@ -124,7 +131,7 @@ def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[
     return average_costs((pre, per, post)) if average else (pre, per, post)
 
 
-def average_costs(costs: tuple[float, list[float], float]) -> tuple[float, list[float], float]:
+def average_costs(costs: Costs) -> Costs:
     """``(pre, per block, post)`` averaged over the default group (one all-reduce; unchanged
     without a group). Every rank must pass as many blocks: agree on the model first
     ([Note: agreeing before the first collective] in ``_agree.py``)."""

@@ -28,8 +28,9 @@ embedding or head).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 import torch.nn as nn
@@ -48,14 +49,14 @@ class Blocks(nn.Module):
         for i in sorted(blocks):
             self.add_module(str(i), blocks[i])
 
-    def __iter__(self):
-        return iter(self._modules.values())
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(m for m in self._modules.values() if m is not None)
 
     def __len__(self) -> int:
         return len(self._modules)
 
-    def __getitem__(self, idx):
-        return list(self._modules.values())[idx]
+    def __getitem__(self, idx: int) -> nn.Module:
+        return list(self)[idx]
 
 
 class _Slot:
@@ -73,7 +74,7 @@ class _Feed(nn.Module):
         super().__init__()
         self._slot, self._name = slot, name
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._slot.value is None:
             raise RuntimeError(f"pipeline: '{self._name}' lives on the first stage; this stage takes its input "
                                "from the previous one (run the model through PipelineSchedule.step)")
@@ -83,7 +84,7 @@ class _Feed(nn.Module):
 class _Identity(nn.Module):
     """Stands in for a post-module on an earlier stage: returns its first argument."""
 
-    def forward(self, x, *args, **kwargs):
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         return x
 
 
@@ -94,7 +95,7 @@ class _Absent(nn.Module):
         super().__init__()
         self._name = name
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise RuntimeError(f"pipeline: '{self._name}' is held by another pipeline stage; the rank model is split "
                            "and only runs through PipelineSchedule.step")
 
@@ -143,10 +144,13 @@ class StageShell:
     _path_names: tuple = ()
 
 
-def _blocks_of(module, names):
+def _blocks_of(module: nn.Module, names: Sequence[str]) -> nn.ModuleList | nn.Sequential | Blocks:
     node = module
     for n in names:
-        node = node._modules[n]
+        child = node._modules[n]
+        assert child is not None, f"the blocks path names existing modules ({n})"
+        node = child
+    assert isinstance(node, (nn.ModuleList, nn.Sequential, Blocks)), "the path ends at a blocks list"
     return node
 
 
@@ -171,7 +175,8 @@ def blocks_list(path: list[nn.Module], names: list[str]) -> nn.ModuleList | nn.S
     return blocks
 
 
-def classify(path: list[nn.Module], names: list[str], order: Sequence[nn.Module] | None):
+def classify(path: list[nn.Module], names: list[str],
+             order: Sequence[nn.Module] | None) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
     """``(pre, post)``: lists of ``(path index, child name)`` of the parameter-holding children of
     the path modules, before / after the blocks. ``order``: modules in the order their forward
     first ran (from a sample pass); None: registration order."""
@@ -204,7 +209,8 @@ def classify(path: list[nn.Module], names: list[str], order: Sequence[nn.Module]
     return pre, post
 
 
-def split_model(model: nn.Module, path: list[nn.Module], names: list[str], pre, post, bounds: Sequence[int],
+def split_model(model: nn.Module, path: list[nn.Module], names: list[str], pre: list[tuple[int, str]],
+                post: list[tuple[int, str]], bounds: Sequence[int],
                 pp: int, pp_rank: int, placement: str = "loop") -> list[StageShell]:
     """Turn ``model`` into this rank's rank model and return its stage shells; see
     [Note: how a model is split]. Stage ``s`` (blocks ``bounds[s]..bounds[s+1]-1``) is on rank
