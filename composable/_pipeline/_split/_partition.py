@@ -77,7 +77,7 @@ def _check(costs: Sequence[float], stages: int) -> None:
         raise ValueError(f"pipeline: block costs must be >= 0, got {list(costs)}")
 
 
-def _stage_costs(costs: Sequence[float], bounds: Sequence[int], pre: float, post: float) -> list[float]:
+def _stage_costs(costs: Sequence[float], bounds: Sequence[int], pre: float, post: float) -> tuple[float, ...]:
     out = [float(sum(costs[bounds[k]:bounds[k + 1]])) for k in range(len(bounds) - 1)]
     out[0] += pre
     out[-1] += post

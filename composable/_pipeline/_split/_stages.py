@@ -137,8 +137,8 @@ def _local_plan(model: nn.Module, num_stages: int, layers: str | None, cost: str
                 h.remove()
         order = seen
     pre, post = classify(path, names, order)
-    pre_mods = [path[d]._modules[n] for d, n in pre]
-    post_mods = [path[d]._modules[n] for d, n in post]
+    pre_mods = [m for d, n in pre if (m := path[d]._modules[n]) is not None]  # classify picks existing ones
+    post_mods = [m for d, n in post if (m := path[d]._modules[n]) is not None]
     if split_points is not None:
         costs = param_costs(blocks, pre_mods, post_mods)
         plan = plan_from_bounds(costs[1], split_points, pre=costs[0], post=costs[2], cost_kind="params")
