@@ -6,6 +6,7 @@ parallelism. See docs/pipeline.md."""
 from ._checkpoint import (pipeline_optimizer_state_dict, pipeline_state_dict, set_pipeline_optimizer_state_dict,
                           set_pipeline_state_dict)
 from ._in_flight import InFlight, activations_in_flight
+from ._in_flight import walk_in_flight  # for the planner (_plan)
 from ._pairs import PairHalves
 from ._partition import StagePlan, balanced_bounds, uniform_bounds
 from ._placement import PLACEMENTS, stage_rank

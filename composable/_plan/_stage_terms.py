@@ -11,8 +11,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from .._pipeline._actions import Action
-from .._pipeline._in_flight import walk_in_flight
+from .._pipeline import Action, walk_in_flight
 
 __all__ = ["EndTerms", "end_terms", "before_and_after_first_backward", "held_grads"]
 
