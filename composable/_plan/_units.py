@@ -5,7 +5,7 @@ See [Note: the memory model] in ``_planner.py``."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch.nn as nn
 
