@@ -19,7 +19,7 @@ from .moe import *  # noqa: F403
 from .pipeline import *  # noqa: F403
 from .tp import *  # noqa: F403
 # importable for code written before the faces, not in __all__ (the pipeline's building blocks)
-from ._pipeline import PLACEMENTS, RUNNABLE_KINDS, InFlight, PairHalves, balanced_bounds, uniform_bounds  # noqa: F401
+from ._pipeline import PLACEMENTS, RUNNABLE_KINDS, InFlight, balanced_bounds, uniform_bounds  # noqa: F401
 from ._plan import (DEFAULT_KEPT_GRADS, MemoryPlan, MeshOptions, MeshSuggestion, PipelineMemoryPlan, PlanOptions,
                     UnitPlan, plan_memory, plan_pipeline_memory, suggest_mesh)
 

@@ -59,4 +59,4 @@ def test_the_flat_all_is_the_faces_and_the_planner():
     assert sorted(composable.__all__) == sorted(set(faces) | PLANNER)
     # names before the faces left out of __all__: importable (above), but below the faces' level
     assert sorted(set(BEFORE_FACES) - set(composable.__all__)) == [
-        "InFlight", "PLACEMENTS", "PairHalves", "RUNNABLE_KINDS", "balanced_bounds", "uniform_bounds"]
+        "InFlight", "PLACEMENTS", "RUNNABLE_KINDS", "balanced_bounds", "uniform_bounds"]
