@@ -199,7 +199,8 @@ def plan_pipeline_memory(model: nn.Module, mesh_shape: int | tuple[int, ...], op
         transient = ends.head_transient / microbatches if where[-1] == s else 0.0
         before, after = before_and_after_first_backward(acts[s], {k: weight[k] for k in range(pp * v) if where[k] == s},
                                                         float(kept_grads))
-        stage = plan_units(view, mesh_shape, replace(o, policy=policy, activation_bytes=int(max(before, after) + transient)))
+        acts_bytes = int(max(before, after) + transient)
+        stage = plan_units(view, mesh_shape, replace(o, policy=policy, activation_bytes=acts_bytes))
         if microbatches > 1 and not o.reduce_every_microbatch:
             stage = replace(stage, accumulated_grads=_accumulated(stage, mp))
             later = replace(stage, activations=-(-int(after + transient) // stage.cp), held_grads=held_grads(stage))
@@ -210,7 +211,8 @@ def plan_pipeline_memory(model: nn.Module, mesh_shape: int | tuple[int, ...], op
     return PipelineMemoryPlan(**{f.name: getattr(worst, f.name) for f in fields(MemoryPlan)}, pp=pp,
                               schedule=spec.name, microbatches=microbatches, bounds=plan.bounds, stages=tuple(stages),
                               virtual_stages=v, in_flight=alive.per_rank, kept_grads=float(kept_grads),
-                              head_activations=ends.head_kept + ends.head_transient, embedding_activations=ends.embedding)
+                              head_activations=ends.head_kept + ends.head_transient,
+                              embedding_activations=ends.embedding)
 
 
 def _tp(mesh_shape) -> int:
