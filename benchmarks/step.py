@@ -25,6 +25,15 @@ the per-repetition ratios shardwise / baseline (with min and max), the median CP
 the bytes one rank sends per step. ``--phases N`` then also runs ``N`` steps of each with rank
 0's CPU time split into forward + loss, backward and optimizer step.
 
+The compute-only floor: the same per-rank batch (rank 0's slice of each global batch) on one
+process with one thread, as each rank has, with no sharding and no process group: the plain
+model and AdamW, two warm-up steps, then ``--reps`` x ``--steps`` timed steps (`floor`).
+Reported per layout: the floor's median step time and CPU time, and each implementation's step
+as a ratio of it (wall: median step / floor step; CPU: all ranks' CPU time per step / (ranks x
+the floor's)). What a ratio has above 1 is sharding's cost: communication, the sharded
+bookkeeping, and load from the other ranks on the same cores. Under tensor parallelism a rank
+computes a part of each layer, so its ratio can fall below 1.
+
 Theoretical minimum bytes sent per rank and step (ring algorithms, see ``_comm_count``),
 with ``U_i`` the bytes of unit ``i`` (each parameter padded to ``ceil(rows / S)`` rows per
 rank), ``P = sum U_i``, ``U_root`` the root unit, shard axis ``S``, replicas ``R``:
@@ -108,6 +117,47 @@ def _phases(model, optim, batches, n: int) -> dict[str, float]:
     return out
 
 
+def floor(cfg: LlamaConfig, dp_size: int, args) -> tuple[float, float]:
+    """The compute-only floor (module docstring): median (wall, CPU) seconds of one step of the
+    unsharded model, one thread, on rank 0's slice of the batches of ``dp_size`` data-parallel ranks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = Llama(cfg, generator=torch.Generator().manual_seed(0))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batches = [inputs_and_targets(local_slice(global_batch(i, args.batch_size, args.seq_len, cfg.vocab_size, 0),
+                                                  0, dp_size)) for i in range(2 + args.reps * args.steps)]
+        for b in batches[:2]:
+            _step(model, optim, b)
+        wall, cpu = [], []
+        for rep in range(args.reps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for k in range(args.steps):
+                _step(model, optim, batches[2 + rep * args.steps + k])
+            wall.append((time.perf_counter() - t0) / args.steps)
+            cpu.append((time.process_time() - c0) / args.steps)
+        return statistics.median(wall), statistics.median(cpu)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def floor_table(results: list[dict], floors: dict[int, tuple[float, float]]) -> str:
+    """Each layout's step as a ratio of the compute-only floor of its per-rank batch."""
+    med = statistics.median
+    rows = ["compute-only floor: the same per-rank batch on one process, one thread, no sharding; "
+            "a layout's step over it (above 1: sharding's cost)",
+            "| ranks | layout | rows per rank | floor ms | floor CPU ms | step / floor: shardwise | baseline | "
+            "CPU / (ranks x floor CPU): shardwise | baseline |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        wall, cpu = floors[r["dp"]]
+        t, c = ({i: med(r[k][i]) for i in ("shardwise", "baseline")} for k in ("times", "cpu"))
+        rows.append(f"| {r['world']} | {r['layout']} | {r['rows']} | {wall * 1e3:.0f} | {cpu * 1e3:.0f} | "
+                    f"**{t['shardwise'] / wall:.2f}** | {t['baseline'] / wall:.2f} | "
+                    f"{c['shardwise'] / (r['world'] * cpu):.2f} | {c['baseline'] / (r['world'] * cpu):.2f} |")
+    return "\n".join(rows)
+
+
 def run_layout(cfg: LlamaConfig, layout: Layout, args, world: int) -> dict:
     """Every rank: warm up, count, then time interleaved repetitions. Returns rank 0's view."""
     from examples.train import data_parallel_rank
@@ -148,7 +198,8 @@ def run_layout(cfg: LlamaConfig, layout: Layout, args, world: int) -> dict:
     return dict(layout=layout.name, baseline=layout.baseline, world=world, times=times, comm=comm,
                 cpu={i: cpu[n].tolist() for n, i in enumerate(impls)}, phases=phases,
                 theory=theory(layout, blocks, root, world, tokens, cfg.dim), loss_rel_diff=diff,
-                mesh=f"({world}, 1)" if layout.no_shard else str(tuple(mesh.shape)), P=sum(blocks) + root)
+                mesh=f"({world}, 1)" if layout.no_shard else str(tuple(mesh.shape)), P=sum(blocks) + root,
+                dp=dp_size, rows=len(batches[0][0]))
 
 
 def rank_main(rank: int, world: int, cfg: LlamaConfig, layouts: list[str], args) -> list[dict]:
@@ -234,6 +285,8 @@ def main(argv=None) -> None:
             print(f"{world} ranks: skipping {skipped} (need 4 ranks)", file=sys.stderr)
         results += run_ranks(this.rank_main, world, cfg, layouts, args, timeout=args.timeout)[0]
     print(table(results))
+    floors = {dp: floor(cfg, dp, args) for dp in sorted({r["dp"] for r in results})}
+    print("\n" + floor_table(results, floors))
     print(f"\ntotal wall time {time.perf_counter() - t0:.0f} s")
 
 

@@ -1,60 +1,32 @@
-"""shardwise.composable: ``fully_shard`` (FSDP / HSDP) on DTensor.
+"""shardwise.composable: ``fully_shard`` (FSDP / HSDP) on DTensor, tensor, pipeline, context and
+expert parallelism, and the memory planner.
 
 The names follow torch's FSDP2 so that switching is one import::
 
     from shardwise.composable import fully_shard, FSDPModule, MixedPrecisionPolicy
+
+Each parallelism has a face of its own, whose ``__all__`` is its user-facing names:
+``shardwise.composable.fsdp`` (also ``replicate``, the strategies, ``clip_grad_norm_``),
+``.tp``, ``.pipeline``, ``.cp``, ``.moe``. Every name is also here, flat; ``__all__`` is the
+faces' names and the planner's. The pipeline names below the faces' level are importable
+here too (they were exported before the faces), but are not in ``__all__``.
 """
 
-from ._fsdp import (AllGather, CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, FullyShardUsageError,
-                    MixedPrecisionPolicy, OffloadPolicy, ReduceScatter, UnshardHandle, broadcast_from_rank0,
-                    fully_shard, materialize, register_fsdp_forward_method, share_comm_ctx)
-from ._clip_grad import clip_grad_norm_
-from ._replicate import ReplicateModule, replicate
-from ._tp import *  # noqa: F403  tensor parallelism: the names in _tp.__all__
-from ._tp import __all__ as _tp_all
-from ._pipeline import *  # noqa: F403  pipeline parallelism: the names in _pipeline.__all__
-from ._pipeline import __all__ as _pipeline_all
-from ._wrap import (AccelerateConfig, ShardingPolicy, ShardingStrategy, apply_fully_shard, from_accelerate_config,
-                    select_units, strategy_mesh)
-from ._cp import *  # noqa: F403  context parallelism: the names in _cp.__all__
-from ._cp import __all__ as _cp_all
-from ._moe import *  # noqa: F403  mixture of experts, expert parallelism: the names in _moe.__all__
-from ._moe import __all__ as _moe_all
-from ._plan import DEFAULT_KEPT_GRADS, MemoryPlan, MeshSuggestion, UnitPlan, plan_memory, suggest_mesh
+from . import cp, fsdp, moe, pipeline, tp
+from .cp import *  # noqa: F403  the names in cp.__all__
+from .fsdp import *  # noqa: F403
+from .moe import *  # noqa: F403
+from .pipeline import *  # noqa: F403
+from .tp import *  # noqa: F403
+# importable for code written before the faces, not in __all__ (the pipeline's building blocks)
+from ._pipeline import PLACEMENTS, RUNNABLE_KINDS, InFlight, balanced_bounds, uniform_bounds  # noqa: F401
+from ._plan import (DEFAULT_KEPT_GRADS, MemoryPlan, MeshOptions, MeshSuggestion, PipelineMemoryPlan, PlanOptions,
+                    UnitPlan, plan_memory, plan_pipeline_memory, suggest_mesh)
 
-__all__ = [
-    "fully_shard",
-    "FSDPModule",
-    "UnshardHandle",
-    "FullyShardUsageError",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-    "AllGather",
-    "ReduceScatter",
-    "materialize",
-    "replicate",
-    "ReplicateModule",
-    "broadcast_from_rank0",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "CPUOffloadPolicy",
-    "DataParallelMeshDims",
-    "ShardingPolicy",
-    "ShardingStrategy",
-    "apply_fully_shard",
-    "select_units",
-    "strategy_mesh",
-    "AccelerateConfig",
-    "from_accelerate_config",
-    "clip_grad_norm_",
-    "plan_memory",
-    "suggest_mesh",
-    "MemoryPlan",
-    "MeshSuggestion",
-    "UnitPlan",
-    "DEFAULT_KEPT_GRADS",
-]
-__all__ += _tp_all
-__all__ += _pipeline_all
-__all__ += _cp_all
-__all__ += _moe_all
+__all__ = ["plan_memory", "plan_pipeline_memory", "suggest_mesh", "PlanOptions", "MeshOptions", "MemoryPlan",
+           "PipelineMemoryPlan", "MeshSuggestion", "UnitPlan", "DEFAULT_KEPT_GRADS"]
+__all__ += fsdp.__all__
+__all__ += tp.__all__
+__all__ += pipeline.__all__
+__all__ += cp.__all__
+__all__ += moe.__all__

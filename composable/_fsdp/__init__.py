@@ -18,6 +18,7 @@ names below.
 from ._comm import AllGather, ReduceScatter
 from ._fully_shard import (FSDPModule, FullyShardUsageError, UnshardHandle, fully_shard, register_fsdp_forward_method,
                            share_comm_ctx)
+from ._layout import make_layout  # for the planner (_plan)
 from ._materialize import broadcast_from_rank0, materialize
 from ._override import StepOverride, clear_override, configured, override_unit, units_of
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy

@@ -67,14 +67,16 @@ chunked loss keeps less), allocator caching.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch.nn as nn
 
 from .._pipeline import ActionKind, activations_in_flight, build_schedule, get_schedule, plan_stages, stage_rank
 from .._wrap import ShardingPolicy
+from ._options import PlanOptions, with_overrides
 from ._stage_terms import before_and_after_first_backward, end_terms, held_grads
-from ._units import declares_units, fmt_bytes, plan_units
+from ._units import MemoryPlan, declares_units, fmt_bytes, plan_units
 
 __all__ = ["DEFAULT_KEPT_GRADS", "PipelineMemoryPlan", "plan_pipeline_memory", "splits_backward"]
 
@@ -84,29 +86,25 @@ the ratios measured on the example Llama's stages (0.36-0.62; ``benchmarks/pipel
 memory``), see [Note: the memory of a pipeline stage]."""
 
 
-@dataclass(frozen=True)
-class PipelineMemoryPlan:
-    """``stages[r]``: the `MemoryPlan` of pp rank ``r`` (its stage, or its ``virtual_stages``
-    stages); ``bounds``: the blocks of all ``pp * virtual_stages`` stages; ``in_flight[r]``: the
-    microbatch-units of activations rank ``r`` holds at its peak; ``head_activations``,
-    ``embedding_activations``: the parts of ``activation_bytes`` planned on the last and the
-    first stage (estimated from ``tokens``; 0 without); ``peak``: the largest rank peak (what
-    each GPU must hold)."""
+@dataclass(frozen=True, kw_only=True)
+class PipelineMemoryPlan(MemoryPlan):
+    """A `MemoryPlan` whose own figures are the worst pp rank's (``peak``: what each GPU must
+    hold), with every rank's: ``stages[r]``: the `MemoryPlan` of pp rank ``r`` (its stage, or its
+    ``virtual_stages`` stages); ``bounds``: the blocks of all ``pp * virtual_stages`` stages;
+    ``in_flight[r]``: the microbatch-units of activations rank ``r`` holds at its peak;
+    ``head_activations``, ``embedding_activations``: the parts of ``activation_bytes`` planned on
+    the last and the first stage (estimated from ``tokens``; 0 without)."""
 
     pp: int
     schedule: str
     microbatches: int
     bounds: tuple[int, ...]
-    stages: tuple
+    stages: tuple[MemoryPlan, ...]
     virtual_stages: int = 1
     in_flight: tuple[float, ...] = ()
     kept_grads: float = 0.0
     head_activations: int = 0  # the head's + loss's share of activation_bytes (estimated from ``tokens``)
     embedding_activations: int = 0  # the embedding's share
-
-    @property
-    def peak(self) -> int:
-        return max(p.peak for p in self.stages)
 
     @property
     def worst_stage(self) -> int:
@@ -146,50 +144,44 @@ def _accumulated(plan, mp) -> int:
     return int((total - counted) * widen + counted * (widen - 1))
 
 
-def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, microbatches: int = 1,
-                         schedule: str = "1f1b", virtual_stages: int | None = None, stage_bounds=None,
-                         layers: str | None = None, activation_bytes: int = 0,
-                         reshard_between_microbatches: bool = False, reduce_every_microbatch: bool = False,
-                         kept_grads: float | None = None, tokens: int | None = None,
-                         **kwargs) -> PipelineMemoryPlan:
-    """Plan each of the ``pp`` ranks of ``model`` with `plan_memory`; see
-    [Note: the memory of a pipeline stage]. ``virtual_stages``: stages per rank (default 2 for a
-    schedule with virtual stages, else 1). ``kept_grads``: gradients kept from ``I`` to ``W`` per
-    microbatch-unit (None: `DEFAULT_KEPT_GRADS` if the schedule splits its backward, else 0).
-    ``tokens``: the tokens per data-parallel rank per step ``activation_bytes`` was measured on,
-    to place the head's and embedding's activations on their stages (None: spread with the blocks).
-    ``kwargs`` go to `plan_memory`."""
-    spec = get_schedule(schedule)
+def plan_pipeline_memory(model: nn.Module, mesh_shape: int | tuple[int, ...], options: PlanOptions | None = None,
+                         **overrides: Any) -> PipelineMemoryPlan:
+    """Plan each of the ``options.pp`` ranks of ``model`` as `plan_memory` plans a model, on the
+    stage mesh ``mesh_shape``; see [Note: the memory of a pipeline stage]. Keywords are fields of
+    `PlanOptions` and override ``options``. `plan_memory` returns the same for ``pp > 1``; this
+    entry point's type says so (and it plans ``pp = 1`` as a one-stage pipeline)."""
+    o = with_overrides(options or PlanOptions(), overrides, "plan_pipeline_memory")
+    pp, microbatches, kept_grads, policy = o.pp, o.microbatches, o.kept_grads, o.policy
+    spec = get_schedule(o.schedule)
     if microbatches < 1:
         raise ValueError(f"plan_memory: microbatches={microbatches}; it must be >= 1")
-    v = (2 if spec.virtual else 1) if virtual_stages is None else virtual_stages
+    v = (2 if spec.virtual else 1) if o.virtual_stages is None else o.virtual_stages
     spec.check(pp, microbatches, v)
     if kept_grads is None:
         kept_grads = DEFAULT_KEPT_GRADS if splits_backward(spec, pp, microbatches, v) else 0.0
     elif isinstance(kept_grads, bool) or not isinstance(kept_grads, (int, float)) or not kept_grads >= 0:
         raise ValueError(f"plan_memory: kept_grads={kept_grads!r}; it is a size ratio >= 0 (kept gradient bytes "
                          "per microbatch over activation bytes per microbatch), or None for the default")
-    plan, path, names, pre, post = plan_stages(model, pp * v, layers=layers, cost="params",
-                                               split_points=stage_bounds)
+    plan, path, names, pre, post = plan_stages(model, pp * v, cost="params", split_points=o.stage_bounds)
     blocks = list(path[-1]._modules[names[-1]])
     sizes = [len(plan.blocks(k)) for k in range(pp * v)]
     where = [stage_rank(k, pp, spec.placement) for k in range(pp * v)]
     on_rank = [sum(sz for sz, r in zip(sizes, where) if r == rank) for rank in range(pp)]
     alive = activations_in_flight(spec, pp, microbatches, v, [sizes[k] / on_rank[where[k]] for k in range(pp * v)],
                                   kept_grads=float(kept_grads))
-    mp = kwargs.get("mp_policy")
-    ends = end_terms([path[d]._modules[n] for d, n in pre], [path[d]._modules[n] for d, n in post], tokens,
+    mp = o.mp_policy
+    ends = end_terms([path[d]._modules[n] for d, n in pre], [path[d]._modules[n] for d, n in post], o.tokens,
                      mp.param_dtype if mp is not None else None, _tp(mesh_shape))
-    per_block = max(activation_bytes - ends.total, 0) / len(blocks)  # one block's share of the whole batch
+    per_block = max(o.activation_bytes - ends.total, 0) / len(blocks)  # one block's share of the whole batch
     weight = [(per_block * sizes[k] + ends.embedding * (k == 0) + ends.head_kept * (k == pp * v - 1)) / microbatches
               for k in range(pp * v)]  # bytes per microbatch alive on virtual stage k
     acts = build_schedule(spec, pp, microbatches, v)
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
-    if not reshard_between_microbatches and policy.reshard_after_forward is None:
+    if not o.reshard_between_microbatches and policy.reshard_after_forward is None:
         policy = replace(policy, reshard_after_forward=False)  # gathered for the whole step
     classes = sorted({c for m in model.modules() for c in (getattr(m, "_no_split_modules", None) or [])})
-    stages: list = []
+    stages: list[MemoryPlan] = []
     for s in range(pp):
         view = _StageView()
         view._no_split_modules = classes
@@ -207,15 +199,20 @@ def plan_pipeline_memory(model: nn.Module, pp: int, mesh_shape, policy, *, micro
         transient = ends.head_transient / microbatches if where[-1] == s else 0.0
         before, after = before_and_after_first_backward(acts[s], {k: weight[k] for k in range(pp * v) if where[k] == s},
                                                         float(kept_grads))
-        stage = plan_units(view, mesh_shape, policy, activation_bytes=int(max(before, after) + transient), **kwargs)
-        if microbatches > 1 and not reduce_every_microbatch:
+        acts_bytes = int(max(before, after) + transient)
+        stage = plan_units(view, mesh_shape, replace(o, policy=policy, activation_bytes=acts_bytes))
+        if microbatches > 1 and not o.reduce_every_microbatch:
             stage = replace(stage, accumulated_grads=_accumulated(stage, mp))
             later = replace(stage, activations=-(-int(after + transient) // stage.cp), held_grads=held_grads(stage))
             first = replace(stage, activations=-(-int(before + transient) // stage.cp))
             stage = max(first, later, key=lambda p: p.start_of_backward)  # before / from the first backward
         stages.append(stage)
-    return PipelineMemoryPlan(pp, spec.name, microbatches, plan.bounds, tuple(stages), v, alive.per_rank,
-                              float(kept_grads), ends.head_kept + ends.head_transient, ends.embedding)
+    worst = max(stages, key=lambda p: p.peak)
+    return PipelineMemoryPlan(**{f.name: getattr(worst, f.name) for f in fields(MemoryPlan)}, pp=pp,
+                              schedule=spec.name, microbatches=microbatches, bounds=plan.bounds, stages=tuple(stages),
+                              virtual_stages=v, in_flight=alive.per_rank, kept_grads=float(kept_grads),
+                              head_activations=ends.head_kept + ends.head_transient,
+                              embedding_activations=ends.embedding)
 
 
 def _tp(mesh_shape) -> int:

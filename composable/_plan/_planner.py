@@ -53,75 +53,43 @@ of one layer at a time), and the cp communication.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
+from typing import Any
 
-import torch
 import torch.nn as nn
 
-from .._fsdp import MixedPrecisionPolicy
 from .._wrap import ShardingPolicy, ShardingStrategy
-from ._pipeline import PipelineMemoryPlan, plan_pipeline_memory
-from ._units import MemoryPlan, UnitPlan, declares_units, fmt_bytes, plan_units
+from ._options import MeshOptions, PlanOptions, with_overrides
+from ._pipeline import plan_pipeline_memory
+from ._units import MemoryPlan, declares_units, fmt_bytes, plan_units
 
-__all__ = ["UnitPlan", "MemoryPlan", "plan_memory", "MeshSuggestion", "suggest_mesh"]
+__all__ = ["plan_memory", "MeshSuggestion", "suggest_mesh"]
 
 
 def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
-                policy: ShardingPolicy | ShardingStrategy | str = ShardingStrategy.FULL_SHARD, *,
-                units: list[str] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
-                optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
-                prefetch: int = 2, activation_bytes: int = 0, pp: int = 1, microbatches: int = 1,
-                schedule: str = "1f1b", stage_bounds=None, reshard_between_microbatches: bool = False,
-                reduce_every_microbatch: bool = False, virtual_stages: int | None = None,
-                cp: int = 1, kept_grads: float | None = None,
-                tokens: int | None = None) -> MemoryPlan | PipelineMemoryPlan:
+                options: PlanOptions | ShardingPolicy | ShardingStrategy | str | None = None,
+                **overrides: Any) -> MemoryPlan:
     """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
     devices (the model may be on the meta device). See [Note: the memory model].
 
-    Args:
-        mesh_shape: ``dp_shard``, ``(dp_replicate, dp_shard)`` or ``(dp_replicate, dp_shard, tp)``;
-            FULL_SHARD / SHARD_GRAD_OP need ``dp_replicate == 1``, HYBRID_* more; NO_SHARD
-            replicates over all ``dp_replicate * dp_shard`` ranks.
-        policy: a `ShardingPolicy` (strategy + unit selection), or a strategy: units are then the
-            ``_no_split_modules`` classes (none: the root only). ``units``: module names instead.
-        mp_policy: ``param_dtype`` sizes gathered parameters and their gradients, ``reduce_dtype``
-            the reduce-scatter input.
-        optimizer_states, optimizer_dtype: values per trainable element (AdamW: 2) and their dtype
-            (None: the parameter's, as ``torch.optim`` does).
-        prefetch: units gathered at once when resharding (``set_unshard_limit``, default 2).
-        pp, microbatches, schedule, stage_bounds: with ``pp > 1`` the model is planned as a
-            pipeline (``mesh_shape`` is then one stage's): each stage by itself, activations
-            scaled by the microbatches it keeps alive; the result is the `PipelineMemoryPlan`
-            of all stages (``.peak``: the worst). See [Note: the memory of a pipeline stage] in
-            ``_plan/_pipeline.py``. ``reshard_between_microbatches``, ``reduce_every_microbatch``:
-            as `PipelineSchedule`'s (by default units keep their parameters gathered for the
-            step and sum their gradients over the microbatches). ``virtual_stages``: stages per
-            rank (default 2 for ``interleaved_1f1b``, else 1). ``kept_grads``: for a schedule with
-            a split backward (``zb_h1``, ``zbv``, ``interleaved_zb``, ``dualpipev``), the gradients
-            each ``I`` keeps for its ``W``, per microbatch-unit of activations (None: the measured
-            default, ``DEFAULT_KEPT_GRADS``; 0 for other schedules). ``tokens``: the tokens per
-            data-parallel rank per step (batch x sequence length) ``activation_bytes`` was measured
-            on; with it the head's and loss's activations (logits of ``tokens x vocab``, ...) and
-            the embedding's are estimated from their shapes and planned on the stages that hold
-            them, the rest as the blocks' (None: all of it spread with the blocks). Unused without
-            a pipeline.
-        cp: context-parallel ranks (``init_mesh(cp=N)``): parameters sharded over ``dp_shard x
-            cp``, ``activation_bytes`` (given as at cp 1) divided by ``cp``; see
-            [Note: context parallelism in the plan].
+    ``mesh_shape``: ``dp_shard``, ``(dp_replicate, dp_shard)`` or ``(dp_replicate, dp_shard,
+    tp)``; FULL_SHARD / SHARD_GRAD_OP need ``dp_replicate == 1``, HYBRID_* more; NO_SHARD
+    replicates over all ``dp_replicate * dp_shard`` ranks. ``options``: a `PlanOptions`, or
+    (today's form) just its ``policy``; keywords are `PlanOptions` fields and override it, so
+    ``plan_memory(model, 4, "FULL_SHARD", activation_bytes=A)`` still reads as it did.
 
-    Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names.
+    With ``pp > 1`` the model is planned as a pipeline (``mesh_shape`` is then one stage's)
+    and the plan is a `PipelineMemoryPlan`: a `MemoryPlan` whose figures are the worst rank's,
+    with every rank's in ``.stages`` (`plan_pipeline_memory` gives the same, typed as such).
+    See [Note: the memory of a pipeline stage] in ``_plan/_pipeline.py``, and for ``cp``,
+    [Note: context parallelism in the plan].
+
+    Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names; TypeError
+    for a keyword that is not an option.
     """
-    if pp != 1:
-        return plan_pipeline_memory(model, pp, mesh_shape, policy, microbatches=microbatches, schedule=schedule,
-                                    virtual_stages=virtual_stages, stage_bounds=stage_bounds, units=units, mp_policy=mp_policy,
-                                    optimizer_states=optimizer_states, optimizer_dtype=optimizer_dtype,
-                                    prefetch=prefetch, activation_bytes=activation_bytes,
-                                    reshard_between_microbatches=reshard_between_microbatches,
-                                    reduce_every_microbatch=reduce_every_microbatch, cp=cp, kept_grads=kept_grads,
-                                    tokens=tokens)
-    return plan_units(model, mesh_shape, policy, units=units, mp_policy=mp_policy, optimizer_states=optimizer_states,
-                      optimizer_dtype=optimizer_dtype, prefetch=prefetch, activation_bytes=activation_bytes, cp=cp)
+    base = options if isinstance(options, PlanOptions) else PlanOptions() if options is None else PlanOptions(options)
+    o = with_overrides(base, overrides, "plan_memory")
+    return plan_units(model, mesh_shape, o) if o.pp == 1 else plan_pipeline_memory(model, mesh_shape, o)
 
 
 @dataclass(frozen=True)
@@ -165,15 +133,12 @@ def _comm(plan: MemoryPlan, gpus_per_host: int, hosts: int, intra: float, inter:
             shard_bytes * shard_cross + rep_bytes * rep_cross)
 
 
-def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu: int, *,
-                 policy: ShardingPolicy | None = None, mp_policy: MixedPrecisionPolicy | None = None,
-                 activation_bytes: int = 0, optimizer_states: int = 2, headroom: float = 0.9,
-                 intra_host_bandwidth: float = 200e9, inter_host_bandwidth: float = 25e9,
-                 pp_sizes: tuple[int, ...] = (1,), microbatches: int = 8,
-                 schedule: str = "1f1b", cp_sizes: tuple[int, ...] = (1,),
-                 kept_grads: float | None = None, tokens: int | None = None) -> MeshSuggestion:
+def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu: int,
+                 options: MeshOptions | None = None, **overrides: Any) -> MeshSuggestion:
     """The mesh ``(dp_replicate, dp_shard, tp)`` and strategy that fit ``bytes_per_gpu`` with the
-    least estimated data-parallel communication time.
+    least estimated data-parallel communication time. ``options``: a `MeshOptions`; keywords are
+    its fields and override it (today's form: ``suggest_mesh(model, 8, 8, 80 * 2**30,
+    mp_policy=bf16)``); the names below are its fields.
 
     Candidates: every ``tp`` dividing ``gpus_per_host`` (TP stays inside a host), every split of
     the other ranks into ``dp_replicate x dp_shard``, with and without resharding after forward,
@@ -198,10 +163,12 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
     degree ``cp x tp`` that fits is used, at equal degree the smaller ``tp`` (the ring's
     key/value blocks overlap the attention, TP's activation collectives do not).
     """
+    o = with_overrides(options or MeshOptions(), overrides, "suggest_mesh")
+    pp_sizes, cp_sizes, headroom = o.pp_sizes, o.cp_sizes, o.headroom
     if min(hosts, gpus_per_host) < 1 or bytes_per_gpu <= 0:
         raise ValueError("suggest_mesh: hosts, gpus_per_host and bytes_per_gpu must be positive")
-    base = policy or ShardingPolicy(no_split_modules=declares_units(model))
-    world, budget, candidates = hosts * gpus_per_host, headroom * bytes_per_gpu, []
+    base = o.policy or ShardingPolicy(no_split_modules=declares_units(model))
+    world, budget = hosts * gpus_per_host, headroom * bytes_per_gpu
     bad_pp = [p for p in pp_sizes if not isinstance(p, int) or p < 1 or hosts % p]
     if bad_pp:
         raise ValueError(f"suggest_mesh: pp_sizes {bad_pp} must divide hosts={hosts} (whole hosts per stage)")
@@ -219,20 +186,22 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
             for name in (["NO_SHARD"] if S * cp == 1 else ["SHARD_GRAD_OP", "FULL_SHARD"] if R == 1
                          else ["HYBRID_SHARD_ZERO2", "HYBRID_SHARD"]):
                 pol = replace(base, strategy=name, reshard_after_forward=None)
-                plan = plan_memory(model, (R, S, tp), pol, mp_policy=mp_policy, optimizer_states=optimizer_states,
-                                   activation_bytes=activation_bytes // tp, pp=pp, microbatches=microbatches,
-                                   schedule=schedule, cp=cp, kept_grads=kept_grads, tokens=tokens)
-                if isinstance(plan, PipelineMemoryPlan):
-                    plan = plan.stages[plan.worst_stage]
-                secs, cross = _comm(plan, gpus_per_host, hosts // pp, intra_host_bandwidth, inter_host_bandwidth,
+                po = PlanOptions(pol, mp_policy=o.mp_policy, optimizer_states=o.optimizer_states,
+                                 activation_bytes=o.activation_bytes // tp, pp=pp, microbatches=o.microbatches,
+                                 schedule=o.schedule, cp=cp, kept_grads=o.kept_grads, tokens=o.tokens)
+                if pp == 1:
+                    plan = plan_units(model, (R, S, tp), po)
+                else:  # the worst stage's own plan
+                    plan = (pipe := plan_pipeline_memory(model, (R, S, tp), po)).stages[pipe.worst_stage]
+                secs, cross = _comm(plan, gpus_per_host, hosts // pp, o.intra_host_bandwidth, o.inter_host_bandwidth,
                                     gather_once=pp > 1)
                 by_pp.setdefault(pp, []).append(((tp * cp, tp), secs, plan.peak, plan, cross))
     pp = next((p for p in sorted(by_pp) if any(c[2] <= budget for c in by_pp[p])), min(by_pp))
     candidates = by_pp[pp]
     fitting = [c for c in candidates if c[2] <= budget]
     lines = [f"world {world} = {hosts} host(s) x {gpus_per_host} GPUs; budget {fmt_bytes(budget)} per GPU "
-             f"({headroom:.0%} of {fmt_bytes(bytes_per_gpu)}); bandwidth per GPU {intra_host_bandwidth / 1e9:g} GB/s "
-             f"in a host, {inter_host_bandwidth / 1e9:g} GB/s across hosts"]
+             f"({headroom:.0%} of {fmt_bytes(bytes_per_gpu)}); bandwidth per GPU {o.intra_host_bandwidth / 1e9:g} GB/s "
+             f"in a host, {o.inter_host_bandwidth / 1e9:g} GB/s across hosts"]
     shown = min((c[0] for c in fitting), default=(gpus_per_host, gpus_per_host))  # up to the smallest that fits
     for deg, secs, peak, plan, cross in sorted((c for c in candidates if c[0] <= shown), key=lambda c: c[:3]):
         (R, S, tp), cp_text = plan.mesh_shape, (f" cp={plan.cp}" if plan.cp > 1 else "")

@@ -5,14 +5,13 @@ See [Note: the memory model] in ``_planner.py``."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 
-from .._fsdp import MixedPrecisionPolicy
-from .._fsdp._layout import make_layout
+from .._fsdp import MixedPrecisionPolicy, make_layout
 from .._wrap import ShardingPolicy, ShardingStrategy, select_units
+from ._options import PlanOptions
 
 __all__ = ["UnitPlan", "MemoryPlan", "plan_units", "fmt_bytes", "declares_units"]
 
@@ -118,23 +117,20 @@ def _unit(name: str, params: list, shard: int, tp: int, mp: MixedPrecisionPolicy
     return UnitPlan(name, *([sum(c) for c in zip(*cols)] or [0] * 7))
 
 
-def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...],
-               policy: ShardingPolicy | ShardingStrategy | str = ShardingStrategy.FULL_SHARD, *,
-               units: list[str] | None = None, mp_policy: MixedPrecisionPolicy | None = None,
-               optimizer_states: int = 2, optimizer_dtype: torch.dtype | None = None,
-               prefetch: int = 2, activation_bytes: int = 0, cp: int = 1) -> MemoryPlan:
-    """`plan_memory` of one model without a pipeline (its arguments, same meaning)."""
+def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...], options: PlanOptions) -> MemoryPlan:
+    """`plan_memory` of one model without a pipeline (``options.pp`` etc. unused)."""
+    policy, cp, prefetch = options.policy, options.cp, options.prefetch
     if not isinstance(policy, ShardingPolicy):
         policy = ShardingPolicy(policy, no_split_modules=declares_units(model))
     strategy = ShardingStrategy(policy.strategy)
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"plan_memory: cp={cp!r} must be an int >= 1 (context-parallel ranks)")
     R, S, T = _mesh_shape(mesh_shape, strategy, cp)
-    if not isinstance(prefetch, int) or prefetch < 1 or optimizer_states < 0:
+    if not isinstance(prefetch, int) or prefetch < 1 or options.optimizer_states < 0:
         raise ValueError(f"plan_memory: prefetch={prefetch!r} must be an int >= 1, optimizer_states >= 0")
     shard = 1 if strategy.replicates_all else S * cp  # [Note: context parallelism in the plan] in _planner.py
-    mp, modules = mp_policy or MixedPrecisionPolicy(), dict(model.named_modules())
-    names = list(units) if units is not None else select_units(model, policy)
+    mp, modules = options.mp_policy or MixedPrecisionPolicy(), dict(model.named_modules())
+    names = list(options.units) if options.units is not None else select_units(model, policy)
     missing = [n for n in names if n not in modules or n == ""]
     if missing:
         raise ValueError(f"plan_memory: units {missing} are not submodules of {type(model).__name__} "
@@ -156,9 +152,8 @@ def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...],
     largest = max(others, key=lambda u: u.unsharded, default=root)
     grad_buffers = largest.unsharded_grads + largest.reduce_bytes + (root.unsharded_grads if largest is not root else 0)
     grads = sum(u.trainable_bytes for u in plans)
-    per_state = grads if optimizer_dtype is None else sum(u.trainable for u in plans) * optimizer_dtype.itemsize
+    dtype = options.optimizer_dtype
+    per_state = grads if dtype is None else sum(u.trainable for u in plans) * dtype.itemsize
     return MemoryPlan((R, S, T), strategy.value, tuple(plans), sum(u.sharded for u in plans), grads,
-                      optimizer_states * per_state, fwd, bwd, root.unsharded_grads, grad_buffers,
-                      -(-int(activation_bytes) // cp), cp=cp)
-
-
+                      options.optimizer_states * per_state, fwd, bwd, root.unsharded_grads, grad_buffers,
+                      -(-int(options.activation_bytes) // cp), cp=cp)

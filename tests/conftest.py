@@ -1,0 +1,138 @@
+"""The fast tier: ``pytest -m "not slow"`` runs what is left when the tests in `SLOW` are
+marked ``slow`` (docs/testing.md, "The fast tier"). The list is of node-id prefixes as pytest
+prints them (a file, or ``file::test`` for every parametrization of one test), chosen from the
+durations of a full run (``pytest --durations=0``) so that the rest takes under 4 minutes of
+pytest time on a 2-core machine. An entry that names no file, or no test of its file, fails
+the collection: the list cannot rot when a test is renamed or moved. The full run (README's
+command) still runs everything."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2026 (loaded 2-core machine)
+    'tests/compat/test_checkpoints.py',  # 30 s
+    'tests/compat/test_dcp_tutorial.py',  # 4 s
+    'tests/compat/test_fsdp_module_api.py::test_custom_collectives_and_reduce_scatter_group',  # 3 s
+    'tests/compat/test_fsdp_module_api.py::test_gradient_divide_factor_and_all_reduce_hook',  # 6 s
+    'tests/compat/test_hsdp_grads.py',  # 2 s
+    'tests/compat/test_init_and_apply.py',  # 8 s
+    'tests/compat/test_meshes.py',  # 5 s
+    'tests/compat/test_setters.py::test_setters_before_and_after_the_first_step',  # 3 s
+    'tests/compat/test_torch_compile.py',  # 13 s
+    'tests/compat/test_tp_api.py',  # 2 s
+    'tests/compat/test_tp_styles.py::test_loss_parallel_reductions_weights_and_a_wrongly_sharded_input',  # 2 s
+    'tests/test_checkpoint.py',  # 13 s
+    'tests/test_checkpoint_chunks.py::test_ranks_loading_different_tensors_check_every_chunk_of_both',  # 2 s
+    'tests/test_checkpoint_errors.py::test_bad_input_raises_the_same_clear_error_on_every_rank_and_leaves_the_target',  # 3 s
+    'tests/test_checkpoint_fsdp_tp.py',  # 4 s
+    'tests/test_checkpoint_hostile_files.py',  # 55 s
+    'tests/test_checkpoint_partial_tp.py',  # 3 s
+    'tests/test_checkpoint_readers.py',  # 13 s
+    'tests/test_checkpoint_series.py',  # 5 s
+    'tests/test_checkpoint_tools.py',  # 20 s
+    'tests/test_clip_grad.py::test_clip_matches_torch_on_fsdp_and_hsdp',  # 4 s
+    'tests/test_cp_attention.py::test_matches_sdpa_fp32',  # 3 s
+    'tests/test_cp_hf.py',  # 2 s
+    'tests/test_cp_pipeline.py',  # 7 s
+    'tests/test_cp_train.py',  # 27 s
+    'tests/test_dcp_import.py',  # 30 s
+    'tests/test_deferred_init.py::test_meta_init_matches_single_device_bit_for_bit',  # 2 s
+    'tests/test_docs_snippets.py',  # 20 s
+    'tests/test_dropin_compat.py',  # 4 s
+    'tests/test_dropin_compile.py',  # 52 s
+    'tests/test_dropin_init.py',  # 49 s
+    'tests/test_dropin_meshes.py',  # 24 s
+    'tests/test_elastic_agents.py',  # 129 s
+    'tests/test_elastic_example.py',  # 5 s
+    'tests/test_ep_checkpoint.py',  # 4 s
+    'tests/test_ep_fsdp.py',  # 6 s
+    'tests/test_ep_hf_merge.py::test_merge_and_hf_folder_write_per_expert_names',  # 2 s
+    'tests/test_ep_tp.py',  # 9 s
+    'tests/test_example.py',  # 57 s
+    'tests/test_example_moe.py',  # 20 s
+    'tests/test_expert_parallel.py',  # 5 s
+    'tests/test_fsdp2_semantics.py',  # 28 s
+    'tests/test_fsdp_tp.py',  # 5 s
+    'tests/test_fsdp_tp_llama.py',  # 16 s
+    'tests/test_fully_shard.py::test_training_matches_single_process',  # 11 s
+    'tests/test_harness.py::test_hung_rank_fails_within_timeout',  # 6 s
+    'tests/test_heartbeat.py',  # 7 s
+    'tests/test_hf_clients.py',  # 14 s
+    'tests/test_hf_folder.py::test_save_hf_folder_from_a_sharded_model_and_merge_of_its_checkpoint',  # 3 s
+    'tests/test_hf_folder.py::test_tied_load_into_a_sharded_model',  # 3 s
+    'tests/test_memory_tracker.py',  # 6 s
+    'tests/test_module_methods.py::test_custom_all_gather_on_uneven_shards',  # 3 s
+    'tests/test_no_numpy.py',  # 10 s
+    'tests/test_packaging.py',  # 17 s
+    'tests/test_pipeline.py::test_pp2_x_dp2_x_tp2_on_8_ranks',  # 6 s
+    'tests/test_pipeline.py::test_pp2_x_fsdp_accumulates_over_steps_with_gradient_sync_off',  # 3 s
+    'tests/test_pipeline.py::test_pp2_x_fsdp_gathers_once_per_unit_per_step',  # 4 s
+    'tests/test_pipeline.py::test_pp2_x_fsdp_one_reduce_scatter_per_unit_per_step',  # 2 s
+    'tests/test_pipeline.py::test_pp2_x_fsdp_reshard_between_microbatches_and_explicit_setting',  # 4 s
+    'tests/test_pipeline.py::test_pp2_x_fsdp_with_activation_checkpointing',  # 2 s
+    'tests/test_pipeline.py::test_pp2_x_tp2',  # 2 s
+    'tests/test_pipeline_checkpoint.py::test_pp2_checkpoint_loads_at_pp1_and_resumes',  # 5 s
+    'tests/test_pipeline_hf.py',  # 25 s
+    'tests/test_pipeline_mesh_order.py',  # 19 s
+    'tests/test_pipeline_pairs.py',  # 9 s
+    'tests/test_pipeline_train.py',  # 33 s
+    'tests/test_pipeline_transport.py::test_transfers_left_by_a_failed_step_stay_alive',  # 3 s
+    'tests/test_pipeline_tuned.py',  # 14 s
+    'tests/test_pipeline_zb.py',  # 90 s
+    'tests/test_pipeline_zb_pp4.py',  # 7 s
+    'tests/test_planner.py::test_suggest_uses_cp_when_activations_do_not_fit_and_before_tp',  # 2 s
+    'tests/test_replica_buckets.py',  # 3 s
+    'tests/test_save_pretrained.py',  # 5 s
+    'tests/test_shard_placement.py',  # 37 s
+    'tests/test_tp.py',  # 25 s
+    'tests/test_tp_llama.py',  # 22 s
+    'tests/test_training_backward_error.py',  # 9 s
+    'tests/test_training_features.py::test_cpu_offload_on_a_cpu_only_host',  # 3 s
+    'tests/test_training_features.py::test_mixed_precision_matches_a_reference_that_casts_the_same_way',  # 4 s
+    'tests/test_training_features.py::test_module_reuse_branches_and_activation_checkpointing',  # 7 s
+    'tests/test_training_state.py',  # 10 s
+    'tests/test_types.py',  # 71 s
+    'tests/test_workers.py::test_hung_call_fails_within_its_timeout_with_stacks',  # 3 s
+    'tests/test_wrap.py::test_each_strategy_trains_like_one_process',  # 8 s
+]
+
+
+def _defined(path: pathlib.Path) -> set[str]:
+    """The test functions of a file, as ``name`` and ``Class::name``."""
+    out: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            out.update(f"{node.name}::{f.name}" for f in node.body if isinstance(f, (ast.FunctionDef,
+                                                                                    ast.AsyncFunctionDef)))
+    return out
+
+
+def _stale(entries: list[str]) -> list[str]:
+    bad = []
+    for entry in entries:
+        file, _, test = entry.partition("::")
+        path = ROOT / file
+        if not path.is_file() or (test and test not in _defined(path)):
+            bad.append(entry)
+    return bad
+
+
+def _matches(nodeid: str, entry: str) -> bool:
+    return nodeid == entry or nodeid.startswith((entry + "::", entry + "["))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    stale = _stale(SLOW)
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")
+    for item in items:
+        if any(_matches(item.nodeid, entry) for entry in SLOW):
+            item.add_marker(pytest.mark.slow)
