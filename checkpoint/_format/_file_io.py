@@ -16,8 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .._checksums import ChunkedCrc
-from .._errors import CheckpointError
+from .._base import CheckpointError, ChunkedCrc
 from .._storage import PosixStorage, ReadHandle
 
 __all__ = [

@@ -29,12 +29,10 @@ from typing import Any
 
 import torch
 
-from .._geometry._boxes import Box
-from .._checksums import box_rows, chunk_count, crcs_from_hex, crcs_to_hex
-from .._errors import CheckpointError
+from .._geometry import Box
+from .._base import CheckpointError, DuplicateKey, box_rows, chunk_count, crcs_from_hex, crcs_to_hex, parse_json_strict
 from ._file_io import pread_exact
 from .._storage import DirView, Storage, storage_for
-from .._json_strict import DuplicateKey, parse_json_strict
 from ._index_model import (CHECKSUM_FIELD, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, SavedBox,
                            TensorEntry, data_file_name, dtype_from_name, dtype_name, plain_file_name)
 
