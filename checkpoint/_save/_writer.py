@@ -21,159 +21,18 @@
 
 from __future__ import annotations
 
-import atexit
-import contextvars
-import logging
 import os
-import sys
-import threading
-import warnings
 from typing import Any
 
-from .._base import CheckpointError, agree, broadcast_json, gather_json, phase, rank_and_world
-from .._series import abort_save, commit, default_series, finish_save, remove_temp, temp_dir_for
+from .._base import agree, phase, rank_and_world
+from .._series import default_series, temp_dir_for
 from .._state import check_alone_state, checkpoint_path, dcp_scope, expand_stateful, refuse_dcp_extensions
-from .._format import INDEX_FILE, format_index, index_to_json
-from ._save_future import FutureMethods
-from ._save_plan import (SavePlan, build_index, keep_own_pieces, meta_digest, plan_save, snapshot,
-                         write_file as _write_file)
-from ._save_target import check_save_target, prepare as _prepare
 from .._storage import Storage, storage_for
+from ._save_handle import SaveHandle
+from ._save_plan import SavePlan, keep_own_pieces, plan_save, snapshot
+from ._save_target import check_save_target, prepare as _prepare
 
 __all__ = ["save", "async_save", "SaveHandle", "check_save_target"]
-
-_log = logging.getLogger("shardwise.checkpoint")
-
-
-class SaveHandle(FutureMethods):
-    """A save in progress (from `async_save`). ``wait()`` (or ``result()``) finishes it; it is
-    also a ``concurrent.futures.Future`` and DCP's ``AsyncSaveResponse`` (``_save_future``).
-
-    A handle that is never waited for commits nothing: at interpreter exit this rank warns
-    (naming the checkpoint), waits for its background write to end, and rank 0 deletes the
-    temporary directory (see [Note: an async save never waited for]).
-    """
-
-    def __init__(self, storage: Storage, path: str, plan: SavePlan, tmp: str, token: str, keep_last: int | None,
-                 background: bool, error: BaseException | None = None, series: str = "",
-                 said: list[str] | None = None) -> None:
-        self._storage = storage
-        self.path = storage.url(path)
-        self._path = path
-        self._plan, self._tmp, self._token, self._keep_last = plan, tmp, token, keep_last
-        self._series, self._said = series, list(said or [])
-        self._report: dict | None = None
-        self._error = error  # a failed snapshot: nothing to write, reported by wait()
-        self._snapshot_error = error
-        self._finished = False
-        self._thread: threading.Thread | None = None
-        self._alone = rank_and_world() == (0, 1)  # no_dist (or one process): the commit is too
-        if background:
-            atexit.register(self._at_exit)
-        if error is not None:
-            return
-        if background:
-            context = contextvars.copy_context()  # no_dist's "this process alone" reaches the thread
-            self._thread = threading.Thread(target=context.run, args=(self._write,), name=f"shardwise-save {path}",
-                                            daemon=True)
-            self._thread.start()
-        else:
-            self._write()
-
-    def _write(self) -> None:
-        try:
-            with phase("save/write"):
-                self._report = _write_file(self._plan, self._storage, self._tmp, rank_and_world()[0])
-        except BaseException as e:  # surfaced by wait()
-            self._error = e
-
-    def _at_exit(self) -> None:
-        """[Note: an async save never waited for]
-        ``wait()`` is collective, so it cannot run at interpreter exit (the other ranks may be
-        gone, the process group destroyed). Committing without it would skip the agreement
-        that every rank's files are complete. So the save is abandoned, loudly: a warning names
-        the checkpoint, and rank 0 deletes the temporary directory (the next save of the
-        series would delete it anyway, from the series record)."""
-        if self._finished:
-            return
-        self._finished = True
-        if self._thread is not None:
-            self._thread.join()
-        try:
-            rank = 0 if self._alone else rank_and_world()[0]
-        except Exception:  # the process group is already gone
-            rank = -1
-        msg = (f"shardwise.checkpoint: async_save to {self.path} was never waited for (call handle.wait() on every "
-               "rank); the checkpoint was NOT committed")
-        if rank == 0 and remove_temp(self._storage, self._tmp):
-            msg += f" and its temporary directory {self._storage.url(self._tmp)} was deleted"
-        if rank == 0:
-            try:
-                abort_save(self._storage, self._path, self._series, self._token)
-            except (OSError, CheckpointError):
-                pass  # the next save of the series cleans it up
-        warnings.warn(msg, RuntimeWarning, stacklevel=1)
-        print(f"WARNING: {msg}", file=sys.stderr, flush=True)
-
-    def _wait_once(self) -> list[str]:
-        """``wait()``'s work (its docstring is in ``_save_future``)."""
-        if self._finished:
-            return []
-        self._finished = True
-        atexit.unregister(self._at_exit)
-        if self._thread is not None:
-            self._thread.join()
-        with phase("save/commit"), dcp_scope("async_save", no_dist=self._alone):
-            out = self._commit()
-        for line in out["said"]:
-            _log.info("%s", line)
-        return out["said"]
-
-    def _commit(self) -> dict:
-        """The commit of `wait` (step 5 of [Note: the steps of a save]); returns rank 0's
-        ``{"error", "said"}`` after raising it on every rank if it is an error."""
-        rank, world = rank_and_world()
-        where = f"saving checkpoint {self.path}"
-        try:
-            agree(self._error, where)
-        except CheckpointError:
-            if rank == 0:
-                self._abort()
-            raise
-        report = dict(self._report or {}, meta=meta_digest(self._plan.meta))
-        reports = gather_json(report, dst=0)
-        out: dict[str, Any] = {"error": None, "said": []}
-        if rank == 0:
-            assert reports is not None
-            committed = False
-            try:
-                index = build_index(self._plan, reports, world, self._token)
-                st = self._storage
-                st.write_atomic(st.join(self._tmp, INDEX_FILE), format_index(index_to_json(index)).encode())
-                left = commit(st, self._tmp, self._path, self._token)
-                committed = True
-                said = self._said + [f"kept {p} of the replaced checkpoint (the new one has an entry of that name)"
-                                     for p in left]
-                said += finish_save(st, self._path, self._series, self._token, index.created_unix_ns, self._keep_last)
-                out["said"] = said
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-                if committed:
-                    error = f"the checkpoint was committed, but deleting old ones (keep_last) failed: {error}"
-                else:
-                    self._abort()
-                out["error"] = error
-        out = broadcast_json(out, src=0)
-        if out["error"] is not None:
-            raise CheckpointError(f"{where} failed on rank 0: {out['error']}")
-        return out
-
-    def _abort(self) -> None:
-        remove_temp(self._storage, self._tmp)
-        try:
-            abort_save(self._storage, self._path, self._series, self._token)
-        except (OSError, CheckpointError):
-            pass  # the record keeps it pending; the next save of the series cleans it up
 
 
 def _start(state: dict, path: str | os.PathLike, keep_last: int | None, background: bool, series: str | None,
@@ -253,7 +112,7 @@ def async_save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_
 
     Takes DCP's forms as `save` does; the handle is also a ``concurrent.futures.Future``
     (``handle.result()`` is ``handle.wait()``) and DCP's ``AsyncSaveResponse``
-    (``.staging_completion``, ``.upload_completion``): see ``_save_future``.
+    (``.staging_completion``, ``.upload_completion``): see ``_save_handle.py``.
     """
     refuse_dcp_extensions("async_save", storage_writer=storage_writer, planner=planner, async_stager=async_stager,
                           async_checkpointer_type=async_checkpointer_type, use_collectives=use_collectives)
