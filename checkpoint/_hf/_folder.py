@@ -11,8 +11,10 @@ The config and the check of the tensors against it ([Note: checking a folder bef
 it]) are `HFConfig` and `read_config` in ``_hf_config.py``; this module lays the weights out in
 files and writes the folder.
 
-Used by ``merge_checkpoint(..., config=...)`` (``_offline.py``, from a checkpoint on disk) and
-by `save_hf_folder` (from a live, possibly sharded, model; collective).
+`plan_folder` decides what goes into which weight file and `finish_folder` writes the index and
+the config, for both ways a folder is written: `save_hf_folder` (from a live, possibly sharded,
+model; collective; each tensor gathered by `gather_full`) and ``merge_checkpoint`` (``_offline/``,
+from a checkpoint on disk, a slab at a time; also without a config, as ``tensors-*`` files).
 """
 
 from __future__ import annotations
@@ -30,17 +32,18 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .._base import CheckpointError, agree, broadcast_json, collective_device, is_distributed, rank_and_world
-from .._series import check_target, commit, remove_temp, temp_dir_for
 from .._format import StreamingWriter
-from ._safetensors import HF_INDEX_FILE, TENSORS_INDEX_FILE
-# CONFIG_FILE, HFConfig, read_config: also reached through this module, where they were first
-from ._config import CONFIG_FILE, HFConfig, read_config, with_architecture, write_json
-from ._moe import expert_view, region
+from .._geometry import Box
+from .._series import check_target, commit, remove_temp, temp_dir_for
+from .._state import gather_full
 from .._storage import PosixStorage
+# CONFIG_FILE, HFConfig, read_config: also reached through this module, where they were first
+from ._config import CONFIG_FILE, HFConfig, read_config, with_architecture, write_json  # noqa: F401
+from ._moe import Part, expert_view, region
+from ._safetensors import HF_INDEX_FILE, TENSORS_INDEX_FILE
 
+__all__ = ["HFConfig", "read_config", "model_prefix", "plan_folder", "finish_folder", "save_hf_folder"]
 
-__all__ = ["HFConfig", "read_config", "model_prefix", "shard_names", "index_file_name", "group_shards",
-           "save_hf_folder"]
 
 def model_prefix(keys, prefix: str | None) -> str:
     """The prefix of a checkpoint's model tensors: ``prefix`` if given; else ``"model/"`` when
@@ -80,15 +83,35 @@ def shard_names(n: int, hf: bool) -> list[str]:
     return [f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def index_file_name(n: int, hf: bool) -> str | None:
-    """The index to write next to ``n`` files (None: a single ``model.safetensors``)."""
-    return (HF_INDEX_FILE if n > 1 else None) if hf else TENSORS_INDEX_FILE
+def plan_folder(shapes: dict[str, tuple[int, ...]], itemsize: Callable[[str], int], max_shard_bytes: int,
+                hf: HFConfig | None, same: Callable[[str, str], bool]) -> tuple[dict[str, Part], list[list[str]],
+                                                                           list[str], int]:
+    """``(parts by name, the names in each file, the file names, total bytes)`` of a folder of the
+    tensors ``shapes`` (the state's names). With ``hf``: transformers' names, experts one by one
+    ([Note: expert names in a Hugging Face folder]), the tensors ``hf.select`` keeps (``same(a,
+    b)``: whether two of the state's tensors hold equal values); without: every tensor as it is,
+    in ``tensors-*`` files. ``itemsize(name)``: the element size of the state's tensor."""
+    if hf is not None:
+        view = expert_view(hf.architecture, shapes)
+        keys = hf.select(view.shapes, lambda a, b: same(view.source.get(a, a), view.source.get(b, b)))
+        parts = {p.name: p for k in keys for p in view.parts[k]}
+    else:
+        parts = {n: Part(n, n, Box((0,) * len(s), s), s) for n, s in shapes.items()}
+    sizes = {n: p.box.numel * itemsize(p.source) for n, p in parts.items()}
+    shards = group_shards(sizes, max_shard_bytes)
+    return parts, shards, shard_names(len(shards), hf is not None), sum(sizes.values())
 
 
-def write_index(folder: str, name: str | None, weight_map: dict[str, str], total: int) -> None:
-    if name is not None:
-        write_json(os.path.join(folder, name),
+def finish_folder(folder: str, names: list[str], shards: list[list[str]], total: int, hf: HFConfig | None) -> None:
+    """Write the index next to the weight files ``names`` (none for a single ``model.safetensors``)
+    and, with ``hf``, the config and its extra files."""
+    index = (HF_INDEX_FILE if len(names) > 1 else None) if hf is not None else TENSORS_INDEX_FILE
+    if index is not None:
+        weight_map = {n: name for name, group in zip(names, shards) for n in group}
+        write_json(os.path.join(folder, index),
                    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+    if hf is not None:
+        hf.write(folder)
 
 
 def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: Any = None,
@@ -100,41 +123,40 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
 
     ``config``: as `read_config`; default ``model.config`` of a transformers model. Checked
     as in [Note: checking a folder before writing it] before anything is written. Full
-    tensors are gathered one at a time (``DTensor.full_tensor()``) and written by rank 0,
-    which never holds more than one full tensor beyond its shards; ``out`` appears complete
-    or not at all. ``extra_files`` (name -> bytes) are written next to ``config.json``;
+    tensors are gathered one at a time (`gather_full`) into rank 0's CPU memory and written by
+    rank 0, which never holds more than a few full tensors beyond its shards; ``out`` appears
+    complete or not at all. ``extra_files`` (name -> bytes) are written next to ``config.json``;
     ``replaceable`` / ``own``: which existing folder at ``out`` may be replaced and which of its
-    files are the model's (the others are moved into the new folder), as ``_commit.commit``
+    files are the model's (the others are moved into the new folder), as ``_series/_commit.commit``
     (default: only a shardwise checkpoint or an empty folder; `save_pretrained` passes its own).
     """
     rank, _ = rank_and_world()
     state = model.state_dict() if isinstance(model, nn.Module) else model
     if config is None and isinstance(model, nn.Module):
         config = with_architecture(getattr(model, "config", None), model)
+    target, where = os.path.abspath(os.fspath(out)), f"writing a Hugging Face folder to {os.fspath(out)}"
     plan, error, hf = None, None, None
     try:  # on every rank: `same` may gather (the same calls everywhere, the check being deterministic)
         if config is None:
             raise CheckpointError("save_hf_folder needs a config (config.json, its folder, a dict or a "
                                   "PretrainedConfig): without one from_pretrained builds a default model")
         if rank == 0:
-            check_target(PosixStorage(), os.path.abspath(os.fspath(out)), replaceable)
+            check_target(PosixStorage(), target, replaceable)
         hf = read_config(config)
         if extra_files:
             hf = dataclasses.replace(hf, extra={**hf.extra, **extra_files})
         shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-        view = expert_view(hf.architecture, shapes)  # [Note: expert names in a Hugging Face folder]
-        keys = hf.select(view.shapes, lambda a, b: _same(state[view.source.get(a, a)], state[view.source.get(b, b)]))
-        parts = {p.name: p for k in keys for p in view.parts[k]}
-        sizes = {n: p.box.numel * state[p.source].element_size() for n, p in parts.items()}
-        plan = {"shards": group_shards(sizes, max_shard_bytes),
+        parts, shards, _, total = plan_folder(shapes, lambda k: state[k].element_size(), max_shard_bytes, hf,
+                                              lambda a, b: _same(state[a], state[b]))
+        plan = {"shards": shards, "total": total,
                 "parts": {n: [p.source, list(p.box.offsets), list(p.box.sizes), list(p.shape)] for n, p in parts.items()}}
     except Exception as e:
         error = e
-    agree(error, f"writing a Hugging Face folder to {os.fspath(out)}")
+    agree(error, where)
     plan = broadcast_json(plan, src=0)
     shards, parts_of = plan["shards"], plan["parts"]
     names = shard_names(len(shards), True)
-    gathered: dict[str, torch.Tensor] = {}  # the last few full sources (one MoE block's experts)
+    gathered: dict[str, torch.Tensor | None] = {}  # the last few full sources on rank 0 (one MoE block's experts)
     tmp = token = None
     failed: BaseException | None = None  # rank 0's write error: it keeps joining the gathers, then all raise
 
@@ -150,26 +172,20 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
 
     if rank == 0:
         token = secrets.token_hex(4)
-        tmp = temp_dir_for(PosixStorage(), os.path.abspath(os.fspath(out)), token)
+        tmp = temp_dir_for(PosixStorage(), target, token)
         on_rank0(lambda: os.makedirs(tmp))
-    weight_map: dict[str, str] = {}
     for name, group in zip(names, shards):
         writer = on_rank0(lambda: StreamingWriter(os.path.join(str(tmp), name),
                                                   [(k, state[parts_of[k][0]].dtype, tuple(parts_of[k][3])) for k in group],
                                                   {"format": "pt"}))
-        order = broadcast_json(writer.keys if writer is not None else list(group), src=0)
-        for k in order:
-            src, offsets, sizes_k, _ = parts_of[k]
+        for k in broadcast_json(writer.keys if writer is not None else list(group), src=0):
+            src, offsets, sizes, _ = parts_of[k]
             if src not in gathered:
                 if len(gathered) >= 4:
                     gathered.pop(next(iter(gathered)))
-                t = state[src]
-                with torch.no_grad():
-                    gathered[src] = t.full_tensor() if isinstance(t, DTensor) else t.detach()
-            full = region(gathered[src], offsets, sizes_k)
+                gathered[src] = gather_full({src: state[src]}).get(src)  # collective; rank 0: full, on CPU
             if writer is not None and failed is None:
-                on_rank0(lambda: writer.append(full.cpu().contiguous()))
-            weight_map[k] = name
+                on_rank0(lambda: writer.append(region(gathered[src], offsets, sizes).contiguous()))
         if writer is not None:
             if failed is None:
                 on_rank0(writer.close)
@@ -178,14 +194,13 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
 
     def finish() -> None:
         assert tmp is not None and token is not None and hf is not None
-        write_index(tmp, index_file_name(len(names), True), weight_map, sum(sizes.values()))
-        hf.write(tmp)
-        commit(PosixStorage(), tmp, os.path.abspath(os.fspath(out)), token, replaceable, own)
+        finish_folder(tmp, names, shards, plan["total"], hf)
+        commit(PosixStorage(), tmp, target, token, replaceable, own)
 
     on_rank0(finish)
     if failed is not None and tmp is not None:
         remove_temp(PosixStorage(), tmp)  # nothing half-written is left next to ``out``
-    agree(failed, f"writing a Hugging Face folder to {os.fspath(out)}")  # every rank raises rank 0's error, none waits
+    agree(failed, where)  # every rank raises rank 0's error, none waits
     return names
 
 

@@ -6,8 +6,8 @@ chunks as a save does), one *slab* at a time: a slab is a run of
 dim-0 rows of one output box of at most ``chunk_bytes`` (one row when a row is larger), read
 from every saved box it meets and appended to the output file. Memory is one slab, whatever
 the model size. Outputs are written into a temporary directory and renamed into place as in
-[Note: atomic commit] (``_commit.py``); a failed run deletes it. That machinery, shared with
-``import_dcp``, is ``_offline_copy.py``; this module decides what goes into which file.
+[Note: atomic commit] (``_series/_commit.py``); a failed run deletes it. That machinery, shared with
+``import_dcp``, is ``_copy.py``; this module decides what goes into which file.
 
 Both first verify the whole source (``verify_checkpoint``: sizes, headers, tiling, every
 checksum; a box without a checksum is refused), so damage is never copied into a new file
@@ -19,7 +19,7 @@ kind, whose user-added files are kept).
   each (a larger tensor gets a file of its own). ``prefix`` selects the tensors whose flat
   key starts with it and strips it from their names (default ``"model/"``: a model's own
   names, never optimizer state). With a ``config`` the folder is a complete, checked
-  ``save_pretrained`` folder (``_hf_folder.py``); without, the files are named
+  ``save_pretrained`` folder (``_hf/_folder.py``, whose `plan_folder` and `finish_folder` it uses); without, the files are named
   ``tensors-0000i-of-0000n.safetensors`` + ``tensors.safetensors.index.json``, which
   ``load_safetensors`` reads and ``from_pretrained`` does not mistake for a model.
 * `reshard_checkpoint` writes a checkpoint laid out for ``world_size`` ranks: every tensor
@@ -40,8 +40,7 @@ from .._base import CheckpointError, parse_json_strict
 from .._format import (CheckpointFiles, FORMAT_NAME, INDEX_FILE, Index, SavedBox, TensorEntry, data_file_name,
                        format_index, index_to_json, plain_file_name)
 from .._geometry import Box, LocalBox, boxes_for
-from .._hf import (HF_INDEX_FILE, Part, TENSORS_INDEX_FILE, expert_view, group_shards, index_file_name, model_prefix,
-                   read_config, shard_names, write_index)
+from .._hf import HF_INDEX_FILE, TENSORS_INDEX_FILE, finish_folder, model_prefix, plan_folder, read_config
 from .._storage import PosixStorage, Storage
 from ._copy import (Progress as _Progress, Source as _Source, into_place as _into_place, verified as _verified,
                     write_file as _write)
@@ -74,7 +73,7 @@ def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix:
                      progress: bool = False, replace: bool = False) -> list[str]:
     """Write the full tensors of the checkpoint at ``path`` into the new folder ``out`` (see the
     module docstring); returns the file names written. ``prefix`` None: the ``model/`` tensors
-    (`_hf_folder.model_prefix`). With ``config`` (see `_hf_folder.read_config`) ``out`` is a
+    (`model_prefix` in ``_hf/_folder.py``). With ``config`` (see `read_config` there) ``out`` is a
     checked, complete ``save_pretrained`` folder; without, bare ``tensors-*`` files.
 
     The source is verified completely first (`verify_checkpoint`); any problem raises
@@ -94,35 +93,20 @@ def _merge(files: CheckpointFiles, out: str | os.PathLike, prefix: str | None, c
         raise CheckpointError(f"checkpoint {files.where} has no tensor whose key starts with {prefix!r}")
     hf = read_config(config) if config is not None else None
     shapes = {k[len(prefix):]: tuple(index.tensors[k].shape) for k in keys}
-    if hf is not None:  # HF's names, experts one by one ([Note: expert names in a Hugging Face folder])
-        source = _Source(files)
-        view = expert_view(hf.architecture, shapes)
-        full = {k: Box((0,) * len(index.tensors[k].shape), index.tensors[k].shape) for k in keys}
+    source = _Source(files)
 
-        def same(a: str, b: str) -> bool:
-            a, b = prefix + view.source.get(a, a), prefix + view.source.get(b, b)
-            return torch.equal(source.read(a, full[a]), source.read(b, full[b]))
+    def same(a: str, b: str) -> bool:
+        return torch.equal(*(source.read(prefix + n, Box((0,) * len(shapes[n]), shapes[n])) for n in (a, b)))
 
-        parts = [p for n in hf.select(view.shapes, same) for p in view.parts[n]]
-    else:
-        parts = [Part(n, n, Box((0,) * len(s), s), s) for n, s in shapes.items()]
-    nbytes = {p.name: p.box.numel * torch.empty((), dtype=index.tensors[prefix + p.source].dtype).element_size()
-              for p in parts}
-    by_name = {p.name: p for p in parts}
-    shards = group_shards(nbytes, max_shard_bytes)
-    names = shard_names(len(shards), hf is not None)
-    bar = _Progress("merge", sum(nbytes.values()), progress)
+    parts, shards, names, total = plan_folder(shapes, lambda n: index.tensors[prefix + n].dtype.itemsize,
+                                              max_shard_bytes, hf, same)
+    bar = _Progress("merge", total, progress)
 
     def fill(tmp: str) -> None:
-        source = _Source(files)
-        weight_map = {}
         for name, group in zip(names, shards):
-            entries = [(n, prefix + by_name[n].source, by_name[n].box, by_name[n].shape) for n in group]
+            entries = [(n, prefix + parts[n].source, parts[n].box, parts[n].shape) for n in group]
             _write(os.path.join(tmp, name), source, entries, chunk_bytes, bar, {"format": "pt"})
-            weight_map.update({n: name for n in group})
-        write_index(tmp, index_file_name(len(names), hf is not None), weight_map, sum(nbytes.values()))
-        if hf is not None:
-            hf.write(tmp)
+        finish_folder(tmp, names, shards, total, hf)
 
     _into_place(files.where, os.fspath(out), fill, replace, _is_hf_export, _hf_own_files, "a merge output (a folder with "
                 f"{HF_INDEX_FILE}, {TENSORS_INDEX_FILE} or model.safetensors)")
