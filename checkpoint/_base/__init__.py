@@ -5,7 +5,7 @@
 | `_errors.py` | `CheckpointError`, the one exception type of the package |
 | `_checksums.py` | CRC-32 arithmetic and checksum chunks ([Note: checksum chunks]) |
 | `_json_strict.py` | JSON parsing that refuses duplicate keys and non-finite numbers |
-| `_compat.py` | the torch private APIs the package relies on (``_StridedShard``) |
+| `_compat.py` | the torch private APIs the package relies on, each with a test |
 | `_comm.py` | cross-rank agreement and small JSON collectives |
 | `_trace.py` | profiler ranges named ``shardwise.checkpoint.<phase>`` |
 """
