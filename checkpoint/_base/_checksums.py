@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from ._errors import CheckpointError
 
 __all__ = [
-    "CHUNK_MAX_BYTES", "CHUNK_MIN_BYTES", "CHUNKS_PER_BOX", "CHUNK_RULE", "default_chunk_rule", "ChunkRule", "BoxChecksums", "ChunkedCrc",
-    "box_rows", "chunk_bounds", "chunk_count", "combine_chunks", "crc32_combine", "crcs_from_hex", "crcs_to_hex",
+    "CHUNK_MAX_BYTES", "CHUNK_MIN_BYTES", "CHUNKS_PER_BOX", "CHUNK_RULE", "ChunkRule", "BoxChecksums", "ChunkedCrc",
+    "default_chunk_rule", "box_rows", "chunk_bounds", "chunk_count", "combine_chunks", "crc32_combine", "crcs_from_hex", "crcs_to_hex",
 ]
 
 CHUNK_MAX_BYTES = 4 << 20

@@ -17,7 +17,7 @@
    ZIP CRC-32 of a storage that is exactly the chunk (the usual case), the box's CRC must equal
    it, so damage in the source is caught, not copied under fresh checksums.
 4. ``index.json`` last, then the directory is renamed into place ([Note: atomic commit] in
-   ``_commit.py``, through ``_offline_copy``'s temporary-directory helper: a failed import leaves
+   ``checkpoint/_series/_commit.py``, through ``_offline_copy``'s temporary-directory helper: a failed import leaves
    nothing), and the new checkpoint is verified completely (``verify_checkpoint``).
 """
 

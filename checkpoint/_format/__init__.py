@@ -21,7 +21,8 @@ from ._index import (CHECKSUM_FIELD, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MAR
 from ._safetensors_io import DTYPE_CODES, Entry, Header, StreamingWriter, read_header, tensor_bytes
 
 __all__ = ["CHECKSUM_FIELD", "CheckpointFiles", "adjacent_groups", "byte_view", "contiguous_run", "crcs_of_range",
-           "crcs_of_ranges", "open_checkpoint", "open_folder", "pread_exact", "pread_into", "preadv_into", "DTYPE_CODES", "Entry", "FORMAT_NAME", "FORMAT_VERSION", "Header", "INCOMPLETE_MARK",
-           "INDEX_FILE", "MAX_INDEX_BYTES", "Index", "SavedBox", "StreamingWriter", "TensorEntry", "data_file_name",
+           "crcs_of_ranges", "open_checkpoint", "open_folder", "pread_exact", "pread_into", "preadv_into",
+           "DTYPE_CODES", "Entry", "FORMAT_NAME", "FORMAT_VERSION", "Header", "INCOMPLETE_MARK", "INDEX_FILE",
+           "MAX_INDEX_BYTES", "Index", "SavedBox", "StreamingWriter", "TensorEntry", "data_file_name",
            "describe_non_checkpoint", "dtype_from_name", "dtype_name", "format_index", "index_checksum",
            "index_to_json", "plain_file_name", "read_header", "read_index", "tensor_bytes"]

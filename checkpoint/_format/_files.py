@@ -12,7 +12,7 @@ box's key is in its file with the tensor's dtype and the box's shape.
 
 `CheckpointFiles.replaced` says whether the directory's path no longer names the version being
 read: a load that meets a problem then reports "being replaced, retry" instead of a false
-corruption ([Note: readers and a writer] in ``_reader.py``).
+corruption ([Note: readers and a writer] in ``checkpoint/_load/_reader.py``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ key (see ``_flatten.py``) to a `TensorEntry` (dtype, global shape, the layout it
 from, and its saved boxes, each a `SavedBox`: a box, the data file and safetensors key
 holding it, the CRC-32 of its bytes and, for a box of several checksum chunks, the chunks'
 rows and CRC-32s, see [Note: checksum chunks] in
-``_checksums.py``), and every plain value's flat key to its JSON value. ``files`` records
+``checkpoint/_base/_checksums.py``), and every plain value's flat key to its JSON value. ``files`` records
 each data file's size in bytes, so a truncated or missing file is found before any data is
 read.
 

@@ -10,7 +10,7 @@ Because every entry's dtype and shape are known before any byte is written, the 
 first and each tensor can then be appended in pieces (`StreamingWriter.append`): no whole
 file, and not even a whole tensor, has to be in memory at once. The writer computes the CRC-32
 of each checksum chunk of every entry as the bytes pass, whatever the length of the pieces,
-and from them the CRC-32 of the entry ([Note: checksum chunks] in ``_checksums.py``). Files
+and from them the CRC-32 of the entry ([Note: checksum chunks] in ``checkpoint/_base/_checksums.py``). Files
 written so are ordinary safetensors files (``safetensors.safe_open`` and ``load_file`` read
 them). Byte-range reads of the data (and of the header) are in ``_file_io.py``.
 """

@@ -148,8 +148,8 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
         shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
         parts, shards, _, total = plan_folder(shapes, lambda k: state[k].element_size(), max_shard_bytes, hf,
                                               lambda a, b: _same(state[a], state[b]))
-        plan = {"shards": shards, "total": total,
-                "parts": {n: [p.source, list(p.box.offsets), list(p.box.sizes), list(p.shape)] for n, p in parts.items()}}
+        plan = {"shards": shards, "total": total, "parts": {
+            n: [p.source, list(p.box.offsets), list(p.box.sizes), list(p.shape)] for n, p in parts.items()}}
     except Exception as e:
         error = e
     agree(error, where)
@@ -175,9 +175,8 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
         tmp = temp_dir_for(PosixStorage(), target, token)
         on_rank0(lambda: os.makedirs(tmp))
     for name, group in zip(names, shards):
-        writer = on_rank0(lambda: StreamingWriter(os.path.join(str(tmp), name),
-                                                  [(k, state[parts_of[k][0]].dtype, tuple(parts_of[k][3])) for k in group],
-                                                  {"format": "pt"}))
+        entries = [(k, state[parts_of[k][0]].dtype, tuple(parts_of[k][3])) for k in group]
+        writer = on_rank0(lambda: StreamingWriter(os.path.join(str(tmp), name), entries, {"format": "pt"}))
         for k in broadcast_json(writer.keys if writer is not None else list(group), src=0):
             src, offsets, sizes, _ = parts_of[k]
             if src not in gathered:

@@ -24,7 +24,7 @@
    agreement (an I/O error in step 2 is raised on every rank).
 
 A checksum covers a *unit*: a checksum chunk of a saved box (a run of its dim-0 rows, see
-[Note: checksum chunks] in ``_checksums.py``), or the whole box when the index records no
+[Note: checksum chunks] in ``checkpoint/_base/_checksums.py``), or the whole box when the index records no
 chunks for it (a single-chunk box, or a checkpoint written before chunks existed). With
 ``verify`` (the default) every unit of the target's tensors is checksummed in step 1 by exactly
 one rank, before any rank writes: one all-gather of the row ranges each rank reads from each

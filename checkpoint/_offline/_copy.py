@@ -1,7 +1,7 @@
 """The copying machinery of the offline tools (``merge``, ``reshard``, ``import-dcp``): the
 source verified first, regions of its tensors read through safetensors slices, written one
 slab of dim-0 rows at a time into a checksummed safetensors file, with a progress bar, into a
-temporary directory renamed into place ([Note: atomic commit] in ``_commit.py``). What goes
+temporary directory renamed into place ([Note: atomic commit] in ``checkpoint/_series/_commit.py``). What goes
 into which output file is the caller's (``_offline.py``, ``_dcp_import/_convert.py``)."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ kind, whose user-added files are kept).
   each (a larger tensor gets a file of its own). ``prefix`` selects the tensors whose flat
   key starts with it and strips it from their names (default ``"model/"``: a model's own
   names, never optimizer state). With a ``config`` the folder is a complete, checked
-  ``save_pretrained`` folder (``_hf/_folder.py``, whose `plan_folder` and `finish_folder` it uses); without, the files are named
+  ``save_pretrained`` folder (``_hf/_folder.py``: `plan_folder`, `finish_folder`); without, the files are named
   ``tensors-0000i-of-0000n.safetensors`` + ``tensors.safetensors.index.json``, which
   ``load_safetensors`` reads and ``from_pretrained`` does not mistake for a model.
 * `reshard_checkpoint` writes a checkpoint laid out for ``world_size`` ranks: every tensor
@@ -108,8 +108,8 @@ def _merge(files: CheckpointFiles, out: str | os.PathLike, prefix: str | None, c
             _write(os.path.join(tmp, name), source, entries, chunk_bytes, bar, {"format": "pt"})
         finish_folder(tmp, names, shards, total, hf)
 
-    _into_place(files.where, os.fspath(out), fill, replace, _is_hf_export, _hf_own_files, "a merge output (a folder with "
-                f"{HF_INDEX_FILE}, {TENSORS_INDEX_FILE} or model.safetensors)")
+    _into_place(files.where, os.fspath(out), fill, replace, _is_hf_export, _hf_own_files,
+                f"a merge output (a folder with {HF_INDEX_FILE}, {TENSORS_INDEX_FILE} or model.safetensors)")
     return names
 
 

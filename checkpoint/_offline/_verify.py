@@ -9,7 +9,7 @@ Checks, in order, collecting every problem rather than stopping at the first:
    header parses (a truncated file is reported as such);
 4. every saved box's key is in its file with the tensor's dtype and the box's shape, and the
    CRC-32 of its bytes matches the index (read 4 MiB at a time); for a box with checksum
-   chunks ([Note: checksum chunks] in ``_checksums.py``) the CRC-32 of every chunk matches
+   chunks ([Note: checksum chunks] in ``checkpoint/_base/_checksums.py``) the CRC-32 of every chunk matches
    (a mismatch names the chunk's rows), and the chunk CRCs combine into the box's CRC (else
    the index is inconsistent). The chunk layout itself (the number of chunk CRCs against the
    box's rows) is checked when the index is read.

@@ -70,7 +70,7 @@ def plan_save(state: dict, rank: int) -> SavePlan:
 
 def keep_own_pieces(plan: SavePlan, rank: int) -> None:
     """Collective: keep only the pieces this rank writes ([Note: one writer per box over the
-    world] in ``_owners.py``); raises on every rank if the ranks' boxes do not tile a tensor."""
+    world] in ``checkpoint/_geometry/_owners.py``); raises on every rank if the ranks' boxes do not tile a tensor."""
     held: dict[str, list[Box]] = {}
     for p in plan.pieces:
         held.setdefault(p.key, []).append(p.box)

@@ -2,19 +2,19 @@
 
 [Note: the steps of a save]
 1. Plan (every rank, no I/O): flatten the state; for each tensor, this rank's boxes and
-   whether it is their writer (see [Note: boxes of a placement] in ``_boxes.py``); plain
+   whether it is their writer (see [Note: boxes of a placement] in ``checkpoint/_geometry/_boxes.py``); plain
    values to JSON. Problems are agreed on (``_comm.agree``) before anything is written.
 2. Rank 0 checks the target and creates the temporary directory; its name goes to every rank.
 3. ``async_save`` only: copy every box this rank writes to CPU memory (the snapshot). From
    here on the caller may change the state; the checkpoint holds the values of this moment.
 4. Every writing rank streams its boxes into ``rank-<rank>.safetensors`` (CRC-32 of each box
-   and of each of its checksum chunks on the way, [Note: checksum chunks] in ``_checksums.py``)
+   and of each of its checksum chunks on the way, [Note: checksum chunks] in ``checkpoint/_base/_checksums.py``)
    and fsyncs it. ``async_save`` does this in a background thread, which does no
    collective (a collective there could interleave with the training's own).
 5. Commit (collective; for ``async_save`` inside ``SaveHandle.wait()``): agree on write errors;
    gather each rank's file and boxes on rank 0, which checks that all ranks saved the same
    tensors, writes ``index.json`` last and renames the directory into place ([Note: atomic
-   commit] in ``_commit.py``), then rotates old checkpoints. Every rank returns only once the
+   commit] in ``checkpoint/_series/_commit.py``), then rotates old checkpoints. Every rank returns only once the
    checkpoint is committed, or raises the same error; a failed save leaves no directory
    behind except when a process died (then an ``incomplete`` one).
 """
@@ -81,7 +81,7 @@ def save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: 
     tensor exactly. The checkpoint appears at ``path`` atomically when complete (an existing
     checkpoint there is replaced; files a user added to it are kept). The save belongs to the
     *series* ``series`` (default: ``path``'s name without trailing digits), recorded in the
-    parent folder ([Note: series] in ``_series.py``): it first cleans up the series' unfinished
+    parent folder ([Note: series] in ``checkpoint/_series/_series.py``): it first cleans up the series' unfinished
     saves, and ``keep_last=N`` then deletes all but the ``N`` newest checkpoints of the series.
     Returns sentences saying what was removed or restored. Raises `CheckpointError` on every
     rank on failure. ``path`` is a local path or an fsspec URL (``s3://bucket/ckpt/step-100``);
