@@ -36,7 +36,7 @@ from ._errors import CheckpointError
 
 __all__ = [
     "CHUNK_MAX_BYTES", "CHUNK_MIN_BYTES", "CHUNKS_PER_BOX", "CHUNK_RULE", "ChunkRule", "BoxChecksums", "ChunkedCrc",
-    "default_chunk_rule", "box_rows", "chunk_bounds", "chunk_count", "combine_chunks", "crc32_combine", "crcs_from_hex", "crcs_to_hex",
+    "default_chunk_rule", "box_rows", "chunk_count", "combine_chunks", "crc32_combine", "crcs_from_hex", "crcs_to_hex",
 ]
 
 CHUNK_MAX_BYTES = 4 << 20
@@ -55,11 +55,6 @@ def box_rows(sizes: Sequence[int]) -> tuple[int, int]:
 
 def chunk_count(rows: int, chunk_rows: int) -> int:
     return -(-rows // chunk_rows)
-
-
-def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
-    """The row ranges ``[lo, hi)`` of the chunks of a box of ``rows`` rows."""
-    return [(lo, min(lo + chunk_rows, rows)) for lo in range(0, rows, chunk_rows)]
 
 
 @dataclass(frozen=True)
