@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .._base import CheckpointError, ChunkedCrc
-from .._storage import PosixStorage, ReadHandle
+from .._storage import ReadHandle
 
 __all__ = [
     "adjacent_groups", "byte_view", "contiguous_run", "crcs_of_range", "crcs_of_ranges",
