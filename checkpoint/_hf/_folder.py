@@ -156,7 +156,7 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
     plan = broadcast_json(plan, src=0)
     shards, parts_of = plan["shards"], plan["parts"]
     names = shard_names(len(shards), True)
-    gathered: dict[str, Any] = {}  # the last few full sources on rank 0 (None elsewhere) (one MoE block's experts)
+    gathered: dict[str, Any] = {}  # rank 0: the last few full sources (one MoE block's experts); None elsewhere
     tmp = token = None
     failed: BaseException | None = None  # rank 0's write error: it keeps joining the gathers, then all raise
 
