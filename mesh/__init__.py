@@ -16,11 +16,9 @@ and their validation; `host_fit_problem` is the pure check behind
 `HostLayoutWarning`. `mesh_axes` is how every entry point finds the axes it needs, by name
 in any order. `expert_meshes` gives the expert-parallel sub-meshes (``init_mesh(ep=N)``).
 
-The heartbeat (`start_heartbeat`, `HeartbeatPolicy`, `Heartbeat`, `exit_for_restart`) lives in
-``shardwise.checkpoint`` now, with the rest of elastic training (docs/elastic.md). The old names
-here still work: they are resolved on first use by the module ``__getattr__`` below (PEP 562),
-which imports ``shardwise.checkpoint`` lazily (``checkpoint`` imports ``mesh``, so an import
-statement here would be a cycle) and emits a `DeprecationWarning` naming the new home.
+The heartbeat (`start_heartbeat`, ...) moved to ``shardwise.checkpoint`` (docs/elastic.md); its old
+names here are deprecated, resolved by the PEP 562 ``__getattr__`` below, which imports
+``shardwise.checkpoint`` lazily (it imports ``mesh``: an import statement would be a cycle).
 """
 
 import importlib as _importlib
