@@ -28,7 +28,7 @@ from .._geometry import local_boxes
 from .._base import agree, broadcast_json, collective_device, is_distributed, rank_and_world
 from ._flatten import flatten
 
-__all__ = ["gather_full", "scatter_full"]
+__all__ = ["gather_full", "scatter_full", "to_cpu"]
 
 
 def _rebuild(value: Any, fn) -> Any:
@@ -41,6 +41,11 @@ def _rebuild(value: Any, fn) -> Any:
     if isinstance(value, tuple):
         return tuple(_rebuild(v, fn) for v in value)
     return value
+
+
+def to_cpu(value: Any) -> Any:
+    """A state tree with every tensor on the CPU (DTensors stay DTensors, their shards copied)."""
+    return _rebuild(value, lambda t: t.detach().to("cpu"))
 
 
 def gather_full(state: dict, *, rank0_only: bool = True, cpu: bool = True) -> dict:

@@ -35,9 +35,9 @@ import torch.nn as nn
 
 from .._base import CheckpointError, broadcast_json, rank_and_world
 from ._flatten import to_json_value
-from ._full_state import gather_full, scatter_full
+from ._full_state import gather_full, scatter_full, to_cpu
 from ._state_dict_forms import (as_optimizers, flatten_optim, merge_optims, select_model_keys, share_tied, split_optim,
-                                to_cpu, unflatten_optim)
+                                unflatten_optim)
 
 __all__ = [
     "StateDictOptions",

@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .._base import CheckpointError
 
 __all__ = ["as_optimizers", "flatten_optim", "merge_optims", "select_model_keys", "share_tied", "split_optim",
-           "to_cpu", "unflatten_optim"]
+           "unflatten_optim"]
 
 
 def as_optimizers(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
@@ -80,21 +79,6 @@ def select_model_keys(model: nn.Module, sd: dict[str, Any], submodules: Iterable
             if key.startswith(prefix):
                 out[key if keep_prefixes else key[len(prefix):]] = value
     return out
-
-
-def to_cpu(value: Any) -> Any:
-    """A state tree with every tensor on the CPU (DTensors stay DTensors, their shards copied)."""
-    if isinstance(value, DTensor):
-        return value.detach().to("cpu")
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu")
-    if isinstance(value, dict):
-        return {k: to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_cpu(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(to_cpu(v) for v in value)
-    return value
 
 
 def merge_optims(osds: list[dict[str, Any]]) -> dict[str, Any]:
