@@ -70,7 +70,7 @@ class Shardwise:
         sw_cases.edit(path, lambda i: i["tensors"]["w"]["boxes"][0].update(sizes=[4, 3]), rehash=True)
 
     def fail_overwrite(self, path, state):
-        import shardwise.checkpoint._writer as w
+        import shardwise.checkpoint._save._save_handle as w
         real = w.commit
         w.commit = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full (injected)"))
         try:

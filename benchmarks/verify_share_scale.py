@@ -18,7 +18,7 @@ import time
 import torch
 
 from shardwise.checkpoint._geometry._boxes import Box
-from shardwise.checkpoint._verify_shares import box_ids, keys_to_mask, mask_to_keys, needs_of, share_of
+from shardwise.checkpoint._load._verify_shares import box_ids, keys_to_mask, mask_to_keys, needs_of, share_of
 from shardwise.checkpoint._format import Index, SavedBox, TensorEntry
 
 

@@ -26,12 +26,10 @@ import sys
 from collections import Counter
 from datetime import datetime, timezone
 
-from ._dcp_import._cli import add_import_dcp
-from ._errors import CheckpointError
-from ._files import open_checkpoint
-from ._format import Index, dtype_name
-from ._offline import merge_checkpoint, reshard_checkpoint
-from ._verify import file_problems, verify_checkpoint
+from ._dcp_import import add_import_dcp
+from ._base import CheckpointError
+from ._format import Index, dtype_name, open_checkpoint
+from ._offline import file_problems, merge_checkpoint, reshard_checkpoint, verify_checkpoint
 
 __all__ = ["main"]
 

@@ -6,7 +6,7 @@
 With ``--checkpoint-dir DIR`` the script (``run_elastic``):
 
 1. starts the process group with ``--collective-timeout`` and a heartbeat
-   (``--heartbeat-timeout``, ``--heartbeat-interval``; `shardwise.mesh.start_heartbeat`), so a dead
+   (``--heartbeat-timeout``, ``--heartbeat-interval``; `shardwise.checkpoint.start_heartbeat`), so a dead
    or frozen peer makes every rank exit promptly with status 75 and torchrun restarts the group;
 2. loads the newest complete checkpoint of DIR (`shardwise.checkpoint.latest_checkpoint`:
    the series record, never a save still being written) at this world size: model, optimizer,
@@ -43,8 +43,8 @@ from torch.utils.data import Dataset
 from examples.data import DEFAULT_BRANCHING, inputs_and_targets, successor_table
 import shardwise.checkpoint as ckpt
 from shardwise.composable import loss_parallel
-from shardwise.mesh import (HeartbeatPolicy, data_parallel_mesh, exit_for_restart, init_distributed, init_mesh,
-                            start_heartbeat)
+from shardwise.checkpoint import HeartbeatPolicy, exit_for_restart, start_heartbeat
+from shardwise.mesh import data_parallel_mesh, init_distributed, init_mesh
 
 __all__ = ["WalkDataset", "add_elastic_args", "result_line", "parse_result", "run_elastic"]
 

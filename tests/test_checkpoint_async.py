@@ -15,7 +15,7 @@ from tests.test_checkpoint import app_state, assert_equal_states, build, full, t
 def _async_snapshot(rank, world_size, path):
     import threading
 
-    from shardwise.checkpoint import _writer
+    from shardwise.checkpoint._save import _save_handle as _writer
 
     mutated = threading.Event()
     real = _writer._write_file
@@ -47,7 +47,7 @@ def test_async_save_holds_the_values_of_the_moment_it_returned(tmp_path):
 
 
 def _async_failure(rank, world_size, path):
-    from shardwise.checkpoint import _writer
+    from shardwise.checkpoint._save import _save_handle as _writer
 
     if rank == 1:
         def fail(*args):

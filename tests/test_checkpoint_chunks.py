@@ -1,6 +1,6 @@
 """Checksum chunks: per-chunk CRC-32s in the index, and a resharded verify load that checksums
 little more than each rank loads (see [Note: checksum chunks] in
-``checkpoint/_checksums.py`` and [Note: verification shares] in ``checkpoint/_verify_shares.py``).
+``checkpoint/_base/_checksums.py`` and [Note: verification shares] in ``checkpoint/_load/_verify_shares.py``).
 
 Test tensors are small, so the rank functions install a tiny `ChunkRule` first (ranks are
 fresh processes, so this never leaks into other tests); single-process tests use monkeypatch.
@@ -21,8 +21,9 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from shardwise.checkpoint import CheckpointError, load, main, reshard_checkpoint, save, verify_checkpoint
-from shardwise.checkpoint import _checksums, _load_checks, _reader, _verify_shares
-from shardwise.checkpoint._checksums import ChunkedCrc, ChunkRule, chunk_bounds, crc32_combine
+from shardwise.checkpoint._base import _checksums
+from shardwise.checkpoint._load import _load_checks, _reader, _verify_shares
+from shardwise.checkpoint._base._checksums import ChunkedCrc, ChunkRule, crc32_combine
 from shardwise.checkpoint._format import format_index, index_to_json, read_index
 from shardwise.checkpoint._format._safetensors_io import StreamingWriter, read_header, tensor_bytes
 from tests._dist import run_ranks
@@ -30,6 +31,11 @@ from tests.test_checkpoint import _load_mixed, _save_mixed, assert_equal_states,
 
 CHUNK = 48  # bytes: fixed-size chunks for these tests
 RULE = ChunkRule(max_bytes=CHUNK, min_bytes=CHUNK)
+
+
+def chunk_bounds(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """The row ranges ``[lo, hi)`` of the chunks of a box of ``rows`` rows."""
+    return [(lo, min(lo + chunk_rows, rows)) for lo in range(0, rows, chunk_rows)]
 
 
 def _fulls() -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The order of the durable steps of a commit ([Note: atomic commit] in checkpoint/_commit.py).
+"""The order of the durable steps of a commit ([Note: atomic commit] in checkpoint/_series/_commit.py).
 
 Kill tests (``os._exit``) cannot see a missing fsync: the page cache survives a process death.
 So these tests record the calls themselves, with a monotonic clock shared by all ranks, and

@@ -1,6 +1,6 @@
 """What shardwise.checkpoint relies on in torch's private API, one test per fact.
 
-``checkpoint/_compat.py`` is the only library module that names a torch private API (the last
+``checkpoint/_base/_compat.py`` is the only library module that names a torch private API (the last
 test enforces it). If a torch release changes one of these facts, the test stating it fails
 here, naming the fact, instead of a checkpoint being saved with wrong boxes.
 
@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
 import shardwise.checkpoint
-from shardwise.checkpoint import _compat
+from shardwise.checkpoint._base import _compat
 from shardwise.checkpoint._geometry._boxes import boxes_for, chunk_span, local_boxes, strided_positions
 from tests._dist import run_ranks
 
@@ -172,5 +172,5 @@ def test_the_fence_finds_private_uses():
 def test_no_checkpoint_module_but_compat_names_a_torch_private_api():
     offenders = {p.name: private_torch_uses(p.read_text()) for p in sorted(ROOT.glob("*.py")) if p.name != "_compat.py"}
     offenders = {k: v for k, v in offenders.items() if v}
-    assert not offenders, f"torch private APIs outside checkpoint/_compat.py: {offenders}"
+    assert not offenders, f"torch private APIs outside checkpoint/_base/_compat.py: {offenders}"
     assert private_torch_uses((ROOT / "_compat.py").read_text()), "the fence test no longer sees _compat's import"

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint import CheckpointError, load, save
-from shardwise.checkpoint._series import RECORD_FILE
+from shardwise.checkpoint._series._series import RECORD_FILE
 
 _CALLS = ("rename", "replace", "unlink", "rmdir", "mkdir", "fsync")
 

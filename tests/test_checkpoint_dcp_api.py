@@ -106,7 +106,7 @@ def test_async_handle_is_a_future(tmp_path):
 
 
 def test_async_handle_reports_a_failure_as_a_future_does(tmp_path, monkeypatch):
-    from shardwise.checkpoint import _writer
+    from shardwise.checkpoint._save import _save_handle as _writer
 
     def fail(*args):
         raise OSError(28, "No space left on device")
@@ -277,7 +277,7 @@ def test_full_flat_state_dict_broadcast_from_rank0():
 def test_result_with_a_timeout_waits_for_this_ranks_write_only(tmp_path, monkeypatch):
     import threading
 
-    from shardwise.checkpoint import _writer
+    from shardwise.checkpoint._save import _save_handle as _writer
 
     release = threading.Event()
     real = _writer._write_file

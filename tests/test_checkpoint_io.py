@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from shardwise.checkpoint import CheckpointError, load, save
 from shardwise.checkpoint._format import _safetensors_io as sio
-from shardwise.checkpoint._format._file_io import crcs_of_range, crcs_of_ranges, open_for_ranges, preadv_into
+from shardwise.checkpoint import PosixStorage
+from shardwise.checkpoint._format._file_io import crcs_of_range, crcs_of_ranges, preadv_into
 
 
 def _file(tmp_path, data: bytes) -> str:
@@ -32,7 +33,7 @@ def test_preadv_into_fills_buffers_in_order(tmp_path_factory, data, cuts, offset
     body = data[offset:]
     bounds = sorted({0, len(body), *(c for c in cuts if c < len(body))})
     bufs = [bytearray(b - a) for a, b in zip(bounds, bounds[1:])]
-    fd = open_for_ranges(path)
+    fd = PosixStorage().open_read(path, True)
     try:
         n = preadv_into(fd, [memoryview(b) for b in bufs], offset, path)
     finally:
@@ -45,7 +46,7 @@ def test_preadv_into_more_buffers_than_one_call_takes(tmp_path):
     data = bytes(range(256)) * 12  # 3072 bytes into 3072 one-byte buffers: 3 preadv calls of 1024
     path = _file(tmp_path, data)
     bufs = [bytearray(1) for _ in data]
-    fd = open_for_ranges(path)
+    fd = PosixStorage().open_read(path, True)
     try:
         preadv_into(fd, [memoryview(b) for b in bufs], 0, path)
     finally:
@@ -55,7 +56,7 @@ def test_preadv_into_more_buffers_than_one_call_takes(tmp_path):
 
 def test_preadv_into_a_short_file_names_it(tmp_path):
     path = _file(tmp_path, b"abc")
-    fd = open_for_ranges(path)
+    fd = PosixStorage().open_read(path, True)
     try:
         with pytest.raises(CheckpointError, match="truncated"):
             preadv_into(fd, [memoryview(bytearray(5))], 0, path)
@@ -73,7 +74,7 @@ def test_crcs_of_ranges_equals_one_range_at_a_time(tmp_path_factory, data, cuts,
     bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
     ranges = [(a, b, chunk) for (a, b), k in zip(zip(bounds, bounds[1:]), keep) if k]  # dropped ones leave gaps
     order.shuffle(ranges)
-    fd = open_for_ranges(path)
+    fd = PosixStorage().open_read(path, True)
     try:
         got = crcs_of_ranges(fd, ranges, path)
         want = [crcs_of_range(fd, a, b, path, c) for a, b, c in ranges]

@@ -1,11 +1,11 @@
 """The structure of ``checkpoint/``: every module imports, and no module imports itself back.
 
-The intra-package import graph (subpackages included: ``_storage``, ``_geometry``, ``_format``)
-is read from the source with ``ast`` (every import statement,
+The intra-package import graph (every room, a subpackage, included) is read from the source with ``ast`` (every import statement,
 including those under ``if TYPE_CHECKING:`` and inside functions: a cycle there still ties the
-modules together for a reader and for a type checker). It must have no cycle, and the leaf
+modules together for a reader and for a type checker). It must have no cycle; the leaf
 modules (the exception type, the CRC arithmetic) must import nothing of the package but
-``_errors``.
+``_errors``; and the rooms must keep their order (``ROOMS`` in ``checkpoint/__init__.py``, lowest
+first): a room imports only rooms below it, and only through their ``__init__``.
 """
 
 from __future__ import annotations
@@ -131,36 +131,101 @@ def test_every_checkpoint_module_imports(name):
 
 def test_checkpoint_modules_have_no_import_cycle():
     graph = import_graph(ROOT)
-    assert "_reader" in graph and "_errors" in graph, sorted(graph)
+    assert "_load._reader" in graph and "_base._errors" in graph, sorted(graph)
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle among checkpoint modules: {' -> '.join(cycle)}"
 
 
 def test_leaf_modules_import_only_the_error_module():
     graph = import_graph(ROOT)
-    assert graph["_errors"] == set(), graph["_errors"]
-    assert graph["_checksums"] <= {"_errors"}, f"_checksums must be a leaf, imports {sorted(graph['_checksums'])}"
+    assert graph["_base._errors"] == set(), graph["_base._errors"]
+    assert graph["_base._checksums"] <= {"_base._errors"}, \
+        f"_checksums must be a leaf, imports {sorted(graph['_base._checksums'])}"
 
 
-_LEAVES = {"_errors", "_checksums", "_json_strict", "_compat", "_trace", "_comm"}
+TOP = {"__init__", "__main__", "_cli"}  # the only modules outside a room
 
 
-def _outside(graph: dict[str, set[str]], room: str) -> dict[str, set[str]]:
-    """What the modules of subpackage ``room`` import from outside it."""
-    return {m: {d for d in deps if d != room and not d.startswith(room + ".")}
-            for m, deps in graph.items() if m == room or m.startswith(room + ".")}
+def room_problems(graph: dict[str, set[str]], rooms: tuple[str, ...]) -> list[str]:
+    """What breaks the room rules (``shardwise.checkpoint.ROOMS``, lowest first): every module
+    is a top module or in a listed room; a room imports only rooms listed before it, and another
+    room only through its ``__init__`` (the top modules too); nothing imports a top module but
+    the top."""
+    problems = []
+
+    def room(m: str) -> str | None:
+        return None if m in TOP else m.split(".")[0]
+
+    for m in sorted(graph):
+        if room(m) is not None and room(m) not in rooms:
+            problems.append(f"{m} is in no room of ROOMS {rooms}")
+    for m, deps in sorted(graph.items()):
+        rm = room(m)
+        for d in sorted(deps):
+            rd = room(d)
+            if rd == rm or (rm is None and d in TOP):
+                continue
+            if rd is None:
+                problems.append(f"{m} imports the top module {d}")
+            elif rd not in rooms:
+                problems.append(f"{m} imports {d}, in no room of ROOMS")
+            elif d != rd:
+                problems.append(f"{m} imports {d}: another room only through its __init__ ({rd})")
+            elif rm is not None and rm in rooms and rooms.index(rd) >= rooms.index(rm):
+                problems.append(f"{m} imports {rd}, a room not below its room {rm} in ROOMS")
+    return problems
 
 
-def test_the_rooms_import_only_the_layers_below_them():
-    """``_storage`` (where files live) imports only the error type; ``_geometry`` (boxes, tiling,
-    plans, owners: arithmetic) only the leaves; ``_format`` (index and safetensors io) the
-    leaves, ``_storage`` and ``_geometry``; nothing below imports the load/save modules."""
+def room_levels(graph: dict[str, set[str]]) -> int:
+    """The longest chain of rooms importing rooms (1: a room that imports no other)."""
+    edges: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        if m not in TOP:
+            edges.setdefault(m.split(".")[0], set()).update(d.split(".")[0] for d in deps if d not in TOP)
+    memo: dict[str, int] = {}
+
+    def level(r: str) -> int:
+        if r not in memo:
+            memo[r] = 0  # a cycle (reported by the cycle test) counts once
+            memo[r] = 1 + max((level(d) for d in edges.get(r, ()) if d != r), default=0)
+        return memo[r]
+
+    return max(level(r) for r in edges)
+
+
+def test_room_rules_catch_an_unknown_room_an_upward_import_and_a_reach_past_init():
+    rooms = ("_a", "_b")
+    assert room_problems({"_a._x": {"_a._y"}, "_a._y": set(), "_b._z": {"_a"}, "_cli": {"_b"}}, rooms) == []
+    assert room_problems({"_a._x": {"_b"}, "_b": set()}, rooms) == ["_a._x imports _b, a room not below its room _a "
+                                                                    "in ROOMS"]
+    assert room_problems({"_b._z": {"_a._x"}, "_a._x": set()}, rooms) == [
+        "_b._z imports _a._x: another room only through its __init__ (_a)"]
+    assert room_problems({"_c._z": set()}, rooms) == ["_c._z is in no room of ROOMS ('_a', '_b')"]
+    assert room_problems({"_a._x": {"_cli"}, "_cli": set()}, rooms) == ["_a._x imports the top module _cli"]
+
+
+def test_the_rooms_import_only_rooms_below_them_through_their_init():
     graph = import_graph(ROOT)
-    assert {"_storage", "_geometry", "_format", "_format._index", "_geometry._tiling"} <= set(graph), sorted(graph)
-    for room, allowed in [("_storage", {"_errors"}), ("_geometry", _LEAVES),
-                          ("_format", _LEAVES | {"_storage"} | {m for m in graph if m.startswith("_geometry")})]:
-        for module, deps in _outside(graph, room).items():
-            assert deps <= allowed, f"{module} imports {sorted(deps - allowed)}, above its layer"
+    rooms = shardwise.checkpoint.ROOMS
+    assert {m for m in graph if "." not in m and m not in TOP} == set(rooms), "ROOMS must list every room"
+    problems = room_problems(graph, rooms)
+    assert not problems, "room rules broken (ROOMS in checkpoint/__init__.py):\n" + "\n".join(problems)
+
+
+def test_the_top_holds_three_files_and_the_rooms_at_most_ten_levels():
+    assert {p.name for p in ROOT.glob("*.py")} == {"__init__.py", "__main__.py", "_cli.py"}
+    assert room_levels(import_graph(ROOT)) <= 10
+
+
+def test_the_lowest_rooms_import_only_the_base():
+    """``_base`` imports nothing of the package; ``_storage`` (where files live) and
+    ``_geometry`` (boxes, tiling, plans, owners: arithmetic) only ``_base``."""
+    graph = import_graph(ROOT)
+    for room, allowed in [("_base", set()), ("_storage", {"_base"}), ("_geometry", {"_base"})]:
+        for module, deps in graph.items():
+            if module.split(".")[0] == room:
+                outside = {d for d in deps if d.split(".")[0] != room}
+                assert outside <= allowed, f"{module} imports {sorted(outside - allowed)}, above its layer"
 
 
 def test_only_the_communication_modules_import_the_communication_layer_for_the_error():
@@ -168,7 +233,7 @@ def test_only_the_communication_modules_import_the_communication_layer_for_the_e
     offenders = []
     for path in sorted(ROOT.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.ImportFrom) and node.module in ("_comm", f"{PACKAGE}._comm")
+            if (isinstance(node, ast.ImportFrom) and (node.module or "").endswith("_comm")
                     and any(a.name == "CheckpointError" for a in node.names)):
                 offenders.append(path.name)
     assert not offenders, f"import CheckpointError from ._errors, not ._comm: {offenders}"

@@ -91,5 +91,5 @@ def test_a_refusal_reaches_every_rank_alike():
 
 
 def test_scatter_json_gives_each_rank_its_own_object_in_one_process():
-    from shardwise.checkpoint._comm import scatter_json
+    from shardwise.checkpoint._base._comm import scatter_json
     assert scatter_json([{"a": [1, 2]}]) == {"a": [1, 2]}

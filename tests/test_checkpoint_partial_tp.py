@@ -100,7 +100,7 @@ def test_blocks_only_tp_checkpoint_loads_bit_exact(blocks_tp, layout, world):
 # -- pieces that do not tile a tensor: refused on every rank, nothing committed -------------------
 
 def _save_inconsistent(rank, world_size, path, mode):
-    import shardwise.checkpoint._save_plan as writer
+    import shardwise.checkpoint._save._save_plan as writer
     from shardwise.checkpoint._geometry._boxes import Box, LocalBox
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -174,7 +174,7 @@ def test_overlapping_boxes_are_refused_as_overlapping(tmp_path):
 def test_the_written_boxes_are_checked_again_before_the_commit(tmp_path, monkeypatch):
     """Second line of defence: should the owner agreement let overlapping pieces through, rank 0
     still refuses to commit (checked on the boxes the ranks report having written)."""
-    import shardwise.checkpoint._save_plan as writer
+    import shardwise.checkpoint._save._save_plan as writer
     from shardwise.checkpoint._geometry._boxes import Box, LocalBox
 
     monkeypatch.setattr(writer, "assign_writers", lambda keys, shapes, held, digest, rank: (

@@ -17,7 +17,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
 from shardwise.checkpoint._geometry._boxes import Box, LocalBox, _contiguous_box, boxes_for, chunk_span, strided_positions
-from shardwise.checkpoint._flatten import flatten, join_key
+from shardwise.checkpoint._state._flatten import flatten, join_key
 from shardwise.checkpoint._geometry._plan import covered_numel, partition_problem, plan_reads, split
 from shardwise.checkpoint._format._file_io import contiguous_run
 

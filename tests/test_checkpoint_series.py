@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shardwise.checkpoint import CheckpointError, load, main, merge_checkpoint, reshard_checkpoint, save
-from shardwise.checkpoint._series import RECORD_FILE
+from shardwise.checkpoint._series._series import RECORD_FILE
 
 
 class _Killed(BaseException):
@@ -291,7 +291,7 @@ def test_rotation_orders_records_without_seq_by_their_stored_order(tmp_path):
 @pytest.mark.parametrize("name", ["..", ".", ""])
 def test_a_pending_entry_naming_the_folder_itself_is_ignored(tmp_path, name):
     """A damaged or hand-edited record must not make cleanup reach outside the folder."""
-    from shardwise.checkpoint._commit import temp_dir_for
+    from shardwise.checkpoint._series._commit import temp_dir_for
     from shardwise.checkpoint import PosixStorage
 
     folder = tmp_path / "ckpt"

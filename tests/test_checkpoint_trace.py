@@ -60,7 +60,7 @@ def test_an_async_save_shows_its_snapshot_and_commit_and_writes_in_a_named_range
     """torch's profiler records the threads it was started on, so the background write of an
     async save is not in this trace (docs/checkpoint.md says so); its range is still opened,
     on the writing thread."""
-    from shardwise.checkpoint import _writer
+    from shardwise.checkpoint._save import _save_handle as _writer
 
     opened, real = [], _writer.phase
 

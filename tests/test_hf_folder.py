@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from examples.model import Llama, LlamaConfig
 from shardwise.checkpoint import CheckpointError, load_safetensors
-from shardwise.checkpoint._hf import tied_groups
+from shardwise.checkpoint._hf._safetensors import tied_groups
 from tests._dist import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -241,7 +241,8 @@ def test_save_hf_folder_from_a_sharded_model_and_merge_of_its_checkpoint(tmp_pat
 
 
 def _rank0_write_fails(rank, world_size, root, where):
-    from shardwise.checkpoint import _hf_folder, save_hf_folder
+    from shardwise.checkpoint import save_hf_folder
+    from shardwise.checkpoint._hf import _folder as _hf_folder
     from shardwise.composable import fully_shard
 
     model = _llama_hf(4)

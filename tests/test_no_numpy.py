@@ -22,7 +22,7 @@ def test_checkpoint_save_load_and_tools_without_numpy(tmp_path):
     _run("""
         import torch
         import shardwise.checkpoint as ckpt
-        from shardwise.checkpoint import _comm
+        from shardwise.checkpoint._base import _comm
         g = torch.Generator().manual_seed(0)
         state = {"w": torch.randn(5, 3, generator=g), "b": torch.arange(4, dtype=torch.int64), "step": 7,
                  "h": torch.randn(3, generator=g).to(torch.bfloat16)}

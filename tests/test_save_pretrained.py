@@ -91,7 +91,7 @@ def test_save_pretrained_of_a_sharded_model(saved, tied):
 
 
 def test_max_shard_size_strings():
-    from shardwise.checkpoint._save_pretrained import parse_shard_size
+    from shardwise.checkpoint._hf._save_pretrained import parse_shard_size
 
     assert parse_shard_size("5GB") == 5 * 10**9 and parse_shard_size("500MiB") == 500 * 2**20
     assert parse_shard_size(1234) == 1234 and parse_shard_size("2KB") == 2000

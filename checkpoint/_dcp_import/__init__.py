@@ -15,6 +15,7 @@ running code from the files.
 | `_cli.py` | the ``import-dcp`` subcommand |
 """
 
+from ._cli import add_import_dcp
 from ._convert import ImportStats, import_dcp
 
-__all__ = ["ImportStats", "import_dcp"]
+__all__ = ["ImportStats", "add_import_dcp", "import_dcp"]

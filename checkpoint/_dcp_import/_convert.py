@@ -17,7 +17,7 @@
    ZIP CRC-32 of a storage that is exactly the chunk (the usual case), the box's CRC must equal
    it, so damage in the source is caught, not copied under fresh checksums.
 4. ``index.json`` last, then the directory is renamed into place ([Note: atomic commit] in
-   ``_commit.py``, through ``_offline_copy``'s temporary-directory helper: a failed import leaves
+   ``checkpoint/_series/_commit.py``, through ``_offline_copy``'s temporary-directory helper: a failed import leaves
    nothing), and the new checkpoint is verified completely (``verify_checkpoint``).
 """
 
@@ -31,22 +31,17 @@ from functools import partial
 
 import torch
 
-from .._commit import delete_own_files
-from .._errors import CheckpointError
+from .._series import delete_own_files
+from .._base import CheckpointError
 from .._format import (DTYPE_CODES, FORMAT_NAME, INDEX_FILE, Index, SavedBox, StreamingWriter, TensorEntry,
-                       data_file_name, format_index, index_to_json)
-from .._format._file_io import pread_into
+                       data_file_name, format_index, index_to_json, pread_into)
 from .._geometry import Box, tiling_problem
-from .._offline_copy import Progress as _Progress
-from .._offline_copy import into_place as _into_place
+from .._offline import Progress as _Progress, into_place as _into_place, verify_checkpoint
 from .._storage import PosixStorage, ReadHandle, storage_for
-from .._verify import verify_checkpoint
 from ._keys import shardwise_keys
-from ._metadata import METADATA_FILE, DcpCheckpoint, DcpChunk, read_dcp_metadata
+from ._metadata import DcpCheckpoint, DcpChunk, METADATA_FILE, read_dcp_metadata
 from ._records import TensorRecord, tensor_record, value_record
-from ._source import open_files as _open_files
-from ._source import rank_of as _rank_of
-from ._source import source_dir as _source_dir
+from ._source import open_files as _open_files, rank_of as _rank_of, source_dir as _source_dir
 
 __all__ = ["ImportStats", "import_dcp"]
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError
-from .._flatten import flatten, to_json_value
+from .._base import CheckpointError
+from .._state import flatten, to_json_value
 
 __all__ = ["shardwise_keys"]
 

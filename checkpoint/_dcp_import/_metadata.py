@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 from .._format import plain_file_name
 from .._storage import Storage
 from ._unpickle import Call, safe_loads

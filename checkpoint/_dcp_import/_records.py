@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError
-from .._format._file_io import pread_exact
+from .._base import CheckpointError
+from .._format import pread_exact
 from .._storage import ReadHandle
 from ._metadata import DTYPES
 from ._unpickle import Call, safe_loads

@@ -4,10 +4,10 @@ with every byte range the metadata places in it checked against the file's size.
 
 from __future__ import annotations
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 from .._format import INDEX_FILE
 from .._storage import ReadHandle
-from ._metadata import METADATA_FILE, DcpCheckpoint
+from ._metadata import DcpCheckpoint, METADATA_FILE
 
 __all__ = ["source_dir", "rank_of", "open_files"]
 

@@ -22,7 +22,7 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 
 __all__ = ["Call", "RefusedGlobal", "SafeUnpickler", "safe_loads"]
 

@@ -9,14 +9,20 @@ knows where the files are.
 | `_safetensors_io.py` | the safetensors layout: streaming writer, checked header reader |
 | `_index_model.py` | the index's records `Index`/`TensorEntry`/`SavedBox` and the format's names |
 | `_index.py` | `index.json` read and checked, written |
+| `_files.py` | `CheckpointFiles`: a checkpoint's index and its data files, opened |
 """
 
-from ._index import (CHECKSUM_FIELD, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, Index,
+from ._file_io import (adjacent_groups, byte_view, contiguous_run, crcs_of_range, crcs_of_ranges, pread_exact,
+                       pread_into, preadv_into)
+from ._files import CheckpointFiles, open_checkpoint, open_folder
+from ._index import (CHECKSUM_FIELD, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, MAX_INDEX_BYTES,
                      SavedBox, TensorEntry, data_file_name, describe_non_checkpoint, dtype_from_name, dtype_name,
                      format_index, index_checksum, index_to_json, plain_file_name, read_index)
 from ._safetensors_io import DTYPE_CODES, Entry, Header, StreamingWriter, read_header, tensor_bytes
 
-__all__ = ["CHECKSUM_FIELD", "DTYPE_CODES", "Entry", "FORMAT_NAME", "FORMAT_VERSION", "Header", "INCOMPLETE_MARK",
-           "INDEX_FILE", "MAX_INDEX_BYTES", "Index", "SavedBox", "StreamingWriter", "TensorEntry", "data_file_name",
+__all__ = ["CHECKSUM_FIELD", "CheckpointFiles", "adjacent_groups", "byte_view", "contiguous_run", "crcs_of_range",
+           "crcs_of_ranges", "open_checkpoint", "open_folder", "pread_exact", "pread_into", "preadv_into",
+           "DTYPE_CODES", "Entry", "FORMAT_NAME", "FORMAT_VERSION", "Header", "INCOMPLETE_MARK", "INDEX_FILE",
+           "MAX_INDEX_BYTES", "Index", "SavedBox", "StreamingWriter", "TensorEntry", "data_file_name",
            "describe_non_checkpoint", "dtype_from_name", "dtype_name", "format_index", "index_checksum",
            "index_to_json", "plain_file_name", "read_header", "read_index", "tensor_bytes"]

@@ -16,20 +16,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .._checksums import ChunkedCrc
-from .._errors import CheckpointError
-from .._storage import PosixStorage, ReadHandle
+from .._base import CheckpointError, ChunkedCrc
+from .._storage import ReadHandle
 
 __all__ = [
-    "adjacent_groups", "byte_view", "contiguous_run", "crcs_of_range", "crcs_of_ranges", "open_for_ranges",
+    "adjacent_groups", "byte_view", "contiguous_run", "crcs_of_range", "crcs_of_ranges",
     "pread_exact", "pread_into",
     "preadv_into", "read_pieces",
 ]
-
-
-def open_for_ranges(path: str, follow: bool = True) -> ReadHandle:
-    """The local file ``path`` open for byte ranges (`PosixStorage.open_read`: regular files only)."""
-    return PosixStorage().open_read(path, follow)
 
 
 def pread_exact(h: ReadHandle, n: int, offset: int) -> bytes:

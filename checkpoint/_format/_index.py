@@ -7,7 +7,7 @@ key (see ``_flatten.py``) to a `TensorEntry` (dtype, global shape, the layout it
 from, and its saved boxes, each a `SavedBox`: a box, the data file and safetensors key
 holding it, the CRC-32 of its bytes and, for a box of several checksum chunks, the chunks'
 rows and CRC-32s, see [Note: checksum chunks] in
-``_checksums.py``), and every plain value's flat key to its JSON value. ``files`` records
+``checkpoint/_base/_checksums.py``), and every plain value's flat key to its JSON value. ``files`` records
 each data file's size in bytes, so a truncated or missing file is found before any data is
 read.
 
@@ -29,12 +29,10 @@ from typing import Any
 
 import torch
 
-from .._geometry._boxes import Box
-from .._checksums import box_rows, chunk_count, crcs_from_hex, crcs_to_hex
-from .._errors import CheckpointError
+from .._geometry import Box
+from .._base import CheckpointError, DuplicateKey, box_rows, chunk_count, crcs_from_hex, crcs_to_hex, parse_json_strict
 from ._file_io import pread_exact
 from .._storage import DirView, Storage, storage_for
-from .._json_strict import DuplicateKey, parse_json_strict
 from ._index_model import (CHECKSUM_FIELD, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, SavedBox,
                            TensorEntry, data_file_name, dtype_from_name, dtype_name, plain_file_name)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError
-from .._geometry._boxes import Box
+from .._base import CheckpointError
+from .._geometry import Box
 from ._safetensors_io import DTYPE_CODES
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "INCOMPLETE_MARK", "CHECKSUM_FIELD", "Index", "SavedBox",

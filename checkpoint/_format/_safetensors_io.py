@@ -10,7 +10,7 @@ Because every entry's dtype and shape are known before any byte is written, the 
 first and each tensor can then be appended in pieces (`StreamingWriter.append`): no whole
 file, and not even a whole tensor, has to be in memory at once. The writer computes the CRC-32
 of each checksum chunk of every entry as the bytes pass, whatever the length of the pieces,
-and from them the CRC-32 of the entry ([Note: checksum chunks] in ``_checksums.py``). Files
+and from them the CRC-32 of the entry ([Note: checksum chunks] in ``checkpoint/_base/_checksums.py``). Files
 written so are ordinary safetensors files (``safetensors.safe_open`` and ``load_file`` read
 them). Byte-range reads of the data (and of the header) are in ``_file_io.py``.
 """
@@ -25,11 +25,9 @@ from typing import Any
 
 import torch
 
-from .. import _checksums
-from .._checksums import BoxChecksums, ChunkedCrc, ChunkRule, box_rows
-from .._errors import CheckpointError
+from .._base import (BoxChecksums, CheckpointError, ChunkRule, ChunkedCrc, box_rows, default_chunk_rule,
+                     parse_json_strict)
 from ._file_io import byte_view, pread_exact
-from .._json_strict import parse_json_strict
 from .._storage import PosixStorage, ReadHandle, Storage
 
 __all__ = ["DTYPE_CODES", "Entry", "Header", "StreamingWriter", "read_header", "tensor_bytes"]
@@ -72,14 +70,14 @@ class StreamingWriter:
     every tensor is aligned to its element size) and ``keys`` lists that order. `append` takes
     the tensors in that order, whole or in row-major pieces of any length; `close` checks that
     every byte was written, fsyncs the file and returns ``{key: BoxChecksums}``: each entry's
-    CRC-32 and, when ``chunk_rule`` (default ``_checksums.CHUNK_RULE``) cuts it into several
+    CRC-32 and, when ``chunk_rule`` (default ``CHUNK_RULE`` in ``_base/_checksums.py``) cuts it into several
     chunks of dim-0 rows, the CRC-32 of each chunk.
     """
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
                  metadata: dict[str, str] | None = None, chunk_rule: ChunkRule | None = None,
                  storage: Storage | None = None) -> None:
-        rule = chunk_rule or _checksums.CHUNK_RULE
+        rule = chunk_rule or default_chunk_rule()
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self._order: list[tuple[str, torch.dtype, int]] = []
         self._chunks: dict[str, tuple[int | None, int | None]] = {}  # key -> (rows, bytes) per chunk

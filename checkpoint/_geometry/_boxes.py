@@ -37,8 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .._compat import is_strided_shard, strided_split_factor
-from .._errors import CheckpointError
+from .._base import CheckpointError, is_strided_shard, strided_split_factor
 
 __all__ = ["Box", "LocalBox", "boxes_for", "chunk_span", "local_boxes", "layout_of", "strided_positions"]
 

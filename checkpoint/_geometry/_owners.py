@@ -46,7 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._boxes import Box
-from .._comm import gather_json, scatter_json
+from .._base import gather_json, scatter_json
 from ._tiling import tiling_problem
 
 __all__ = ["assign_writers", "is_local_candidate"]

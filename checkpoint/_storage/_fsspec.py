@@ -31,7 +31,7 @@ from typing import Any
 
 import fsspec  # untyped: pyproject.toml [tool.mypy] ignores its missing stubs
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 from ._posix import PosixStorage, holder_alive, process_holder
 from ._protocol import Kind
 

@@ -19,7 +19,7 @@ import socket
 import stat
 from collections.abc import Iterator, Sequence
 
-from .._errors import CheckpointError
+from .._base import CheckpointError
 from ._protocol import Kind
 
 __all__ = ["PosixStorage", "process_holder", "holder_alive"]

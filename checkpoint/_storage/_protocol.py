@@ -7,7 +7,7 @@ turns one back into what a user would type. The checkpoint code above this layer
 protocol (see docs/checkpoint.md, "A new storage").
 
 [Note: storage semantics]
-What the commit protocol ([Note: atomic commit] in ``_commit.py``) relies on, per method:
+What the commit protocol ([Note: atomic commit] in ``checkpoint/_series/_commit.py``) relies on, per method:
 
 * ``kind(path)`` never follows a symbolic link and never opens anything: ``"missing"``,
   ``"file"`` (a regular file), ``"dir"``, ``"link"`` or ``"other"`` (FIFO, device, socket).

@@ -1,0 +1,113 @@
+"""The byte reads of a load (step 2 of [Note: the steps of a load] in ``_reader.py``).
+
+Every read goes through the storage, on the data files `CheckpointFiles` opened (and checked)
+in step 1. A piece that is one contiguous byte range of its saved box is read straight into
+its destination (adjacent pieces of a file by one request, ``preadv`` on POSIX); other pieces,
+column slices, read the dim-0 rows they span (`read_region`, also used by ``merge`` and
+``reshard``), at most ``max_read_bytes`` of rows at a time.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .._format import CheckpointFiles, SavedBox, adjacent_groups, byte_view, contiguous_run, pread_into, preadv_into
+from .._geometry import Box, ReadItem, split
+from .._storage import ReadHandle
+
+__all__ = ["Read", "read_all", "read_region"]
+
+
+@dataclass
+class Read:
+    """Fill ``item.dst`` of ``local`` (the target tensor of ``key``) from ``item.src`` of ``saved``."""
+
+    key: str
+    local: torch.Tensor
+    saved: SavedBox
+    item: ReadItem
+
+
+def _read_rows(h: ReadHandle, at: int, saved: tuple[int, ...], src_offsets: tuple[int, ...],
+               src_sizes: tuple[int, ...], dst: torch.Tensor, max_read_bytes: int) -> None:
+    """Fill ``dst`` with the region ``src_offsets``/``src_sizes`` of a row-major saved box of shape
+    ``saved`` whose bytes start at ``at``, by reading the dim-0 rows the region spans (at most
+    ``max_read_bytes`` of them at a time, or one row) and copying the region out of them."""
+    itemsize = dst.element_size()
+    row_elems = 1
+    for n in saved[1:]:
+        row_elems *= n
+    row_bytes = row_elems * itemsize
+    step = max(1, max_read_bytes // max(row_bytes, 1))
+    inner = tuple(slice(o, o + n) for o, n in zip(src_offsets[1:], src_sizes[1:]))
+    for lo in range(0, src_sizes[0], step):
+        rows = min(step, src_sizes[0] - lo)
+        buf = torch.empty((rows, *saved[1:]), dtype=dst.dtype)
+        pread_into(h, buf, at + (src_offsets[0] + lo) * row_bytes, h.name)
+        dst[lo : lo + rows].copy_(buf[(slice(None), *inner)])
+
+
+def read_region(files: CheckpointFiles, saved: SavedBox, src: Box, out: torch.Tensor,
+                max_read_bytes: int = 64 << 20) -> None:
+    """Fill ``out`` (a CPU tensor of ``src``'s shape) with the region ``src`` of saved box ``saved``
+    (``merge``/``reshard`` read their slabs so)."""
+    header = files.header(saved.file)
+    h = files.handle(saved.file)
+    start = header.data_start + header.entries[saved.key].begin
+    run = contiguous_run(src.offsets, src.sizes, saved.box.sizes)
+    if run is None:
+        _read_rows(h, start, saved.box.sizes, src.offsets, src.sizes, out, max_read_bytes)
+    elif out.is_contiguous():
+        pread_into(h, out, start + run[0] * out.element_size(), h.name)
+    else:
+        buf = torch.empty(out.shape, dtype=out.dtype)
+        pread_into(h, buf, start + run[0] * out.element_size(), h.name)
+        out.copy_(buf)
+
+
+def read_all(files: CheckpointFiles, reads: list[Read], max_read_bytes: int) -> tuple[int, int]:
+    """Step 2 of [Note: the steps of a load]; returns (bytes read, files opened).
+
+    A piece that is one contiguous byte range of its saved box (any dim-0 slab of a saved box,
+    as resharding FSDP/HSDP shards gives) is read straight into the destination when that is
+    contiguous on the CPU (else into a buffer of the piece's size). Direct pieces whose byte
+    ranges follow one another in the file (e.g. consecutive saved boxes that all land in this
+    rank's shards) are read by one request (``preadv``) into all their destinations: fewer,
+    larger reads. Other pieces (e.g. column slices) read the rows they span (`_read_rows`).
+    """
+    by_file: dict[str, list[Read]] = defaultdict(list)
+    for r in reads:
+        by_file[r.saved.file].append(r)
+    nbytes = 0
+    with torch.no_grad():
+        for name, items in by_file.items():
+            header = files.header(name)
+            h = files.handle(name)
+            direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
+            for r in items:
+                entry = header.entries[r.saved.key]
+                itemsize = r.local.element_size()
+                for piece in split(r.item, max(1, max_read_bytes // itemsize)):
+                    dst = r.local[piece.dst.slices()]
+                    nbytes += dst.numel() * itemsize
+                    run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
+                    start = header.data_start + entry.begin
+                    if run is None:
+                        _read_rows(h, start, r.saved.box.sizes, piece.src.offsets, piece.src.sizes, dst,
+                                   max_read_bytes)
+                        continue
+                    at = start + run[0] * itemsize
+                    if dst.device.type == "cpu" and dst.is_contiguous():
+                        direct.append((at, dst.numel() * itemsize, dst))
+                    else:
+                        buf = torch.empty(dst.shape, dtype=dst.dtype)
+                        pread_into(h, buf, at, h.name)
+                        dst.copy_(buf)
+            for group in adjacent_groups([(at, at + n) for at, n, _ in direct]):
+                preadv_into(h, [byte_view(direct[i][2]) for i in group], direct[group[0]][0], h.name)
+                for i in group:
+                    torch.autograd.graph.increment_version(direct[i][2])  # as an in-place copy would
+    return nbytes, len(by_file)

@@ -1,0 +1,211 @@
+"""Load-time verification planning: which rank checks which checksum unit.
+
+[Note: verification shares]
+With ``verify`` every checksum *unit* of the loaded tensors (a chunk, or a whole box when the
+box has no chunks) is checked by exactly one rank, before any rank writes. Each rank sends
+the others, in one all-gather, the set of tensors it loads (a bit mask over the index's sorted
+keys, `keys_to_mask`) and the dim-0 row ranges it reads from every saved box (`needs_of`, boxes
+numbered by `box_ids`, which depends on the index alone). Ranks may load different tensors
+(pipeline stages, ``strict=False``): the units are those of the union of the sets. From the
+same gathered lists every rank works out its own share (`share_of`): a unit goes to the rank
+that reads the most of its bytes anyway; among equals (a replicated tensor that every rank
+reads) to one picked by the box and chunk, so such boxes spread over the ranks; a unit nobody
+reads goes round-robin. A rank thus re-reads for checking only the parts of the few chunks
+that straddle its shard's boundaries (none when they fall on chunk boundaries). The work is
+per saved box and reader boundary (`owned_chunks`), not per chunk of the checkpoint.
+
+The checksums themselves (chunks, CRC-32 arithmetic) are in ``_checksums.py``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .._geometry import Box
+from .._base import box_rows
+from .._format import Index, SavedBox
+
+__all__ = ["Unit", "box_ids", "contiguous_runs", "keys_to_mask", "mask_to_keys", "needs_of", "owned_chunks", "share_of"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One checksum check: rows ``[lo, hi)`` of saved box ``saved`` of tensor ``tensor``, chunk
+    ``chunk`` of the box (None: the whole box, checked against ``saved.crc32``)."""
+
+    tensor: str
+    saved: SavedBox
+    box_id: int
+    chunk: int | None
+    lo: int
+    hi: int
+    row_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return (self.hi - self.lo) * self.row_bytes
+
+    @property
+    def crc32(self) -> int:
+        crc = self.saved.crc32 if self.chunk is None else self.saved.chunk_crc32[self.chunk]  # type: ignore[index]
+        assert crc is not None, "units are made only of boxes with a checksum"
+        return crc
+
+    def where(self) -> str:
+        box = self.saved.box
+        if self.chunk is None:
+            return f"box at {list(box.offsets)}"
+        first = box.offsets[0] if box.offsets else 0
+        return (f"box at {list(box.offsets)}, chunk {self.chunk}: rows [{self.lo}, {self.hi}) of the box, "
+                f"rows [{first + self.lo}, {first + self.hi}) of the tensor")
+
+
+def box_ids(index: Index) -> dict[tuple[str, str], int]:
+    """Every saved box's id: ``(file, key)`` -> its position among all boxes of the index, in
+    sorted tensor-key order. It depends on the index alone, so it is the same on every rank
+    whatever each rank loads."""
+    ids: dict[tuple[str, str], int] = {}
+    for k in sorted(index.tensors):
+        for b in index.tensors[k].boxes:
+            ids.setdefault((b.file, b.key), len(ids))
+    return ids
+
+
+def keys_to_mask(index: Index, keys: Iterable[str]) -> str:
+    """The set ``keys`` of tensor keys as a hex bit mask over the sorted keys of the index
+    (compact for the all-gather: one bit per tensor)."""
+    pos = {k: i for i, k in enumerate(sorted(index.tensors))}
+    mask = 0
+    for k in keys:
+        mask |= 1 << pos[k]
+    return format(mask, "x")
+
+
+def mask_to_keys(index: Index, masks: Iterable[str]) -> list[str]:
+    """The union of the key sets ``masks`` (from `keys_to_mask`), in sorted order."""
+    union = 0
+    for m in masks:
+        union |= int(m, 16)
+    return [k for i, k in enumerate(sorted(index.tensors)) if union >> i & 1]
+
+
+def needs_of(reads: Iterable[tuple[str, str, Box, int]], ids: dict[tuple[str, str], int]) -> list[int]:
+    """What this rank reads, for the all-gather: ``[box id, first row, end row, bytes per row]``
+    for each ``(file, key, region of the saved box, itemsize)`` in ``reads``, flattened."""
+    out: list[int] = []
+    for file, key, src, itemsize in reads:
+        bid = ids.get((file, key))
+        if bid is None:
+            continue
+        rows, per_row = box_rows(src.sizes)
+        lo = src.offsets[0] if src.sizes else 0
+        out += [bid, lo, lo + rows, per_row * itemsize]
+    return out
+
+
+def contiguous_runs(units: Iterable[Unit]) -> list[list[Unit]]:
+    """``units`` grouped into runs of consecutive chunks of one box (each run in row order; a
+    run's chunks are all of the box's chunk size except perhaps the box's last one)."""
+    runs: list[list[Unit]] = []
+    for u in sorted(units, key=lambda u: (u.box_id, u.lo)):
+        if runs and runs[-1][-1].box_id == u.box_id and runs[-1][-1].hi == u.lo:
+            runs[-1].append(u)
+        else:
+            runs.append([u])
+    return runs
+
+
+def share_of(index: Index, keys: Iterable[str], ids: dict[tuple[str, str], int], needs: Sequence[Sequence[int]],
+             rank: int, world: int) -> list[Unit]:
+    """The checksum units of the tensors ``keys`` that ``rank`` checks (see [Note: verification
+    shares]); ``needs[r]`` is rank ``r``'s `needs_of`, boxes numbered by ``ids`` (`box_ids`).
+    Every rank computes its share from the same arguments, and the shares of all ranks hold
+    every unit exactly once. The work is per saved box and per reader boundary, plus the units
+    this rank owns: not per unit of the whole checkpoint."""
+    wants: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for r, flat in enumerate(needs):
+        for j in range(0, len(flat), 4):
+            bid, lo, hi, per_row = flat[j:j + 4]
+            if hi > lo:
+                wants[bid].append((r, lo, hi, per_row))
+    reading = {bid for bid, readers in wants.items() if any(r == rank for r, _, _, _ in readers)}
+    mine: list[Unit] = []
+    for k in sorted(set(keys)):
+        t = index.tensors[k]
+        for b in t.boxes:
+            bid = ids[(b.file, b.key)]
+            readers = wants.get(bid, ())
+            rows, per_row = box_rows(b.box.sizes)
+            if bid not in reading and readers and _covered(readers, rows):
+                continue  # read whole by other ranks: nothing of it is this rank's
+            row_bytes = per_row * t.dtype.itemsize
+            chunked = b.chunk_crc32 is not None
+            if rows * row_bytes == 0 or (not chunked and b.crc32 is None):
+                continue  # no bytes, or no checksum
+            size = b.chunk_rows if chunked and b.chunk_rows else rows
+            for p, q in owned_chunks(readers, rows, size, bid, rank, world):
+                mine += [Unit(k, b, bid, i if chunked else None, i * size, min((i + 1) * size, rows), row_bytes)
+                         for i in range(p, q)]
+    return mine
+
+
+def _covered(readers: Sequence[tuple[int, int, int, int]], rows: int) -> bool:
+    """Whether the row ranges of ``readers`` together cover rows ``[0, rows)``."""
+    end = 0
+    for _, lo, hi, _ in sorted(readers, key=lambda x: x[1]):
+        if lo > end:
+            return False
+        end = max(end, hi)
+    return end >= rows
+
+
+def owned_chunks(readers: Sequence[tuple[int, int, int, int]], rows: int, size: int, salt: int, rank: int,
+                 world: int) -> list[tuple[int, int]]:
+    """The chunks (ranges ``[p, q)`` of chunk indices) that ``rank`` checks, of a box of ``rows``
+    rows in chunks of ``size`` rows, read by ``readers`` ``[(rank, first row, end row, bytes per
+    row)]`` (a rank may appear several times, for disjoint rows).
+
+    A chunk goes to the rank that reads the most of its bytes; among equals, to one chosen by
+    ``salt`` (the box id) and the chunk, so that boxes read whole by every rank (replicated
+    tensors) spread over the ranks; a chunk nobody reads goes round-robin. The reader
+    boundaries cut the chunks into segments over which the readers that cover them whole do not
+    change; only the chunks that a boundary falls inside are looked at one by one."""
+    n = -(-rows // size)
+
+    def pick(candidates: list[int], at: int) -> int:
+        return sorted(candidates)[(salt + at) % len(candidates)]
+
+    def round_robin(p: int, q: int) -> list[tuple[int, int]]:
+        first = p + (rank - salt - p) % world
+        return [(i, i + 1) for i in range(first, q, world)]
+
+    full = [(-(-lo // size), n if hi >= rows else hi // size, r, per_row) for r, lo, hi, per_row in readers]
+    inside = {lo // size for _, lo, _, _ in readers if lo % size} | {
+        hi // size for _, _, hi, _ in readers if hi < rows and hi % size}
+    cuts = {0, n} | {a for a, _, _, _ in full} | {max(a, b) for a, b, _, _ in full} | inside | {c + 1 for c in inside}
+    points = sorted(c for c in cuts if 0 <= c <= n)
+    out: list[tuple[int, int]] = []
+    for p, q in zip(points, points[1:]):
+        if p in inside:  # a reader boundary falls inside chunk p (q == p + 1)
+            lo_c, hi_c = p * size, min(q * size, rows)
+            want: dict[int, int] = defaultdict(int)
+            for r, lo, hi, per_row in readers:
+                if min(hi, hi_c) > max(lo, lo_c):
+                    want[r] += (min(hi, hi_c) - max(lo, lo_c)) * per_row
+            if not want:
+                out += round_robin(p, q)
+                continue
+            best = max(want.values())
+            owner = pick([r for r, w in want.items() if w == best], p)
+        else:
+            cover = [(per_row, r) for a, b, r, per_row in full if a <= p and q <= b]
+            if not cover:
+                out += round_robin(p, q)
+                continue
+            best = max(per_row for per_row, _ in cover)
+            owner = pick(list({r for per_row, r in cover if per_row == best}), p)
+        if owner == rank:
+            out.append((p, q))
+    return out

@@ -1,0 +1,144 @@
+"""A save's plan and its files: which boxes this rank writes, the writing, and the index built from
+the ranks' reports (steps 1, 3 and 4 of [Note: the steps of a save] in ``_writer.py``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._base import CheckpointError, agree, crcs_from_hex, crcs_to_hex
+from .._state import flatten, to_json_value
+from .._format import (DTYPE_CODES, FORMAT_NAME, Index, SavedBox, StreamingWriter, TensorEntry, data_file_name,
+                       dtype_name)
+from .._geometry import Box, assign_writers, is_local_candidate, layout_of, local_boxes, tiling_problem
+from .._storage import Storage
+
+__all__ = ["Piece", "SavePlan", "build_index", "keep_own_pieces", "meta_digest", "plan_save", "snapshot",
+           "write_file"]
+
+
+@dataclass
+class Piece:
+    key: str  # flat key of the tensor
+    box: Box  # global box
+    data: Any  # the local tensor (synchronous save) or the snapshot of this box
+    region: Box | None  # where the box sits in ``data``; None once ``data`` is a snapshot
+
+    @property
+    def file_key(self) -> str:
+        return f"{self.key}@{','.join(map(str, self.box.offsets))}"
+
+    def tensor(self) -> torch.Tensor:
+        return self.data if self.region is None else self.data[self.region.slices()]
+
+
+@dataclass
+class SavePlan:
+    meta: dict[str, dict] = field(default_factory=dict)  # key -> dtype, shape, layout
+    pieces: list[Piece] = field(default_factory=list)
+    values: dict[str, Any] = field(default_factory=dict)
+    path: str = ""
+
+
+def plan_save(state: dict, rank: int) -> SavePlan:
+    plan = SavePlan()
+    with torch.no_grad():
+        for leaf in flatten(state):
+            v = leaf.value
+            if not isinstance(v, torch.Tensor):
+                plan.values[leaf.key] = to_json_value(v, leaf.key)
+                continue
+            if v.dtype not in DTYPE_CODES:
+                raise CheckpointError(f"tensor '{leaf.key}' has dtype {v.dtype}, which safetensors cannot store")
+            if v.device.type == "meta":
+                raise CheckpointError(f"tensor '{leaf.key}' is on the meta device and has no data; materialize it "
+                                      "(e.g. module.to_empty(device=...) and initialize) before saving")
+            plan.meta[leaf.key] = {"dtype": dtype_name(v.dtype), "shape": list(v.shape), "layout": layout_of(v)}
+            boxes = local_boxes(v)  # on every rank: refuses unsupported placements everywhere
+            if not is_local_candidate(v, rank):
+                continue  # step 1 of [Note: one writer per box over the world] in _owners.py
+            local = v.to_local() if isinstance(v, DTensor) else v
+            plan.pieces += [Piece(leaf.key, lb.box, local.detach(), lb.local_region()) for lb in boxes]
+    return plan
+
+
+def keep_own_pieces(plan: SavePlan, rank: int) -> None:
+    """Collective: keep only the pieces this rank writes ([Note: one writer per box over the
+    world] in ``checkpoint/_geometry/_owners.py``); raises on every rank if the ranks' boxes do not tile a tensor."""
+    held: dict[str, list[Box]] = {}
+    for p in plan.pieces:
+        held.setdefault(p.key, []).append(p.box)
+    shapes = {k: tuple(m["shape"]) for k, m in plan.meta.items()}
+    mine, problem = assign_writers(list(plan.meta), shapes, held, meta_digest(plan.meta), rank)
+    agree(problem, f"saving checkpoint {plan.path}")
+    plan.pieces = [p for p in plan.pieces if (p.key, p.box) in mine]
+
+
+def snapshot(plan: SavePlan) -> None:
+    with torch.no_grad():
+        for p in plan.pieces:
+            src = p.tensor()
+            p.data = torch.empty(src.shape, dtype=src.dtype, device="cpu").copy_(src)
+            p.region = None
+
+
+def write_file(plan: SavePlan, storage: Storage, tmp: str, rank: int) -> dict:
+    """Write this rank's boxes; returns its report for the index."""
+    if not plan.pieces:
+        return {"file": None, "bytes": 0, "boxes": []}
+    name = data_file_name(rank)
+    path = storage.join(tmp, name)
+    by_key = {p.file_key: p for p in plan.pieces}
+    entries = [(k, p.data.dtype, p.box.sizes) for k, p in by_key.items()]
+    writer = StreamingWriter(path, entries, {"format": FORMAT_NAME, "rank": str(rank)}, storage=storage)
+    try:
+        for k in writer.keys:
+            writer.append(by_key[k].tensor())
+    except BaseException:
+        writer.abort()
+        raise
+    sums = writer.close()
+    boxes = [{"key": p.key, "file_key": k, "offsets": list(p.box.offsets), "sizes": list(p.box.sizes),
+              "crc32": sums[k].crc32, "chunk_rows": sums[k].chunk_rows,
+              "chunk_crc32": None if sums[k].chunk_crc32 is None else crcs_to_hex(sums[k].chunk_crc32 or ())}
+             for k, p in by_key.items()]
+    return {"file": name, "bytes": storage.size(path, follow=False), "boxes": boxes}
+
+
+def meta_digest(meta: dict) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def build_index(plan: SavePlan, reports: list[dict], world: int, token: str) -> Index:
+    digest = meta_digest(plan.meta)
+    differ = [r for r, rep in enumerate(reports) if rep["meta"] != digest]
+    if differ:
+        raise CheckpointError(
+            f"ranks {differ} passed tensors (keys, shapes or dtypes) different from rank 0's; every rank must save "
+            "the same state structure (e.g. build the optimizer state the same way on every rank)"
+        )
+    boxes: dict[str, list[SavedBox]] = {k: [] for k in plan.meta}
+    files: dict[str, int | None] = {}
+    for rep in reports:
+        if rep["file"] is None:
+            continue
+        files[rep["file"]] = rep["bytes"]
+        for b in rep["boxes"]:
+            rows, hex_crcs = b["chunk_rows"], b["chunk_crc32"]
+            chunks = None if hex_crcs is None else crcs_from_hex(hex_crcs, len(hex_crcs) // 8)
+            boxes[b["key"]].append(SavedBox(Box(tuple(b["offsets"]), tuple(b["sizes"])), rep["file"], b["file_key"],
+                                            b["crc32"], rows, chunks))
+    tensors = {}
+    for k, m in plan.meta.items():
+        dtype = getattr(torch, m["dtype"])
+        tensors[k] = TensorEntry(dtype, tuple(m["shape"]), tuple(boxes[k]), m["layout"])
+        problem = tiling_problem(tensors[k].shape, [b.box for b in boxes[k]])
+        if problem is not None:  # the written boxes themselves, checked once more before the commit
+            raise CheckpointError(f"the boxes written for tensor '{k}' do not tile it: {problem}; nothing was committed")
+    return Index(tensors, plan.values, files, world, time.time_ns(), save_id=token)

@@ -1,0 +1,240 @@
+"""Atomic commit of a checkpoint directory, replacing one safely, and deleting only our own files.
+
+[Note: atomic commit]
+A save writes everything into a sibling temporary directory ``.<name>.incomplete-<token>``:
+first the data files (each fsynced by the rank that wrote it), then ``index.json`` (written to
+``index.json.tmp``, fsynced, renamed), then the directory itself is fsynced and renamed to
+``<name>``, and the parent directory is fsynced. ``rename`` is atomic, so ``<name>`` either
+does not exist or is complete; a job killed at any point leaves earlier checkpoints untouched
+and at worst a directory whose name says ``incomplete`` and which has no ``index.json``
+(every reader refuses it with a message saying so). ``tests/test_checkpoint_commit_order.py``
+checks this order of calls. Every call goes through a storage ([Note: storage semantics] in
+``_storage/_protocol.py``); where rename is not atomic (an object store) the storage copies
+with ``index.json`` last, which keeps the commit atomic for readers ([Note: commit on an object
+store] in ``_storage/_fsspec.py``).
+
+If ``<name>`` already is a checkpoint it is replaced: it is renamed away to
+``.<name>.replaced-<token>`` first, the new one is renamed into place, then the files of the
+old one that the checkpoint format did not write (a ``config.json``, a ``tokenizer/`` folder a
+user put there) are moved into the new one, and only then the rest of the old one is deleted
+(index first). A crash between the two renames leaves ``<name>`` missing and the intact old
+checkpoint in ``.<name>.replaced-<token>``: readers read that copy in place
+(`intact_replaced`), and the next save of the series renames it back (`recover_replaced`,
+through the series record). A crash while the old copy is deleted leaves a
+``.replaced-<token>`` directory without an index: the next save of the series, which knows the
+token from its record, deletes what is left of it (only data files; anything else is kept and
+reported). A ``<name>`` that exists but is not a checkpoint (and not an empty directory), or is
+a symbolic link, is never touched.
+
+A checkpoint's *own files* (`own_files`) are ``index.json`` and the data files its index
+lists; `delete_own_files` deletes those (index first, so the directory stops being a
+checkpoint at once) and the directory only if nothing else is left in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .._base import CheckpointError, parse_json_strict
+from .._format import FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, plain_file_name
+from .._storage import Storage
+
+__all__ = ["temp_dir_for", "replaced_dir_for", "check_target", "commit", "own_files", "delete_own_files",
+           "recover_replaced", "intact_replaced", "is_checkpoint", "index_of", "remove_temp", "REPLACED_MARK"]
+
+REPLACED_MARK = ".replaced-"
+
+
+def temp_dir_for(storage: Storage, path: str, token: str) -> str:
+    return storage.join(storage.parent(path), f".{storage.name(path)}{INCOMPLETE_MARK}{token}")
+
+
+def replaced_dir_for(storage: Storage, path: str, token: str) -> str:
+    return storage.join(storage.parent(path), f".{storage.name(path)}{REPLACED_MARK}{token}")
+
+
+def index_of(storage: Storage, path: str) -> dict | None:
+    """The parsed index of the checkpoint directory ``path`` (a real directory, not a symlink,
+    holding a regular ``index.json`` of this format), or None. Never opens a FIFO or a device."""
+    file = storage.join(path, INDEX_FILE)
+    if storage.kind(path) != "dir" or storage.kind(file) != "file":
+        return None
+    try:
+        raw = parse_json_strict(storage.read_small(file, MAX_INDEX_BYTES).decode("utf-8"))
+    except (OSError, ValueError, RecursionError, UnicodeDecodeError, CheckpointError):
+        return None
+    return raw if isinstance(raw, dict) and raw.get("format") == FORMAT_NAME else None
+
+
+def is_checkpoint(storage: Storage, path: str) -> bool:
+    return index_of(storage, path) is not None
+
+
+def own_files(storage: Storage, path: str) -> set[str]:
+    """The names inside checkpoint ``path`` that the format wrote: the index (and its temporary
+    name) and the data files it lists."""
+    names = {INDEX_FILE, INDEX_FILE + ".tmp"}
+    raw = index_of(storage, path)
+    files = raw.get("files") if raw else None
+    if isinstance(files, dict):
+        names |= {n for n in files if plain_file_name(n)}
+    return names
+
+
+def check_target(storage: Storage, path: str, replaceable: Callable[[Storage, str], bool] | None = None) -> None:
+    """Raise if ``path`` exists and is neither a checkpoint (``replaceable``, default
+    `is_checkpoint`) nor an empty directory; also when it cannot be a directory at all (it lies
+    under a file)."""
+    replaceable = replaceable or is_checkpoint
+    where = storage.url(path)
+    kind = storage.kind(path)
+    if kind == "missing":
+        parent = storage.parent(path)
+        while parent and storage.kind(parent) == "missing" and storage.parent(parent) != parent:
+            parent = storage.parent(parent)
+        if storage.kind(parent) not in ("dir", "missing"):
+            raise CheckpointError(f"{where} cannot be created: {storage.url(parent)} is a file, not a folder. Save to "
+                                  "a path inside a folder")
+        return
+    if kind == "link":
+        raise CheckpointError(f"{where} is a symbolic link; refusing to replace it. Save to the directory it points to, "
+                              "or to a new path")
+    if kind == "dir" and (replaceable(storage, path) or not storage.list(path)):
+        return
+    raise CheckpointError(
+        f"{where} exists and is not a shardwise checkpoint; refusing to replace it. Save to a new path or "
+        "remove it first"
+    )
+
+
+def _move_user_files(storage: Storage, old: str, new: str, own: Callable[[Storage, str], set[str]]) -> list[str]:
+    """Move what the format did not write from checkpoint ``old`` into ``new``; returns names
+    that could not be moved (a name the new checkpoint uses itself)."""
+    ours, left = own(storage, old), []
+    for name in storage.list(old):
+        if name in ours:
+            continue
+        if storage.kind(storage.join(new, name)) != "missing":
+            left.append(name)
+        else:
+            storage.rename(storage.join(old, name), storage.join(new, name))
+    return left
+
+
+def delete_own_files(storage: Storage, path: str, own: Callable[[Storage, str], set[str]] | None = None,
+                     names: set[str] | None = None) -> list[str]:
+    """Delete checkpoint ``path``'s own files (``names``, else ``own``, default `own_files`; the
+    index first) and the directory when nothing else is in it; returns the names of other
+    entries left in place. Raises `OSError` when a file of ours cannot be deleted (permissions,
+    a read-only mount): nothing is reported as removed that was not."""
+    ours = names if names is not None else (own or own_files)(storage, path)
+    for name in [n for n in ours if n == INDEX_FILE] + sorted(ours - {INDEX_FILE}):
+        file = storage.join(path, name)
+        if storage.kind(file) in ("file", "link"):
+            storage.delete(file)
+    left = storage.list(path)
+    if not left:
+        storage.rmdir(path)
+    return left
+
+
+def _finish_replace(storage: Storage, old: str, path: str,
+                    own: Callable[[Storage, str], set[str]] | None = None) -> list[str]:
+    """After the swap: move the user's files from ``old`` into ``path``, delete the rest of
+    ``old`` (only if nothing but our files is left). Returns what stayed in ``old``."""
+    own = own or own_files
+    left = _move_user_files(storage, old, path, own)
+    if left:
+        return left
+    return delete_own_files(storage, old, own)
+
+
+def commit(storage: Storage, tmp: str, path: str, token: str,
+           replaceable: Callable[[Storage, str], bool] | None = None,
+           own: Callable[[Storage, str], set[str]] | None = None) -> list[str]:
+    """Move the finished ``tmp`` directory to ``path`` (see [Note: atomic commit]). Returns
+    entries of a replaced checkpoint that could not be moved over (left in its
+    ``.replaced-`` directory)."""
+    parent = storage.parent(path)
+    storage.fsync_dir(tmp)
+    check_target(storage, path, replaceable)
+    old = None
+    kind = storage.kind(path)
+    if kind == "dir" and not storage.list(path):
+        storage.rmdir(path)
+    elif kind == "dir":
+        old = replaced_dir_for(storage, path, token)
+        storage.rename(path, old)
+    storage.rename(tmp, path)
+    storage.fsync_dir(parent)
+    if old is None:
+        return []
+    left = _finish_replace(storage, old, path, own)
+    storage.fsync_dir(parent)
+    return [storage.url(storage.join(old, n)) for n in left]
+
+
+def _replaced_copies(storage: Storage, path: str, token: str | None) -> list[str]:
+    parent, name = storage.parent(path), storage.name(path)
+    prefix = f".{name}{REPLACED_MARK}"
+    try:
+        names = storage.list(parent)
+    except (OSError, FileNotFoundError):
+        return []
+    return [storage.join(parent, n) for n in names
+            if n.startswith(prefix) and (token is None or n == prefix + token)]
+
+
+def intact_replaced(storage: Storage, path: str) -> str | None:
+    """The newest intact ``.<name>.replaced-<hex>`` checkpoint next to the missing ``path`` (a
+    replace between its two renames, under way or interrupted), or None. Reads only."""
+    found = [(int((index_of(storage, p) or {}).get("created_unix_ns") or 0), p)
+             for p in _replaced_copies(storage, path, None) if is_checkpoint(storage, p)]
+    return max(found)[1] if found else None
+
+
+_LEFTOVER_SUFFIXES = (".safetensors", INDEX_FILE + ".tmp")
+
+
+def recover_replaced(storage: Storage, path: str, token: str | None = None) -> str | None:
+    """Repair a replace that stopped between its two renames, or while deleting the old copy.
+
+    If ``<name>`` is missing and a ``.<name>.replaced-<token>`` checkpoint exists (the newest,
+    when ``token`` is None), rename it back to ``<name>``. If ``<name>`` exists and ``token``
+    is given, finish that replace: move user files over and delete the old copy; an old copy
+    whose index is already gone (the kill came while deleting it) loses its remaining data
+    files (``*.safetensors``, ``index.json.tmp``; anything else is kept and named). Returns a
+    sentence saying what was done, or None when there was nothing to do.
+    """
+    copies = _replaced_copies(storage, path, token)
+    intact = [p for p in copies if is_checkpoint(storage, p)]
+    if storage.kind(path) == "missing":
+        newest = intact_replaced(storage, path) if token is None else (intact[0] if intact else None)
+        if newest is None:
+            return None
+        storage.rename(newest, path)
+        storage.fsync_dir(storage.parent(path))
+        return f"restored {storage.url(path)} from {storage.url(newest)}, left there by a replace that did not finish"
+    if token is None or not is_checkpoint(storage, path) or not copies:
+        return None
+    old = copies[0]
+    if intact:
+        left = _finish_replace(storage, old, path)
+    else:  # the index is gone: everything of the format left is data files (user files were moved first)
+        names = {n for n in storage.list(old) if n.endswith(_LEFTOVER_SUFFIXES)
+                 and storage.kind(storage.join(old, n)) == "file"}
+        left = delete_own_files(storage, old, names=names)
+    storage.fsync_dir(storage.parent(path))
+    return (f"finished replacing {storage.url(path)}: removed the old copy {storage.url(old)}"
+            + (f" (kept {left})" if left else ""))
+
+
+def remove_temp(storage: Storage, tmp: str) -> bool:
+    """Delete a temporary ``.incomplete-`` directory this process created; True if it existed."""
+    if INCOMPLETE_MARK not in storage.name(tmp) or storage.kind(tmp) != "dir":
+        return False
+    try:
+        storage.rmtree(tmp)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,107 @@
+"""torch DCP's call forms for `save`, `load` and `async_save`.
+
+``save(state_dict, checkpoint_id=path)`` is ``save(state_dict, path)``; the other arguments of
+DCP's calls mean here:
+
+* ``process_group``: ``None`` or a group of every rank (the default group, or one equal to
+  it). A shardwise checkpoint is always written and read by the whole world: each box is
+  written by one rank that holds it, so HSDP needs no "only one replica group saves" group.
+  A smaller group is refused with that explanation.
+* ``no_dist=True``: this process saves or loads on its own, as if it were the only rank (no
+  collective, also when a process group exists). Its tensors must be whole (not DTensors
+  sharded over other ranks); every rank would write the same path, so give each its own.
+  Without ``torch.distributed`` initialised that is what happens anyway (no warning).
+* ``storage_writer`` / ``storage_reader`` / ``planner`` / ``async_stager`` /
+  ``use_collectives=False`` / ``async_checkpointer_type=PROCESS``: DCP's extension points,
+  which do not exist here. Each is refused with one line naming the shardwise way (a path or
+  fsspec URL, ``storage=`` for a custom `Storage`, the state tree for what to save).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from torch.distributed.tensor import DTensor
+
+from .._base import alone
+from ._flatten import flatten
+
+__all__ = ["check_alone_state", "checkpoint_path", "dcp_scope", "refuse_dcp_extensions"]
+
+_WAYS = {
+    "storage_writer": "pass the checkpoint's path or fsspec URL (checkpoint_id= or the second argument), or "
+                      "storage= with a shardwise Storage for a custom place to keep files",
+    "storage_reader": "pass the checkpoint's path or fsspec URL (checkpoint_id= or the second argument), or "
+                      "storage= with a shardwise Storage for a custom place to keep files",
+    "planner": "shardwise plans from the state itself: put in the state exactly the tensors and values to save "
+               "or load (strict=False on load skips keys the checkpoint lacks)",
+    "async_stager": "async_save always copies the state to CPU memory before it returns",
+    "use_collectives": "shardwise coordinates every save over the ranks; leave use_collectives at True",
+    "async_checkpointer_type": "async_save writes in a background thread (DCP's THREAD); leave it at THREAD",
+}
+
+
+def refuse_dcp_extensions(call: str, **given: Any) -> None:
+    """Raise ``TypeError`` naming the first DCP-only argument that was given a value."""
+    for name, value in given.items():
+        if name == "use_collectives" and value is True:
+            continue
+        if name == "async_checkpointer_type" and str(getattr(value, "value", value)).lower() in ("thread", "none"):
+            continue
+        if value is None:
+            continue
+        raise TypeError(f"shardwise.checkpoint.{call}() has no {name} argument (torch DCP's extension point): "
+                        f"{_WAYS[name]}")
+
+
+def checkpoint_path(call: str, path: str | os.PathLike | None,
+                    checkpoint_id: str | os.PathLike | None) -> str | os.PathLike:
+    """The checkpoint's path from the positional ``path`` or DCP's ``checkpoint_id``."""
+    if path is not None and checkpoint_id is not None and os.fspath(path) != os.fspath(checkpoint_id):
+        raise TypeError(f"shardwise.checkpoint.{call}() got two paths: {os.fspath(path)!r} and checkpoint_id="
+                        f"{os.fspath(checkpoint_id)!r}; pass one of them")
+    found = path if path is not None else checkpoint_id
+    if found is None:
+        raise TypeError(f"shardwise.checkpoint.{call}() needs the checkpoint's path: {call}(state, 'ckpt/step-100') "
+                        f"or {call}(state, checkpoint_id='ckpt/step-100')")
+    return found
+
+
+def _check_group(call: str, process_group: Any) -> None:
+    if process_group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if process_group is dist.GroupMember.WORLD or dist.get_world_size(process_group) == dist.get_world_size():
+        return
+    raise ValueError(f"shardwise.checkpoint.{call}(): process_group has {dist.get_world_size(process_group)} of the "
+                     f"{dist.get_world_size()} ranks, but a shardwise checkpoint is written and read by every rank "
+                     "(each piece of data by one rank that holds it, so HSDP replicas need no group of their own): "
+                     "call it on every rank with process_group=None")
+
+
+@contextlib.contextmanager
+def dcp_scope(call: str, process_group: Any = None, no_dist: bool = False) -> Iterator[None]:
+    """Run a checkpoint call with DCP's ``process_group`` / ``no_dist`` meanings (see above)."""
+    if not isinstance(no_dist, bool):
+        raise TypeError(f"shardwise.checkpoint.{call}(): no_dist must be a bool, got {no_dist!r}")
+    if not no_dist:
+        _check_group(call, process_group)
+    with alone(no_dist):
+        yield
+
+
+def check_alone_state(call: str, state: Any, no_dist: bool) -> None:
+    """With ``no_dist``, refuse a DTensor spread over several ranks (this process holds only
+    part of it, and no other rank takes part)."""
+    if not no_dist:
+        return
+    for leaf in flatten(state):
+        v = leaf.value
+        if isinstance(v, DTensor) and v.device_mesh.size() > 1:
+            raise ValueError(f"shardwise.checkpoint.{call}(no_dist=True) runs in this process alone, but the DTensor "
+                             f"at '{leaf.key}' is spread over {v.device_mesh.size()} ranks: call {call} on every rank "
+                             "without no_dist, or pass full tensors (StateDictOptions(full_state_dict=True))")

@@ -1,0 +1,139 @@
+"""Full (unsharded) state: gather it on rank 0 one tensor at a time, or spread it into shards.
+
+`gather_full` turns a state tree with DTensors into the same tree with full tensors. Tensors
+are gathered one after the other (``DTensor.full_tensor()``, a collective), so every rank holds
+at most one full tensor beyond its shards at any time; with ``rank0_only`` the other ranks drop
+each one at once and get an empty dict back.
+
+`scatter_full` fills a state tree's tensors in place from full tensors: each rank copies the
+boxes it holds (``_boxes.local_boxes``) out of the full tensor. With ``from_rank0`` only rank 0
+has the full state (the other ranks pass an empty dict); it is sent tensor by tensor with a
+broadcast, so again each rank holds one full tensor at a time and never the whole state. All
+keys, dtypes and shapes are checked first, and a problem found on rank 0 raises on every rank
+before any tensor is written.
+
+To load a full state from safetensors files without any rank holding it (each rank reading
+only its slices), use `load_safetensors` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .._geometry import local_boxes
+from .._base import agree, broadcast_json, collective_device, is_distributed, rank_and_world
+from ._flatten import flatten
+
+__all__ = ["gather_full", "scatter_full", "to_cpu"]
+
+
+def _rebuild(value: Any, fn) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _rebuild(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rebuild(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_rebuild(v, fn) for v in value)
+    return value
+
+
+def to_cpu(value: Any) -> Any:
+    """A state tree with every tensor on the CPU (DTensors stay DTensors, their shards copied)."""
+    return _rebuild(value, lambda t: t.detach().to("cpu"))
+
+
+def gather_full(state: dict, *, rank0_only: bool = True, cpu: bool = True) -> dict:
+    """``state`` with every DTensor replaced by its full tensor; collective.
+
+    ``cpu`` moves the full tensors to CPU memory; ``rank0_only`` returns ``{}`` on the other
+    ranks. Plain tensors are copied (to CPU with ``cpu``); plain values are kept. One tensor
+    object reached twice (tied weights) becomes one full tensor reached twice, so a writer that
+    recognises ties by storage (``save_pretrained``, safetensors) still sees the tie.
+    """
+    rank, _ = rank_and_world()
+    keep = rank == 0 or not rank0_only
+    done: dict[int, Any] = {}  # a tensor reached by two names (tied weights) is gathered once, and stays one
+
+    def full(t: torch.Tensor):
+        if id(t) not in done:
+            done[id(t)] = (t, gather(t))
+        return done[id(t)][1]
+
+    def gather(t: torch.Tensor):
+        with torch.no_grad():
+            if isinstance(t, DTensor):
+                f = t.full_tensor()
+                return (f.cpu() if cpu else f) if keep else None
+            if not keep:
+                return None
+            return t.detach().to("cpu", copy=True) if cpu else t.detach()
+
+    out = _rebuild(state, full)
+    return out if keep else {}
+
+
+def _problems(state: dict, full: dict, where: str) -> list[str]:
+    have = {leaf.key: leaf.value for leaf in flatten(full)}
+    problems = []
+    for leaf in flatten(state):
+        t = leaf.value
+        if not isinstance(t, torch.Tensor):
+            continue
+        f = have.get(leaf.key)
+        if not isinstance(f, torch.Tensor):
+            problems.append(f"tensor '{leaf.key}' is missing from {where}")
+        elif f.dtype != t.dtype or tuple(f.shape) != tuple(t.shape):
+            problems.append(f"tensor '{leaf.key}' is {f.dtype} {list(f.shape)} in {where} but {t.dtype} "
+                            f"{list(t.shape)} in the target")
+    return problems
+
+
+def _copy_boxes(t: torch.Tensor, f: torch.Tensor) -> None:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    for lb in local_boxes(t):
+        local[lb.local_region().slices()].copy_(f[lb.box.slices()])
+
+
+def scatter_full(state: dict, full: dict, *, from_rank0: bool = False, where: str = "the full state dict") -> None:
+    """Fill the tensors of ``state`` in place from the full tensors of ``full``; collective.
+
+    With ``from_rank0`` only rank 0's ``full`` is read (other ranks may pass ``{}``). Raises
+    `CheckpointError` on every rank, before writing anything, if a tensor is missing or has
+    another dtype or shape.
+    """
+    rank, _ = rank_and_world()
+    problems: list[str] | None = None
+    error: BaseException | str | None = None
+    try:
+        if not from_rank0 or rank == 0:
+            problems = _problems(state, full, where)
+    except Exception as e:
+        error = e
+    if from_rank0:
+        problems = broadcast_json(problems if rank == 0 else None, src=0)
+    if problems and error is None:
+        error = "\n    ".join(problems[:20]) + "\n  The target was not modified."
+    agree(error, f"loading {where}")
+    have = {leaf.key: leaf.value for leaf in flatten(full)} if (rank == 0 or not from_rank0) else {}
+    with torch.no_grad():
+        for leaf in flatten(state):
+            t = leaf.value
+            if not isinstance(t, torch.Tensor):
+                continue
+            if not from_rank0 or not is_distributed():
+                _copy_boxes(t, have[leaf.key])
+                continue
+            dev = collective_device()
+            if rank == 0:
+                buf = have[leaf.key].to(dev).contiguous()
+            else:
+                buf = torch.empty(t.shape, dtype=t.dtype, device=dev)
+            dist.broadcast(buf, src=0)
+            _copy_boxes(t, buf)
+

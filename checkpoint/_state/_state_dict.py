@@ -1,0 +1,240 @@
+"""Model and optimizer state dicts keyed by parameter name, for sharded and plain modules alike.
+
+The names and layouts follow the state-dict helpers of torch's DCP so code can
+switch with one import:
+
+* ``get_model_state_dict(model)`` is ``model.state_dict()``: parameters and persistent
+  buffers by fully qualified name (FQN), DTensors for sharded parameters, sharing storage with
+  the model (loading into it fills the model).
+* ``get_optimizer_state_dict(model, optim)`` is ``{"state": {fqn: {name: value}},
+  "param_groups": [{..., "params": [fqn, ...]}]}``: torch's optimizer state dict with each
+  parameter index replaced by the parameter's FQN, so it reshards like the parameters. State
+  tensors are the optimizer's own (DTensors for sharded parameters). A fresh optimizer
+  creates its state lazily on the first ``step()``; here it is created first (see
+  `init_optimizer_state`) so the dict always has every tensor a load can fill.
+* ``set_model_state_dict`` / ``set_optimizer_state_dict`` put such dicts back.
+
+* ``get_state_dict(model, optimizers)`` / ``set_state_dict(model, optimizers, *,
+  model_state_dict=..., optim_state_dict=...)`` do both at once, as DCP's do. ``optimizers`` is
+  one optimizer or several (their state dicts merged into one, ``_state_dict_forms``).
+
+`StateDictOptions` has DCP's fields and meanings: ``full_state_dict=True`` gathers full
+tensors one at a time (``cpu_offload=True``: on CPU, kept on rank 0 only), and setting from a
+full state dict copies each rank's shard out of it (``broadcast_from_rank0=True``: only rank 0
+passes it, and it is sent one tensor at a time); the other fields are in its docstring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._base import CheckpointError, broadcast_json, rank_and_world
+from ._flatten import to_json_value
+from ._full_state import gather_full, scatter_full, to_cpu
+from ._state_dict_forms import (as_optimizers, flatten_optim, merge_optims, select_model_keys, share_tied, split_optim,
+                                unflatten_optim)
+
+__all__ = [
+    "StateDictOptions",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
+    "init_optimizer_state",
+]
+
+
+@dataclass(frozen=True)
+class StateDictOptions:
+    """How the state dict helpers treat sharded tensors.
+
+    The fields and meanings of torch DCP's ``StateDictOptions``:
+
+    * ``full_state_dict``: get full tensors instead of shards / set from full tensors.
+    * ``cpu_offload``: on get, tensors go to CPU; with ``full_state_dict`` only rank 0 keeps
+      them (the other ranks get ``{}``), without it each rank's shards are copied to CPU.
+    * ``ignore_frozen_params``: on get, parameters with ``requires_grad=False`` are left out.
+    * ``keep_submodule_prefixes``: with ``submodules=`` on get, keys keep the submodule's
+      prefix (``pretrain.layer1.weight``, the default) or lose it (``layer1.weight``).
+    * ``strict``: on set, every key of the model (or optimizer) must be given.
+    * ``broadcast_from_rank0``: with ``full_state_dict`` on set, only rank 0's dict is read.
+    * ``flatten_optimizer_state_dict``: the optimizer state dict has one level of keys
+      (``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>``; ``_state_dict_forms``); set
+      accepts either form whatever this says.
+    """
+
+    full_state_dict: bool = False
+    cpu_offload: bool = False
+    ignore_frozen_params: bool = False
+    keep_submodule_prefixes: bool = True
+    strict: bool = True
+    broadcast_from_rank0: bool = False
+    flatten_optimizer_state_dict: bool = False
+
+    def __post_init__(self) -> None:
+        if self.broadcast_from_rank0 and not self.full_state_dict:
+            raise ValueError("StateDictOptions(broadcast_from_rank0=True) needs full_state_dict=True (rank 0 holds "
+                             "the full state dict and sends each rank its shards)")
+
+
+def _fqns(model: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _optim_params(model: nn.Module, optim: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    fqns = _fqns(model)
+    out = []
+    for g, group in enumerate(optim.param_groups):
+        for p in group["params"]:
+            if id(p) not in fqns:
+                raise CheckpointError(
+                    f"the optimizer's param_groups[{g}] holds a parameter of shape {list(p.shape)} that is not a "
+                    f"parameter of the given {type(model).__name__}; build the optimizer from model.parameters() "
+                    "after sharding the model"
+                )
+            out.append((fqns[id(p)], p))
+    return out
+
+
+def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Create the lazily initialized state of parameters that have none.
+
+    Runs one ``optim.step()`` with every learning rate set to 0 and zero gradients on exactly
+    the parameters without state (others get no gradient, so ``step`` skips them). For AdamW,
+    SGD and the other ``torch.optim`` optimizers this leaves the parameters bit-for-bit
+    unchanged; the learning rates and any existing gradients are restored afterwards.
+    """
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    missing = [p for p in params if not optim.state.get(p)]
+    if not missing:
+        return
+    grads = [p.grad for p in params]
+    lrs = [g["lr"] for g in optim.param_groups]
+    try:
+        for g in optim.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        todo = {id(p) for p in missing}
+        for p in params:
+            p.grad = torch.zeros_like(p) if id(p) in todo else None
+        optim.step()
+    finally:
+        for g, lr in zip(optim.param_groups, lrs):
+            g["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
+def _finish(sd: dict[str, Any], options: StateDictOptions) -> dict[str, Any]:
+    if options.full_state_dict:
+        return gather_full(sd, rank0_only=options.cpu_offload, cpu=options.cpu_offload)
+    return to_cpu(sd) if options.cpu_offload else sd
+
+
+def get_model_state_dict(model: nn.Module, *, submodules: Iterable[nn.Module] | None = None,
+                         options: StateDictOptions | None = None) -> dict[str, Any]:
+    """``model``'s parameters and persistent buffers by FQN (see the module docstring); with
+    ``submodules`` only those modules' keys (``StateDictOptions.keep_submodule_prefixes``)."""
+    options = options or StateDictOptions()
+    sd = select_model_keys(model, share_tied(model, model.state_dict()), submodules, options.keep_submodule_prefixes,
+                           options.ignore_frozen_params)
+    return _finish(sd, options)
+
+
+def _one_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    names = [fqn for fqn, _ in _optim_params(model, optim)]
+    init_optimizer_state(optim)
+    osd = optim.state_dict()
+    return {
+        "state": {names[i]: v for i, v in osd["state"].items()},
+        "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in osd["param_groups"]],
+    }
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                             *, submodules: Iterable[nn.Module] | None = None,
+                             options: StateDictOptions | None = None) -> dict[str, Any]:
+    """The state of ``optimizers`` (one or several, merged) keyed by parameter FQN (see the
+    module docstring); creates missing state. ``submodules`` is accepted for DCP's signature
+    and, as there, does not restrict the optimizer state."""
+    options = options or StateDictOptions()
+    out = merge_optims([_one_optim_state_dict(model, o) for o in as_optimizers(optimizers)])
+    if options.flatten_optimizer_state_dict:
+        out = flatten_optim(out)
+    return _finish(out, options)
+
+
+def get_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], *,
+                   submodules: Iterable[nn.Module] | None = None,
+                   options: StateDictOptions | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(get_model_state_dict(model), get_optimizer_state_dict(model, optimizers))``, DCP's call."""
+    return (get_model_state_dict(model, submodules=submodules, options=options),
+            get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options))
+
+
+def set_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], *,
+                   model_state_dict: dict[str, Any], optim_state_dict: dict[str, Any],
+                   options: StateDictOptions | None = None):
+    """The counterpart of `get_state_dict` (DCP's call): sets the optimizers' state, then the
+    model's; returns ``model.load_state_dict``'s missing/unexpected keys."""
+    set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+    return set_model_state_dict(model, model_state_dict, options=options)
+
+
+def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
+                         options: StateDictOptions | None = None):
+    """Load ``model_state_dict`` (from `get_model_state_dict`, or full with ``full_state_dict``)
+    into ``model``; returns ``model.load_state_dict``'s missing/unexpected keys."""
+    options = options or StateDictOptions()
+    if options.full_state_dict:
+        current = model.state_dict()
+        source = model_state_dict if options.strict else {k: v for k, v in model_state_dict.items() if k in current}
+        target = current if options.strict else {k: v for k, v in current.items() if k in source}
+        scatter_full(target, source, from_rank0=options.broadcast_from_rank0, where="the full model state dict")
+        return model.load_state_dict(current, strict=options.strict)
+    return model.load_state_dict(model_state_dict, strict=options.strict)
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+                             optim_state_dict: dict[str, Any], *, options: StateDictOptions | None = None) -> None:
+    """Load an FQN-keyed optimizer state dict (from `get_optimizer_state_dict`, nested or flat)
+    into ``optimizers`` (one or several: each takes the groups and state of its parameters)."""
+    options = options or StateDictOptions()
+    optims = as_optimizers(optimizers)
+    for optim in optims:
+        names = [fqn for fqn, _ in _optim_params(model, optim)]
+        part = optim_state_dict
+        if part and "state" not in part:
+            part = unflatten_optim(part, optim, names)
+        elif part and len(optims) > 1:
+            part = split_optim(part, names)
+        _set_one_optim(model, optim, part, options)
+
+
+def _set_one_optim(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
+                   options: StateDictOptions) -> None:
+    named = _optim_params(model, optim)
+    if options.full_state_dict:
+        current = _one_optim_state_dict(model, optim)
+        scatter_full({"state": current["state"]}, {"state": optim_state_dict.get("state", {})},
+                     from_rank0=options.broadcast_from_rank0, where="the full optimizer state dict")
+        groups = optim_state_dict.get("param_groups")
+        if options.broadcast_from_rank0:
+            groups = broadcast_json(to_json_value(groups, "param_groups") if rank_and_world()[0] == 0 else None)
+        optim_state_dict = {"state": current["state"], "param_groups": groups}
+    index = {fqn: i for i, (fqn, _) in enumerate(named)}
+    unknown = [k for k in list(optim_state_dict["state"]) + [f for g in optim_state_dict["param_groups"]
+                                                              for f in g["params"]] if k not in index]
+    if unknown:
+        raise CheckpointError(f"the optimizer state dict names parameters {sorted(set(unknown))[:5]} that the "
+                              f"optimizer does not hold (it holds {list(index)[:5]}...)")
+    optim.load_state_dict({
+        "state": {index[k]: v for k, v in optim_state_dict["state"].items()},
+        "param_groups": [dict(g, params=[index[f] for f in g["params"]]) for g in optim_state_dict["param_groups"]],
+    })
