@@ -9,12 +9,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from ._common import OWNER_ATTR as _OWNER_ATTR
+from ._common import FullyShardUsageError
 from ._param_group import ParamGroup
-from ._errors import FullyShardUsageError
 from ._policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from ._adopt import OWNER_ATTR as _OWNER_ATTR
-from ._adopt import readopt as _readopt
-from ._adopt import reshard_for_update as _reshard_for_update
 from ._module import FSDPModule, UnshardHandle, share_comm_ctx
 from ._spmd import spmd_mesh, to_tp_dtensor
 from ._unit_inputs import check_mesh as _check_mesh
@@ -38,11 +36,11 @@ def _unit(module: nn.Module) -> FSDPState:
 
 
 def _load_pre_hook(module, *args) -> None:
-    _reshard_for_update(_unit(module), "load_state_dict")
+    _unit(module).reshard_for_update("load_state_dict")
 
 
 def _load_post_hook(module, incompatible_keys) -> None:
-    _readopt(_unit(module))
+    _unit(module).readopt()
 
 
 _UNIT_ATTR = "_shardwise_param_unit"  # on a module holding a unit's parameters: the unit's module
@@ -54,7 +52,7 @@ def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
     does; its next backward gathers again. Registered on every module that holds one of the
     unit's parameters, so ``submodule.state_dict()`` sees shards too; the unit is found through
     the module (a copied module finds its own copy)."""
-    _reshard_for_update(_unit(module.__dict__[_UNIT_ATTR]), "state_dict()")
+    _unit(module.__dict__[_UNIT_ATTR]).reshard_for_update("state_dict()")
 
 
 def fully_shard(

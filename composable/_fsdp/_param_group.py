@@ -56,15 +56,13 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from ._comm import CommOptions, all_gather
+from ._common import SHARD_NEXT, ShardState, TraceNames
 from ._layout import ShardLayout, byte_columns, make_layout
 from ._layout import byte_layout as _byte_layout
 from .._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
-from ._shard_state import NEXT as _NEXT
-from ._shard_state import ShardState
 from ._sharded_param import ShardedParam
-from ._trace import TraceNames
 
 __all__ = ["ParamGroup", "ShardState"]
 
@@ -114,7 +112,7 @@ class ParamGroup:
         self._post_forward: tuple[torch.Tensor, Any] | None = None
 
     def _to(self, state: ShardState) -> None:
-        if state not in _NEXT[self.state]:
+        if state not in SHARD_NEXT[self.state]:
             raise AssertionError(f"fully_shard({self.label}): parameters {self.state.name} -> {state.name}")
         self.state = state
 
@@ -199,6 +197,19 @@ class ParamGroup:
             p.set_storage(self._segment(o, p.layout, p.orig_dtype), full)
             if not self.is_unsharded:
                 p.register(unsharded=False)
+
+    def gather_original(self, fulls: list[torch.Tensor]) -> None:
+        """Write each parameter's full value, in its original dtype, into ``fulls`` (one
+        full-size tensor per parameter): one all-gather of the sharded bytes. Collective over
+        the shard axis; the unit's own state is unchanged (deferred init restores with it)."""
+        work, gathered = all_gather(self.comm, self.world * self.master_bytes, self.sharded_bytes, self.shard_group,
+                                    self.sharded_bytes.device, all_gather_single)
+        if work is not None:
+            work.wait()
+        rows = gathered.view(self.world, self.master_bytes)
+        with torch.no_grad():
+            for p, o, full in zip(self.params, self.master_offsets, fulls):
+                p.layout.gather(byte_columns(rows, o, p.layout, p.orig_dtype), full)
 
     def _ag_block(self, rows: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]

@@ -13,8 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._compat import is_strided_shard
 from .._mesh_utils import mesh_device
-from ._errors import FullyShardUsageError
-from ._adopt import OWNER_ATTR
+from ._common import OWNER_ATTR, FullyShardUsageError
 from ._state import get_state
 
 __all__ = ["default_mesh", "check_mesh", "check_reshard_after_forward", "collect_params", "check_params",
