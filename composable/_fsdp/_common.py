@@ -17,12 +17,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
 import torch.nn as nn
 
 __all__ = ["FullyShardUsageError", "TrainingState", "TRAINING_NEXT", "ShardState", "SHARD_NEXT", "OWNER_ATTR",
-           "TraceNames", "unit_name"]
+           "TraceNames", "unit_name", "ParamEntry"]
 
 OWNER_ATTR = "_shardwise_sharded_as"  # set on an original parameter once a unit took it
+
+# one parameter a unit takes: (fqn, parameter, every (module, attribute) that holds it)
+ParamEntry = tuple[str, torch.Tensor, list[tuple[nn.Module, str]]]
 
 
 class FullyShardUsageError(ValueError, AssertionError):

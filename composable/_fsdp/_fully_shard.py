@@ -4,6 +4,7 @@ Its inputs are checked in ``_unit_inputs.py``; the ``FSDPModule`` methods are ``
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -35,18 +36,18 @@ def _unit(module: nn.Module) -> FSDPState:
     return state
 
 
-def _load_pre_hook(module, *args) -> None:
+def _load_pre_hook(module: nn.Module, *args: Any) -> None:
     _unit(module).reshard_for_update("load_state_dict")
 
 
-def _load_post_hook(module, incompatible_keys) -> None:
+def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
     _unit(module).readopt()
 
 
 _UNIT_ATTR = "_shardwise_param_unit"  # on a module holding a unit's parameters: the unit's module
 
 
-def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
+def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     """``state_dict()`` holds the sharded DTensors whenever it is called: a unit left unsharded
     by a forward (the root by default, ``reshard_after_forward=False``) reshards first, as FSDP2
     does; its next backward gathers again. Registered on every module that holds one of the
@@ -65,7 +66,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
-):
+) -> nn.Module | list[nn.Module]:
     """Shard the parameters of ``module`` (or of a list of modules, as one unit) over ``mesh``.
 
     Every parameter under ``module`` that is not already owned by a unit below it becomes an
@@ -176,7 +177,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if method is None or not callable(method):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
 
-    def wrapped(*args, **kwargs):
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = state._pre_forward(module, args, kwargs)
         return state._post_forward(module, args, method(*args, **kwargs))
 

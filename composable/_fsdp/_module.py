@@ -51,6 +51,7 @@ class FSDPModule:
         return state
 
     def _units(self, recurse: bool) -> list[FSDPState]:
+        assert isinstance(self, nn.Module), "FSDPModule is mixed into a module's class"
         return units_under([self]) if recurse else [self._fsdp_state()]
 
     def _groups(self, recurse: bool = False) -> list[ParamGroup]:

@@ -75,7 +75,8 @@ __all__ = ["FSDPState", "get_state", "units_under"]
 _STATE_ATTR = "_shardwise_fsdp_state"
 
 
-def get_state(module: nn.Module) -> FSDPState | None:
+def get_state(module: object) -> FSDPState | None:
+    """The unit state ``fully_shard`` attached to ``module`` (a module, or ``FSDPModule`` self)."""
     return module.__dict__.get(_STATE_ATTR)
 
 
@@ -99,12 +100,12 @@ class _PostBackward(torch.autograd.Function):
     """Identity in forward; in backward, tells the unit that one of its forward calls is done."""
 
     @staticmethod
-    def forward(ctx: Any, state: FSDPState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, state: FSDPState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         return tensors
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.state._post_backward_fired()
         return (None, *grads)
 
