@@ -66,7 +66,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
-) -> nn.Module | list[nn.Module]:
+) -> Any:  # the module (or list) given, its classes now also FSDPModule
     """Shard the parameters of ``module`` (or of a list of modules, as one unit) over ``mesh``.
 
     Every parameter under ``module`` that is not already owned by a unit below it becomes an
