@@ -8,22 +8,20 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["mesh_device", "same_mesh", "all_gather_single", "reduce_scatter_single"]
 
-# torch 2.13 names the flat-tensor collectives ``all_gather_single`` / ``reduce_scatter_single``
-# and deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, the names that older
-# releases (e.g. the 2.11 of some GPU images) only have. Same arguments, same collective; the
-# name is looked up at each call.
+# The flat-tensor collectives, looked up in ``torch.distributed`` at each call (so that a spy
+# set there sees every call).
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+                      async_op: bool = False) -> dist.Work | None:
     """``output`` = the concatenation of every rank's ``input`` (in group rank order)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+                          async_op: bool = False) -> dist.Work | None:
     """``output`` on rank ``r`` = the sum over ranks of chunk ``r`` of their ``input``."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from shardwise.composable import fully_shard
 from shardwise.composable._fsdp._state import get_state
-from shardwise.composable._fsdp._param_group import ShardState
+from shardwise.composable._fsdp._common import ShardState
 from tests._dist import run_ranks
 from tests._models import Net, batches, loss_fn, make_mesh
 

@@ -91,7 +91,7 @@ C = "shardwise.composable"
 # what each wing of composable may import from the library (docs/architecture.md)
 LEAVES = {f"{C}._compat", f"{C}._mesh_utils", f"{C}._chunks"}
 ALLOWED = {
-    f"{C}._fsdp": {"shardwise.checkpoint"},  # _hf_save: the full state dict (get_model_state_dict)
+    f"{C}._fsdp": {"shardwise.checkpoint"},  # scatter_full: broadcast_from_rank0
     f"{C}._tp": set(),
     f"{C}._replicate": {f"{C}._fsdp"},
     f"{C}._wrap": {f"{C}._fsdp", f"{C}._replicate", "shardwise.mesh", "shardwise.checkpoint"},

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardwise.composable._chunks import chunk_range, chunk_sizes
-from shardwise.composable._fsdp._layout import DimLayout, DimZeroLayout, byte_columns, gather_rows, scatter_rows
+from shardwise.composable._fsdp._layout import DimLayout, byte_columns
 
 shapes = st.lists(st.integers(0, 9), min_size=1, max_size=3).map(tuple)
 worlds = st.integers(1, 8)
@@ -13,7 +13,7 @@ worlds = st.integers(1, 8)
 
 @given(shapes, worlds)
 def test_shards_tile_dim0_like_torch_chunk(shape, world):
-    lay = DimZeroLayout(shape, world)
+    lay = DimLayout(shape, world)
     chunks = torch.empty(shape).chunk(world, dim=0) if shape[0] else ()
     covered = 0
     for r in range(world):
@@ -33,16 +33,16 @@ def test_shards_tile_dim0_like_torch_chunk(shape, world):
 @given(shapes, worlds, st.data())
 @settings(max_examples=60)
 def test_scatter_then_gather_round_trips_and_zero_pads(shape, world, data):
-    lay = DimZeroLayout(shape, world)
+    lay = DimLayout(shape, world)
     full = torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
     # a strided destination: the column block of a wider rank-major buffer, as in a unit
     extra = data.draw(st.integers(0, 3))
     buf = torch.full((world, lay.padded_numel + extra), -1.0)
     block = buf[:, extra:]
-    scatter_rows(lay, full, block, 0, world)
+    lay.scatter(full, block, 0, world)
     assert (buf[:, :extra] == -1).all(), "writes stay inside the block"
     out = torch.empty(shape)
-    gather_rows(lay, block, out)
+    lay.gather(block, out)
     assert torch.equal(out, full)
     for r in range(world):
         real = lay.shard_rows(r) * lay.row_numel
@@ -53,14 +53,14 @@ def test_scatter_then_gather_round_trips_and_zero_pads(shape, world, data):
 @given(shapes, worlds, st.data())
 @settings(max_examples=60)
 def test_scatter_of_a_rank_range_matches_the_full_scatter(shape, world, data):
-    lay = DimZeroLayout(shape, world)
+    lay = DimLayout(shape, world)
     lo = data.draw(st.integers(0, world))
     hi = data.draw(st.integers(lo, world))
     full = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     whole = torch.empty(world, lay.padded_numel)
-    scatter_rows(lay, full, whole, 0, world)
+    lay.scatter(full, whole, 0, world)
     part = torch.empty(hi - lo, lay.padded_numel)
-    scatter_rows(lay, full, part, lo, hi)
+    lay.scatter(full, part, lo, hi)
     assert torch.equal(part, whole[lo:hi])
 
 
@@ -68,7 +68,7 @@ def test_zero_dim_tensor_is_rejected():
     import pytest
 
     with pytest.raises(ValueError, match="0-d"):
-        DimZeroLayout((), 2)
+        DimLayout((), 2)
 
 
 @given(st.integers(0, 40), worlds)
@@ -83,7 +83,7 @@ def test_chunk_range_and_sizes_are_torch_chunk(n, parts):
 
 
 def test_byte_columns_is_one_tensors_block_of_every_rank_row():
-    lay = DimZeroLayout((3, 2), 2)  # 2 rows of 2 per rank, padded: 4 elements
+    lay = DimLayout((3, 2), 2)  # 2 rows of 2 per rank, padded: 4 elements
     rows = torch.zeros(2, 8 + 16, dtype=torch.uint8)  # 8 bytes of another tensor, then this one
     block = byte_columns(rows, 8, lay, torch.float32)
     assert block.shape == (2, 4) and block.dtype == torch.float32

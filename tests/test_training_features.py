@@ -265,7 +265,7 @@ def _forward_without_backward(rank, world_size):
 
     fired_early, in_final = [], []
     root, block = get_state(model), get_state(model.blocks[1])
-    real_reduce, real_final = block._reduce, root.ctx.final_callback
+    real_reduce, real_final = block.reduce, root.ctx.final_callback
 
     def reduce():
         fired_early.append(not in_final)
@@ -275,7 +275,7 @@ def _forward_without_backward(rank, world_size):
         in_final.append(1)
         return real_final()
 
-    block._reduce, root.ctx.final_callback = reduce, final
+    block.reduce, root.ctx.final_callback = reduce, final
     model(tokens).sum().backward()
     return fired_early
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 from shardwise.composable import MixedPrecisionPolicy, fully_shard
-from shardwise.composable._fsdp._param_group import ShardState
+from shardwise.composable._fsdp._common import ShardState, TrainingState
 from shardwise.composable._fsdp._reduce import PendingReduce, ReduceStage
-from shardwise.composable._fsdp._state import FSDPState, TrainingState, get_state
+from shardwise.composable._fsdp._state import FSDPState, get_state
 from tests._dist import run_ranks
 from tests._models import batches, loss_fn, make_mesh, reference_and_copy
 

@@ -2,26 +2,29 @@
 
 One file per concept (see docs/architecture.md): the shard layout (``_layout.py``), one
 parameter (``_sharded_param.py``; a tensor-parallel one's layout in ``_tp_param.py``), one
-unit's flat buffers and collectives (``_param_group.py``; where its parameters are,
-``ShardState``, in ``_shard_state.py``), gradient reduction (``_reduce.py``), per-unit hooks
-(``_state.py``; the backward ones in ``_backward.py``, the unit's ``TrainingState`` in
-``_training_state.py``), the collectives' protocols and options (``_comm.py``), the
-``FSDPModule`` methods (``_module.py``; its collectives' setters in ``_comm_methods.py``),
-parameters replaced from outside (``_adopt.py``), one call's inputs (``_unit_inputs.py``), the
-``FSDP<cls>`` class (``_fsdp_class.py``), root-only state (``_root.py``), deferred init
-(``_materialize.py``), the API (``_fully_shard.py``) and the error FSDP2 raises as
-``AssertionError`` (``_errors.py``). This wing imports only the shared leaves of
-``composable`` (``_compat``, ``_mesh_utils``, ``_chunks``); the other wings use it through the
-names below.
+unit's flat buffers and collectives (``_param_group.py``), gradient reduction (``_reduce.py``)
+and the replica buckets of NO_SHARD (``_bucket.py``), the per-unit hooks and handle
+(``_state.py``), root-only state (``_root.py``), the collectives' protocols and options
+(``_comm.py``), the ``FSDPModule`` methods (``_module.py``), one call's inputs
+(``_unit_inputs.py``), the whole-SPMD-mesh form (``_spmd.py``), the ``FSDP<cls>`` class
+(``_fsdp_class.py``) and its ``save_pretrained`` (``_hf_save.py``), step overrides
+(``_override.py``), deferred init (``_materialize.py``), the API (``_fully_shard.py``), and the
+small shared pieces: the error, the two state machines, the trace names (``_common.py``).
+This wing imports only the shared leaves of ``composable`` (``_compat``, ``_mesh_utils``,
+``_chunks``) and ``shardwise.checkpoint``; the other wings use it through the names below.
+
+`FSDPState` is the unit handle other wings drive a unit through (what `units_of` returns):
+``unshard`` / ``wait_unshard`` / ``reshard``, ``finish_backward`` / ``abandon_step``.
 """
 
 from ._comm import AllGather, ReduceScatter
 from ._fully_shard import (FSDPModule, FullyShardUsageError, UnshardHandle, fully_shard, register_fsdp_forward_method,
                            share_comm_ctx)
-from ._layout import make_layout  # for the planner (_plan)
+from ._layout import make_layout
 from ._materialize import broadcast_from_rank0, materialize
 from ._override import StepOverride, clear_override, configured, override_unit, units_of
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._state import FSDPState
 
 __all__ = [
     "fully_shard",
@@ -44,4 +47,6 @@ __all__ = [
     "clear_override",
     "configured",
     "units_of",
+    "FSDPState",  # the unit handle
+    "make_layout",  # the shard layout of one parameter, for the planner
 ]

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from .._compat import storage_shared
+from ._reduce import Bucket, PendingReduce, ReducingUnit
 
 __all__ = ["ReplicaBuckets", "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
 
@@ -41,11 +42,11 @@ BUCKET_BYTES = 25 << 20
 class _Open:
     """The bucket being filled: ``key`` = (dtype, replica group, device); ``used`` elements."""
 
-    key: tuple
+    key: tuple[torch.dtype, object, torch.device]
     buffer: torch.Tensor
     limit: int  # elements after which it is issued
     used: int = 0
-    members: list = field(default_factory=list)  # PendingReduce, in order
+    members: list[PendingReduce] = field(default_factory=list)  # in order
 
 
 class ReplicaBuckets:
@@ -58,12 +59,12 @@ class ReplicaBuckets:
         self._sizes: dict[int, int] = {}  # index -> elements it held last time
 
     @staticmethod
-    def takes(g, bucket, all_reduce: bool) -> bool:
+    def takes(g: ReducingUnit, bucket: Bucket, all_reduce: bool) -> bool:
         """Whether this reduction of ``g`` (a ``ParamGroup``) goes through a replica bucket:
         a shard axis of one rank, replicas, and a plain all-reduce (not HSDP accumulation)."""
         return g.world == 1 and g.replicate_group is not None and all_reduce and not bucket.partial_over_replicas
 
-    def reserve(self, g, bucket) -> torch.Tensor:
+    def reserve(self, g: ReducingUnit, bucket: Bucket) -> torch.Tensor:
         """A view of ``bucket.row`` elements in the open bucket for ``g``'s reduction of ``bucket``
         (the open one is issued first if it has no room or another dtype / group)."""
         key = (bucket.dtype, g.replicate_group, g.compute_device)
@@ -85,7 +86,7 @@ class ReplicaBuckets:
         o.used += n
         return view
 
-    def add(self, pr) -> None:
+    def add(self, pr: PendingReduce) -> None:
         """``pr`` (a ``PendingReduce`` over the view ``reserve`` gave) joins the open bucket,
         which is issued once it holds its limit."""
         o = self._open

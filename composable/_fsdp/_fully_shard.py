@@ -4,17 +4,16 @@ Its inputs are checked in ``_unit_inputs.py``; the ``FSDPModule`` methods are ``
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from ._common import OWNER_ATTR as _OWNER_ATTR
+from ._common import FullyShardUsageError
 from ._param_group import ParamGroup
-from ._errors import FullyShardUsageError
 from ._policies import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
-from ._adopt import OWNER_ATTR as _OWNER_ATTR
-from ._adopt import readopt as _readopt
-from ._adopt import reshard_for_update as _reshard_for_update
 from ._module import FSDPModule, UnshardHandle, share_comm_ctx
 from ._spmd import spmd_mesh, to_tp_dtensor
 from ._unit_inputs import check_mesh as _check_mesh
@@ -37,24 +36,24 @@ def _unit(module: nn.Module) -> FSDPState:
     return state
 
 
-def _load_pre_hook(module, *args) -> None:
-    _reshard_for_update(_unit(module), "load_state_dict")
+def _load_pre_hook(module: nn.Module, *args: Any) -> None:
+    _unit(module).reshard_for_update("load_state_dict")
 
 
-def _load_post_hook(module, incompatible_keys) -> None:
-    _readopt(_unit(module))
+def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
+    _unit(module).readopt()
 
 
 _UNIT_ATTR = "_shardwise_param_unit"  # on a module holding a unit's parameters: the unit's module
 
 
-def _state_dict_pre_hook(module, prefix, keep_vars) -> None:
+def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     """``state_dict()`` holds the sharded DTensors whenever it is called: a unit left unsharded
     by a forward (the root by default, ``reshard_after_forward=False``) reshards first, as FSDP2
     does; its next backward gathers again. Registered on every module that holds one of the
     unit's parameters, so ``submodule.state_dict()`` sees shards too; the unit is found through
     the module (a copied module finds its own copy)."""
-    _reshard_for_update(_unit(module.__dict__[_UNIT_ATTR]), "state_dict()")
+    _unit(module.__dict__[_UNIT_ATTR]).reshard_for_update("state_dict()")
 
 
 def fully_shard(
@@ -67,7 +66,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
-):
+) -> Any:  # the module (or list) given, its classes now also FSDPModule
     """Shard the parameters of ``module`` (or of a list of modules, as one unit) over ``mesh``.
 
     Every parameter under ``module`` that is not already owned by a unit below it becomes an
@@ -178,7 +177,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if method is None or not callable(method):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
 
-    def wrapped(*args, **kwargs):
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = state._pre_forward(module, args, kwargs)
         return state._post_forward(module, args, method(*args, **kwargs))
 

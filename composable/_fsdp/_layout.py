@@ -39,8 +39,7 @@ from torch.distributed.tensor import Shard
 
 from .._chunks import chunk_range, chunk_rows
 
-__all__ = ["ShardLayout", "DimLayout", "DimZeroLayout", "make_layout", "byte_columns", "byte_layout",
-           "scatter_rows", "gather_rows"]
+__all__ = ["ShardLayout", "DimLayout", "make_layout", "byte_columns", "byte_layout"]
 
 
 class ShardLayout(Protocol):
@@ -127,9 +126,6 @@ class DimLayout:
     def shard_shape(self, rank: int) -> tuple[int, ...]:
         return (*self.shape[: self.dim], self.shard_rows(rank), *self.shape[self.dim + 1 :])
 
-    def shard_numel(self, rank: int) -> int:
-        return self.pre_numel * self.shard_rows(rank) * self.row_numel
-
     @property
     def full_ranks(self) -> int:
         """Number of leading ranks that hold a whole chunk of ``c`` slices."""
@@ -179,9 +175,6 @@ class DimLayout:
             f[:, q * c :].copy_(s[q, :, :t])
 
 
-DimZeroLayout = DimLayout  # the dim-0 split: ``DimLayout(shape, world)``
-
-
 def make_layout(shape: tuple[int, ...], world: int, placement: Shard | None = None) -> DimLayout:
     """The layout for a parameter of (TP-local) ``shape``: ``placement`` is what
     ``shard_placement_fn`` returned for it (None: ``Shard(0)``)."""
@@ -197,16 +190,6 @@ def byte_columns(rows: torch.Tensor, offset: int, layout: ShardLayout, dtype: to
     view whose row ``r`` is rank ``r``'s padded shard. See [Note: flat buffers] in
     ``_param_group.py``."""
     return rows[:, offset : offset + layout.padded_numel * dtype.itemsize].view(dtype)
-
-
-def scatter_rows(layout: ShardLayout, full: torch.Tensor, dst: torch.Tensor, lo: int, hi: int) -> None:
-    """``layout.scatter(full, dst, lo, hi)``."""
-    layout.scatter(full, dst, lo, hi)
-
-
-def gather_rows(layout: ShardLayout, src: torch.Tensor, full: torch.Tensor) -> None:
-    """``layout.gather(src, full)``."""
-    layout.gather(src, full)
 
 
 def byte_layout(sizes: list[int], align: int) -> tuple[list[int], int]:

@@ -24,19 +24,24 @@ silent garbage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from shardwise.checkpoint._full_state import scatter_full  # LEAD: -> from shardwise.checkpoint import scatter_full
+
 from .._compat import TorchDispatchMode, storage_key, tree_flatten
-from ._layout import byte_columns
-from .._mesh_utils import all_gather_single
+from ._param_group import ParamGroup
+from ._sharded_param import ShardedParam
 from ._state import get_state, units_under
 
 __all__ = ["materialize", "broadcast_from_rank0"]
 
 
-def _groups(model: nn.Module):
+def _groups(model: nn.Module) -> list[ParamGroup]:
     return [s.group for s in units_under([model]) if s.group is not None]
 
 
@@ -57,7 +62,7 @@ def _materialize_storage(model: nn.Module) -> list[tuple[nn.Module, str]]:
         if g.sharded_bytes.device.type == "meta":
             g.materialize()
     default = groups[0].compute_device if groups else torch.device("cpu")
-    meta_buffers = []
+    meta_buffers: list[tuple[nn.Module, str]] = []
     for m in model.modules():
         s = get_state(m)
         device = s.group.compute_device if s is not None and s.group is not None else None
@@ -74,13 +79,13 @@ def _materialize_storage(model: nn.Module) -> list[tuple[nn.Module, str]]:
 class _Placeholders:
     """Full-size, lazily allocated stand-ins for the parameters of every unit."""
 
-    def __init__(self, groups) -> None:
+    def __init__(self, groups: list[ParamGroup]) -> None:
         self.groups = groups
-        self.full = {}  # id(ShardedParam) -> placeholder
-        self.owner = {}  # storage_key -> (group, ShardedParam)
+        self.full: dict[int, nn.Parameter] = {}  # id(ShardedParam) -> placeholder
+        self.owner: dict[int, tuple[ParamGroup, ShardedParam]] = {}  # storage_key -> (group, parameter)
         self.touched: set[int] = set()
         self.ever_active: set[int] = set()
-        self.current = None
+        self.current: ParamGroup | None = None
         for g in groups:
             for p in g.params:
                 t = nn.Parameter(torch.empty(p.layout.shape, dtype=p.orig_dtype, device=p.padded.device),
@@ -100,21 +105,17 @@ class _Placeholders:
             self._finalize(self.current)
         self._activate(g)
 
-    def _activate(self, g) -> None:
+    def _activate(self, g: ParamGroup) -> None:
         for p in g.params:
             t = self.full[id(p)].data
             t.untyped_storage().resize_(t.numel() * t.element_size())
             t.zero_()
         if id(g) in self.ever_active:  # the init code came back: restore its values so far
-            rows = torch.empty(g.world * g.master_bytes, dtype=torch.uint8, device=g.sharded_bytes.device)
-            all_gather_single(rows, g.sharded_bytes, group=g.shard_group)
-            rows = rows.view(g.world, g.master_bytes)
-            for p, o in zip(g.params, g.master_offsets):
-                p.layout.gather(byte_columns(rows, o, p.layout, p.orig_dtype), self.full[id(p)].data)
+            g.gather_original([self.full[id(p)].data for p in g.params])
         self.ever_active.add(id(g))
         self.current = g
 
-    def _finalize(self, g) -> None:
+    def _finalize(self, g: ParamGroup) -> None:
         for p in g.params:
             t = self.full[id(p)].data
             p.layout.scatter(t, p.padded.view(1, -1), g.rank, g.rank + 1)
@@ -136,7 +137,7 @@ class _TouchMode(TorchDispatchMode):
         self.buffers = buffers
         self.buffers_touched: set[int] = set()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         flat, _ = tree_flatten((args, kwargs or {}))
         for t in flat:
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
@@ -155,7 +156,7 @@ def _default_init(model: nn.Module) -> None:
             reset()
 
 
-def materialize(model: nn.Module, init_fn=None) -> None:
+def materialize(model: nn.Module, init_fn: Callable[[nn.Module], object] | None = None) -> None:
     """Give a model built on the meta device and sharded with ``fully_shard`` real storage,
     and run ``init_fn(model)`` (default: ``reset_parameters()`` of every submodule that has
     one, in module order) so that every rank's shards hold exactly what the same init would
@@ -186,7 +187,8 @@ def materialize(model: nn.Module, init_fn=None) -> None:
         )
 
 
-def _source_problem(model: nn.Module, names: dict[int, str], full_state_dict: dict | None) -> tuple[str, str] | None:
+def _source_problem(model: nn.Module, names: dict[int, str],
+                    full_state_dict: dict[str, torch.Tensor] | None) -> tuple[str, str] | None:
     """On the source rank: what is wrong with its ``full_state_dict`` for ``model``, as
     ``(exception kind, message)``, or None."""
     if full_state_dict is None:
@@ -204,52 +206,40 @@ def _source_problem(model: nn.Module, names: dict[int, str], full_state_dict: di
     return None
 
 
-def broadcast_from_rank0(model: nn.Module, full_state_dict: dict | None, src_rank: int = 0) -> None:
-    """Fill a sharded model from a full state dict that only ``src_rank`` holds (others pass
-    None and may have built the model on the meta device): Accelerate's
-    ``sync_module_states`` / ``cpu_ram_efficient_loading``. Unit by unit, the source builds the
-    padded ``[W, B]`` byte matrix of one unit and scatters row ``r`` to shard rank ``r`` (then
-    it is broadcast across replicas for HSDP), so no other rank ever holds more than its shard.
-    Buffers are broadcast from the source's model. Collective: call it on every rank.
+def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None,
+                         src_rank: int = 0) -> None:
+    """Fill a sharded model from a full state dict that only rank 0 holds (others pass None
+    and may have built the model on the meta device): Accelerate's ``sync_module_states`` /
+    ``cpu_ram_efficient_loading``. Rank 0 sends one tensor at a time
+    (``shardwise.checkpoint.scatter_full``) and every rank keeps its shard of it, so no rank
+    holds more than its shards and one full tensor. Buffers come from rank 0's model.
+    Collective: call it on every rank. ``src_rank``: only 0 (``ValueError`` otherwise).
 
-    On the source, take ``full_state_dict = model.state_dict()`` before calling ``fully_shard``.
-    A state dict the source cannot use (None, a missing name, a wrong shape) is checked before
-    any scatter and raises the same error on every rank (KeyError / ValueError), not a hang.
+    On rank 0, take ``full_state_dict = model.state_dict()`` before calling ``fully_shard``.
+    A state dict rank 0 cannot use (None, a missing name, a wrong shape) is checked before
+    anything is sent and raises the same error on every rank (KeyError / ValueError), not a hang.
     """
+    if src_rank != 0:
+        raise ValueError(f"broadcast_from_rank0: src_rank must be 0, got {src_rank}")
     me = dist.get_rank()
     _refuse_tp(model, "broadcast_from_rank0")
     _materialize_storage(model)
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    # the source checks its state dict before any scatter and tells every rank, so that a bad one
-    # is the same error everywhere instead of the others waiting in a scatter that never comes
-    verdict: list[tuple[str, str] | None] = [_source_problem(model, names, full_state_dict) if me == src_rank else None]
-    dist.broadcast_object_list(verdict, src=src_rank)
+    # rank 0 checks its state dict before anything is sent and tells every rank, so that a bad
+    # one is the same error everywhere instead of the others waiting for tensors that never come
+    verdict: list[tuple[str, str] | None] = [_source_problem(model, names, full_state_dict) if me == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         kind, text = verdict[0]
         raise (KeyError if kind == "KeyError" else ValueError)(text)
-    for g in _groups(model):
-        mesh = g.mesh
-        coords = list(mesh.get_coordinate())
-        src_coords = [int(x) for x in (mesh.mesh == src_rank).nonzero()[0]] if (mesh.mesh == src_rank).any() else None
-        if src_coords is None:
-            raise ValueError(f"broadcast_from_rank0: src_rank {src_rank} is not in the mesh of unit {g.label}")
-        in_src_shard_group = coords[:-1] == src_coords[:-1]
-        if in_src_shard_group:
-            pieces: list[torch.Tensor] | None = None
-            if me == src_rank:
-                assert full_state_dict is not None, "checked by _source_problem"
-                send = torch.zeros(g.world, g.master_bytes, dtype=torch.uint8, device=g.sharded_bytes.device)
-                for p, o in zip(g.params, g.master_offsets):
-                    full = full_state_dict[names[id(p.sharded)]].detach().to(device=send.device, dtype=p.orig_dtype)
-                    p.layout.scatter(full, byte_columns(send, o, p.layout, p.orig_dtype), 0, g.world)
-                pieces = list(send.unbind(0))
-            dist.scatter(g.sharded_bytes, pieces, src=src_rank, group=g.shard_group)
-        if g.replicate_group is not None:
-            src_in_replicas = int(mesh.mesh[(slice(None), *coords[1:])][src_coords[0]])
-            dist.broadcast(g.sharded_bytes, src=src_in_replicas, group=g.replicate_group)
-    for m in model.modules():
-        for name, b in m._buffers.items():
-            if b is not None:
-                dist.broadcast(b, src=src_rank)
+    params: list[ShardedParam] = [p for g in _groups(model) for p in g.params]
+    state: dict[str, torch.Tensor] = {names[id(p.sharded)]: p.sharded for p in params}
+    state.update(model.named_buffers())
+    full: dict[str, torch.Tensor] = {}
+    if me == 0:
+        assert full_state_dict is not None, "checked by _source_problem"
+        full = {names[id(p.sharded)]: full_state_dict[names[id(p.sharded)]].detach().to(p.orig_dtype) for p in params}
+        full.update((n, b.detach()) for n, b in model.named_buffers())
+    scatter_full(state, full, from_rank0=True, where="broadcast_from_rank0's full state dict")

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from ._adopt import OWNER_ATTR, readopt, reshard_for_update  # noqa: F401  OWNER_ATTR: also reached here
-from ._comm_methods import CommMethods
+from ._param_group import ParamGroup
 from ._state import FSDPState, get_state, units_under
 from ._unit_inputs import check_reshard_after_forward
 
 __all__ = ["FSDPModule", "UnshardHandle", "share_comm_ctx"]
+
 
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
@@ -29,17 +31,16 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        if self._state is not None and self._state.group is not None:
-            self._state.group.wait_unshard()
+        if self._state is not None:
+            self._state.wait_unshard()
         self._state = None
 
 
-class FSDPModule(CommMethods):
+class FSDPModule:
     """Mixin added to the class of every module passed to ``fully_shard``.
 
     ``isinstance(m, FSDPModule)`` tells whether ``m`` is the module of a unit. The methods act on
-    that unit (and with ``recurse=True`` on every unit below it); those that configure the
-    unit's collectives come from `CommMethods` (``_comm_methods.py``).
+    that unit (and with ``recurse=True`` on every unit below it).
     """
 
     def _fsdp_state(self) -> FSDPState:
@@ -50,20 +51,22 @@ class FSDPModule(CommMethods):
         return state
 
     def _units(self, recurse: bool) -> list[FSDPState]:
+        assert isinstance(self, nn.Module), "FSDPModule is mixed into a module's class"
         return units_under([self]) if recurse else [self._fsdp_state()]
 
-    def _groups(self, recurse: bool = False) -> list:
+    def _groups(self, recurse: bool = False) -> list[ParamGroup]:
+        """The ``ParamGroup`` of this unit (every unit below it with ``recurse``)."""
         return [s.group for s in self._units(recurse) if s.group is not None]
 
-    def _apply(self, fn, recurse: bool = True):
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> Any:
         """``nn.Module._apply`` (``to_empty``, ``.to(dtype / device)``, ``.float()``, ...) with
         the unit resharded first and its parameters re-adopted after: the conversion replaces
         the sharded parameters' local tensors, which must become the unit's storage again.
         See [Note: re-adopting parameters] in ``_param_group.py``."""
         state = self._fsdp_state()
-        reshard_for_update(state, "module._apply (.to(), to_empty(), .float(), ...)")
+        state.reshard_for_update("module._apply (.to(), to_empty(), .float(), ...)")
         out = super()._apply(fn, recurse)  # type: ignore[misc]
-        readopt(state)
+        state.readopt()
         return out
 
     # -- unshard / reshard ------------------------------------------------------------------------
@@ -71,8 +74,7 @@ class FSDPModule(CommMethods):
         """All-gather this unit's parameters now. With ``async_op=True`` return a handle whose
         ``wait()`` finishes it; otherwise return None once done."""
         state = self._fsdp_state()
-        if state.group is not None:
-            state.group.unshard(async_op=True)
+        state.unshard(async_op=True)
         handle = UnshardHandle(state)
         if not async_op:
             handle.wait()
@@ -81,9 +83,7 @@ class FSDPModule(CommMethods):
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters and register the sharded ones."""
-        state = self._fsdp_state()
-        if state.group is not None:
-            state.group.reshard()
+        self._fsdp_state().reshard()
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward, call it on the root before the next
@@ -226,6 +226,68 @@ class FSDPModule(CommMethods):
         self._fsdp_state().backward_prefetch = [state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
 
+    # -- the collectives' settings ----------------------------------------------------------------
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """This unit's all-gathers use ``comm`` (FSDP2's ``AllGather`` protocol: ``allocate`` and
+        ``__call__(output_tensor, input_tensor, group, async_op)``); see [Note: what a custom
+        collective sees] in ``_comm.py``. ``TypeError`` if it lacks the two methods."""
+        _check_comm(comm, "set_custom_all_gather")
+        for g in self._groups():
+            g.comm.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """This unit's reduce-scatters use ``comm`` (FSDP2's ``ReduceScatter`` protocol:
+        ``allocate`` and ``__call__(output_tensor, input_tensor, group, op, async_op)``, always
+        called with ``op=ReduceOp.SUM``). A unit on a 1-rank shard axis issues none."""
+        _check_comm(comm, "set_custom_reduce_scatter")
+        for g in self._groups():
+            g.comm.reduce_scatter_comm = comm
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """True: the reduce-scatters run on a process group of their own over the same shard
+        ranks (made now, collective over each shard axis: call it on every rank), so they need
+        not queue behind the all-gathers; False: back to the all-gathers' group."""
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for g in self._groups(recurse):
+            if not enable or g.world == 1:
+                g.comm.reduce_scatter_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(g.shard_group))
+            if ranks not in made:
+                made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            g.comm.reduce_scatter_group = made[ranks]
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce-scatters (each holding its send buffer) may be in flight at once
+        behind the backward (default 1: a unit's reduce-scatter is waited for when the next
+        unit issues its own). More overlap, more memory. ``TypeError`` unless an int,
+        ``ValueError`` unless >= 1 (as FSDP2)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for g in self._groups(recurse):
+            g.comm.max_input_buffers = max_input_buffers
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Recorded; shardwise allocates its collective buffers with ``torch.empty`` (the caching
+        allocator) on every backend, so this changes nothing (FSDP2 asks an NCCL process group
+        for them). ``ValueError`` with a custom all-gather / reduce-scatter set, as FSDP2."""
+        for g in self._groups():
+            _check_not_custom(g, "set_allocate_memory_from_process_group_for_comm")
+            g.comm.pg_allocate = bool(enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Recorded; shardwise's all-gathers do not use symmetric memory, on CUDA or elsewhere,
+        so this changes nothing (accepted so FSDP2 code runs). ``ValueError`` for another
+        backend than "NCCL" or with a custom all-gather / reduce-scatter set."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm: backend must be 'NCCL', got {backend!r}")
+        for g in self._groups():
+            _check_not_custom(g, "set_symm_mem_for_comm")
+            g.comm.symm_mem = backend
+
+
 def share_comm_ctx(modules: Iterable[nn.Module]) -> None:
     """FSDP2 makes several roots (a pipeline's model chunks) share their CUDA streams. shardwise
     issues every collective on the calling thread's current stream, so roots already share
@@ -243,3 +305,16 @@ def state_of(module: nn.Module, where: str) -> FSDPState:
     if s is None:
         raise ValueError(f"{where}: {type(module).__name__} is not a fully_shard unit; call fully_shard on it first")
     return s
+
+
+def _check_comm(comm: Any, where: str) -> None:
+    if not (callable(getattr(comm, "allocate", None)) and callable(comm)):
+        raise TypeError(f"{where}: {type(comm).__name__} needs an allocate(size, *, dtype, device) method and a "
+                        "__call__ (the AllGather / ReduceScatter protocol: shardwise.composable.AllGather, "
+                        "shardwise.composable.ReduceScatter)")
+
+
+def _check_not_custom(g: ParamGroup, where: str) -> None:
+    if g.comm.all_gather_comm is not None or g.comm.reduce_scatter_comm is not None:
+        raise ValueError(f"{where}: fully_shard({g.label}) has a custom all-gather or reduce-scatter "
+                         "(set_custom_all_gather / set_custom_reduce_scatter); it allocates its own buffers")

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+import torch.nn as nn
+
 from ._state import FSDPState, units_under
 
 __all__ = ["StepOverride", "override_unit", "clear_override", "units_of", "configured"]
@@ -59,7 +61,7 @@ def configured(state: FSDPState) -> StepOverride:
                         state.configured_requires_gradient_sync)
 
 
-def units_of(module) -> list[FSDPState]:
+def units_of(module: nn.Module) -> list[FSDPState]:
     """The ``fully_shard`` units of ``module`` and of every module below it, each once, in
     module order."""
     return units_under([module])

@@ -49,22 +49,22 @@ pointer comparison each; this never runs during a step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.profiler import record_function
 
 from ._comm import CommOptions, all_gather
+from ._common import SHARD_NEXT, ParamEntry, ShardState, TraceNames
 from ._layout import ShardLayout, byte_columns, make_layout
 from ._layout import byte_layout as _byte_layout
 from .._mesh_utils import all_gather_single, mesh_device
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._reduce import PendingReduce, make_buckets, reduce_grads
-from ._shard_state import NEXT as _NEXT
-from ._shard_state import ShardState
 from ._sharded_param import ShardedParam
-from ._trace import TraceNames
 
 __all__ = ["ParamGroup", "ShardState"]
 
@@ -73,8 +73,8 @@ class ParamGroup:
     """Parameters ``entries`` = ``[(fqn, param, uses), ...]`` of one unit, sharded over the
     last axis of ``mesh`` (and replicated over its first axis when the mesh is 2-D)."""
 
-    def __init__(self, entries, mesh, *, mp: MixedPrecisionPolicy, offload: OffloadPolicy, label: str,
-                 placements: list | None = None) -> None:
+    def __init__(self, entries: list[ParamEntry], mesh: DeviceMesh, *, mp: MixedPrecisionPolicy, offload: OffloadPolicy, label: str,
+                 placements: list[Shard | None] | None = None) -> None:
         self.mesh, self.mp, self.label = mesh, mp, label
         self.trace = TraceNames.for_unit(label)  # the root renames it by module path at lazy init
         self.shard_group = mesh.get_group(mesh.ndim - 1)
@@ -114,7 +114,7 @@ class ParamGroup:
         self._post_forward: tuple[torch.Tensor, Any] | None = None
 
     def _to(self, state: ShardState) -> None:
-        if state not in _NEXT[self.state]:
+        if state not in SHARD_NEXT[self.state]:
             raise AssertionError(f"fully_shard({self.label}): parameters {self.state.name} -> {state.name}")
         self.state = state
 
@@ -127,7 +127,7 @@ class ParamGroup:
         return self.state is ShardState.GATHERING
 
     # -- storage ---------------------------------------------------------------------------
-    def _plan_bytes(self, layouts, dtypes, cdtypes) -> None:
+    def _plan_bytes(self, layouts: Sequence[ShardLayout], dtypes: list[torch.dtype], cdtypes: list[torch.dtype]) -> None:
         sizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, dtypes)]
         self.master_offsets, self.master_bytes = _byte_layout(sizes, max(d.itemsize for d in dtypes))
         csizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, cdtypes)]
@@ -187,7 +187,7 @@ class ParamGroup:
     def _segment(self, offset: int, lay: ShardLayout, dtype: torch.dtype) -> torch.Tensor:
         return self.sharded_bytes[offset : offset + lay.padded_numel * dtype.itemsize].view(dtype)
 
-    def materialize(self, full_tensors=None) -> None:
+    def materialize(self, full_tensors: list[torch.Tensor | None] | None = None) -> None:
         """Give a unit built on the meta device real storage on its device, new sharded
         parameters pointing at it, filled from ``full_tensors`` (one per parameter or None)."""
         self.storage_device = torch.device("cpu") if self.offload else self.compute_device
@@ -199,6 +199,19 @@ class ParamGroup:
             p.set_storage(self._segment(o, p.layout, p.orig_dtype), full)
             if not self.is_unsharded:
                 p.register(unsharded=False)
+
+    def gather_original(self, fulls: list[torch.Tensor]) -> None:
+        """Write each parameter's full value, in its original dtype, into ``fulls`` (one
+        full-size tensor per parameter): one all-gather of the sharded bytes. Collective over
+        the shard axis; the unit's own state is unchanged (deferred init restores with it)."""
+        work, gathered = all_gather(self.comm, self.world * self.master_bytes, self.sharded_bytes, self.shard_group,
+                                    self.sharded_bytes.device, all_gather_single)
+        if work is not None:
+            work.wait()
+        rows = gathered.view(self.world, self.master_bytes)
+        with torch.no_grad():
+            for p, o, full in zip(self.params, self.master_offsets, fulls):
+                p.layout.gather(byte_columns(rows, o, p.layout, p.orig_dtype), full)
 
     def _ag_block(self, rows: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
@@ -257,7 +270,7 @@ class ParamGroup:
         self._to(ShardState.UNSHARDED)
 
     # -- reshard ---------------------------------------------------------------------------
-    def reshard(self, to=None) -> None:
+    def reshard(self, to: tuple[Any, int] | None = None) -> None:
         """Free the unsharded parameters and register the sharded ones. ``to`` is a
         ``(group, k)`` pair to keep ``1/k`` of the unsharded data for a cheaper all-gather
         over that group (see [Note: resharding onto a smaller group])."""
@@ -304,7 +317,7 @@ class ParamGroup:
             for p in b.params:
                 p.stash_unsharded_grad(b.dtype)
 
-    def reduce_grads(self, *, all_reduce: bool = True, replica_buckets=None) -> list[PendingReduce]:
+    def reduce_grads(self, *, all_reduce: bool = True, replica_buckets: Any = None) -> list[PendingReduce]:
         """Issue the reduce-scatter of the unsharded gradients (one per bucket, async) and
         free them; ``PendingReduce.advance`` stores the result (see [Note: the reduction
         pipeline] in ``_reduce.py``). ``all_reduce=False`` (HSDP gradient accumulation) skips

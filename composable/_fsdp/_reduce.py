@@ -65,6 +65,7 @@ from torch.profiler import record_function
 
 from ._comm import reduce_scatter, send_buffer
 from .._mesh_utils import reduce_scatter_single
+from ._sharded_param import ShardedParam
 
 __all__ = ["ReduceStage", "PendingReduce", "make_buckets", "reduce_grads", "resolve_unused"]
 
@@ -120,7 +121,7 @@ class Bucket:
         return self.numel + len(self.params)
 
 
-def make_buckets(params, reduce_dtype: torch.dtype | None) -> list[Bucket]:
+def make_buckets(params: list[ShardedParam], reduce_dtype: torch.dtype | None) -> list[Bucket]:
     """One bucket per reduce dtype (``reduce_dtype``, else each parameter's compute dtype) over
     the parameters that require grad, in parameter order."""
     by_dtype: dict[torch.dtype, list] = {}
@@ -153,7 +154,7 @@ class PendingReduce:
     bucketed: bool = False  # its all-reduce is a replica bucket's ([Note: replica buckets] in _bucket.py)
     divided: bool = False  # ALL_REDUCE: divided before the all-reduce was issued
 
-    def issued_all_reduce(self, work) -> None:
+    def issued_all_reduce(self, work: dist.Work | None) -> None:
         """Its replica bucket's all-reduce ``work`` was issued (nothing divided yet)."""
         self.work = work
         self._to(ReduceStage.ALL_REDUCE)

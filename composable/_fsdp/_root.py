@@ -17,11 +17,13 @@ True again before the last backward of the step: gradients are complete only aft
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed as dist
 
 from .._compat import queue_backward_callback
 from ._bucket import ReplicaBuckets
-from ._reduce import ReduceStage, resolve_unused
+from ._reduce import PendingReduce, ReduceStage, resolve_unused
 
 __all__ = ["RootContext", "DEFAULT_UNSHARD_LIMIT"]
 
@@ -29,25 +31,26 @@ DEFAULT_UNSHARD_LIMIT = 2  # see [Note: the unshard limit] in _state.py
 
 
 class RootContext:
-    """Bookkeeping of one root and the units under it (``states``, root first)."""
+    """Bookkeeping of one root and the units under it (``states``, root first; each an
+    ``FSDPState``, driven through its handle methods ``reduce`` and ``end_step``)."""
 
-    def __init__(self, root, states: list, unshard_limit: int) -> None:
+    def __init__(self, root: Any, states: list[Any], unshard_limit: int) -> None:
         self.root = root
         self.states = states
         self.unshard_limit = unshard_limit
-        self.order: list = []  # forward order of the previous step
-        self.this_order: list = []  # forward order of this step so far
-        self.reduces: list = []  # PendingReduce in flight, oldest first
-        self.done: list = []  # PendingReduce of this backward already stored (for resolve_unused)
+        self.order: list[Any] = []  # forward order of the previous step
+        self.this_order: list[Any] = []  # forward order of this step so far
+        self.reduces: list[PendingReduce] = []  # in flight, oldest first
+        self.done: list[PendingReduce] = []  # of this backward already stored (for resolve_unused)
         self.callback_queued = False  # the end-of-backward callback of this step is queued
         # set_is_last_backward(False): this backward's end leaves its reductions in flight
         # (finished by the next last backward), see [Note: backwards that are not the last]
         self.is_last_backward = True
         self.post_optim_event: object = None  # set_post_optim_event: waited for at the next root forward
         self.replica_buckets = ReplicaBuckets()  # NO_SHARD's all-reduces, see _bucket.py
-        self._subgroups: dict[tuple[int, ...], object] = {}  # rank set -> group
+        self._subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}  # rank set -> group
 
-    def subgroup(self, ranks: tuple[int, ...]):
+    def subgroup(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         """The process group over ``ranks``, made once (collective over those ranks)."""
         if ranks not in self._subgroups:
             self._subgroups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
@@ -69,7 +72,7 @@ class RootContext:
             self.order = list(self.this_order)
             queue_backward_callback(self.final_callback)
 
-    def keep_in_flight(self, issued: list) -> None:
+    def keep_in_flight(self, issued: list[PendingReduce]) -> None:
         """Add a unit's newly issued reductions, moving the earlier ones a stage on
         (reduce-scatter -> replica all-reduce -> stored) so that they run behind the computation."""
         limit = issued[0].group.comm.max_input_buffers if issued else 1
@@ -94,7 +97,7 @@ class RootContext:
             if s.group is not None and s.group.has_unsharded_grads():
                 if s.reshard_after_backward:
                     s.group.reshard()  # as in the post-backward: parameters go first
-                s._reduce()
+                s.reduce()
         self.replica_buckets.end_backward()
         if self.is_last_backward:
             while self.reduces:
@@ -104,7 +107,7 @@ class RootContext:
             done, self.done = self.done, []
             resolve_unused(done)  # [Note: unused parameters] in _reduce.py
         for s in self.states:
-            s._end_step()
+            s.end_step()
         self.callback_queued = False
 
     def reset(self) -> None:
@@ -133,5 +136,5 @@ class RootContext:
         for s in self.states:
             if s.group is not None:
                 s.group.drop_unsharded_grads()
-            s._end_step()
+            s.end_step()
         self.callback_queued = False

@@ -61,11 +61,11 @@ class ShardedParam:
     def __init__(
         self,
         fqn: str,
-        param: nn.Parameter,
+        param: torch.Tensor,
         uses: list[tuple[nn.Module, str]],
         layout: ShardLayout,
         padded: torch.Tensor,
-        mesh,
+        mesh: DeviceMesh,
         shard_rank: int,
         compute_dtype: torch.dtype,
         compute_device: torch.device,
@@ -129,12 +129,14 @@ class ShardedParam:
                 shape=torch.Size(self.global_shape), stride=self.global_stride)
             self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
 
-    def registered(self):
+    def registered(self) -> torch.Tensor:
         """The tensor the module holds under this parameter's first name now."""
         module, name = self.uses[0]
-        return module._parameters[name]
+        param = module._parameters[name]
+        assert param is not None, f"'{self.fqn}' is registered on its module"
+        return param
 
-    def owns(self, param) -> bool:
+    def owns(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is the sharded parameter, still a view of ``padded``."""
         if param is not self.sharded or not isinstance(param, DTensor):
             return False
@@ -142,7 +144,7 @@ class ShardedParam:
         return (local.dtype == self.padded.dtype and local.device == self.padded.device
                 and local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr())
 
-    def adopt(self, param, padded: torch.Tensor) -> None:
+    def adopt(self, param: torch.Tensor, padded: torch.Tensor) -> None:
         """Take ``param`` as the sharded parameter, its values copied into ``padded`` (this
         parameter's new segment of the unit's buffer, in ``param``'s dtype). ``param`` is what
         the module holds now: the sharded parameter whose local tensor ``nn.Module._apply``

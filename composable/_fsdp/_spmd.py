@@ -50,7 +50,7 @@ def spmd_mesh(mesh: DeviceMesh, dims: DataParallelMeshDims) -> DeviceMesh:
     if not shard:
         raise NotImplementedError("fully_shard: dp_mesh_dims with replicate only (DDP) is not supported; use "
                                   "shardwise.composable.apply_fully_shard(..., 'NO_SHARD') or name a shard axis")
-    return mesh[(*rep, *shard)] if rep else mesh[shard[0]]
+    return mesh[rep + shard] if rep else mesh[shard[0]]
 
 
 def to_tp_dtensor(param: torch.Tensor, fqn: str, dims: DataParallelMeshDims) -> torch.Tensor:

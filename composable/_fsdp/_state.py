@@ -57,28 +57,30 @@ an earlier unit of that backward had already stored there is the user's to clear
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from .._compat import backward_running, run_eagerly, tree_flatten, tree_map
-from ._backward import BackwardHooks
+from .._compat import backward_running, run_eagerly, tree_flatten, tree_map, tree_unflatten
+from ._common import OWNER_ATTR, TRAINING_NEXT, TraceNames, TrainingState, unit_name
+from ._param_group import ParamGroup
+from ._policies import MixedPrecisionPolicy
 from ._root import DEFAULT_UNSHARD_LIMIT, RootContext
-from ._trace import TraceNames, unit_name
-from ._training_state import NEXT as _NEXT
-from ._training_state import TrainingState
 
-__all__ = ["FSDPState", "TrainingState", "get_state", "units_under"]
+__all__ = ["FSDPState", "get_state", "units_under"]
 
 _STATE_ATTR = "_shardwise_fsdp_state"
 
 
-def get_state(module) -> "FSDPState | None":
+def get_state(module: object) -> FSDPState | None:
+    """The unit state ``fully_shard`` attached to ``module`` (a module, or ``FSDPModule`` self)."""
     return module.__dict__.get(_STATE_ATTR)
 
 
-def units_under(modules) -> "list[FSDPState]":
+def units_under(modules: Iterable[nn.Module]) -> list[FSDPState]:
     """The units of ``modules`` and of every module below them, each once, in module order."""
     seen, out = set(), []
     for m in modules:
@@ -90,17 +92,38 @@ def units_under(modules) -> "list[FSDPState]":
     return out
 
 
-def _cast_floats(tree, dtype):
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-class FSDPState(BackwardHooks):
+class _PostBackward(torch.autograd.Function):
+    """Identity in forward; in backward, tells the unit that one of its forward calls is done."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.state._post_backward_fired()
+        return (None, *grads)
+
+
+class FSDPState:
     """Hooks and per-step bookkeeping of one unit over ``modules`` (one module, or the list
     given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters.
     What spans units (the root's) is in ``ctx``, a ``RootContext`` shared by every unit under
-    the root, set at lazy init. The backward hooks are `BackwardHooks`' (``_backward.py``)."""
+    the root, set at lazy init.
 
-    def __init__(self, modules, group, mesh, reshard_after_forward, mp) -> None:
+    It is also the *handle* other code drives a unit through (``units_of``, ``fully_shard.state``):
+    ``unshard`` / ``wait_unshard`` / ``reshard`` move its parameters, ``reduce`` issues the
+    reduction of its gradients, ``end_step`` ends its step, ``finish_backward`` /
+    ``abandon_step`` end (or drop) the step of every unit under its root, and
+    ``reshard_for_update`` / ``readopt`` bracket a replacement of its parameters from outside."""
+
+    def __init__(self, modules: list[nn.Module], group: ParamGroup | None, mesh: Any,
+                 reshard_after_forward: bool | int | None, mp: MixedPrecisionPolicy) -> None:
         self.modules = modules
         self.group = group
         self.mesh = mesh
@@ -121,10 +144,10 @@ class FSDPState(BackwardHooks):
         self.requested_unshard_limit: int | None = None  # set_unshard_limit before lazy init
         self.training = TrainingState.IDLE
         # per-unit, per-step
-        self._post_forward_target: tuple | None = None  # (group, k) for an int reshard_after_forward
+        self._post_forward_target: tuple[Any, int] | None = None  # (group, k) for an int reshard_after_forward
         self._forward_seen: set[int] = set()
         self._pending_post_backward = 0
-        self._handles = []
+        self._handles: list[Any] = []
         # [Note: hooks under torch.compile] compiling the module (``torch.compile(block)``,
         # ``block.compile()``) makes dynamo trace ``_call_impl`` and with it these hooks; they
         # unshard / reshard by storage resizes and parameter swaps that must not be captured in
@@ -137,7 +160,7 @@ class FSDPState(BackwardHooks):
             self._handles.append(m.register_forward_hook(post))
 
     @property
-    def root(self) -> "FSDPState | None":
+    def root(self) -> FSDPState | None:
         """The root unit (None before lazy init)."""
         return None if self.ctx is None else self.ctx.root
 
@@ -179,15 +202,64 @@ class FSDPState(BackwardHooks):
         return not self.is_root if self.ctx is not None else True
 
     def _set_training(self, new: TrainingState) -> None:
-        if new not in _NEXT[self.training]:
+        if new not in TRAINING_NEXT[self.training]:
             label = self.group.label if self.group is not None else type(self.modules[0]).__name__
             raise AssertionError(f"fully_shard({label}): training state {self.training.name} -> {new.name}")
         self.training = new
 
-    # -- lazy init ------------------------------------------------------------------------------
-    def _lazy_init(self) -> None:
+    # -- the handle: what other code drives the unit through ------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Issue the all-gather of the unit's parameters (a no-op if gathered or in flight);
+        wait for it unless ``async_op``."""
+        if self.group is not None:
+            self.group.unshard(async_op=async_op)
+
+    def wait_unshard(self) -> None:
+        """Finish an issued all-gather: the modules hold the unsharded parameters."""
+        if self.group is not None:
+            self.group.wait_unshard()
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the modules hold the sharded ones."""
+        if self.group is not None:
+            self.group.reshard()
+
+    def finish_backward(self) -> None:
+        """The root's end of backward for every unit under this unit's root (what runs after
+        ``loss.backward()``): gradients reduced and stored, units resharded, per-step state
+        reset. Nothing before lazy init."""
         if self.ctx is not None:
+            self.ctx.final_callback()
+
+    def abandon_step(self) -> None:
+        """Drop the step of every unit under this unit's root, as after a backward that raised
+        ([Note: a backward that raised]). Nothing before lazy init."""
+        if self.ctx is not None:
+            self.ctx.abandon_step()
+
+    def reshard_for_update(self, what: str) -> None:
+        """Reshard the unit before ``what`` replaces or reads its parameters (between steps only)."""
+        g = self.group
+        if g is None or not (g.is_unsharded or g.unshard_pending):
             return
+        if self.training is TrainingState.BACKWARD:
+            raise RuntimeError(f"fully_shard({g.label}): {what} during backward; call it between steps")
+        g.reshard()
+
+    def readopt(self) -> None:
+        """Re-adopt the parameters the unit's modules hold now ([Note: re-adopting parameters]
+        in ``_param_group.py``)."""
+        if self.group is None:
+            return
+        self.group.readopt()
+        for sp in self.group.params:  # swap_tensors swaps __dict__ too: put the mark back
+            if getattr(sp.sharded, OWNER_ATTR, None) is None:
+                setattr(sp.sharded, OWNER_ATTR, sp.owner)
+
+    # -- lazy init ------------------------------------------------------------------------------
+    def _lazy_init(self) -> RootContext:
+        if self.ctx is not None:
+            return self.ctx
         states = units_under(self.modules)
         limits = [s for s in states if s is not self and s.requested_unshard_limit is not None]
         if limits:
@@ -211,6 +283,7 @@ class FSDPState(BackwardHooks):
                 s.group.trace = TraceNames.for_unit(unit_name(s.modules, paths))
         for s in states:
             s._setup_post_forward_group()
+        return ctx
 
     def _setup_post_forward_group(self) -> None:
         """The subgroup an int ``reshard_after_forward`` reshards onto (none for a bool).
@@ -227,7 +300,7 @@ class FSDPState(BackwardHooks):
         self._post_forward_target = (self.ctx.subgroup(tuple(shard_ranks[start : start + k])), k)
 
     # -- prefetch (see [Note: the unshard limit]) -------------------------------------------------
-    def _prefetch(self, states, backward: bool = False) -> None:
+    def _prefetch(self, states: list[FSDPState], backward: bool = False) -> None:
         ctx = self.ctx
         assert ctx is not None, "prefetches run after lazy init"
         for s in states:
@@ -238,7 +311,7 @@ class FSDPState(BackwardHooks):
                 continue
             g.unshard(async_op=True)
 
-    def _neighbour(self, step: int) -> list["FSDPState"]:
+    def _neighbour(self, step: int) -> list[FSDPState]:
         assert self.ctx is not None, "after lazy init"
         order = self.ctx.order
         if self not in order:
@@ -247,10 +320,8 @@ class FSDPState(BackwardHooks):
         return [order[i]] if 0 <= i < len(order) else []
 
     # -- forward ----------------------------------------------------------------------------------
-    def _pre_forward(self, module, args, kwargs):
-        if self.ctx is None:
-            self._lazy_init()
-        ctx = self.ctx
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        ctx = self._lazy_init()
         if ctx.callback_queued and not backward_running():  # [Note: a backward that raised]
             ctx.abandon_step()
         if self.training is TrainingState.BACKWARD:  # recomputation under activation checkpointing
@@ -260,30 +331,29 @@ class FSDPState(BackwardHooks):
             ctx.this_order = []
             event, ctx.post_optim_event = ctx.post_optim_event, None
             if event is not None and self.group is not None and self.group.compute_device.type != "cpu":
-                event.wait()  # set_post_optim_event: the all-gathers follow the optimizer's event
+                event.wait()  # type: ignore[attr-defined]  # set_post_optim_event: the all-gathers follow it
             if not ctx.callback_queued:  # a new step: forget forwards that saw no backward
                 for s in ctx.states:
                     s._pending_post_backward = 0
         if self not in ctx.this_order:
             ctx.this_order.append(self)
         self._forward_seen.add(id(module))
-        if self.group is not None:
-            self.group.unshard()
+        self.unshard()
         self._prefetch(self.forward_prefetch if self.forward_prefetch is not None else self._neighbour(+1))
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
-    def _cast_inputs(self, args, kwargs):
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             return _cast_floats((args, kwargs), self.mp.param_dtype)
         return args, kwargs
 
-    def _cast_output(self, output):
+    def _cast_output(self, output: Any) -> Any:
         return output if self.mp.output_dtype is None else _cast_floats(output, self.mp.output_dtype)
 
-    def _post_forward(self, module, args, output):
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if self.training is TrainingState.BACKWARD:  # recomputation: the same output casts
             return self._cast_output(output)
         if self.group is not None and len(self._forward_seen) == len(self.modules):
@@ -301,3 +371,60 @@ class FSDPState(BackwardHooks):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         return output
+
+    # -- backward: steps 3 to 5 of [Note: the life of one training step] --------------------------
+    def _register_post_backward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        self._pending_post_backward += 1
+        return tree_unflatten(flat, spec)
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        assert self.ctx is not None, "a backward runs after lazy init"
+        self.ctx.start_backward()
+        self._set_training(TrainingState.BACKWARD)
+        if self.unshard_in_backward:
+            self.unshard()
+        self._prefetch(self.backward_prefetch if self.backward_prefetch is not None else self._neighbour(-1),
+                       backward=True)
+
+    def _post_backward_fired(self) -> None:
+        self._pending_post_backward -= 1
+        if self._pending_post_backward <= 0:
+            self._pending_post_backward = 0
+            # free the unsharded parameters before the reduce-scatter allocates its send
+            # buffer: the gradients and that buffer then never coexist with them
+            if self.reshard_after_backward:
+                self.reshard()
+            self.reduce()
+
+    def reduce(self) -> None:
+        """Issue the reduction of the unit's unsharded gradients (kept in flight by the root),
+        or, with ``requires_gradient_sync`` False, keep accumulating them unsharded."""
+        if self.group is None:
+            return
+        if not self.requires_gradient_sync:
+            self.group.stash_unsharded_grads()
+            return
+        assert self.ctx is not None, "a backward runs after lazy init"
+        issued = self.group.reduce_grads(all_reduce=self.requires_all_reduce,
+                                         replica_buckets=self.ctx.replica_buckets)
+        if issued:
+            self.ctx.keep_in_flight(issued)
+
+    def end_step(self) -> None:
+        """Called by the root's end-of-backward callback on every unit: resharded (unless
+        ``reshard_after_backward=False``), per-step state reset."""
+        self._pending_post_backward = 0
+        self._forward_seen.clear()
+        self.training = TrainingState.IDLE  # from any state: the step is over
+        if self.group is not None:
+            self.group.wait_unshard()
+            if self.reshard_after_backward:
+                self.group.reshard()
+            self.group.drop_post_forward()

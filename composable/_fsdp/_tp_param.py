@@ -20,7 +20,7 @@ gradient is redistributed to the parameter's TP placement (the TP all-reduce of 
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .._compat import root_mesh, strided_shard
 from .._mesh_utils import same_mesh
@@ -28,8 +28,8 @@ from .._mesh_utils import same_mesh
 __all__ = ["tp_sharded_placements"]
 
 
-def tp_sharded_placements(dp_mesh: DeviceMesh, dp: tuple, placement: Shard,
-                          param: DTensor) -> tuple[DeviceMesh, tuple]:
+def tp_sharded_placements(dp_mesh: DeviceMesh, dp: tuple[Placement, ...], placement: Shard,
+                          param: DTensor) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """``(mesh, placements)`` of the sharded form of the TP DTensor ``param``: ``dp`` (the
     data-parallel placements, sharding ``placement``'s dim) followed by ``param``'s TP
     placements, on the combined mesh; the dp shard is strided when TP split the same dim first."""
@@ -43,7 +43,7 @@ def tp_sharded_placements(dp_mesh: DeviceMesh, dp: tuple, placement: Shard,
     return _combined_mesh(dp_mesh, tp_mesh), dp + tp_placements
 
 
-def _combined_mesh(dp_mesh, tp_mesh):
+def _combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     """The ``(dp axes..., tp axis)`` mesh of the root mesh both were sliced from."""
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     root = root_mesh(dp_mesh)
@@ -62,4 +62,4 @@ def _combined_mesh(dp_mesh, tp_mesh):
         )
     if set(dp_names) & set(tp_names):
         raise ValueError(f"fully_shard: the dp mesh {dp_names} and the TP mesh {tp_names} share an axis")
-    return root[(*dp_names, *tp_names)]
+    return root[tuple(dp_names) + tuple(tp_names)]

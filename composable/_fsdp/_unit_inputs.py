@@ -5,6 +5,9 @@ input is one line naming it and the fix."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -13,8 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._compat import is_strided_shard
 from .._mesh_utils import mesh_device
-from ._errors import FullyShardUsageError
-from ._adopt import OWNER_ATTR
+from ._common import OWNER_ATTR, FullyShardUsageError, ParamEntry
 from ._state import get_state
 
 __all__ = ["default_mesh", "check_mesh", "check_reshard_after_forward", "collect_params", "check_params",
@@ -69,7 +71,7 @@ def check_reshard_after_forward(value: object, mesh: DeviceMesh) -> bool | int |
     raise TypeError(f"reshard_after_forward must be None, a bool or an int, got {type(value).__name__}")
 
 
-def collect_params(modules: list[nn.Module], ignored: set[int]):
+def collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamEntry]:
     """``[(fqn, param, uses)]`` of the parameters this unit takes: those under ``modules`` that
     are not under an existing unit, not ignored, each once however many names it has."""
     by_id: dict[int, tuple[str, nn.Parameter, list]] = {}
@@ -104,7 +106,7 @@ def collect_params(modules: list[nn.Module], ignored: set[int]):
     return [by_id[i] for i in order]
 
 
-def check_params(entries, mesh: DeviceMesh, label: str) -> None:
+def check_params(entries: list[ParamEntry], mesh: DeviceMesh, label: str) -> None:
     for fqn, p, _ in entries:
         if isinstance(p, DTensor) and not all(
                 isinstance(x, (Shard, Replicate)) and not is_strided_shard(x) for x in p.placements):
@@ -134,7 +136,8 @@ def check_params(entries, mesh: DeviceMesh, label: str) -> None:
             )
 
 
-def shard_placement(fn, fqn: str, param, label: str) -> Shard | None:
+def shard_placement(fn: Callable[[Any], Shard | None] | None, fqn: str, param: torch.Tensor,
+                    label: str) -> Shard | None:
     """What ``shard_placement_fn`` says for ``param``, checked (None: ``Shard(0)``)."""
     if fn is None:
         return None

@@ -89,17 +89,15 @@ class StageUnits:
         resharded since the ``I`` is gathered again (into the same storage its graph saved)."""
         self.before_backward(stage, last)
         for s in self.units[stage]:
-            if s.group is not None:
-                s.group.unshard()
-                s.group.wait_unshard()
+            s.unshard()
 
     def after_weight_grad(self, stage: int) -> None:
         """The units' end of backward after a ``W``: reduce (or keep) the gradients it made."""
         done: list = []
         for u in self.units[stage]:
-            if u.ctx is not None and all(u.ctx is not c for c in done):
-                done.append(u.ctx)
-                u.ctx.final_callback()
+            if u.root is not None and all(u.root is not r for r in done):
+                done.append(u.root)
+                u.finish_backward()
 
     def restore(self) -> None:
         """The units' own settings again (the overrides dropped)."""
@@ -111,6 +109,6 @@ class StageUnits:
         self.restore()
         done: list = []
         for u in self._all():
-            if u.ctx is not None and all(u.ctx is not c for c in done):
-                done.append(u.ctx)
-                u.ctx.abandon_step()
+            if u.root is not None and all(u.root is not r for r in done):
+                done.append(u.root)
+                u.abandon_step()
