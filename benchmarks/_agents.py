@@ -6,7 +6,9 @@ The driver behind ``tests/test_elastic_agents.py`` and ``benchmarks/elastic.py``
         --rdzv-backend c10d --rdzv-endpoint localhost:PORT --rdzv-id ID --rdzv-conf ...
         examples/train.py --checkpoint-dir DIR --checkpoint-every K --event-log EVENTS ...
 
-Agent A hosts the rendezvous store (``is_host=1``); agent B joins it as a client (``is_host=0``). [Note: what the scenario does]
+Agent A hosts the rendezvous store (``is_host=1``); agent B joins it as a client (``is_host=0``).
+
+[Note: what the scenario does]
 1. both run at world 4 until a checkpoint is committed and a later step trained;
 2. B is lost as a host is: its agent and its workers are SIGKILLed (the agent first, so it
    cannot restart them). A's workers fail in their next collective (or by heartbeat), A's agent

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.checkpoint._full_state import scatter_full  # LEAD: -> from shardwise.checkpoint import scatter_full
+from shardwise.checkpoint import scatter_full
 
 from .._compat import TorchDispatchMode, storage_key, tree_flatten
 from ._param_group import ParamGroup

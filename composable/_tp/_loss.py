@@ -50,10 +50,10 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         shifted = z - zmax.unsqueeze(1)
         picked = shifted.gather(1, local_t.clamp(0, max(n_local - 1, 0)).unsqueeze(1)).squeeze(1) \
             if n_local else shifted.new_zeros(z.shape[0])
-        stats = [shifted.exp().sum(dim=1), torch.where(mine, picked, 0.0)]
+        parts = [shifted.exp().sum(dim=1), torch.where(mine, picked, 0.0)]
         if smoothing:
-            stats.append(shifted.sum(dim=1))
-        stats = torch.stack(stats)
+            parts.append(shifted.sum(dim=1))
+        stats = torch.stack(parts)
         dist.all_reduce(stats, group=group)
         log_s = stats[0].log()
         loss = log_s - stats[1]
