@@ -154,3 +154,42 @@ def test_a_bad_source_state_dict_is_one_error_on_every_rank(case, text):
     (before, only the source raised and the others waited in the scatter)."""
     got = run_ranks(_bad_source, 2, case, timeout=60)
     assert got[0] == got[1] and got[0].startswith(text), got
+
+
+class _NoCollectives:
+    """Stands in for ``torch.distributed`` inside ``_materialize``: asking for anything but the
+    rank is a collective of deferred init's own."""
+
+    def __getattr__(self, name):
+        if name in ("get_rank", "get_world_size", "is_initialized"):
+            return getattr(torch.distributed, name)
+        raise AssertionError(f"deferred init called torch.distributed.{name} itself")
+
+
+def _from_rank1(rank, world_size):
+    import shardwise.composable._fsdp._materialize as m
+
+    mesh = make_mesh((world_size,))
+    if rank == 1:
+        model = Llama(CFG, generator=torch.Generator().manual_seed(5))
+        full = model.state_dict()
+    else:
+        with torch.device("meta"):
+            model = Llama(CFG)
+        full = None
+    _shard(model, mesh, model.layers)
+    real, m.dist = m.dist, _NoCollectives()
+    try:
+        broadcast_from_rank0(model, full, src_rank=1)
+    finally:
+        m.dist = real
+    ref = Llama(CFG, generator=torch.Generator().manual_seed(5))
+    got, want = _full(model), _full(ref)
+    return [n for n in want if not torch.equal(got[n], want[n])]
+
+
+def test_broadcast_from_another_rank_through_the_one_scatter():
+    """``src_rank=1`` sends rank 1's state dict; deferred init itself calls no collective (every
+    byte goes through ``shardwise.checkpoint.scatter_full``)."""
+    for rank, bad in enumerate(run_ranks(_from_rank1, 2)):
+        assert not bad, f"rank {rank}: {bad}"

@@ -18,6 +18,7 @@ only its slices), use `load_safetensors` instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._geometry import local_boxes
-from .._base import agree, broadcast_json, collective_device, is_distributed, rank_and_world
+from .._base import CheckpointError, agree, broadcast_json, collective_device, is_distributed, rank_and_world
 from ._flatten import flatten
 
 __all__ = ["gather_full", "scatter_full", "to_cpu"]
@@ -100,27 +101,49 @@ def _copy_boxes(t: torch.Tensor, f: torch.Tensor) -> None:
         local[lb.local_region().slices()].copy_(f[lb.box.slices()])
 
 
-def scatter_full(state: dict, full: dict, *, from_rank0: bool = False, where: str = "the full state dict") -> None:
+_RAISED_AS_IS = {"KeyError": KeyError, "ValueError": ValueError, "TypeError": TypeError}
+
+
+def scatter_full(state: dict, full: dict, *, from_rank0: bool = False, src: int = 0,
+                 where: str = "the full state dict",
+                 check: Callable[[], BaseException | None] | None = None) -> None:
     """Fill the tensors of ``state`` in place from the full tensors of ``full``; collective.
 
-    With ``from_rank0`` only rank 0's ``full`` is read (other ranks may pass ``{}``). Raises
-    `CheckpointError` on every rank, before writing anything, if a tensor is missing or has
-    another dtype or shape.
+    With ``from_rank0`` only rank ``src``'s ``full`` is read (other ranks may pass ``{}``), and
+    each tensor is broadcast from it in turn: a rank holds its shards and one full tensor at a
+    time. Raises `CheckpointError` on every rank, before writing anything, if a tensor is
+    missing or has another dtype or shape.
+
+    ``check`` (with ``from_rank0``): called on rank ``src`` before anything moves; a
+    ``KeyError`` / ``ValueError`` / ``TypeError`` it returns is raised on every rank with its
+    own type and message (any other: as `CheckpointError`), for callers whose errors are
+    part of their API. It travels with the problems, so it costs no collective of its own.
     """
     rank, _ = rank_and_world()
+    if check is not None and not from_rank0:
+        raise ValueError("scatter_full: check= needs from_rank0=True (one rank reads, so one rank checks)")
+    reader = not from_rank0 or rank == src
     problems: list[str] | None = None
+    first: list[str] | None = None  # [exception type, message] from check
     error: BaseException | str | None = None
     try:
-        if not from_rank0 or rank == 0:
+        if reader and check is not None and (exc := check()) is not None:
+            first = [type(exc).__name__, str(exc.args[0]) if exc.args else str(exc)]
+        elif reader:
             problems = _problems(state, full, where)
     except Exception as e:
         error = e
     if from_rank0:
-        problems = broadcast_json(problems if rank == 0 else None, src=0)
+        first, problems = broadcast_json([first, problems] if rank == src else None, src=src)
+    if first is not None:
+        kind = _RAISED_AS_IS.get(first[0])
+        if kind is None:
+            raise CheckpointError(f"loading {where} failed: {first[1]}")
+        raise kind(first[1])
     if problems and error is None:
         error = "\n    ".join(problems[:20]) + "\n  The target was not modified."
     agree(error, f"loading {where}")
-    have = {leaf.key: leaf.value for leaf in flatten(full)} if (rank == 0 or not from_rank0) else {}
+    have = {leaf.key: leaf.value for leaf in flatten(full)} if reader else {}
     with torch.no_grad():
         for leaf in flatten(state):
             t = leaf.value
@@ -130,10 +153,10 @@ def scatter_full(state: dict, full: dict, *, from_rank0: bool = False, where: st
                 _copy_boxes(t, have[leaf.key])
                 continue
             dev = collective_device()
-            if rank == 0:
+            if rank == src:
                 buf = have[leaf.key].to(dev).contiguous()
             else:
                 buf = torch.empty(t.shape, dtype=t.dtype, device=dev)
-            dist.broadcast(buf, src=0)
+            dist.broadcast(buf, src=src)
             _copy_boxes(t, buf)
 

@@ -188,58 +188,53 @@ def materialize(model: nn.Module, init_fn: Callable[[nn.Module], object] | None 
 
 
 def _source_problem(model: nn.Module, names: dict[int, str],
-                    full_state_dict: dict[str, torch.Tensor] | None) -> tuple[str, str] | None:
-    """On the source rank: what is wrong with its ``full_state_dict`` for ``model``, as
-    ``(exception kind, message)``, or None."""
+                    full_state_dict: dict[str, torch.Tensor] | None) -> Exception | None:
+    """On the source rank: what is wrong with its ``full_state_dict`` for ``model``, or None."""
     if full_state_dict is None:
-        return ("ValueError", "broadcast_from_rank0: the source rank must pass its full state dict "
-                "(model.state_dict() taken before fully_shard)")
+        return ValueError("broadcast_from_rank0: the source rank must pass its full state dict "
+                          "(model.state_dict() taken before fully_shard)")
     for g in _groups(model):
         for p in g.params:
             fqn = names[id(p.sharded)]
             if fqn not in full_state_dict:
-                return ("KeyError", f"broadcast_from_rank0: '{fqn}' is missing from the full state dict")
+                return KeyError(f"broadcast_from_rank0: '{fqn}' is missing from the full state dict")
             shape = tuple(full_state_dict[fqn].shape)
             if shape != p.layout.shape:
-                return ("ValueError", f"broadcast_from_rank0: '{fqn}' has shape {shape}, the model expects "
-                        f"{p.layout.shape}")
+                return ValueError(f"broadcast_from_rank0: '{fqn}' has shape {shape}, the model expects "
+                                  f"{p.layout.shape}")
     return None
 
 
 def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None,
                          src_rank: int = 0) -> None:
-    """Fill a sharded model from a full state dict that only rank 0 holds (others pass None
-    and may have built the model on the meta device): Accelerate's ``sync_module_states`` /
-    ``cpu_ram_efficient_loading``. Rank 0 sends one tensor at a time
-    (``shardwise.checkpoint.scatter_full``) and every rank keeps its shard of it, so no rank
-    holds more than its shards and one full tensor. Buffers come from rank 0's model.
-    Collective: call it on every rank. ``src_rank``: only 0 (``ValueError`` otherwise).
+    """Fill a sharded model from a full state dict that only rank ``src_rank`` holds (others
+    pass None and may have built the model on the meta device): Accelerate's
+    ``sync_module_states`` / ``cpu_ram_efficient_loading``. The source sends one tensor at a
+    time through the one rank-0 scatter (``shardwise.checkpoint.scatter_full``) and every rank
+    keeps its shard of it, so no rank holds more than its shards and one full tensor. Buffers
+    come from the source rank's model. Collective: call it on every rank.
 
-    On rank 0, take ``full_state_dict = model.state_dict()`` before calling ``fully_shard``.
-    A state dict rank 0 cannot use (None, a missing name, a wrong shape) is checked before
-    anything is sent and raises the same error on every rank (KeyError / ValueError), not a hang.
+    On the source rank, take ``full_state_dict = model.state_dict()`` before calling
+    ``fully_shard``. A state dict it cannot use (None, a missing name, a wrong shape) is checked
+    before anything is sent and raises the same error on every rank (KeyError / ValueError),
+    not a hang.
     """
-    if src_rank != 0:
-        raise ValueError(f"broadcast_from_rank0: src_rank must be 0, got {src_rank}")
     me = dist.get_rank()
     _refuse_tp(model, "broadcast_from_rank0")
     _materialize_storage(model)
     names: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    # rank 0 checks its state dict before anything is sent and tells every rank, so that a bad
-    # one is the same error everywhere instead of the others waiting for tensors that never come
-    verdict: list[tuple[str, str] | None] = [_source_problem(model, names, full_state_dict) if me == 0 else None]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        kind, text = verdict[0]
-        raise (KeyError if kind == "KeyError" else ValueError)(text)
     params: list[ShardedParam] = [p for g in _groups(model) for p in g.params]
     state: dict[str, torch.Tensor] = {names[id(p.sharded)]: p.sharded for p in params}
     state.update(model.named_buffers())
+    problem = _source_problem(model, names, full_state_dict) if me == src_rank else None
     full: dict[str, torch.Tensor] = {}
-    if me == 0:
+    if me == src_rank and problem is None:
         assert full_state_dict is not None, "checked by _source_problem"
         full = {names[id(p.sharded)]: full_state_dict[names[id(p.sharded)]].detach().to(p.orig_dtype) for p in params}
         full.update((n, b.detach()) for n, b in model.named_buffers())
-    scatter_full(state, full, from_rank0=True, where="broadcast_from_rank0's full state dict")
+    # the source's verdict travels with scatter_full's own first message: a bad state dict is
+    # the same error on every rank, and deferred init issues no collective of its own
+    scatter_full(state, full, from_rank0=True, src=src_rank, where="broadcast_from_rank0's full state dict",
+                 check=lambda: problem)

@@ -21,7 +21,7 @@ alive on virtual stage ``k`` then weighs
     w_k = (b * blocks_k + E_b [k = 0] + H_k [k = last]) / m    bytes
 
 and a rank's activations are the peak of the walk of its own action list with these weights
-(`walk_in_flight`, [Note: activations in flight] in ``_pipeline/_in_flight.py``), plus
+(`walk_in_flight`, [Note: activations in flight] in ``_pipeline/_schedules/_in_flight.py``), plus
 ``H_t / m`` on the rank that holds the head. The walk gives ``m`` microbatches alive under
 GPipe, ``min(pp - r, m)`` on rank ``r`` under 1F1B, 2.5 rank-units on the last rank of
 interleaved 1F1B at ``pp=4, v=2``; any registered schedule gets its figures the same way.

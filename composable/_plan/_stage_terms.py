@@ -79,7 +79,7 @@ def held_grads(plan) -> int:
     summed gradients, and the new gradients computed before they are added: at most one unit's
     (the largest), in a full backward and in a split backward's ``W`` alike (``W`` adds its
     gradients in bounded batches: [Note: weight gradients in bounded batches] in
-    ``_pipeline/_split_backward.py``)."""
+    ``_pipeline/_split/_split_backward.py``)."""
     root, others = plan.units[-1], plan.units[:-1]
     largest = max(others, key=lambda u: u.unsharded, default=root)
     summed = largest.unsharded_grads if largest is not root else 0

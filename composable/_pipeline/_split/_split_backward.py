@@ -195,7 +195,7 @@ def weight_grad(pending: PendingWeights, x: torch.Tensor | None) -> None:
 def _through_engine(src: Source, grad_outputs: tuple) -> list:
     """A source `bind_weight_grads` left alone: `weight_grads_of` now, or the engine runs the node
     once more for its frontier outputs."""
-    got = weight_grads_of(src.node, grad_outputs, src.slots, src.edges)  # [Note: weight gradients ...]
+    got = weight_grads_of(src.node, grad_outputs, src.slots, src.edges)  # [Note: weight gradients from saved tensors]
     if got is not None:
         return got
     roots = [GradientEdge(src.node, k) for k, g in enumerate(grad_outputs) if g is not None]
