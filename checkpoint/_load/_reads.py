@@ -47,7 +47,7 @@ def _read_rows(h: ReadHandle, at: int, saved: tuple[int, ...], src_offsets: tupl
         rows = min(step, src_sizes[0] - lo)
         buf = torch.empty((rows, *saved[1:]), dtype=dst.dtype)
         pread_into(h, buf, at + (src_offsets[0] + lo) * row_bytes, h.name)
-        dst[lo : lo + rows].copy_(buf[(slice(None), *inner)])
+        dst[lo : lo + rows].copy_(buf[(slice(None),) + inner])
 
 
 def read_region(files: CheckpointFiles, saved: SavedBox, src: Box, out: torch.Tensor,

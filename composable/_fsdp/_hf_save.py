@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+import torch.nn as nn
 
 from shardwise.checkpoint import StateDictOptions, get_model_state_dict
 
@@ -43,7 +44,7 @@ def save_pretrained_override(cls: type) -> dict[str, Callable[..., Any]]:
     if "state_dict" not in sig.parameters:
         return {}
 
-    def save_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+    def save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         bound = sig.bind(self, *args, **kwargs)
         if bound.arguments.get("state_dict") is None:
             bound.arguments["state_dict"] = get_model_state_dict(self, options=_FULL_ON_RANK0)
