@@ -1,14 +1,4 @@
-"""The base of ``checkpoint/``: what every other room may use, importing nothing of the package.
-
-| module | one line |
-| --- | --- |
-| `_errors.py` | `CheckpointError`, the one exception type of the package |
-| `_checksums.py` | CRC-32 arithmetic and checksum chunks ([Note: checksum chunks]) |
-| `_json_strict.py` | JSON parsing that refuses duplicate keys and non-finite numbers |
-| `_compat.py` | the torch private APIs the package relies on, each with a test |
-| `_comm.py` | cross-rank agreement and small JSON collectives |
-| `_trace.py` | profiler ranges named ``shardwise.checkpoint.<phase>`` |
-"""
+"""The base of ``checkpoint/``: what every other room may use, importing nothing of the package."""
 
 from ._checksums import (BoxChecksums, ChunkRule, ChunkedCrc, box_rows, chunk_count, combine_chunks, crcs_from_hex,
                          crcs_to_hex, default_chunk_rule)

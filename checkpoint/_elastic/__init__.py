@@ -1,12 +1,4 @@
-"""Elastic training: resuming on another world size and surviving a dead peer.
-
-| module | one line |
-| --- | --- |
-| `_sampler.py` | `ElasticSampler`, `plan_batches`: the data order as a function of samples consumed |
-| `_loader.py` | `ElasticLoader`: a ``DataLoader`` over `ElasticSampler` that saves its position |
-| `_training_state.py` | `TrainingSnapshot`, ``save_training_state`` / ``load_training_state`` |
-| `_heartbeat.py` | `start_heartbeat`: a dead or frozen peer becomes a prompt exit a launcher restarts |
-"""
+"""Elastic training: resuming on another world size and surviving a dead peer."""
 
 from ._heartbeat import Heartbeat, HeartbeatPolicy, exit_for_restart, start_heartbeat
 from ._loader import ElasticLoader

@@ -2,14 +2,6 @@
 files (streaming writer, checked header reader) and byte-range reads of them. Specified in
 docs/checkpoint-format.md. Reads and writes go through a storage (``_storage``); nothing here
 knows where the files are.
-
-| module | one line |
-| --- | --- |
-| `_file_io.py` | byte ranges of an open data file into tensors, CRC-32s of ranges |
-| `_safetensors_io.py` | the safetensors layout: streaming writer, checked header reader |
-| `_index_model.py` | the index's records `Index`/`TensorEntry`/`SavedBox` and the format's names |
-| `_index.py` | `index.json` read and checked, written |
-| `_files.py` | `CheckpointFiles`: a checkpoint's index and its data files, opened |
 """
 
 from ._file_io import (adjacent_groups, byte_view, contiguous_run, crcs_of_range, crcs_of_ranges, pread_exact,

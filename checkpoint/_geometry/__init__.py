@@ -1,12 +1,5 @@
 """Geometry of saved data: boxes of tensors, whether boxes tile a tensor, the reads that fill a
 box from saved boxes, and who writes each box. Arithmetic only: no file, no storage.
-
-| module | one line |
-| --- | --- |
-| `_boxes.py` | `Box`, `LocalBox`; which boxes a rank holds for a placement (own `torch.chunk` arithmetic) |
-| `_tiling.py` | do saved boxes tile a tensor exactly (linear in the boxes) |
-| `_plan.py` | the reads that fill a local box from saved boxes |
-| `_owners.py` | one writer per box over the whole world |
 """
 
 from ._boxes import Box, LocalBox, boxes_for, layout_of, local_boxes

@@ -1,11 +1,4 @@
-"""Offline tools (one process, no torch.distributed): verify, merge, reshard.
-
-| module | one line |
-| --- | --- |
-| `_verify.py` | `verify_checkpoint`: every size, header, tiling and checksum of a checkpoint |
-| `_copy.py` | the slab-by-slab copy into new safetensors files and the commit of the output |
-| `_merge.py` | `merge_checkpoint` (full tensors, optionally a Hugging Face folder), `reshard_checkpoint` |
-"""
+"""Offline tools (one process, no torch.distributed): verify, merge, reshard."""
 
 from ._copy import Progress, Source, into_place, verified, write_file
 from ._merge import merge_checkpoint, reshard_checkpoint

@@ -1,11 +1,4 @@
-"""Checkpoints in place: the atomic commit of a save's folder, the series record, the latest one.
-
-| module | one line |
-| --- | --- |
-| `_commit.py` | temporary folder, durable rename into place, what may be replaced ([Note: atomic commit]) |
-| `_series.py` | the series record: saves begun, finished, aborted; ``keep_last`` |
-| `_latest.py` | `latest_checkpoint`: the newest complete checkpoint of a series |
-"""
+"""Checkpoints in place: the atomic commit of a save's folder, the series record, the latest one."""
 
 from ._commit import (check_target, commit, delete_own_files, intact_replaced, is_checkpoint, own_files, remove_temp,
                       temp_dir_for)

@@ -1,14 +1,4 @@
-"""State trees: flattening them, `Stateful` objects, full (unsharded) state, the state-dict helpers.
-
-| module | one line |
-| --- | --- |
-| `_flatten.py` | a state tree as flat ``a/b/0`` keys and back |
-| `_stateful.py` | `Stateful`: objects saved through their ``state_dict`` / ``load_state_dict`` |
-| `_dcp_api.py` | the calling conventions of torch DCP's ``save``/``load`` (``checkpoint_id``, process groups) |
-| `_full_state.py` | `gather_full` / `scatter_full`: full tensors on rank 0, and back into shards |
-| `_state_dict_forms.py` | DCP's state-dict shapes: submodules, frozen parameters, several/flat optimizers |
-| `_state_dict.py` | `get_model_state_dict` and the other state-dict helpers, `StateDictOptions` |
-"""
+"""State trees: flattening them, `Stateful` objects, full (unsharded) state, the state-dict helpers."""
 
 from ._dcp_api import check_alone_state, checkpoint_path, dcp_scope, refuse_dcp_extensions
 from ._flatten import Leaf, flatten, join_key, set_values, to_json_value

@@ -17,7 +17,6 @@ from ._posix import PosixStorage
 __all__ = ["DirView", "FsspecStorage", "Kind", "PosixStorage", "ReadHandle", "Storage", "WriteHandle",
            "storage_for"]
 
-
 def storage_for(path: str | os.PathLike, storage: Storage | None = None) -> tuple[Storage, str]:
     """The storage holding ``path`` and ``path`` in its canonical form: ``storage`` when given;
     fsspec for a URL (``memory://run/step-1``, ``s3://bucket/ckpt``, ``file:///tmp/x``); else the
