@@ -28,38 +28,12 @@ from ._axes import DP_SHARD_CP, MeshAxes, mesh_axes
 from ._dims import AXIS_NAMES, CP_AXIS, PP_AXIS, ParallelDims
 from ._ep import EP_AXIS, EP_DP_AXIS, ExpertMeshes, expert_meshes
 from ._hosts import HostLayoutWarning, host_fit_problem
-from ._init import (
-    data_parallel_mesh,
-    default_backend,
-    default_device_type,
-    init_distributed,
-    init_mesh,
-    pipeline_mesh,
-)
-from ._init import cp_mesh
+from ._init import (cp_mesh, data_parallel_mesh, default_backend, default_device_type, init_distributed, init_mesh,
+                    pipeline_mesh)
 
-__all__ = [
-    "AXIS_NAMES",
-    "CP_AXIS",
-    "DP_SHARD_CP",
-    "cp_mesh",
-    "EP_AXIS",
-    "EP_DP_AXIS",
-    "ExpertMeshes",
-    "expert_meshes",
-    "PP_AXIS",
-    "HostLayoutWarning",
-    "MeshAxes",
-    "ParallelDims",
-    "data_parallel_mesh",
-    "default_backend",
-    "default_device_type",
-    "host_fit_problem",
-    "init_distributed",
-    "init_mesh",
-    "mesh_axes",
-    "pipeline_mesh",
-]
+__all__ = ["AXIS_NAMES", "CP_AXIS", "DP_SHARD_CP", "cp_mesh", "EP_AXIS", "EP_DP_AXIS", "ExpertMeshes", "expert_meshes",
+           "PP_AXIS", "HostLayoutWarning", "MeshAxes", "ParallelDims", "data_parallel_mesh", "default_backend",
+           "default_device_type", "host_fit_problem", "init_distributed", "init_mesh", "mesh_axes", "pipeline_mesh"]
 
 _MOVED = ("Heartbeat", "HeartbeatPolicy", "exit_for_restart", "start_heartbeat")  # to shardwise.checkpoint
 

@@ -25,21 +25,6 @@ from ._router import Routing, TopKRouter, load_balancing_loss, router_z_loss, se
 from ._style import DispatchStats, ExpertParallel
 from ._style_tp import ExpertTensorParallel
 
-__all__ = [
-    "MoE",
-    "MoEStats",
-    "SharedExperts",
-    "GroupedExperts",
-    "TopKRouter",
-    "Routing",
-    "load_balancing_loss",
-    "sequence_load_balancing_loss",
-    "router_z_loss",
-    "ExpertParallel",
-    "ExpertTensorParallel",
-    "DispatchStats",
-    "fully_shard_experts",
-    "moe_from_hf",
-    "swap_hf_moe_blocks",
-    "expert_parallel_plan",
-]
+__all__ = ["MoE", "MoEStats", "SharedExperts", "GroupedExperts", "TopKRouter", "Routing", "load_balancing_loss",
+           "sequence_load_balancing_loss", "router_z_loss", "ExpertParallel", "ExpertTensorParallel", "DispatchStats",
+           "fully_shard_experts", "moe_from_hf", "swap_hf_moe_blocks", "expert_parallel_plan"]

@@ -20,31 +20,8 @@ from ._split import (PipelineSplit, StagePlan, balanced_bounds, pipeline_optimiz
 ROOMS = ("_schedules", "_split", "_runtime")
 """The rooms of ``_pipeline``, lowest first: each imports only those before it."""
 
-__all__ = [
-    "Action",
-    "ActionKind",
-    "PairHalves",
-    "PipelineError",
-    "PipelineSchedule",
-    "PipelineSplit",
-    "SCHEDULES",
-    "ScheduleSpec",
-    "StagePlan",
-    "TUNABLE_SCHEDULES",
-    "activations_in_flight",
-    "build_schedule",
-    "get_schedule",
-    "pipeline_optimizer_state_dict",
-    "pipeline_split",
-    "pipeline_state_dict",
-    "plan_stages",
-    "register_schedule",
-    "retune",
-    "set_pipeline_optimizer_state_dict",
-    "set_pipeline_state_dict",
-    "simulate",
-    "stage_rank",
-    "theoretical_bubble",
-    "tune_schedule",
-    "unregister_schedule",
-]
+__all__ = ["Action", "ActionKind", "PairHalves", "PipelineError", "PipelineSchedule", "PipelineSplit", "SCHEDULES",
+           "ScheduleSpec", "StagePlan", "TUNABLE_SCHEDULES", "activations_in_flight", "build_schedule", "get_schedule",
+           "pipeline_optimizer_state_dict", "pipeline_split", "pipeline_state_dict", "plan_stages",
+           "register_schedule", "retune", "set_pipeline_optimizer_state_dict", "set_pipeline_state_dict", "simulate",
+           "stage_rank", "theoretical_bubble", "tune_schedule", "unregister_schedule"]

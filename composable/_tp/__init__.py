@@ -29,28 +29,8 @@ from ._sequence import SequenceParallel
 from ._styles import (ApplyContext, ColwiseParallel, ModuleParallel, ParallelStyle, RowwiseParallel,
                       UnsupportedModuleTypeError)
 
-__all__ = [
-    "parallelize_module",
-    "ParallelStyle",
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
-    "ModuleParallel",
-    "ModuleRule",
-    "TPRegistry",
-    "DEFAULT_REGISTRY",
-    "ApplyContext",
-    "PlanError",
-    "PlanTypeError",
-    "PlanWarning",
-    "NoMeshError",
-    "UnsupportedModuleTypeError",
-    "LayoutsMismatchError",
-    "loss_parallel",
-    "vocab_parallel_cross_entropy",
-    "local_shard_range",
-    "to_local_share",
-]
+__all__ = ["parallelize_module", "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+           "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ModuleParallel", "ModuleRule",
+           "TPRegistry", "DEFAULT_REGISTRY", "ApplyContext", "PlanError", "PlanTypeError", "PlanWarning",
+           "NoMeshError", "UnsupportedModuleTypeError", "LayoutsMismatchError", "loss_parallel",
+           "vocab_parallel_cross_entropy", "local_shard_range", "to_local_share"]
