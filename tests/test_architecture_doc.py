@@ -22,12 +22,12 @@ def library_paths() -> set[str]:
 
 
 def named_paths(text: str) -> set[str]:
-    return set(re.findall(r"(?<![\w/])((?:%s)/[\w/]*?(?:\.py|/))(?![\w/])" % "|".join(FOLDERS), text))
+    return set(re.findall(r"(?<![\w/])((?:%s)/(?:[\w/]*?(?:\.py|/))?)(?![\w/])" % "|".join(FOLDERS), text))
 
 
 def test_the_reader_finds_paths():
-    text = "`composable/_fsdp/_state.py` and checkpoint/_save/ but not xcomposable/_a.py"
-    assert named_paths(text) == {"composable/_fsdp/_state.py", "checkpoint/_save/"}
+    text = "`composable/_fsdp/_state.py` and checkpoint/_save/ and `mesh/` but not xcomposable/_a.py"
+    assert named_paths(text) == {"composable/_fsdp/_state.py", "checkpoint/_save/", "mesh/"}
 
 
 def test_architecture_names_every_module():
