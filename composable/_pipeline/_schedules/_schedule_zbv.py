@@ -65,7 +65,7 @@ def _played_on_models(pp: int, m: int, v: int, placement: str, cap: Callable[[in
         limit = makespans(unit, S, m, [None])[0] + 1e-9
         best, best_sum = unit, float("inf")
         for c in _candidates(pp, m, v, placement, cap, unit, models):
-            at_unit, *spans = makespans(c, S, m, [None, *models])
+            at_unit, *spans = makespans(c, S, m, [None, *models], first_at_most=limit)
             if at_unit <= limit:
                 total = sum(spans)
                 if total < best_sum * (1 - 1e-9):

@@ -210,11 +210,18 @@ def _timed(ordered: tuple[list[_Step], int], n: int, num_stages: int,
 
 
 def makespans(actions: Sequence[Sequence[Action]], num_stages: int, microbatches: int,
-              costs: Sequence[Mapping[tuple[str, int], float] | None], *, comm_time: float = 0.0) -> list[float]:
+              costs: Sequence[Mapping[tuple[str, int], float] | None], *, comm_time: float = 0.0,
+              first_at_most: float | None = None) -> list[float]:
     """``[simulate(actions, num_stages, microbatches, costs=c, comm_time=comm_time)[0] for c in costs]``,
-    checking and ordering the lists once (the makespan of one list under several cost models)."""
+    checking and ordering the lists once (the makespan of one list under several cost models);
+    with ``first_at_most``, only the first makespan if it is above that."""
     if any(a.kind is ActionKind.FB for acts in actions for a in acts):
-        return [simulate(actions, num_stages, microbatches, costs=c, comm_time=comm_time)[0] for c in costs]
+        out = []
+        for c in costs:
+            out.append(simulate(actions, num_stages, microbatches, costs=c, comm_time=comm_time)[0])
+            if first_at_most is not None and out[0] > first_at_most:
+                break
+        return out
     split = _check_complete([a for acts in actions for a in acts], num_stages, microbatches)
     order = _order(actions, num_stages, split)
     unit = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.I: 1.0, ActionKind.W: 1.0}
@@ -222,6 +229,8 @@ def makespans(actions: Sequence[Sequence[Action]], num_stages: int, microbatches
     for given in costs:
         cost = {(k, s): (given or {}).get((k.value, s), t) for k, t in unit.items() for s in range(num_stages)}
         out.append(_timed(order, len(actions), num_stages, cost, comm_time, 0.0)[0])
+        if first_at_most is not None and out[0] > first_at_most:
+            break
     return out
 
 
