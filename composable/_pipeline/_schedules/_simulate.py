@@ -61,17 +61,29 @@ def _dep_keys(a: Action, num_stages: int, split: set[tuple[int, int]]) -> list[t
 def _check_complete(got: list[Action], num_stages: int, microbatches: int) -> set[tuple[int, int]]:
     """The split pairs; ``ValueError`` unless every (stage, microbatch) has one F and either one B
     or one I and one W. ``got``: the actions, pairs already cut into their halves."""
-    keys = [(a.kind, a.stage, a.microbatch) for a in got]
-    split = {(s, i) for k, s, i in keys if k is ActionKind.I}
-    # no action twice, each one wanted, and as many as wanted: exactly the wanted set
-    fine = len(set(keys)) == len(keys) == 2 * num_stages * microbatches + len(split) and all(
-        0 <= s < num_stages and 0 <= i < microbatches
-        and (k in (ActionKind.F, ActionKind.I, ActionKind.W) if (s, i) in split else k in (ActionKind.F, ActionKind.B))
-        for k, s, i in keys)
+    n, m = num_stages * microbatches, microbatches
+    seen = bytearray(4 * n)  # F, B, I, W of pair s * m + i: at j * n + s * m + i
+    base = {ActionKind.F: 0, ActionKind.B: n, ActionKind.I: 2 * n, ActionKind.W: 3 * n}
+    split: set[tuple[int, int]] = set()
+    fine = True
+    for a in got:
+        s, i, at = a.stage, a.microbatch, base.get(a.kind)
+        if at is None or not (0 <= s < num_stages and 0 <= i < m) or seen[at + s * m + i]:
+            fine = False  # an FB half, out of range, or twice
+            break
+        seen[at + s * m + i] = 1
+        if a.kind is ActionKind.I:
+            split.add((s, i))
+    if fine:  # every F; I and W together; B exactly where there is no I
+        f, b, i_, w = (bytes(seen[j * n:(j + 1) * n]) for j in range(4))
+        fine = f == b"\x01" * n and i_ == w and b == i_.translate(_FLIP)
     if not fine:
         raise ValueError("schedule does not run every F and B (or I and W) of every stage and microbatch exactly "
                          "once")
     return split
+
+
+_FLIP = bytes.maketrans(b"\x00\x01", b"\x01\x00")
 
 
 def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches: int, *, f_time: float = 1.0,
