@@ -15,10 +15,10 @@ import time
 
 import pytest
 
+from shardwise.composable import build_schedule, simulate, tune_schedule
 from shardwise.composable._pipeline._schedules._schedule_greedy import greedy_lists, greedy_plays
-from shardwise.composable._pipeline._schedules._schedule_tuned import tune_schedule
 from shardwise.composable._pipeline._schedules._schedule_zbv import _model, izb_cap
-from shardwise.composable._pipeline._schedules._simulate import build_schedule, makespans, simulate
+from shardwise.composable._pipeline._schedules._simulate import makespans
 
 
 def _digest(lists) -> str:

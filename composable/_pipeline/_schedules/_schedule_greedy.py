@@ -70,7 +70,7 @@ def greedy_plays(pp: int, m: int, v: int, placement: str, cap: Callable[[int], i
     that stall; when ``reserve`` changed none of the first's decisions the second is not played
     again (it would make the same lists): it is the same list object as the first."""
     _check_prefer(prefer)
-    plays = []
+    plays: list[list[list[Action]]] = []
     try:
         lists, reserve_mattered = _play(pp, m, v, placement, cap, costs, comm_time, prefer, False)
         plays.append(lists)
