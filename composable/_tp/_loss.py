@@ -211,9 +211,7 @@ def _not_sharded(what: str, x: object, role: str, dim: int | None = None) -> str
 
 def _sharded_log_softmax(input: DTensor, dim: int, dtype: torch.dtype | None = None) -> DTensor:
     """``F.log_softmax(input, dim)`` of a DTensor sharded on ``dim``: the result keeps that layout."""
-    if dtype is not None:
-        input = input.to(dtype)
-    local = input.to_local()
+    local = input.to_local() if dtype is None else input.to_local().to(dtype)
     compute = torch.promote_types(local.dtype, torch.float32)
     out = _ShardedLogSoftmax.apply(local.to(compute), dim, input.device_mesh.get_group()).to(local.dtype)
     return DTensor.from_local(out, input.device_mesh, input.placements, run_check=False, shape=input.shape,
