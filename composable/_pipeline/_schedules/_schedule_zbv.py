@@ -35,9 +35,9 @@ of the one without (`greedy_plays`), a list is ordered once for all its cost mod
 (`makespans`), the models are skipped for a list longer than the unit-time play, and the cyclic
 garbage collector is paused meanwhile (the build holds ~10^5-10^6 small objects alive and makes
 no cycles: each collection would walk them all). The lists are exactly those of the plain
-algorithm (``tests/test_pipeline_schedule_build.py``). Measured on a loaded 2-core CPU:
-``interleaved_zb`` at p=32, m=32, v=4 1.5-3 s (before: 29-53 s; torch: 0.5 s), at p=64, m=128
-v=2 ~8-13 s and v=4 ~25-34 s (before: over 600 s; torch: 8 s).
+algorithm (``tests/test_pipeline_schedule_build.py``). CPU time measured on a shared 2-core
+machine: ``interleaved_zb`` at p=32, m=32, v=4 1.5 s (before: 29-53 s; torch: 0.5 s), at p=64,
+m=128 v=2 11.5 s and v=4 22 s (before: over 600 s; torch: 8 s).
 """
 
 from __future__ import annotations
