@@ -14,6 +14,18 @@ Gradients are grouped by the process groups to reduce over (derived from mesh + 
 each group's local sums are added up locally and reduced with one all-reduce per mesh axis
 to reduce over, whatever the number of parameters. Plain-tensor gradients are taken as the
 same on every rank (replicated, like the parameters ``fully_shard`` ignores) and not reduced.
+
+[Note: the returned norm]
+``torch.nn.utils.clip_grad_norm_`` on DTensor gradients returns a 0-d DTensor on the
+gradients' mesh, and code written for it (torchtitan, Lightning) calls
+``total_norm.full_tensor()``. So when this rank holds a piece of some DTensor gradient the norm
+is returned as a DTensor on the mesh of the first such gradient, ``Replicate()`` on every axis,
+its local value the global norm (torch's value and type; ``full_tensor()``, ``.item()`` and
+``.to_local()`` all give the norm). torch's own result is ``Replicate`` for finite ``p``; for
+``p = inf`` it is ``Partial(max)`` on the shard axes, whose ``full_tensor()`` is the same
+number but whose ``to_local()`` is only the local maximum: ours is ``Replicate`` there too. With
+no DTensor gradient (plain tensors only, or none, or a pipeline rank with no stage
+gradients) the result is a plain tensor, as torch's.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from ._compat import foreach_mul_, foreach_norm, is_strided_shard
@@ -30,9 +43,11 @@ from ._compat import foreach_mul_, foreach_norm, is_strided_shard
 __all__ = ["clip_grad_norm_"]
 
 
-def _local_grads(parameters: list[torch.Tensor]) -> list[tuple[torch.Tensor, tuple]]:
-    """``[(tensor to measure, reduce key)]``; the key is the tuple of process groups to reduce over."""
+def _local_grads(parameters: list[torch.Tensor]) -> tuple[list[tuple[torch.Tensor, tuple]], DeviceMesh | None]:
+    """``[(tensor to measure, reduce key)]``, the key being the tuple of process groups to reduce
+    over; and the mesh of the first DTensor gradient this rank holds a piece of (None if none)."""
     out: list[tuple[torch.Tensor, tuple]] = []
+    first_mesh: DeviceMesh | None = None
     for p in parameters:
         g = p.grad
         if g is None:
@@ -43,12 +58,13 @@ def _local_grads(parameters: list[torch.Tensor]) -> list[tuple[torch.Tensor, tup
         mesh = g.device_mesh
         if mesh.get_coordinate() is None:
             continue  # this rank holds no piece of it
+        first_mesh = first_mesh or mesh
         if any(pl.is_partial() for pl in g.placements):
             g = g.redistribute(mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
         axes = tuple(mesh.get_group(i) for i, pl in enumerate(g.placements)
                      if (pl.is_shard() or is_strided_shard(pl)) and mesh.size(i) > 1)
         out.append((g.to_local().detach(), axes))
-    return out
+    return out, first_mesh
 
 
 def _norms(tensors: list[torch.Tensor], p: float, foreach: bool | None) -> list[torch.Tensor]:
@@ -90,7 +106,9 @@ def clip_grad_norm_(
     pp_mesh=None,
 ) -> torch.Tensor:
     """Scale the gradients of ``parameters`` in place so that their global norm is at most
-    ``max_norm``; return that norm (before clipping) as a plain 0-d tensor, equal on every rank.
+    ``max_norm``; return that norm (before clipping), equal on every rank: as torch does, a 0-d
+    DTensor when the gradients are DTensors (``total_norm.full_tensor()`` / ``.item()`` read it),
+    else a plain 0-d tensor; see [Note: the returned norm].
 
     Gradients may be DTensors on any meshes and placements — ``(Shard(0),)`` from FSDP,
     ``(Replicate(), Shard(0))`` from HSDP, ``(Shard(1),)`` on a tensor-parallel mesh, several
@@ -119,7 +137,7 @@ def clip_grad_norm_(
     if math.isnan(p) or p <= 0:
         raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r}; use a positive number or float('inf')")
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    entries = _local_grads(params)
+    entries, mesh = _local_grads(params)
     pp_group = None
     if pp_mesh is not None:
         pp_group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
@@ -155,7 +173,9 @@ def clip_grad_norm_(
             "error_if_nonfinite=False to clip anyway (the gradients become nan).")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     _scale_(params, coef, foreach)
-    return total
+    if mesh is None:
+        return total
+    return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _scale_(parameters, coef: torch.Tensor, foreach: bool | None) -> None:

@@ -59,7 +59,10 @@ def _compare_clipping(ref_params, params) -> dict:
         ref_norm = torch.nn.utils.clip_grad_norm_(ref_params, max_norm, norm_type)
         with _AllReduceCounter() as counter:
             norm = clip_grad_norm_(params, max_norm, norm_type)
-        assert not isinstance(norm, DTensor) and norm.dim() == 0, f"norm is a plain 0-d tensor: {norm!r}"
+        # as torch: a 0-d DTensor, Replicate on its mesh, when gradients are DTensors (issue 33 item 10)
+        assert isinstance(norm, DTensor) and norm.dim() == 0, f"norm is a 0-d DTensor: {norm!r}"
+        assert all(pl.is_replicate() for pl in norm.placements), norm.placements
+        assert norm.to_local().item() == norm.full_tensor().item() == norm.item(), norm
         out[norm_type] = dict(
             norm=abs(norm.item() - ref_norm.item()) / ref_norm.item(),
             grads=max(_rel(_full(p.grad), r.grad) for p, r in zip(params, ref_params)),
@@ -186,6 +189,7 @@ def test_plain_tensors_match_torch(norm_type, foreach):
     ref[2].grad = None  # torch's inf-norm fails on an empty tensor; ours counts it as 0 (empty shards)
     want = torch.nn.utils.clip_grad_norm_(ref, 0.5, norm_type)
     got = clip_grad_norm_(iter(ours), 0.5, norm_type, foreach=foreach)  # a generator works
+    assert type(got) is torch.Tensor and got.dim() == 0, "plain gradients: a plain tensor, as torch"
     assert abs(got.item() - want.item()) <= TOL * want.item()
     for r, o in zip(ref, ours):
         if r.grad is not None and r.grad.numel():

@@ -32,7 +32,7 @@ from dataclasses import replace
 from ._actions import Action, ActionKind
 from ._registry import ScheduleSpec, get_schedule
 from ._simulate import simulate
-from ._schedule_greedy import PREFERENCES, greedy_lists
+from ._schedule_greedy import PREFERENCES, greedy_plays
 from ._schedule_zbv import izb_cap, zbv_cap
 
 __all__ = ["PREFERENCES", "TUNABLE_SCHEDULES", "tune_schedule"]
@@ -75,13 +75,9 @@ def tune_schedule(schedule: str | ScheduleSpec, pp: int, microbatches: int, virt
         raise ValueError(f"pipeline: tune_schedule costs and comm_time must be >= 0 seconds (bad: {bad or comm_time})")
     placement, cap = _caps(base.name, pp, microbatches, v)
     candidates = [base.actions(pp, microbatches, v)]
-    for prefer in PREFERENCES:
-        for reserve in (False, True):
-            try:
-                candidates.append(greedy_lists(pp, microbatches, v, placement, cap, costs=costs, comm_time=comm_time,
-                                               prefer=prefer, reserve=reserve))
-            except ValueError:  # stalled under the cap with these times: not a candidate
-                pass
+    for prefer in PREFERENCES:  # without and with reserve; a play that stalls under the cap is no candidate
+        candidates += greedy_plays(pp, microbatches, v, placement, cap, costs=costs, comm_time=comm_time,
+                                   prefer=prefer)
     spans = [simulate(c, S, microbatches, costs=costs, comm_time=comm_time)[0] for c in candidates]
     best = candidates[spans.index(min(spans))]
     budget = MAX_SWAP_TRIALS if max_trials is None else max_trials

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from ._actions import Action, ActionKind
 from ._registry import ScheduleSpec, get_schedule, one_f_one_b_bubble
 
-__all__ = ["build_schedule", "dependencies", "simulate", "theoretical_bubble"]
+__all__ = ["build_schedule", "dependencies", "makespans", "simulate", "theoretical_bubble"]
 
 
 def build_schedule(schedule: str | ScheduleSpec, pp: int, microbatches: int,
@@ -42,32 +42,48 @@ def build_schedule(schedule: str | ScheduleSpec, pp: int, microbatches: int,
 def dependencies(a: Action, num_stages: int, split: set[tuple[int, int]]) -> list[Action]:
     """The actions ``a`` waits for ([Note: action kinds]); ``split``: the ``(stage, microbatch)``
     pairs whose backward is split into I and W. A pair (``FB``) waits for what its halves wait for."""
-    if a.kind is ActionKind.FB:
-        return [d for h in a.halves for d in dependencies(h, num_stages, split)]
+    return [Action(*k) for h in a.halves for k in _dep_keys(h, num_stages, split)]
+
+
+def _dep_keys(a: Action, num_stages: int, split: set[tuple[int, int]]) -> list[tuple[ActionKind, int, int]]:
+    """What the half ``a`` waits for, as ``(kind, stage, microbatch)`` keys ([Note: action kinds])."""
     s, i = a.stage, a.microbatch
     if a.kind is ActionKind.F:
-        return [Action(ActionKind.F, s - 1, i)] if s > 0 else []
+        return [(ActionKind.F, s - 1, i)] if s > 0 else []
     if a.kind is ActionKind.W:
-        return [Action(ActionKind.I, s, i)]
-    deps = [Action(ActionKind.F, s, i)]
+        return [(ActionKind.I, s, i)]
+    deps = [(ActionKind.F, s, i)]
     if s < num_stages - 1:
-        deps.append(Action(ActionKind.I if (s + 1, i) in split else ActionKind.B, s + 1, i))
+        deps.append((ActionKind.I if (s + 1, i) in split else ActionKind.B, s + 1, i))
     return deps
 
 
 def _check_complete(got: list[Action], num_stages: int, microbatches: int) -> set[tuple[int, int]]:
     """The split pairs; ``ValueError`` unless every (stage, microbatch) has one F and either one B
     or one I and one W. ``got``: the actions, pairs already cut into their halves."""
-    split = {(a.stage, a.microbatch) for a in got if a.kind is ActionKind.I}
-    want = set()
-    for s in range(num_stages):
-        for i in range(microbatches):
-            kinds = ("F", "I", "W") if (s, i) in split else ("F", "B")
-            want |= {Action(ActionKind(k), s, i) for k in kinds}
-    if len(got) != len(set(got)) or set(got) != want:
+    n, m = num_stages * microbatches, microbatches
+    seen = bytearray(4 * n)  # F, B, I, W of pair s * m + i: at j * n + s * m + i
+    base = {ActionKind.F: 0, ActionKind.B: n, ActionKind.I: 2 * n, ActionKind.W: 3 * n}
+    split: set[tuple[int, int]] = set()
+    fine = True
+    for a in got:
+        s, i, at = a.stage, a.microbatch, base.get(a.kind)
+        if at is None or not (0 <= s < num_stages and 0 <= i < m) or seen[at + s * m + i]:
+            fine = False  # an FB half, out of range, or twice
+            break
+        seen[at + s * m + i] = 1
+        if a.kind is ActionKind.I:
+            split.add((s, i))
+    if fine:  # every F; I and W together; B exactly where there is no I
+        f, b, i_, w = (bytes(seen[j * n:(j + 1) * n]) for j in range(4))
+        fine = f == b"\x01" * n and i_ == w and b == i_.translate(_FLIP)
+    if not fine:
         raise ValueError("schedule does not run every F and B (or I and W) of every stage and microbatch exactly "
                          "once")
     return split
+
+
+_FLIP = bytes.maketrans(b"\x00\x01", b"\x01\x00")
 
 
 def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches: int, *, f_time: float = 1.0,
@@ -110,40 +126,124 @@ def simulate(actions: Sequence[Sequence[Action]], num_stages: int, microbatches:
 def _sweep(actions: Sequence[Sequence[Action]], num_stages: int, split: set[tuple[int, int]],
            cost: Mapping[tuple[ActionKind, int], float], comm_time: float,
            overlap: float) -> tuple[float, list[float]]:
-    """`simulate` of lists whose order is fixed (no pair, or each pair's halves run together):
-    sweep the ranks, each running its list as far as the inputs are there; a start time is
-    then the same whatever the sweep's order ([Note: schedules])."""
-    rank_of = {h: r for r, acts in enumerate(actions) for a in acts for h in a.halves}
-    done: dict[Action, float] = {}
-    pos, clock, busy = [0] * len(actions), [0.0] * len(actions), [0.0] * len(actions)
-    remaining = sum(len(acts) for acts in actions)
-    while remaining:
-        progressed = False
-        for r, acts in enumerate(actions):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                deps = dependencies(a, num_stages, split)
-                if any(d not in done for d in deps):
-                    break
-                start = max([clock[r], *(done[d] + (comm_time if rank_of[d] != r else 0.0) for d in deps)])
-                if a.kind is ActionKind.FB:
-                    f, b = (cost[h.kind, h.stage] for h in a.halves)
-                    took = f + b - overlap * min(f, b)
-                else:
-                    took = cost[a.kind, a.stage]
-                for h in a.halves:
-                    done[h] = start + took
-                clock[r] = start + took
-                busy[r] += took
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: acts[pos[r]] for r, acts in enumerate(actions) if pos[r] < len(acts)}
-            together = " when each pair's halves run together (a pair's halves must not wait on each other)" if any(
-                a.kind is ActionKind.FB for a in stuck.values()) else ""
-            raise ValueError(f"schedule deadlocks{together}: ranks wait on {stuck}")
+    """`simulate` of lists whose order is fixed (no pair, or each pair's halves run together)."""
+    return _timed(_order(actions, num_stages, split), len(actions), num_stages, cost, comm_time, overlap)
+
+
+_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)  # the kinds of halves, by code
+_Step = tuple[int, list[int], list[int], list[int]]
+"""An action in `_order`: its rank, the keys of its halves, the keys of what they wait for, and
+``code * num_stages + stage`` of each half (where its duration is looked up)."""
+
+
+def _order(actions: Sequence[Sequence[Action]], num_stages: int,
+           split: set[tuple[int, int]]) -> tuple[list[_Step], int]:
+    """Every action once, each after the actions it waits for and the earlier ones of its rank,
+    and the number of keys: each rank runs its list as far as the inputs are there, then waits
+    for the first missing one and goes on when that is done (each action is looked at about
+    once). Start times follow from any such order ([Note: schedules]); raises ``ValueError``
+    if the lists deadlock. An action's key is ``(code * num_stages + stage) * m + microbatch``."""
+    n, S = len(actions), num_stages
+    m = 1 + max((h.microbatch for acts in actions for a in acts for h in a.halves), default=0)
+    F, B, I, W = (c * S * m for c in range(4))
+    code = {k: c for c, k in enumerate(_KINDS)}
+
+    def deps(h: Action) -> list[int]:  # _dep_keys as keys
+        s, i = h.stage, h.microbatch
+        if h.kind is ActionKind.F:
+            return [F + (s - 1) * m + i] if s else []
+        if h.kind is ActionKind.W:
+            return [I + s * m + i]
+        if s + 1 < S:
+            return [F + s * m + i, (I if (s + 1, i) in split else B) + (s + 1) * m + i]
+        return [F + s * m + i]
+
+    def step(r: int, a: Action) -> _Step:
+        if a.kind is ActionKind.FB:
+            cs = [code[h.kind] * S + h.stage for h in a.sub]
+            return r, [c * m + h.microbatch for c, h in zip(cs, a.sub)], deps(a.sub[0]) + deps(a.sub[1]), cs
+        c = code[a.kind] * S + a.stage
+        return r, [c * m + a.microbatch], deps(a), [c]
+
+    rows = [[step(r, a) for a in acts] for r, acts in enumerate(actions)]
+    done = [False] * (4 * S * m)
+    waiting: dict[int, list[int]] = {}
+    pos = [0] * n
+    order: list[_Step] = []
+    todo = list(range(n - 1, -1, -1))  # the ranks to advance (a stack)
+    while todo:
+        r = todo.pop()
+        row = rows[r]
+        while pos[r] < len(row):
+            st = row[pos[r]]
+            missing = [d for d in st[2] if not done[d]]
+            if missing:
+                waiting.setdefault(missing[0], []).append(r)
+                break
+            order.append(st)
+            for k in st[1]:
+                done[k] = True
+                if k in waiting:
+                    todo.extend(waiting.pop(k))
+            pos[r] += 1
+    stuck = {r: acts[pos[r]] for r, acts in enumerate(actions) if pos[r] < len(acts)}
+    if stuck:
+        together = " when each pair's halves run together (a pair's halves must not wait on each other)" if any(
+            a.kind is ActionKind.FB for a in stuck.values()) else ""
+        raise ValueError(f"schedule deadlocks{together}: ranks wait on {stuck}")
+    return order, len(done)
+
+
+def _timed(ordered: tuple[list[_Step], int], n: int, num_stages: int,
+           cost: Mapping[tuple[ActionKind, int], float], comm_time: float,
+           overlap: float) -> tuple[float, list[float]]:
+    """Makespan and busy time per rank of the actions ordered by `_order`, each starting when
+    its rank is free and its inputs are there; a pair lasts ``f + b - overlap * min(f, b)``."""
+    order, n_keys = ordered
+    took_of = [cost[k, s] for k in _KINDS for s in range(num_stages)]
+    end, rank_of = [0.0] * n_keys, [0] * n_keys
+    clock, busy = [0.0] * n, [0.0] * n
+    for r, halves, deps, cs in order:
+        if len(cs) == 2:
+            f, b = took_of[cs[0]], took_of[cs[1]]
+            took = f + b - overlap * min(f, b)
+        else:
+            took = took_of[cs[0]]
+        start = clock[r]
+        for d in deps:
+            t = end[d] + comm_time if rank_of[d] != r else end[d]
+            if t > start:
+                start = t
+        for k in halves:
+            end[k], rank_of[k] = start + took, r
+        clock[r] = start + took
+        busy[r] += took
     return max(clock), busy
+
+
+def makespans(actions: Sequence[Sequence[Action]], num_stages: int, microbatches: int,
+              costs: Sequence[Mapping[tuple[str, int], float] | None], *, comm_time: float = 0.0,
+              first_at_most: float | None = None) -> list[float]:
+    """``[simulate(actions, num_stages, microbatches, costs=c, comm_time=comm_time)[0] for c in costs]``,
+    checking and ordering the lists once (the makespan of one list under several cost models);
+    with ``first_at_most``, only the first makespan if it is above that."""
+    if any(a.kind is ActionKind.FB for acts in actions for a in acts):
+        out = []
+        for c in costs:
+            out.append(simulate(actions, num_stages, microbatches, costs=c, comm_time=comm_time)[0])
+            if first_at_most is not None and out[0] > first_at_most:
+                break
+        return out
+    split = _check_complete([a for acts in actions for a in acts], num_stages, microbatches)
+    order = _order(actions, num_stages, split)
+    unit = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.I: 1.0, ActionKind.W: 1.0}
+    out = []
+    for given in costs:
+        cost = {(k, s): (given or {}).get((k.value, s), t) for k, t in unit.items() for s in range(num_stages)}
+        out.append(_timed(order, len(actions), num_stages, cost, comm_time, 0.0)[0])
+        if first_at_most is not None and out[0] > first_at_most:
+            break
+    return out
 
 
 def _replay(actions: Sequence[Sequence[Action]], num_stages: int, split: set[tuple[int, int]],
