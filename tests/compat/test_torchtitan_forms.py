@@ -1,0 +1,163 @@
+"""Differential: the ``fully_shard`` forms torchtitan's default flow uses, on torch's FSDP2 and on
+shardwise, both against one process (issue 33):
+
+* a list unit ``fully_shard([model.norm, model.head])`` built on the meta device, then
+  ``model.to_empty(device=...)`` over the whole model (which moves the list's modules one at a
+  time) and an init by copy or ``load_state_dict(assign=True)``;
+* FSDP x TP on meshes built by ``DeviceMesh._unflatten`` from one 1-D world mesh;
+* a parameter shared by two units (tied embedding and head) refused, and the documented fix,
+  ``fully_shard([embedding, head])``, training as one process does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from tests._dist import run_on_workers
+from tests.compat._adapter import (
+    IMPLS, TinyLM, assert_close, assert_losses, batches, build, full_params, impl, reference, shard, train,
+)
+
+TOL = 1e-6  # fp32, sums over 4 ranks in another order
+WORLD = 4
+
+
+def _list_unit(i, model: TinyLM, mesh) -> TinyLM:
+    """torchtitan's units: each block, then ``[norm, head]`` as one unit, then the root."""
+    for b in model.blocks:
+        i.fully_shard(b, mesh=mesh)
+    i.fully_shard([model.norm, model.head], mesh=mesh)
+    i.fully_shard(model, mesh=mesh)
+    return model
+
+
+def _meta_list_unit(rank, world_size, name, style):
+    i = impl(name)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    with torch.device("meta"):
+        model = TinyLM()
+    _list_unit(i, model, mesh)
+    model.to_empty(device="cpu")  # moves norm, then head: the list unit is whole only after both
+    ref = build(0)
+    params = dict(model.named_parameters())
+    sd = {n: distribute_tensor(r.detach(), params[n].device_mesh, params[n].placements)
+          for n, r in ref.named_parameters()}
+    if style == "copy":
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(sd[n])
+    else:  # load_state_dict(assign=True): again one module after the other
+        model.load_state_dict(sd, assign=True)
+    assert all(isinstance(p, DTensor) and p.to_local().device.type == "cpu" for p in model.parameters()), \
+        f"{name}: parameters after to_empty: {[(n, p.device) for n, p in model.named_parameters()]}"
+    assert_close(full_params(model), full_params(ref), 0.0, f"{name} {style}: values after init")
+    data = batches(3)
+    want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data)
+    got = train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data, rank, world_size)
+    assert_losses(got, want, TOL, f"{name} meta list unit {style}")
+    assert_close(full_params(model), full_params(ref), TOL, f"{name} meta list unit {style}: parameters")
+    return got
+
+
+@pytest.mark.parametrize("name", IMPLS)
+@pytest.mark.parametrize("style", ["copy", "assign"])
+def test_meta_start_of_a_list_unit(name, style):
+    """meta -> per-block units, ``fully_shard([norm, head])``, root -> ``to_empty`` -> init ->
+    three AdamW steps equal to one process."""
+    run_on_workers(_meta_list_unit, WORLD, name, style, timeout=90)
+
+
+def _split_list_unit(rank, world_size, how):
+    i = impl("shardwise")
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    if how == "meta":
+        with torch.device("meta"):
+            model = TinyLM()
+        _list_unit(i, model, mesh)
+        model.norm.to_empty(device="cpu")  # only one module of the unit [norm, head]
+    else:
+        model = _list_unit(i, build(0), mesh)
+        model.norm.to("meta")  # only one module of the unit [norm, head] moved to another device
+    try:
+        model(batches(1)[0][:, :-1])
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    raise AssertionError(f"{how}: a forward through a unit only partly moved ran")
+
+
+@pytest.mark.parametrize("how", ["meta", "to"])
+def test_a_list_unit_moved_in_part_is_refused_when_used(how):
+    """Only some modules of a list unit moved, then used: one clear error naming the unit
+    (shardwise only: torch's per-parameter storage lets the unit run on two devices)."""
+    msgs = run_on_workers(_split_list_unit, WORLD, how, timeout=90)
+    assert all("fully_shard([LayerNorm, Linear])" in m for m in msgs), msgs
+    assert all(("several devices" in m) if how == "to" else ("meta device" in m) for m in msgs), msgs
+
+
+def _unflattened_fsdp_tp(rank, world_size, name):
+    i = impl(name)
+    data = batches(3)
+    ref, want = reference(data, lr=0.1, optim=torch.optim.SGD)
+    world = init_device_mesh("cpu", (world_size,), mesh_dim_names=("world",))
+    mesh = world._unflatten(0, (2, world_size // 2), ("dp", "tp"))  # torchtitan's ParallelDims
+    model = shard(i, build(0), mesh["dp"], mesh["tp"])
+    dp_rank = mesh.get_local_rank("dp")
+    got = train(model, torch.optim.SGD(model.parameters(), lr=0.1), data, dp_rank, 2)
+    assert_losses(got, want, TOL, f"{name} unflattened (dp, tp)")
+    assert_close(full_params(model), full_params(ref), TOL, f"{name} unflattened (dp, tp): parameters")
+    return got
+
+
+@pytest.mark.parametrize("name", IMPLS)
+def test_fsdp_tp_on_meshes_built_by_unflatten(name):
+    """A 2x2 (dp, tp) mesh made by ``world._unflatten`` from a 1-D world mesh: blocks TP'd on
+    ``mesh["tp"]``, every unit on ``mesh["dp"]``; SGD steps equal to one process."""
+    run_on_workers(_unflattened_fsdp_tp, WORLD, name, timeout=90)
+
+
+class TiedLM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head.weight = self.tok.weight
+
+
+def _tied(rank, world_size, name, form):
+    i = impl(name)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    ref = TiedLM()
+    torch.manual_seed(0)
+    model = TiedLM()
+    for b in model.blocks:
+        i.fully_shard(b, mesh=mesh)
+    try:
+        if form == "separate":
+            i.fully_shard(model.tok, mesh=mesh)
+            i.fully_shard(model.head, mesh=mesh)
+        else:
+            i.fully_shard([model.tok, model.head], mesh=mesh)
+        i.fully_shard(model, mesh=mesh)
+        data = batches(3)
+        got = train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data, rank, world_size)
+    except ValueError as e:
+        return str(e)
+    want = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), data)
+    assert_losses(got, want, TOL, f"{name} tied {form}")
+    assert_close(full_params(model), full_params(ref), TOL, f"{name} tied {form}: parameters")
+    assert len(list(model.parameters())) == len(list(ref.parameters())), f"{name}: the tie is lost"
+    return got
+
+
+@pytest.mark.parametrize("name", IMPLS)
+def test_a_parameter_shared_by_two_units(name):
+    """A tied embedding / head sharded as two units is refused with ValueError naming the
+    parameter and ``fully_shard([module_a, module_b])`` (torch at the first forward, shardwise
+    at the second ``fully_shard``); as one list unit it trains as one process does."""
+    msgs = run_on_workers(_tied, WORLD, name, "separate", timeout=90)
+    for m in msgs:
+        assert "is shared with a parameter already managed by another FSDP group" in m, m
+        assert "fully_shard([module_a, module_b])" in m, m
+    run_on_workers(_tied, WORLD, name, "list", timeout=90)
