@@ -41,7 +41,7 @@ def _load_pre_hook(module: nn.Module, *args: Any) -> None:
 
 
 def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
-    _unit(module).readopt()
+    _unit(module).readopt(partial_ok=True)  # a list unit's modules load one after the other
 
 
 _UNIT_ATTR = "_shardwise_param_unit"  # on a module holding a unit's parameters: the unit's module
