@@ -86,12 +86,12 @@ def collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamEnt
             fqn = prefix + name
             owner = getattr(p, OWNER_ATTR, None)
             if owner is not None:
-                raise ValueError(
-                    f"fully_shard: parameter '{fqn}' is shared with {owner}, which is already sharded. A parameter "
-                    "shared between two units (e.g. an embedding tied to the output head) would be all-gathered and "
-                    "reduced twice and go stale. Put every module that uses it in one unit: call fully_shard on "
-                    "their common ancestor (often the root) instead of on the submodule, or pass both modules "
-                    "in one list: fully_shard([embedding, head])."
+                raise ValueError(  # torch 2.13's words (it refuses at the first forward), then the unit
+                    f"fully_shard: parameter '{fqn}' is shared with a parameter already managed by another FSDP "
+                    f"group: {owner}. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
+                    "them in the same FSDP group (e.g. fully_shard([embedding, head])), or call fully_shard on their "
+                    "common ancestor (often the root) instead of on the submodule: two units would all-gather and "
+                    "reduce it twice and it would go stale."
                 )
             if id(p) not in by_id:
                 by_id[id(p)] = (fqn, p, [])
