@@ -18,6 +18,7 @@ __all__ = [
     "set_local_tensor",
     "root_mesh",
     "concatenate_meshes",
+    "flatten_mesh",
     "run_eagerly",
     "strided_shard",
     "is_strided_shard",
@@ -137,6 +138,15 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     Relies on: ``DeviceMesh._concatenate`` (torch's FSDP2 builds its ``(dp..., tp)`` mesh with
     it), comparing the meshes' rank maps by value."""
     return DeviceMesh._concatenate(list(meshes))
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s ranks (row-major) as one 1-D axis called ``name``, with its own process group
+    (collective over every rank on first use; the same axis again for the same name).
+
+    Relies on: ``DeviceMesh._flatten(name)`` (torch's FSDP2 flattens ``dp_mesh_dims`` tuples
+    with it, named ``"_".join(names)``)."""
+    return mesh._flatten(name)
 
 
 def run_eagerly(fn):

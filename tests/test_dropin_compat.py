@@ -11,6 +11,7 @@ from shardwise.composable._compat import (
     TorchDispatchMode,
     backward_running,
     concatenate_meshes,
+    flatten_mesh,
     foreach_mul_,
     foreach_norm,
     is_strided_shard,
@@ -70,16 +71,21 @@ def _concatenated(rank, world):
         out.append("overlap accepted")
     except RuntimeError:
         out.append("overlap refused")
+    flat2 = flatten_mesh(named[("dp", "tp")], "dp_tp")
+    out.append((flat2.mesh_dim_names, flat2.mesh.tolist(), dist.get_process_group_ranks(flat2.get_group()),
+                flatten_mesh(named[("dp", "tp")], "dp_tp") == flat2))
     return out
 
 
-def test_concatenate_meshes_of_named_and_unflattened_slices():
+def test_concatenate_and_flatten_meshes():
     """The ``(dp, tp)`` mesh from the two slices of one mesh, built by name or by ``_unflatten``
-    (whose root, the world mesh, has neither name); overlapping meshes are refused."""
+    (whose root, the world mesh, has neither name); overlapping meshes are refused. Two axes
+    flattened into one over all their ranks, the same axis when asked again."""
     for got in run_ranks(_concatenated, 4):
         for names, ranks, equal, groups in got[:2]:
             assert names == ("dp", "tp") and ranks == [[0, 1], [2, 3]] and equal and groups == [True, True], got
-        assert got[2:] == ["equal meshes concatenate", "overlap refused"], got
+        assert got[2:4] == ["equal meshes concatenate", "overlap refused"], got
+        assert got[4] == (("dp_tp",), [0, 1, 2, 3], [0, 1, 2, 3], True), got
 
 
 def test_run_eagerly_is_not_traced():

@@ -162,3 +162,46 @@ def test_a_parameter_shared_by_two_units(name):
         assert "is shared with a parameter already managed by another FSDP group" in m, m
         assert "fully_shard([module_a, module_b])" in m, m
     run_on_workers(_tied, WORLD, name, "list", timeout=90)
+
+
+def _replicated_on(model, mesh):
+    from torch.distributed.tensor import Replicate
+
+    for mod in model.modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[pname] = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()] * mesh.ndim))
+    return model
+
+
+def _multi_axis(rank, world_size, shape, shard, replicate):
+    """dp_mesh_dims naming several axes per role: they are flattened into one (shardwise vs one
+    process; torch's dp_mesh_dims cannot run a model fed plain tensors, see test_shard_placement)."""
+    from shardwise.composable import DataParallelMeshDims, fully_shard
+
+    data = batches(3)
+    ref, want = reference(data)
+    names = ("r", "a", "b")[3 - len(shape):]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = _replicated_on(build(0), mesh)
+    dims = DataParallelMeshDims(shard=shard, replicate=replicate)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, dp_mesh_dims=dims)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    p = next(model.parameters())
+    losses = train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data, rank, world_size)
+    assert_losses(losses, want, TOL, f"dp_mesh_dims {shard} {replicate}")
+    assert_close(full_params(model), full_params(ref), TOL, f"dp_mesh_dims {shard} {replicate}: parameters")
+    return p.device_mesh.mesh_dim_names, tuple(type(pl).__name__ for pl in p.placements)
+
+
+@pytest.mark.parametrize("shape,shard,replicate,want", [
+    ((2, 2), ("a", "b"), None, (("a_b",), ("Shard",))),
+    ((2, 2, 1), ("a", "b"), "r", (("r", "a_b"), ("Replicate", "Shard"))),
+    ((1, 2, 2), "b", ("r", "a"), (("r_a", "b"), ("Replicate", "Shard"))),
+])
+def test_dp_mesh_dims_flattens_several_axes(shape, shard, replicate, want):
+    """``DataParallelMeshDims(shard=("a", "b"))`` shards over one axis ``a_b`` of all their ranks
+    (and ``replicate=(...)`` likewise, HSDP): AdamW steps equal to one process."""
+    got = run_on_workers(_multi_axis, WORLD, shape, shard, replicate, timeout=90)
+    assert all(g == want for g in got), got
