@@ -210,6 +210,7 @@ class ParamGroup:
         """Give a unit built on the meta device real storage on its device, new sharded
         parameters pointing at it, filled from ``full_tensors`` (one per parameter or None)."""
         self.storage_device = torch.device("cpu") if self.offload else self.compute_device
+        self.readopt_pending = False  # every parameter gets new storage here
         self.zero_copy = self.storage_device == self.compute_device and all(
             p.compute_dtype == p.orig_dtype for p in self.params)
         self.sharded_bytes = self._new_storage()

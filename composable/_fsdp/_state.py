@@ -252,7 +252,7 @@ class FSDPState:
         moved one module at a time] in ``_param_group.py``)."""
         if self.group is None:
             return
-        self.group.readopt(partial_ok)
+        self.group.readopt(partial_ok and len(self.modules) > 1)  # one module moves all its parameters at once
         for sp in self.group.params:  # swap_tensors swaps __dict__ too: put the mark back
             if getattr(sp.sharded, OWNER_ATTR, None) is None:
                 setattr(sp.sharded, OWNER_ATTR, sp.owner)
