@@ -48,16 +48,16 @@ def _combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
     if dp_names and tp_names and set(dp_names) & set(tp_names):
         raise ValueError(f"fully_shard: the dp mesh {dp_names} and the TP mesh {tp_names} share an axis")
-    try:
-        if not dp_names or not tp_names:
-            raise RuntimeError("unnamed axes")
-        return concatenate_meshes([dp_mesh, tp_mesh])
-    except RuntimeError:  # different meshes (by value), overlapping axes, or unnamed ones
-        raise ValueError(
-            "fully_shard: a tensor-parallel parameter needs the data-parallel mesh and its TP mesh to be named "
-            "slices of one mesh, e.g. mesh = init_mesh(dp_shard=2, tp=2); parallelize_module(m, mesh['tp'], plan); "
-            f"fully_shard(m, mesh=data_parallel_mesh(mesh)). Got dp axes {dp_names} and tp axes {tp_names}."
-            + (" Expert-parallel experts: call shardwise.composable.fully_shard_experts(moe, expert_meshes(mesh)) "
-               "before fully_shard of the enclosing module (docs/expert_parallel.md)." if "ep" in (tp_names or ())
-               else "")
-        ) from None
+    if dp_names and tp_names:
+        try:
+            return concatenate_meshes([dp_mesh, tp_mesh])
+        except RuntimeError:  # different meshes (by value), or overlapping ones
+            pass
+    raise ValueError(
+        "fully_shard: a tensor-parallel parameter needs the data-parallel mesh and its TP mesh to be named "
+        "slices of one mesh, e.g. mesh = init_mesh(dp_shard=2, tp=2); parallelize_module(m, mesh['tp'], plan); "
+        f"fully_shard(m, mesh=data_parallel_mesh(mesh)). Got dp axes {dp_names} and tp axes {tp_names}."
+        + (" Expert-parallel experts: call shardwise.composable.fully_shard_experts(moe, expert_meshes(mesh)) "
+           "before fully_shard of the enclosing module (docs/expert_parallel.md)." if "ep" in (tp_names or ())
+           else "")
+    )
