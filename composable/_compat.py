@@ -17,6 +17,8 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 __all__ = [
     "set_local_tensor",
     "root_mesh",
+    "concatenate_meshes",
+    "flatten_mesh",
     "run_eagerly",
     "strided_shard",
     "is_strided_shard",
@@ -125,6 +127,26 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
     Relies on: ``DeviceMesh._get_root_mesh()``."""
     return mesh._get_root_mesh()
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose axes are those of ``meshes`` in order (their names and process groups),
+    for meshes sliced from one mesh however it was built: named slices of one ``init_device_mesh``,
+    or slices of one ``DeviceMesh._unflatten`` of a 1-D world mesh (torchtitan's), whose root
+    has none of their names. ``RuntimeError`` if they come from different meshes or overlap.
+
+    Relies on: ``DeviceMesh._concatenate`` (torch's FSDP2 builds its ``(dp..., tp)`` mesh with
+    it), comparing the meshes' rank maps by value."""
+    return DeviceMesh._concatenate(list(meshes))
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s ranks (row-major) as one 1-D axis called ``name``, with its own process group
+    (collective over every rank on first use; the same axis again for the same name).
+
+    Relies on: ``DeviceMesh._flatten(name)`` (torch's FSDP2 flattens ``dp_mesh_dims`` tuples
+    with it, named ``"_".join(names)``)."""
+    return mesh._flatten(name)
 
 
 def run_eagerly(fn):

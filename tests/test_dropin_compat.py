@@ -4,11 +4,14 @@ these, this file fails first (and names the helper to adapt)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.composable._compat import (
     TorchDispatchMode,
     backward_running,
+    concatenate_meshes,
+    flatten_mesh,
     foreach_mul_,
     foreach_norm,
     is_strided_shard,
@@ -43,6 +46,46 @@ def _local_and_root(rank, world):
 def test_set_local_tensor_and_root_mesh():
     for got in run_ranks(_local_and_root, 2):
         assert got == (True, True, True, True), got
+
+
+def _concatenated(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = []
+    named = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
+    unflat = flat._unflatten(0, (2, world // 2), ("dp", "tp"))
+    for m in (named, unflat):
+        both = concatenate_meshes([m["dp"], m["tp"]])
+        out.append((both.mesh_dim_names, both.mesh.tolist(), both == m,
+                    [dist.get_process_group_ranks(both.get_group(a)) == dist.get_process_group_ranks(m.get_group(a))
+                     for a in ("dp", "tp")]))
+    other = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))._unflatten(0, (2, world // 2), ("dp", "tp"))
+    try:  # the same ranks by value: one mesh
+        concatenate_meshes([unflat["dp"], other["tp"]])
+        out.append("equal meshes concatenate")
+    except RuntimeError as e:
+        out.append(f"refused: {e}")
+    try:
+        concatenate_meshes([unflat["dp"], unflat["dp"]])
+        out.append("overlap accepted")
+    except RuntimeError:
+        out.append("overlap refused")
+    flat2 = flatten_mesh(named[("dp", "tp")], "dp_tp")
+    out.append((flat2.mesh_dim_names, flat2.mesh.tolist(), dist.get_process_group_ranks(flat2.get_group()),
+                flatten_mesh(named[("dp", "tp")], "dp_tp") == flat2))
+    return out
+
+
+def test_concatenate_and_flatten_meshes():
+    """The ``(dp, tp)`` mesh from the two slices of one mesh, built by name or by ``_unflatten``
+    (whose root, the world mesh, has neither name); overlapping meshes are refused. Two axes
+    flattened into one over all their ranks, the same axis when asked again."""
+    for got in run_ranks(_concatenated, 4):
+        for names, ranks, equal, groups in got[:2]:
+            assert names == ("dp", "tp") and ranks == [[0, 1], [2, 3]] and equal and groups == [True, True], got
+        assert got[2:4] == ["equal meshes concatenate", "overlap refused"], got
+        assert got[4] == (("dp_tp",), [0, 1, 2, 3], [0, 1, 2, 3], True), got
 
 
 def test_run_eagerly_is_not_traced():

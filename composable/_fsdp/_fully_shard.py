@@ -8,7 +8,6 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from ._common import OWNER_ATTR as _OWNER_ATTR
 from ._common import FullyShardUsageError
@@ -41,7 +40,7 @@ def _load_pre_hook(module: nn.Module, *args: Any) -> None:
 
 
 def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
-    _unit(module).readopt()
+    _unit(module).readopt(partial_ok=True)  # a list unit's modules load one after the other
 
 
 _UNIT_ATTR = "_shardwise_param_unit"  # on a module holding a unit's parameters: the unit's module
@@ -61,7 +60,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
@@ -88,6 +87,8 @@ def fully_shard(
             dim, or dim 1 of a wide embedding), or None for ``Shard(0)``. Any ``d`` and any
             size: uneven splits follow ``torch.chunk`` as on dim 0. Gradients, optimizer state
             and checkpoints follow the parameter's placement ([Note: the shard layout seam]).
+            torch 2.13's ``ShardPlacementResult`` is taken when its mesh is ``mesh``; one on
+            another mesh is a ``NotImplementedError`` (shard that module as a unit first).
         mp_policy, offload_policy: see ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``.
         ignored_params: parameters left as they are (not sharded, not reduced).
         dp_mesh_dims: a `DataParallelMeshDims` naming the data-parallel axes of ``mesh`` when
@@ -131,7 +132,7 @@ def fully_shard(
     if dp_mesh_dims is not None:
         entries = [(fqn, to_tp_dtensor(p, fqn, dp_mesh_dims), uses) for fqn, p, uses in entries]
     _check_params(entries, mesh, label)
-    placements = [_shard_placement(shard_placement_fn, fqn, p, label) for fqn, p, _ in entries]
+    placements = [_shard_placement(shard_placement_fn, fqn, p, label, mesh) for fqn, p, _ in entries]
     _move_buffers(modules, mesh, mp_policy.buffer_dtype)
     group = ParamGroup(entries, mesh, mp=mp_policy, offload=offload_policy, label=label,
                        placements=placements) if entries else None

@@ -62,11 +62,12 @@ class FSDPModule:
         """``nn.Module._apply`` (``to_empty``, ``.to(dtype / device)``, ``.float()``, ...) with
         the unit resharded first and its parameters re-adopted after: the conversion replaces
         the sharded parameters' local tensors, which must become the unit's storage again.
-        See [Note: re-adopting parameters] in ``_param_group.py``."""
+        See [Note: re-adopting parameters] in ``_param_group.py``; a list unit is re-adopted once
+        its last module moved ([Note: a unit moved one module at a time] in ``_param_group.py``)."""
         state = self._fsdp_state()
         state.reshard_for_update("module._apply (.to(), to_empty(), .float(), ...)")
         out = super()._apply(fn, recurse)  # type: ignore[misc]
-        state.readopt()
+        state.readopt(partial_ok=True)
         return out
 
     # -- unshard / reshard ------------------------------------------------------------------------

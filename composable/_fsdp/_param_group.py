@@ -45,6 +45,15 @@ the storage device, allocates a new buffer, copies each new local tensor (or the
 full tensor) into it and points the parameter -- the same object when it was swapped, so an
 optimizer built earlier keeps working -- at its segment. Unchanged parameters cost one
 pointer comparison each; this never runs during a step.
+
+[Note: a unit moved one module at a time]
+A list unit (``fully_shard([norm, output])``) spans several modules, and ``model.to_empty()`` /
+``model.to()`` / ``load_state_dict`` visit them one after the other: after the first one the
+unit holds parameters on two devices (say ``cpu`` and ``meta``). Re-adoption after each module
+(``readopt(partial_ok=True)``) therefore leaves a unit split across devices as it is
+(``readopt_pending``) and re-adopts it whole once its last module moved. A unit used while still
+split (only some of its modules were moved) is refused by its next all-gather, which re-adopts
+first: one ``ValueError`` naming the unit.
 """
 
 from __future__ import annotations
@@ -108,6 +117,7 @@ class ParamGroup:
         self.reduce_scatter_unused_params = False
         self.comm = CommOptions()  # what the FSDPModule setters change about the collectives
         self.state = ShardState.SHARDED
+        self.readopt_pending = False  # [Note: a unit moved one module at a time]
         # (work, gathered bytes) of an issued all-gather (GATHERING)
         self._pending: tuple[Any, torch.Tensor] | None = None
         # (bytes, group) kept by reshard(to=...) (SHARDED_POST_FORWARD)
@@ -134,20 +144,27 @@ class ParamGroup:
         self.ag_offsets, self.ag_bytes = _byte_layout(csizes, max(d.itemsize for d in cdtypes))
         self.zero_copy = cdtypes == dtypes and self.storage_device == self.compute_device
 
-    def readopt(self) -> None:
+    def readopt(self, partial_ok: bool = False) -> None:
         """Re-adopt the parameters the modules hold now, after ``nn.Module._apply`` or
         ``load_state_dict(assign=True)`` replaced them or their local tensors: see
         [Note: re-adopting parameters]. Nothing to do (and no copy) when they are unchanged.
-        Call it resharded (the sharded parameters registered)."""
+        Call it resharded (the sharded parameters registered). Parameters on several devices
+        are a ``ValueError``, or with ``partial_ok`` (after one module of a list unit moved)
+        are left for the next call ([Note: a unit moved one module at a time])."""
         current = [p.registered() for p in self.params]
         if all(p.owns(c) for p, c in zip(self.params, current)):
+            self.readopt_pending = False
             return
         locals_ = [c.to_local() if isinstance(c, DTensor) else c for c in current]
         devices = {t.device for t in locals_}
-        if len(devices) > 1:
+        self.readopt_pending = len(devices) > 1
+        if self.readopt_pending and partial_ok:
+            return
+        if self.readopt_pending:
             raise ValueError(
-                f"fully_shard({self.label}): after .to()/load_state_dict the unit's parameters are on several "
-                f"devices {sorted(map(str, devices))}; move the whole unit (call .to() on its module)")
+                f"fully_shard({self.label}): the unit's parameters are on several devices {sorted(map(str, devices))}: "
+                "only some of its modules were moved (.to(), to_empty(), load_state_dict(assign=True)); move "
+                "every module of the unit, e.g. call .to() / to_empty() on a module above them all")
         self.storage_device = devices.pop()
         dtypes = [t.dtype for t in locals_]
         for p, d in zip(self.params, dtypes):
@@ -169,6 +186,8 @@ class ParamGroup:
         them, parameters that are still on the meta device."""
         if self.state is not ShardState.SHARDED:
             return  # unsharded by the user before the first forward: the modules hold the gathered ones
+        if self.readopt_pending:  # only some of a list unit's modules moved
+            self.readopt()
         current = [p.registered() for p in self.params]
         meta = [p.fqn for p, c in zip(self.params, current) if c.device.type == "meta"]
         if not meta:
@@ -191,6 +210,7 @@ class ParamGroup:
         """Give a unit built on the meta device real storage on its device, new sharded
         parameters pointing at it, filled from ``full_tensors`` (one per parameter or None)."""
         self.storage_device = torch.device("cpu") if self.offload else self.compute_device
+        self.readopt_pending = False  # every parameter gets new storage here
         self.zero_copy = self.storage_device == self.compute_device and all(
             p.compute_dtype == p.orig_dtype for p in self.params)
         self.sharded_bytes = self._new_storage()
@@ -204,6 +224,8 @@ class ParamGroup:
         """Write each parameter's full value, in its original dtype, into ``fulls`` (one
         full-size tensor per parameter): one all-gather of the sharded bytes. Collective over
         the shard axis; the unit's own state is unchanged (deferred init restores with it)."""
+        if self.readopt_pending:
+            self.readopt()
         work, gathered = all_gather(self.comm, self.world * self.master_bytes, self.sharded_bytes, self.shard_group,
                                     self.sharded_bytes.device, all_gather_single)
         if work is not None:
@@ -229,6 +251,8 @@ class ParamGroup:
 
     def unshard(self, async_op: bool = False) -> None:
         """Issue the all-gather (no-op if unsharded or already issued); wait unless async."""
+        if self.readopt_pending:
+            self.readopt()
         if self.state is ShardState.GATHERING or self.state is ShardState.UNSHARDED:
             pass
         elif self.world == 1:

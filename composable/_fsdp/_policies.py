@@ -48,9 +48,8 @@ class CPUOffloadPolicy(OffloadPolicy):
 class DataParallelMeshDims:
     """Which axes of a whole SPMD mesh are data-parallel, for ``fully_shard(mesh=spmd_mesh,
     dp_mesh_dims=...)`` (FSDP2's name). ``shard``: the axis fully_shard shards over;
-    ``replicate``: the HSDP replica axis. Each is an axis name, or a tuple of one name (several
-    axes flattened into one are not supported: name one axis per role, e.g. with
-    ``shardwise.mesh.init_mesh``). At least one must be set."""
+    ``replicate``: the HSDP replica axis. Each is an axis name, or a tuple of names flattened
+    into one axis (called ``"_".join(names)``, as FSDP2's). At least one must be set."""
 
     shard: str | tuple[str, ...] | None = None
     replicate: str | tuple[str, ...] | None = None

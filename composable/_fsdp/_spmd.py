@@ -17,6 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from .._compat import concatenate_meshes, flatten_mesh
 from ._policies import DataParallelMeshDims
 
 __all__ = ["spmd_mesh", "to_tp_dtensor"]
@@ -31,9 +32,6 @@ def _check(mesh: DeviceMesh, dims: DataParallelMeshDims) -> tuple[tuple[str, ...
                          "shardwise.mesh.init_mesh or init_device_mesh(..., mesh_dim_names=...))")
     shard, rep = dims.shard_names, dims.replicate_names
     for role, given in (("shard", shard), ("replicate", rep)):
-        if len(given) > 1:
-            raise NotImplementedError(f"fully_shard: dp_mesh_dims.{role}={given} flattens several axes; name one "
-                                      "axis per role (build the mesh with one dp_shard / dp_replicate axis)")
         missing = [n for n in given if n not in names]
         if missing:
             raise ValueError(f"fully_shard: dp_mesh_dims.{role} names {missing}, not axes of the mesh {names}")
@@ -45,12 +43,17 @@ def _check(mesh: DeviceMesh, dims: DataParallelMeshDims) -> tuple[tuple[str, ...
 
 def spmd_mesh(mesh: DeviceMesh, dims: DataParallelMeshDims) -> DeviceMesh:
     """The data-parallel submesh: ``(replicate, shard)`` (HSDP), ``(shard,)``; replicate alone
-    is NO_SHARD, a 1-rank shard axis is not available here, so it is refused."""
+    is NO_SHARD, a 1-rank shard axis is not available here, so it is refused. A role naming
+    several axes gets one axis over them all, called ``"_".join(names)`` (as torch 2.13's)."""
     shard, rep = _check(mesh, dims)
     if not shard:
         raise NotImplementedError("fully_shard: dp_mesh_dims with replicate only (DDP) is not supported; use "
                                   "shardwise.composable.apply_fully_shard(..., 'NO_SHARD') or name a shard axis")
-    return mesh[rep + shard] if rep else mesh[shard[0]]
+    if len(shard) == 1 and len(rep) <= 1:
+        return mesh[rep + shard]
+    one = [mesh[names] if len(names) == 1 else flatten_mesh(mesh[names], "_".join(names)) for names in (rep, shard)
+           if names]
+    return concatenate_meshes(one) if len(one) == 2 else one[0]
 
 
 def to_tp_dtensor(param: torch.Tensor, fqn: str, dims: DataParallelMeshDims) -> torch.Tensor:

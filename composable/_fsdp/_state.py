@@ -246,12 +246,13 @@ class FSDPState:
             raise RuntimeError(f"fully_shard({g.label}): {what} during backward; call it between steps")
         g.reshard()
 
-    def readopt(self) -> None:
+    def readopt(self, partial_ok: bool = False) -> None:
         """Re-adopt the parameters the unit's modules hold now ([Note: re-adopting parameters]
-        in ``_param_group.py``)."""
+        in ``_param_group.py``); ``partial_ok`` after one of its modules moved ([Note: a unit
+        moved one module at a time] in ``_param_group.py``)."""
         if self.group is None:
             return
-        self.group.readopt()
+        self.group.readopt(partial_ok and len(self.modules) > 1)  # one module moves all its parameters at once
         for sp in self.group.params:  # swap_tensors swaps __dict__ too: put the mark back
             if getattr(sp.sharded, OWNER_ATTR, None) is None:
                 setattr(sp.sharded, OWNER_ATTR, sp.owner)

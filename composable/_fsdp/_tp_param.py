@@ -22,8 +22,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from .._compat import root_mesh, strided_shard
-from .._mesh_utils import same_mesh
+from .._compat import concatenate_meshes, strided_shard
 
 __all__ = ["tp_sharded_placements"]
 
@@ -44,22 +43,21 @@ def tp_sharded_placements(dp_mesh: DeviceMesh, dp: tuple[Placement, ...], placem
 
 
 def _combined_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The ``(dp axes..., tp axis)`` mesh of the root mesh both were sliced from."""
+    """The ``(dp axes..., tp axes...)`` mesh of the mesh both were sliced from (as torch's
+    FSDP2 builds it: named slices of one mesh, or of one ``_unflatten`` of a world mesh)."""
     dp_names, tp_names = dp_mesh.mesh_dim_names, tp_mesh.mesh_dim_names
-    root = root_mesh(dp_mesh)
-    names = root.mesh_dim_names or ()
-    # by value, never identity: an equal mesh built again (a second model, DTensor's caches
-    # handing back the first mesh's slice) is the same mesh
-    if (not dp_names or not tp_names or not set(tp_names) <= set(names)
-            or not same_mesh(root[tp_names], tp_mesh)):
-        raise ValueError(
-            "fully_shard: a tensor-parallel parameter needs the data-parallel mesh and its TP mesh to be named "
-            "slices of one mesh, e.g. mesh = init_mesh(dp_shard=2, tp=2); parallelize_module(m, mesh['tp'], plan); "
-            f"fully_shard(m, mesh=data_parallel_mesh(mesh)). Got dp axes {dp_names} and tp axes {tp_names}."
-            + (" Expert-parallel experts: call shardwise.composable.fully_shard_experts(moe, expert_meshes(mesh)) "
-               "before fully_shard of the enclosing module (docs/expert_parallel.md)." if "ep" in (tp_names or ())
-               else "")
-        )
-    if set(dp_names) & set(tp_names):
+    if dp_names and tp_names and set(dp_names) & set(tp_names):
         raise ValueError(f"fully_shard: the dp mesh {dp_names} and the TP mesh {tp_names} share an axis")
-    return root[tuple(dp_names) + tuple(tp_names)]
+    if dp_names and tp_names:
+        try:
+            return concatenate_meshes([dp_mesh, tp_mesh])
+        except RuntimeError:  # different meshes (by value), or overlapping ones
+            pass
+    raise ValueError(
+        "fully_shard: a tensor-parallel parameter needs the data-parallel mesh and its TP mesh to be named "
+        "slices of one mesh, e.g. mesh = init_mesh(dp_shard=2, tp=2); parallelize_module(m, mesh['tp'], plan); "
+        f"fully_shard(m, mesh=data_parallel_mesh(mesh)). Got dp axes {dp_names} and tp axes {tp_names}."
+        + (" Expert-parallel experts: call shardwise.composable.fully_shard_experts(moe, expert_meshes(mesh)) "
+           "before fully_shard of the enclosing module (docs/expert_parallel.md)." if "ep" in (tp_names or ())
+           else "")
+    )

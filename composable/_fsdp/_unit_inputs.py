@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._compat import is_strided_shard
-from .._mesh_utils import mesh_device
+from .._mesh_utils import mesh_device, same_mesh
 from ._common import OWNER_ATTR, FullyShardUsageError, ParamEntry
 from ._state import get_state
 
@@ -86,12 +86,12 @@ def collect_params(modules: list[nn.Module], ignored: set[int]) -> list[ParamEnt
             fqn = prefix + name
             owner = getattr(p, OWNER_ATTR, None)
             if owner is not None:
-                raise ValueError(
-                    f"fully_shard: parameter '{fqn}' is shared with {owner}, which is already sharded. A parameter "
-                    "shared between two units (e.g. an embedding tied to the output head) would be all-gathered and "
-                    "reduced twice and go stale. Put every module that uses it in one unit: call fully_shard on "
-                    "their common ancestor (often the root) instead of on the submodule, or pass both modules "
-                    "in one list: fully_shard([embedding, head])."
+                raise ValueError(  # torch 2.13's words (it refuses at the first forward), then the unit
+                    f"fully_shard: parameter '{fqn}' is shared with a parameter already managed by another FSDP "
+                    f"group: {owner}. For shared/tied parameters, use fully_shard([module_a, module_b]) to place "
+                    "them in the same FSDP group (e.g. fully_shard([embedding, head])), or call fully_shard on their "
+                    "common ancestor (often the root) instead of on the submodule: two units would all-gather and "
+                    "reduce it twice and it would go stale."
                 )
             if id(p) not in by_id:
                 by_id[id(p)] = (fqn, p, [])
@@ -136,17 +136,28 @@ def check_params(entries: list[ParamEntry], mesh: DeviceMesh, label: str) -> Non
             )
 
 
-def shard_placement(fn: Callable[[Any], Shard | None] | None, fqn: str, param: torch.Tensor,
-                    label: str) -> Shard | None:
-    """What ``shard_placement_fn`` says for ``param``, checked (None: ``Shard(0)``)."""
+def shard_placement(fn: Callable[[Any], Any] | None, fqn: str, param: torch.Tensor, label: str,
+                    mesh: DeviceMesh) -> Shard | None:
+    """What ``shard_placement_fn`` says for ``param``, checked (None: ``Shard(0)``). torch 2.13's
+    ``ShardPlacementResult(placement, mesh_info)`` is taken when ``mesh_info.mesh`` is the unit's
+    ``mesh``; a parameter on a mesh of its own is refused (one mesh per unit, for now)."""
     if fn is None:
         return None
     placement = fn(param)
+    if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):  # a ShardPlacementResult
+        own = getattr(placement.mesh_info, "mesh", None)
+        if not isinstance(own, DeviceMesh) or not same_mesh(own, mesh):
+            raise NotImplementedError(
+                f"fully_shard({label}): shard_placement_fn put '{fqn}' on its own mesh {own}; shardwise shards "
+                f"a unit over one mesh ({mesh}). Shard the module holding it first as a unit of its own on "
+                "that mesh (e.g. fully_shard(moe.experts, mesh=ep_folded_mesh)), then this one")
+        placement = placement.placement
     if placement is None:
         return None
     if not isinstance(placement, Shard) or is_strided_shard(placement):
         raise TypeError(f"fully_shard({label}): shard_placement_fn returned {placement!r} for '{fqn}'; return "
-                        "torch.distributed.tensor.Shard(dim) or None (Shard(0))")
+                        "torch.distributed.tensor.Shard(dim), None (Shard(0)) or a ShardPlacementResult on the "
+                        "unit's mesh")
     ndim = (param.to_local() if isinstance(param, DTensor) else param).dim()
     if not -ndim <= placement.dim < ndim:
         raise FullyShardUsageError(
