@@ -1,0 +1,138 @@
+"""Everyday torch DCP call forms (issue 33, items 3-8), torch's DCP as the oracle: key names of
+compiled and DDP models, the optimizer's own id-keyed state dict, one order of `Stateful`
+calls on every rank, ``bytes`` values (per rank where they differ), the ``.metadata`` marker,
+full state dicts into a meta-device ``fully_shard`` model."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as torch_sd
+import torch.nn as nn
+
+import shardwise.checkpoint as ck
+from tests._dist import run_ranks
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 3)))
+
+
+def _stepped(model: nn.Module) -> torch.optim.Optimizer:
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, 4)).sum().backward()
+    optim.step()
+    optim.zero_grad()
+    return optim
+
+
+def _same_keys_and_values(ours, theirs, where: str) -> None:
+    assert isinstance(ours, dict) and isinstance(theirs, dict), where
+    assert list(ours) == list(theirs), f"{where}: keys {list(ours)} != torch's {list(theirs)}"
+    for k in ours:
+        a, b = ours[k], theirs[k]
+        if isinstance(b, dict):
+            _same_keys_and_values(a, b, f"{where}/{k}")
+        elif isinstance(b, torch.Tensor):
+            assert torch.equal(a, b), f"{where}/{k}"
+        else:
+            assert a == b, f"{where}/{k}: {a!r} != {b!r}"
+
+
+# -- item 5: names of compiled and DDP models ---------------------------------------------------
+
+
+def _check_names_like_torch(model: nn.Module, optim: torch.optim.Optimizer, fresh: nn.Module) -> None:
+    msd, osd = ck.get_state_dict(model, optim)
+    tmsd, tosd = torch_sd.get_state_dict(model, optim)
+    _same_keys_and_values(msd, tmsd, "model")
+    assert list(osd["state"]) == list(tosd["state"]), (list(osd["state"]), list(tosd["state"]))
+    assert [g["params"] for g in osd["param_groups"]] == [g["params"] for g in tosd["param_groups"]]
+    assert not any("_orig_mod" in k or k.startswith("module.") for k in msd), list(msd)
+    # set_* takes the stripped names (torch's) and the wrapped ones (model.state_dict()'s)
+    fresh_optim = _stepped(fresh)
+    ck.set_state_dict(fresh, fresh_optim, model_state_dict=tmsd, optim_state_dict=tosd)
+    for (n, p), q in zip(fresh.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), n
+    ck.set_model_state_dict(fresh, model.state_dict())
+
+
+def test_compiled_model_keys_match_torch():
+    model = torch.compile(_net(0))
+    fresh = torch.compile(_net(1))
+    _check_names_like_torch(model, _stepped(model), fresh)
+    assert list(ck.get_model_state_dict(model, submodules=[model._orig_mod[2]],
+                                        options=ck.StateDictOptions(keep_submodule_prefixes=True))) == \
+        ["2.0.weight", "2.0.bias"]
+
+
+def _ddp_names(rank, world_size):
+    model = nn.parallel.DistributedDataParallel(_net(0))
+    fresh = nn.parallel.DistributedDataParallel(_net(1))
+    _check_names_like_torch(model, _stepped(model), fresh)
+    return True
+
+
+def test_ddp_model_keys_match_torch():
+    assert run_ranks(_ddp_names, 2, timeout=90) == [True, True]
+
+
+# -- item 6: the optimizer's own state dict -----------------------------------------------------
+
+
+def test_set_optimizer_state_dict_takes_the_optimizers_own_form():
+    model = _net(0)
+    optim = _stepped(model)
+    fresh = _net(0)
+    fresh_optim = _stepped(fresh)
+    ck.set_optimizer_state_dict(fresh, fresh_optim, optim.state_dict())
+    torch_fresh = _net(0)
+    torch_optim = _stepped(torch_fresh)
+    torch_sd.set_optimizer_state_dict(torch_fresh, torch_optim, optim.state_dict())
+    _same_keys_and_values(fresh_optim.state_dict(), torch_optim.state_dict(), "optim")
+    _same_keys_and_values(fresh_optim.state_dict(), optim.state_dict(), "optim")
+
+
+# -- item 8: one order of Stateful calls on every rank ------------------------------------------
+
+
+class _Collective:
+    """A Stateful whose state_dict / load_state_dict run a collective naming itself."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log, self.n = name, log, 0
+
+    def _sync(self, what: str) -> None:
+        got: list = [None] * dist.get_world_size()
+        dist.all_gather_object(got, f"{what}:{self.name}")
+        self.log.append(got)
+
+    def state_dict(self):
+        self._sync("state_dict")
+        return {"n": self.n}
+
+    def load_state_dict(self, sd):
+        self._sync("load_state_dict")
+        self.n = sd["n"]
+
+
+def _orders(rank, world_size, path):
+    log: list = []
+    names = ["b", "a", "c"] if rank == 0 else ["c", "a", "b"]
+    ck.save({n: _Collective(n, log) for n in names}, checkpoint_id=path)
+    ck.load({n: _Collective(n, log) for n in reversed(names)}, checkpoint_id=path)
+    return log
+
+
+def test_stateful_calls_run_in_one_order_on_every_rank(tmp_path):
+    for log in run_ranks(_orders, 2, str(tmp_path / "c"), timeout=90):
+        mixed = [got for got in log if len(set(got)) != 1]
+        assert not mixed, f"ranks called different statefuls in one collective: {mixed}"
+        want = [f"{w}:{n}" for w in ("state_dict", "state_dict", "load_state_dict") for n in "abc"]
+        assert [got[0] for got in log] == want, [got[0] for got in log]
