@@ -136,3 +136,63 @@ def test_stateful_calls_run_in_one_order_on_every_rank(tmp_path):
         assert not mixed, f"ranks called different statefuls in one collective: {mixed}"
         want = [f"{w}:{n}" for w in ("state_dict", "state_dict", "load_state_dict") for n in "abc"]
         assert [got[0] for got in log] == want, [got[0] for got in log]
+
+
+# -- item 3: bytes values, per rank where they differ ------------------------------------------
+
+
+def _bytes_state(rank: int) -> dict:
+    return {"dataloader": {f"dp_rank_{rank}": pickle.dumps({"rank": rank, "pos": [rank] * 5}), "world_size": 2},
+            "shared": bytes(range(256)) * 3, "empty": b"", "mine": os.urandom(0) + f"rank {rank}".encode(),
+            "step": 7, "w": torch.arange(6.0)}
+
+
+def _blank(rank: int) -> dict:
+    return {"dataloader": {f"dp_rank_{rank}": b"", "world_size": 0}, "shared": b"", "empty": b"x", "mine": b"",
+            "step": 0, "w": torch.zeros(6)}
+
+
+def _bytes_save(rank, world_size, ours, theirs):
+    ck.save(_bytes_state(rank), ours)
+    dcp.save(_bytes_state(rank), checkpoint_id=theirs)
+    a, b = _blank(rank), _blank(rank)
+    ck.load(a, ours)
+    dcp.load(b, checkpoint_id=theirs)
+    return a, b
+
+
+def _bytes_reload(rank, world_size, ours):
+    try:  # collective: rank 2 saved none of the per-rank values, so every rank raises its problems
+        ck.load(_blank(rank), ours)
+    except ck.CheckpointError as e:
+        message = str(e)
+    else:
+        message = "loaded"
+    partial = {k: v for k, v in _blank(rank).items() if k in ("shared", "empty", "step", "w")}
+    ck.load(partial, ours)
+    kept = _blank(rank)
+    ck.load(kept, ours, strict=False)
+    return message, partial, kept
+
+
+def test_bytes_values_round_trip_per_rank_and_reshard(tmp_path):
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    for rank, (a, b) in enumerate(run_ranks(_bytes_save, 2, ours, theirs, timeout=90)):
+        want = _bytes_state(rank)
+        assert a["dataloader"] == want["dataloader"] == b["dataloader"], (rank, a["dataloader"])
+        for k in ("shared", "empty", "step"):
+            assert a[k] == want[k] == b[k] and type(a[k]) is type(want[k]), (rank, k, a[k])
+        # one key, a value per rank: each rank gets its own back (DCP keeps one rank's for all)
+        assert a["mine"] == want["mine"] and b["mine"] in (b"rank 0", b"rank 1"), (rank, a["mine"], b["mine"])
+        assert torch.equal(a["w"], want["w"])
+    index = ck.verify_checkpoint(ours)
+    assert index.ok, index
+    out = run_ranks(_bytes_reload, 3, ours, timeout=90)
+    for rank in (0, 1):
+        kept = out[rank][2]
+        assert kept["dataloader"] == _bytes_state(rank)["dataloader"] and kept["mine"] == f"rank {rank}".encode()
+    message, partial, kept = out[2]
+    assert "value 'dataloader/dp_rank_2' is not in" in message, message
+    assert "'mine' was saved per rank" in message and "ranks [0, 1]" in message, message
+    assert partial["shared"] == bytes(range(256)) * 3 and partial["empty"] == b"" and partial["step"] == 7
+    assert kept["mine"] == b"" and kept["shared"] == bytes(range(256)) * 3, kept

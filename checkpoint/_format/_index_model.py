@@ -84,6 +84,7 @@ class Index:
     version: int = FORMAT_VERSION
     checksummed: bool = False  # the index carried its own checksum and it matched
     save_id: str | None = None  # the save that wrote it (rotation compares it with the series record)
+    blobs: frozenset[str] = frozenset()  # tensors (uint8, 1-D) that hold a ``bytes`` value
 
 
 def plain_file_name(name: Any) -> bool:
