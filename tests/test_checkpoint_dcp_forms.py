@@ -196,3 +196,26 @@ def test_bytes_values_round_trip_per_rank_and_reshard(tmp_path):
     assert "'mine' was saved per rank" in message and "ranks [0, 1]" in message, message
     assert partial["shared"] == bytes(range(256)) * 3 and partial["empty"] == b"" and partial["step"] == 7
     assert kept["mine"] == b"" and kept["shared"] == bytes(range(256)) * 3, kept
+
+
+# -- item 4: the .metadata marker ----------------------------------------------------------------
+
+
+def test_checkpoint_has_dcp_marker_and_torch_dcp_refuses_it(tmp_path):
+    for step in (10, 20):
+        ck.save({"w": torch.arange(4.0), "step": step}, str(tmp_path / f"step-{step}"), keep_last=1)
+    # torchtitan's discovery: the newest step-N folder holding a .metadata file
+    found = [d for d in os.listdir(tmp_path) if os.path.isfile(tmp_path / d / ".metadata")]
+    assert found == ["step-20"], found
+    assert ck.verify_checkpoint(str(tmp_path / "step-20")).ok
+    target = {"w": torch.zeros(4), "step": 0}
+    with pytest.raises(BaseException) as e:  # DCP's CheckpointException is a BaseException
+        dcp.load(target, checkpoint_id=str(tmp_path / "step-20"))
+    assert "this is a shardwise checkpoint" in str(e.value) and "shardwise.checkpoint.load" in str(e.value), e.value
+    assert torch.equal(target["w"], torch.zeros(4)) and target["step"] == 0
+    with pytest.raises(BaseException, match="this is a shardwise checkpoint"):
+        dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "step-20")))
+    ck.load(target, str(tmp_path / "step-20"))
+    assert torch.equal(target["w"], torch.arange(4.0)) and target["step"] == 20
+    ck.save({"w": torch.ones(4)}, str(tmp_path / "step-20"))  # a replace keeps no stale marker problem
+    assert sorted(os.listdir(tmp_path / "step-20")) == [".metadata", "index.json", "rank-00000.safetensors"]

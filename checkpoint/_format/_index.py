@@ -33,11 +33,11 @@ from .._geometry import Box
 from .._base import CheckpointError, DuplicateKey, box_rows, chunk_count, crcs_from_hex, crcs_to_hex, parse_json_strict
 from ._file_io import pread_exact
 from .._storage import DirView, Storage, storage_for
-from ._index_model import (CHECKSUM_FIELD, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, SavedBox,
-                           TensorEntry, data_file_name, dtype_from_name, dtype_name, plain_file_name)
+from ._index_model import (CHECKSUM_FIELD, DCP_MARKER, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, SavedBox,
+                           TensorEntry, data_file_name, dcp_marker, dtype_from_name, dtype_name, plain_file_name)
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "Index", "SavedBox", "TensorEntry",
+    "DCP_MARKER", "dcp_marker", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "Index", "SavedBox", "TensorEntry",
     "dtype_name", "dtype_from_name", "read_index", "index_to_json", "format_index", "data_file_name",
     "describe_non_checkpoint", "MAX_INDEX_BYTES",
 ]

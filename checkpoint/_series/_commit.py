@@ -26,8 +26,8 @@ token from its record, deletes what is left of it (only data files; anything els
 reported). A ``<name>`` that exists but is not a checkpoint (and not an empty directory), or is
 a symbolic link, is never touched.
 
-A checkpoint's *own files* (`own_files`) are ``index.json`` and the data files its index
-lists; `delete_own_files` deletes those (index first, so the directory stops being a
+A checkpoint's *own files* (`own_files`) are ``index.json``, ``.metadata`` ([Note: the .metadata
+marker] in ``checkpoint/_format/_index_model.py``) and the data files its index lists; `delete_own_files` deletes those (index first, so the directory stops being a
 checkpoint at once) and the directory only if nothing else is left in it.
 """
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .._base import CheckpointError, parse_json_strict
-from .._format import FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, plain_file_name
+from .._format import DCP_MARKER, FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, plain_file_name
 from .._storage import Storage
 
 __all__ = ["temp_dir_for", "replaced_dir_for", "check_target", "commit", "own_files", "delete_own_files",
@@ -72,8 +72,8 @@ def is_checkpoint(storage: Storage, path: str) -> bool:
 
 def own_files(storage: Storage, path: str) -> set[str]:
     """The names inside checkpoint ``path`` that the format wrote: the index (and its temporary
-    name) and the data files it lists."""
-    names = {INDEX_FILE, INDEX_FILE + ".tmp"}
+    name), the ``.metadata`` marker and the data files it lists."""
+    names = {INDEX_FILE, INDEX_FILE + ".tmp", DCP_MARKER}
     raw = index_of(storage, path)
     files = raw.get("files") if raw else None
     if isinstance(files, dict):
