@@ -219,3 +219,30 @@ def test_checkpoint_has_dcp_marker_and_torch_dcp_refuses_it(tmp_path):
     assert torch.equal(target["w"], torch.arange(4.0)) and target["step"] == 20
     ck.save({"w": torch.ones(4)}, str(tmp_path / "step-20"))  # a replace keeps no stale marker problem
     assert sorted(os.listdir(tmp_path / "step-20")) == [".metadata", "index.json", "rank-00000.safetensors"]
+
+
+# -- item 7: a full state dict into a fully_shard model on the meta device -----------------------
+
+
+def _meta_full(rank, world_size, broadcast):
+    from shardwise.composable import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = _net(3).state_dict()
+    with torch.device("meta"):
+        model = _net(0)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    options = ck.StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+    ck.set_model_state_dict(model, full if rank == 0 or not broadcast else {}, options=options)
+    assert not any(p.device.type == "meta" for p in model.parameters()), "parameters left on meta"
+    got = ck.get_model_state_dict(model, options=ck.StateDictOptions(full_state_dict=True))
+    for k, v in full.items():
+        assert torch.equal(got[k], v), k
+    x = torch.ones(2, 4)
+    return torch.equal(model(x), _net(3)(x))
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_full_state_dict_into_meta_fully_shard_model(broadcast):
+    assert run_ranks(_meta_full, 2, broadcast, timeout=90) == [True, True]

@@ -72,6 +72,7 @@ from .._series import intact_replaced
 from .._state import (check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten, refuse_dcp_extensions,
                       set_values)
 from .._format import CheckpointFiles, open_checkpoint
+from ._fs_reader import FileSystemReader
 from ._load_checks import check_files
 from ._load_plan import plan_load as _plan_load, rank_view
 from ._reads import read_all as _read
@@ -205,8 +206,11 @@ def load(state_dict: dict, path: str | os.PathLike | None = None, *, strict: boo
     torch DCP's form works too: ``load(state_dict, checkpoint_id=path)``; a value with
     ``state_dict()``/``load_state_dict()`` anywhere in the tree (`Stateful`) is loaded through
     them (its ``state_dict()`` is filled, then passed to its ``load_state_dict``);
-    ``process_group`` (every rank) and ``no_dist`` (this process alone) as in `save`.
+    ``process_group`` (every rank) and ``no_dist`` (this process alone) as in `save`;
+    ``storage_reader=FileSystemReader(path)``.
     """
+    if isinstance(storage_reader, FileSystemReader):
+        checkpoint_id, storage_reader = checkpoint_path("load", checkpoint_id, storage_reader.path), None
     refuse_dcp_extensions("load", storage_reader=storage_reader, planner=planner)
     path = checkpoint_path("load", path, checkpoint_id)
     target, after = expand_stateful(state_dict)

@@ -33,11 +33,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._base import CheckpointError, broadcast_json, rank_and_world
+from torch.distributed.tensor import DTensor
+
+from .._base import CheckpointError, broadcast_json, collective_device, is_distributed, rank_and_world
 from ._flatten import to_json_value
 from ._full_state import gather_full, scatter_full, to_cpu
-from ._state_dict_forms import (as_optimizers, canonical_names, flatten_optim, merge_optims, select_model_keys, share_tied, split_optim,
-                                unflatten_optim)
+from ._state_dict_forms import (as_optimizers, canonical_names, flatten_optim, merge_optims, select_model_keys,
+                                share_tied, split_optim, unflatten_optim)
 
 __all__ = [
     "StateDictOptions",
@@ -199,16 +201,47 @@ def set_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterabl
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
                          options: StateDictOptions | None = None):
     """Load ``model_state_dict`` (from `get_model_state_dict`, or full with ``full_state_dict``)
-    into ``model``; returns ``model.load_state_dict``'s missing/unexpected keys."""
+    into ``model``; returns ``model.load_state_dict``'s missing/unexpected keys. With
+    ``full_state_dict``, a model still on the meta device gets real tensors (`_materialized`)."""
     options = options or StateDictOptions()
     current = model.state_dict()
     model_state_dict = _wrapped_keys(model, model_state_dict, current)
     if options.full_state_dict:
+        current, assign = _materialized(current)
         source = model_state_dict if options.strict else {k: v for k, v in model_state_dict.items() if k in current}
         target = current if options.strict else {k: v for k, v in current.items() if k in source}
         scatter_full(target, source, from_rank0=options.broadcast_from_rank0, where="the full model state dict")
-        return model.load_state_dict(current, strict=options.strict)
+        if assign and not options.strict:
+            current = target  # only what was filled replaces the meta tensors
+        return model.load_state_dict(current, strict=options.strict, assign=assign)
     return model.load_state_dict(model_state_dict, strict=options.strict)
+
+
+def _materialized(sd: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``sd`` with each meta tensor replaced by an empty one of its (local) shape, on the device of
+    the others (else its mesh's, else the collective device), and whether there was one: a full
+    state dict set into a model still on the meta device then loads with ``assign=True``, as
+    torch's DCP does (``fully_shard`` re-adopts the assigned shards)."""
+    tensors = [v for v in sd.values() if isinstance(v, torch.Tensor)]
+    if not any(t.device.type == "meta" for t in tensors):
+        return sd, False
+    real = {t.device for t in tensors if t.device.type != "meta"}
+    if len(real) > 1:
+        raise CheckpointError(f"set_model_state_dict: the model's tensors are on the meta device and on several others "
+                              f"{sorted(map(str, real))}; move them to one device first")
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            return t
+        if isinstance(t, DTensor):
+            device = next(iter(real)) if real else torch.device(t.device_mesh.device_type)
+            local = torch.empty_like(t.to_local(), device=device)
+            return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
+                                      run_check=False)
+        return torch.empty_like(t, device=next(iter(real)) if real else
+                                collective_device() if is_distributed() else torch.device("cpu"))
+
+    return {k: empty(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}, True
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
