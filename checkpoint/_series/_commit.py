@@ -203,7 +203,7 @@ def recover_replaced(storage: Storage, path: str, token: str | None = None) -> s
     when ``token`` is None), rename it back to ``<name>``. If ``<name>`` exists and ``token``
     is given, finish that replace: move user files over and delete the old copy; an old copy
     whose index is already gone (the kill came while deleting it) loses its remaining data
-    files (``*.safetensors``, ``index.json.tmp``; anything else is kept and named). Returns a
+    files (``*.safetensors``, ``index.json.tmp``, ``.metadata``; anything else is kept and named). Returns a
     sentence saying what was done, or None when there was nothing to do.
     """
     copies = _replaced_copies(storage, path, token)
@@ -221,7 +221,7 @@ def recover_replaced(storage: Storage, path: str, token: str | None = None) -> s
     if intact:
         left = _finish_replace(storage, old, path)
     else:  # the index is gone: everything of the format left is data files (user files were moved first)
-        names = {n for n in storage.list(old) if n.endswith(_LEFTOVER_SUFFIXES)
+        names = {n for n in storage.list(old) if (n.endswith(_LEFTOVER_SUFFIXES) or n == DCP_MARKER)
                  and storage.kind(storage.join(old, n)) == "file"}
         left = delete_own_files(storage, old, names=names)
     storage.fsync_dir(storage.parent(path))
