@@ -69,8 +69,8 @@ import torch
 
 from .._base import CheckpointError, agree, all_gather_json, phase, rank_and_world
 from .._series import intact_replaced
-from .._state import (check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten, refuse_dcp_extensions,
-                      set_values)
+from .._state import (Leaf, check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten,
+                      refuse_dcp_extensions, set_values)
 from .._format import CheckpointFiles, open_checkpoint
 from ._fs_reader import FileSystemReader
 from ._load_checks import check_files
@@ -113,7 +113,12 @@ def load_from_index(state: dict, files: CheckpointFiles, *, strict: bool = True,
     index = files.index
     where = where or f"checkpoint {files.where}"
     what = f"loading {where}"
-    reads, leaves, given, problems, verified, blobs = [], [], [], [], 0, []
+    reads: list = []
+    leaves: list[Leaf] = []
+    given: list[Leaf] = []
+    problems: list[str] = []
+    blobs: list[tuple[Leaf, torch.Tensor]] = []
+    verified = 0
     error: BaseException | str | None = None
     with phase("load/plan"):
         try:

@@ -59,7 +59,8 @@ def canonical_names(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
     without the parts wrappers add (module docstring), as torch's ``_get_fqns`` does."""
     out = {}
     for name in names:
-        kept, cur = [], model
+        kept: list[str] = []
+        cur: nn.Module | None = model
         for part in name.split(".") if name else []:
             if not _wrapper_part(cur, part):
                 kept.append(part)
