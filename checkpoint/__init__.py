@@ -30,9 +30,9 @@ from ._elastic import (BatchPlan, ElasticLoader, ElasticSampler, Heartbeat, Hear
                        async_save_training_state, exit_for_restart, load_training_state, plan_batches,
                        save_training_state, start_heartbeat)
 from ._hf import load_safetensors, save_hf_folder, save_pretrained
-from ._load import LoadStats, load
+from ._load import FileSystemReader, LoadStats, load
 from ._offline import VerifyReport, merge_checkpoint, reshard_checkpoint, verify_checkpoint
-from ._save import SaveHandle, async_save, check_save_target, save
+from ._save import FileSystemWriter, SaveHandle, async_save, check_save_target, save
 from ._series import latest_checkpoint
 from ._state import (StateDictOptions, Stateful, gather_full, get_model_state_dict, get_optimizer_state_dict,
                      get_state_dict, scatter_full, set_model_state_dict, set_optimizer_state_dict, set_state_dict)
@@ -42,7 +42,8 @@ ROOMS = ("_base", "_storage", "_geometry", "_format", "_state", "_series", "_sav
          "_dcp_import", "_elastic")
 """The rooms of the package, lowest first: each imports only rooms before it (tests read this)."""
 
-__all__ = ["BatchPlan", "CheckpointError", "ElasticLoader", "ElasticSampler", "FsspecStorage", "Heartbeat",
+__all__ = ["BatchPlan", "CheckpointError", "ElasticLoader", "ElasticSampler", "FileSystemReader", "FileSystemWriter",
+           "FsspecStorage", "Heartbeat",
            "HeartbeatPolicy", "ImportStats", "LoadStats", "PosixStorage", "SaveHandle", "StateDictOptions", "Stateful",
            "Storage", "TrainingSnapshot", "VerifyReport", "async_save", "async_save_training_state",
            "check_save_target", "exit_for_restart", "get_model_state_dict", "get_optimizer_state_dict",

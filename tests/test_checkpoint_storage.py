@@ -129,5 +129,5 @@ def test_two_ranks_save_and_load_through_a_file_url(tmp_path):
     url = f"file://{tmp_path}/step-1"
     for w, step in run_ranks(_two_ranks, 2, url, timeout=60):
         assert torch.equal(w, torch.arange(40.0).reshape(8, 5)) and step == 7
-    assert sorted(os.listdir(tmp_path / "step-1")) == ["index.json", "rank-00000.safetensors",
+    assert sorted(os.listdir(tmp_path / "step-1")) == [".metadata", "index.json", "rank-00000.safetensors",
                                                       "rank-00001.safetensors"]

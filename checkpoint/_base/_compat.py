@@ -11,6 +11,10 @@ checkpoint code needs two facts about it, and this module is the only place that
   ``r`` of each (torch.chunk semantics at both levels; `_boxes.strided_positions` computes it
   with shardwise's own arithmetic).
 
+The state-dict helpers also recognise a ``torch.compile``d module (``OptimizedModule``, whose
+module sits under ``_orig_mod``), to drop that part of its names as torch's DCP does
+(`is_compiled_module`).
+
 ``tests/test_checkpoint_compat.py`` states each of these facts as a test against the
 installed torch, so a torch release that changes one fails there, loudly, rather than
 in a checkpoint saved with wrong boxes.
@@ -22,7 +26,7 @@ from typing import Any
 
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["is_strided_shard", "strided_split_factor", "StridedShard"]
+__all__ = ["is_compiled_module", "is_strided_shard", "strided_split_factor", "StridedShard"]
 
 StridedShard = _StridedShard  # the type itself, for tests and error messages
 
@@ -35,3 +39,9 @@ def is_strided_shard(p: Any) -> bool:
 def strided_split_factor(p: Any) -> int:
     """The ``split_factor`` of the ``_StridedShard`` ``p`` as a Python int."""
     return int(p.split_factor)
+
+
+def is_compiled_module(m: Any) -> bool:
+    """Whether ``m`` is what ``torch.compile(module)`` returns (its module is ``m._orig_mod``)."""
+    from torch._dynamo.eval_frame import OptimizedModule  # late: importing dynamo is slow
+    return isinstance(m, OptimizedModule)

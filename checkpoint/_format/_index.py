@@ -33,11 +33,11 @@ from .._geometry import Box
 from .._base import CheckpointError, DuplicateKey, box_rows, chunk_count, crcs_from_hex, crcs_to_hex, parse_json_strict
 from ._file_io import pread_exact
 from .._storage import DirView, Storage, storage_for
-from ._index_model import (CHECKSUM_FIELD, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, SavedBox,
-                           TensorEntry, data_file_name, dtype_from_name, dtype_name, plain_file_name)
+from ._index_model import (CHECKSUM_FIELD, DCP_MARKER, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, SavedBox,
+                           TensorEntry, data_file_name, dcp_marker, dtype_from_name, dtype_name, plain_file_name)
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "Index", "SavedBox", "TensorEntry",
+    "DCP_MARKER", "dcp_marker", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "Index", "SavedBox", "TensorEntry",
     "dtype_name", "dtype_from_name", "read_index", "index_to_json", "format_index", "data_file_name",
     "describe_non_checkpoint", "MAX_INDEX_BYTES",
 ]
@@ -115,6 +115,7 @@ def index_to_json(index: Index) -> dict:
         "tensors": tensors,
         "values": index.values,
         **({"save_id": index.save_id} if index.save_id is not None else {}),
+        **({"bytes": sorted(index.blobs)} if index.blobs else {}),
     }
     obj[CHECKSUM_FIELD] = index_checksum(obj)
     return obj
@@ -263,10 +264,16 @@ def read_index(view: DirView | str | os.PathLike, storage: Storage | None = None
             _check_boxes_fit(entry, key, files, file)
             tensors[key] = entry
         values = _typed(raw, "values", dict, file, {})
+        blobs = frozenset(_typed(raw, "bytes", list, file, []))
+        bad = [k for k in blobs if not isinstance(k, str) or k not in tensors or tensors[k].dtype != torch.uint8
+               or len(tensors[k].shape) != 1]
+        if bad:
+            raise CheckpointError(f"{file} is damaged: 'bytes' names {_short(bad[0])}, which is not a 1-D uint8 tensor "
+                                  "of 'tensors'")
         created, world, save_id = raw.get("created_unix_ns"), raw.get("world_size"), raw.get("save_id")
         return Index(tensors, values, files, world if isinstance(world, int) else None,
                      created if isinstance(created, int) else None, version, checksummed,
-                     save_id if isinstance(save_id, str) else None)
+                     save_id if isinstance(save_id, str) else None, blobs)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{file} is damaged: {type(e).__name__}: {e}") from None
 

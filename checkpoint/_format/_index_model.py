@@ -14,14 +14,32 @@ from .._base import CheckpointError
 from .._geometry import Box
 from ._safetensors_io import DTYPE_CODES
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "INCOMPLETE_MARK", "CHECKSUM_FIELD", "Index", "SavedBox",
-           "TensorEntry", "data_file_name", "dtype_name", "dtype_from_name", "plain_file_name"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "INCOMPLETE_MARK", "CHECKSUM_FIELD", "DCP_MARKER", "Index",
+           "SavedBox", "TensorEntry", "dcp_marker", "data_file_name", "dtype_name", "dtype_from_name", "plain_file_name"]
 
 FORMAT_NAME = "shardwise.checkpoint"
 FORMAT_VERSION = 1
 INDEX_FILE = "index.json"
 INCOMPLETE_MARK = ".incomplete-"
 CHECKSUM_FIELD = "index_sha256"
+DCP_MARKER = ".metadata"  # [Note: the .metadata marker]
+_DCP_REFUSAL = ("this is a shardwise checkpoint (index.json and safetensors files), not a torch DCP one; its .metadata "
+                "only marks it for tools that look for DCP's: load it with shardwise.checkpoint.load(state, path)")
+
+
+def dcp_marker() -> bytes:
+    """The bytes of a checkpoint's ``.metadata``.
+
+    [Note: the .metadata marker]
+    Code that looks for torch DCP checkpoints (torchtitan finds its newest one) tests for a
+    ``.metadata`` file, so a save writes one. torch's ``dcp.load`` unpickles that file; a
+    shardwise checkpoint cannot be read that way (its data files are safetensors, not DCP's), so
+    the marker is the smallest pickle stream that stops that load with our sentence: ``int(<the
+    sentence>)`` raises ``ValueError: invalid literal for int() ...: '<the sentence>'`` before any
+    tensor is touched. shardwise never reads the file (``import_dcp`` refuses a folder holding
+    ``index.json`` first)."""
+    text = _DCP_REFUSAL.encode()
+    return b"\x80\x02cbuiltins\nint\nX" + len(text).to_bytes(4, "little") + text + b"\x85R."
 
 
 def data_file_name(rank: int) -> str:
@@ -84,6 +102,7 @@ class Index:
     version: int = FORMAT_VERSION
     checksummed: bool = False  # the index carried its own checksum and it matched
     save_id: str | None = None  # the save that wrote it (rotation compares it with the series record)
+    blobs: frozenset[str] = frozenset()  # tensors (uint8, 1-D) that hold a ``bytes`` value
 
 
 def plain_file_name(name: Any) -> bool:

@@ -5,17 +5,55 @@ boxes of it; each problem one line, collected for the ranks to agree on."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._state import Leaf
+from .._state import Leaf, rank_key
 from .._format import Index, TensorEntry
 from .._geometry import LocalBox, covered_numel, distinct_boxes, local_boxes, plan_reads, tiling_problem
 from ._reads import Read as _Read
 
-__all__ = ["plan_load"]
+__all__ = ["plan_load", "rank_view"]
+
+
+def rank_view(index: Index, leaves: list[Leaf], rank: int, strict: bool,
+              where: str) -> tuple[Index, list[Leaf], list[tuple[Leaf, torch.Tensor]], list[str]]:
+    """The plain values as ``rank`` loads them ([Note: plain values per rank] in
+    ``checkpoint/_save/_save_plan.py``): ``(index whose values are this rank's, the leaves to plan with
+    each saved ``bytes`` value as a uint8 tensor leaf to read, (plain leaf, its tensor) pairs,
+    problems)``."""
+    values: dict[str, Any] = {}
+    out: list[Leaf] = []
+    blobs: list[tuple[Leaf, torch.Tensor]] = []
+    problems: list[str] = []
+    for leaf in leaves:
+        if isinstance(leaf.value, torch.Tensor):
+            out.append(leaf)
+            continue
+        own = rank_key(leaf.key, rank)
+        name = own if own in index.values or own in index.blobs else leaf.key
+        if name in index.blobs:
+            t = torch.empty(index.tensors[name].shape, dtype=torch.uint8)
+            blobs.append((leaf, t))
+            out.append(Leaf(name, t, None, None))
+            continue
+        if name in index.values:
+            values[leaf.key] = index.values[name]
+        else:
+            saved = sorted(int(k.rsplit("~r", 1)[1]) for k in list(index.values) + list(index.blobs)
+                           if k.startswith(leaf.key + "~r") and k[len(leaf.key) + 2:].isdigit())
+            if saved and strict:
+                problems.append(f"value '{leaf.key}' was saved per rank (it differed between the saving ranks) by "
+                                f"ranks {saved[:8]}, and not by this rank ({rank}): load it on a rank that saved "
+                                "it, or with strict=False to keep the target's value")
+            if saved:
+                continue
+        out.append(leaf)
+    return dataclasses.replace(index, values=values), out, blobs, problems
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -67,13 +67,14 @@ from typing import Any
 
 import torch
 
-from .._base import CheckpointError, agree, all_gather_json, phase
+from .._base import CheckpointError, agree, all_gather_json, phase, rank_and_world
 from .._series import intact_replaced
-from .._state import (check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten, refuse_dcp_extensions,
-                      set_values)
+from .._state import (Leaf, check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten,
+                      refuse_dcp_extensions, set_values)
 from .._format import CheckpointFiles, open_checkpoint
+from ._fs_reader import FileSystemReader
 from ._load_checks import check_files
-from ._load_plan import plan_load as _plan_load
+from ._load_plan import plan_load as _plan_load, rank_view
 from ._reads import read_all as _read
 from .._storage import Storage, storage_for
 
@@ -112,13 +113,20 @@ def load_from_index(state: dict, files: CheckpointFiles, *, strict: bool = True,
     index = files.index
     where = where or f"checkpoint {files.where}"
     what = f"loading {where}"
-    reads, leaves, problems, verified = [], [], [], 0
+    reads: list = []
+    leaves: list[Leaf] = []
+    given: list[Leaf] = []
+    problems: list[str] = []
+    blobs: list[tuple[Leaf, torch.Tensor]] = []
+    verified = 0
     error: BaseException | str | None = None
     with phase("load/plan"):
         try:
-            leaves = flatten(state)
+            given = flatten(state)
+            view, leaves, blobs, problems = rank_view(index, given, rank_and_world()[0], strict, where)
             with torch.no_grad():
-                reads, problems = _plan_load(index, leaves, strict, where)
+                reads, more = _plan_load(view, leaves, strict, where)
+            problems += more
         except Exception as e:
             error = e
     with phase("load/verify"):  # sizes and headers always; checksums of this rank's share with verify
@@ -132,7 +140,10 @@ def load_from_index(state: dict, files: CheckpointFiles, *, strict: bool = True,
         read_bytes, nfiles = 0, 0
         try:
             read_bytes, nfiles = _read(files, reads, max_read_bytes)
-            set_values(leaves, index.values)
+            set_values(given, view.values)
+            for leaf, t in blobs:  # saved bytes values, read as uint8 tensors
+                if not isinstance(leaf.parent, tuple):
+                    leaf.parent[leaf.slot] = t.numpy().tobytes()
         except Exception as e:
             error = _retry(files) if files.replaced() else e
         if error is None and not files.view.pinned and files.replaced():
@@ -200,8 +211,11 @@ def load(state_dict: dict, path: str | os.PathLike | None = None, *, strict: boo
     torch DCP's form works too: ``load(state_dict, checkpoint_id=path)``; a value with
     ``state_dict()``/``load_state_dict()`` anywhere in the tree (`Stateful`) is loaded through
     them (its ``state_dict()`` is filled, then passed to its ``load_state_dict``);
-    ``process_group`` (every rank) and ``no_dist`` (this process alone) as in `save`.
+    ``process_group`` (every rank) and ``no_dist`` (this process alone) as in `save`;
+    ``storage_reader=FileSystemReader(path)``.
     """
+    if isinstance(storage_reader, FileSystemReader):
+        checkpoint_id, storage_reader = checkpoint_path("load", checkpoint_id, storage_reader.path), None
     refuse_dcp_extensions("load", storage_reader=storage_reader, planner=planner)
     path = checkpoint_path("load", path, checkpoint_id)
     target, after = expand_stateful(state_dict)

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._base import CheckpointError, agree, broadcast_json, gather_json, phase, rank_and_world
-from .._format import INDEX_FILE, format_index, index_to_json
+from .._format import DCP_MARKER, INDEX_FILE, dcp_marker, format_index, index_to_json
 from .._series import abort_save, commit, finish_save, remove_temp
 from .._state import dcp_scope
 from .._storage import Storage
@@ -174,6 +174,7 @@ class SaveHandle:
             try:
                 index = build_index(self._plan, reports, world, self._token)
                 st = self._storage
+                st.write_atomic(st.join(self._tmp, DCP_MARKER), dcp_marker())  # [Note: the .metadata marker]
                 st.write_atomic(st.join(self._tmp, INDEX_FILE), format_index(index_to_json(index)).encode())
                 left = commit(st, self._tmp, self._path, self._token)
                 committed = True

@@ -1,5 +1,22 @@
 """A save's plan and its files: which boxes this rank writes, the writing, and the index built from
-the ranks' reports (steps 1, 3 and 4 of [Note: the steps of a save] in ``_writer.py``)."""
+the ranks' reports (steps 1, 3 and 4 of [Note: the steps of a save] in ``_writer.py``).
+
+[Note: plain values per rank]
+A plain value (JSON, or ``bytes``) is usually the same on every rank (a step count, optimizer
+options); then it is saved once, rank 0's. torch's DCP keeps each non-tensor value per key,
+written by one rank, so a value some ranks hold under their own key (torchtitan's data loader
+state: ``{"dp_rank_<i>": pickle.dumps(...)}``) is saved for each of them. Here the ranks' digests
+of their plain values go to rank 0 (one gather); a key that every rank holds with the same
+value is *shared* (saved once under its key, by rank 0), any other is saved *per rank*: each
+holding rank's own value under ``rank_key(key, rank)`` (``key~r<rank>``, never a flat key). A
+load gives each rank its own per-rank value, else the shared one; a rank that saved none (a
+rank beyond the saved world, or one that did not hold the key) finds the key missing (strict:
+an error naming the ranks that saved it; ``strict=False``: the target's value stays).
+
+A ``bytes`` value is stored as raw bytes: a 1-D ``uint8`` tensor of the writing rank's data
+file, named in the index's ``bytes`` list; it is never unpickled or interpreted. JSON values
+stay in the index's ``values``.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +29,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._base import CheckpointError, agree, crcs_from_hex, crcs_to_hex
-from .._state import flatten, to_json_value
+from .._base import CheckpointError, agree, crcs_from_hex, crcs_to_hex, gather_json, scatter_json
+from .._state import flatten, rank_key, to_json_value
 from .._format import (DTYPE_CODES, FORMAT_NAME, Index, SavedBox, StreamingWriter, TensorEntry, data_file_name,
                        dtype_name)
 from .._geometry import Box, assign_writers, is_local_candidate, layout_of, local_boxes, tiling_problem
@@ -43,6 +60,9 @@ class SavePlan:
     meta: dict[str, dict] = field(default_factory=dict)  # key -> dtype, shape, layout
     pieces: list[Piece] = field(default_factory=list)
     values: dict[str, Any] = field(default_factory=dict)
+    blobs: dict[str, bytes] = field(default_factory=dict)  # bytes values by flat key (until `settle_plain`)
+    blob_sizes: dict[str, int] = field(default_factory=dict)  # bytes values this rank writes: saved name -> size
+    rank_values: dict[str, Any] = field(default_factory=dict)  # this rank's per-rank JSON values, by saved name
     path: str = ""
 
 
@@ -51,6 +71,9 @@ def plan_save(state: dict, rank: int) -> SavePlan:
     with torch.no_grad():
         for leaf in flatten(state):
             v = leaf.value
+            if isinstance(v, (bytes, bytearray, memoryview)):
+                plan.blobs[leaf.key] = bytes(v)
+                continue
             if not isinstance(v, torch.Tensor):
                 plan.values[leaf.key] = to_json_value(v, leaf.key)
                 continue
@@ -75,9 +98,38 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
     for p in plan.pieces:
         held.setdefault(p.key, []).append(p.box)
     shapes = {k: tuple(m["shape"]) for k, m in plan.meta.items()}
-    mine, problem = assign_writers(list(plan.meta), shapes, held, meta_digest(plan.meta), rank)
+    mine, problem = assign_writers(sorted(plan.meta), shapes, held, meta_digest(plan.meta), rank)
     agree(problem, f"saving checkpoint {plan.path}")
     plan.pieces = [p for p in plan.pieces if (p.key, p.box) in mine]
+    _settle_plain(plan, rank)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _settle_plain(plan: SavePlan, rank: int) -> None:
+    """Collective: which plain values are shared and which per rank ([Note: plain values per
+    rank]); this rank keeps what it saves, and a piece for each ``bytes`` value it writes."""
+    mine = {"v": {k: _digest(json.dumps(v, sort_keys=True).encode()) for k, v in plan.values.items()},
+            "b": {k: _digest(b) for k, b in plan.blobs.items()}}
+    gathered = gather_json(mine, dst=0)
+    answers = None
+    if gathered is not None:  # rank 0: the keys each rank saves as its own
+        shared = {kind: {k for k, d in gathered[0][kind].items() if all(g[kind].get(k) == d for g in gathered)}
+                  for kind in ("v", "b")}
+        answers = [{kind: sorted(set(g[kind]) - shared[kind]) for kind in ("v", "b")} for g in gathered]
+    own = scatter_json(answers)
+    plan.rank_values = {rank_key(k, rank): plan.values.pop(k) for k in own["v"]}
+    for k, data in plan.blobs.items():
+        name = rank_key(k, rank) if k in own["b"] else k
+        if name == k and rank != 0:
+            continue  # shared: rank 0 writes it
+        plan.blob_sizes[name] = len(data)
+        if data:
+            plan.pieces.append(Piece(name, Box((0,), (len(data),)), torch.frombuffer(bytearray(data),
+                                                                                      dtype=torch.uint8), None))
+    plan.blobs = {}
 
 
 def snapshot(plan: SavePlan) -> None:
@@ -90,8 +142,9 @@ def snapshot(plan: SavePlan) -> None:
 
 def write_file(plan: SavePlan, storage: Storage, tmp: str, rank: int) -> dict:
     """Write this rank's boxes; returns its report for the index."""
+    plain = {"values": plan.rank_values, "blobs": plan.blob_sizes}
     if not plan.pieces:
-        return {"file": None, "bytes": 0, "boxes": []}
+        return {"file": None, "bytes": 0, "boxes": [], **plain}
     name = data_file_name(rank)
     path = storage.join(tmp, name)
     by_key = {p.file_key: p for p in plan.pieces}
@@ -108,7 +161,7 @@ def write_file(plan: SavePlan, storage: Storage, tmp: str, rank: int) -> dict:
               "crc32": sums[k].crc32, "chunk_rows": sums[k].chunk_rows,
               "chunk_crc32": None if sums[k].chunk_crc32 is None else crcs_to_hex(sums[k].chunk_crc32 or ())}
              for k, p in by_key.items()]
-    return {"file": name, "bytes": storage.size(path, follow=False), "boxes": boxes}
+    return {"file": name, "bytes": storage.size(path, follow=False), "boxes": boxes, **plain}
 
 
 def meta_digest(meta: dict) -> str:
@@ -125,6 +178,12 @@ def build_index(plan: SavePlan, reports: list[dict], world: int, token: str) -> 
         )
     boxes: dict[str, list[SavedBox]] = {k: [] for k in plan.meta}
     files: dict[str, int | None] = {}
+    values, blobs = dict(plan.values), {}
+    for rep in reports:
+        values.update(rep.get("values", {}))
+        blobs.update(rep.get("blobs", {}))
+    meta = dict(plan.meta, **{k: {"dtype": "uint8", "shape": [n], "layout": None} for k, n in blobs.items()})
+    boxes.update({k: [] for k in blobs})
     for rep in reports:
         if rep["file"] is None:
             continue
@@ -135,10 +194,10 @@ def build_index(plan: SavePlan, reports: list[dict], world: int, token: str) -> 
             boxes[b["key"]].append(SavedBox(Box(tuple(b["offsets"]), tuple(b["sizes"])), rep["file"], b["file_key"],
                                             b["crc32"], rows, chunks))
     tensors = {}
-    for k, m in plan.meta.items():
+    for k, m in meta.items():
         dtype = getattr(torch, m["dtype"])
         tensors[k] = TensorEntry(dtype, tuple(m["shape"]), tuple(boxes[k]), m["layout"])
         problem = tiling_problem(tensors[k].shape, [b.box for b in boxes[k]])
         if problem is not None:  # the written boxes themselves, checked once more before the commit
             raise CheckpointError(f"the boxes written for tensor '{k}' do not tile it: {problem}; nothing was committed")
-    return Index(tensors, plan.values, files, world, time.time_ns(), save_id=token)
+    return Index(tensors, values, files, world, time.time_ns(), save_id=token, blobs=frozenset(blobs))

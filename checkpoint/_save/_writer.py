@@ -28,6 +28,7 @@ from .._base import agree, phase, rank_and_world
 from .._series import default_series, temp_dir_for
 from .._state import check_alone_state, checkpoint_path, dcp_scope, expand_stateful, refuse_dcp_extensions
 from .._storage import Storage, storage_for
+from ._fs_writer import FileSystemWriter
 from ._save_handle import SaveHandle
 from ._save_plan import SavePlan, keep_own_pieces, plan_save, snapshot
 from ._save_target import check_save_target, prepare as _prepare
@@ -90,8 +91,11 @@ def save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: 
     torch DCP's form works too: ``save(state_dict, checkpoint_id=path)``, values with
     ``state_dict()``/``load_state_dict()`` anywhere in the tree (`Stateful`: their
     ``state_dict()`` is saved), ``process_group`` (every rank) and ``no_dist`` (this process
-    alone); DCP's ``storage_writer``/``planner`` are refused naming the shardwise way (``_dcp_api``).
+    alone), ``storage_writer=FileSystemWriter(path)``; other ``storage_writer``\s and ``planner`` are
+    refused naming the shardwise way (``_dcp_api``).
     """
+    if isinstance(storage_writer, FileSystemWriter):
+        checkpoint_id, storage_writer = checkpoint_path("save", checkpoint_id, storage_writer.path), None
     refuse_dcp_extensions("save", storage_writer=storage_writer, planner=planner, use_collectives=use_collectives)
     path = checkpoint_path("save", path, checkpoint_id)
     state = expand_stateful(state_dict)[0]
@@ -114,6 +118,8 @@ def async_save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_
     (``handle.result()`` is ``handle.wait()``) and DCP's ``AsyncSaveResponse``
     (``.staging_completion``, ``.upload_completion``): see ``_save_handle.py``.
     """
+    if isinstance(storage_writer, FileSystemWriter):
+        checkpoint_id, storage_writer = checkpoint_path("async_save", checkpoint_id, storage_writer.path), None
     refuse_dcp_extensions("async_save", storage_writer=storage_writer, planner=planner, async_stager=async_stager,
                           async_checkpointer_type=async_checkpointer_type, use_collectives=use_collectives)
     path = checkpoint_path("async_save", path, checkpoint_id)

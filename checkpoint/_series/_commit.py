@@ -26,8 +26,8 @@ token from its record, deletes what is left of it (only data files; anything els
 reported). A ``<name>`` that exists but is not a checkpoint (and not an empty directory), or is
 a symbolic link, is never touched.
 
-A checkpoint's *own files* (`own_files`) are ``index.json`` and the data files its index
-lists; `delete_own_files` deletes those (index first, so the directory stops being a
+A checkpoint's *own files* (`own_files`) are ``index.json``, ``.metadata`` ([Note: the .metadata
+marker] in ``checkpoint/_format/_index_model.py``) and the data files its index lists; `delete_own_files` deletes those (index first, so the directory stops being a
 checkpoint at once) and the directory only if nothing else is left in it.
 """
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .._base import CheckpointError, parse_json_strict
-from .._format import FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, plain_file_name
+from .._format import DCP_MARKER, FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, plain_file_name
 from .._storage import Storage
 
 __all__ = ["temp_dir_for", "replaced_dir_for", "check_target", "commit", "own_files", "delete_own_files",
@@ -72,8 +72,8 @@ def is_checkpoint(storage: Storage, path: str) -> bool:
 
 def own_files(storage: Storage, path: str) -> set[str]:
     """The names inside checkpoint ``path`` that the format wrote: the index (and its temporary
-    name) and the data files it lists."""
-    names = {INDEX_FILE, INDEX_FILE + ".tmp"}
+    name), the ``.metadata`` marker and the data files it lists."""
+    names = {INDEX_FILE, INDEX_FILE + ".tmp", DCP_MARKER}
     raw = index_of(storage, path)
     files = raw.get("files") if raw else None
     if isinstance(files, dict):
@@ -203,7 +203,7 @@ def recover_replaced(storage: Storage, path: str, token: str | None = None) -> s
     when ``token`` is None), rename it back to ``<name>``. If ``<name>`` exists and ``token``
     is given, finish that replace: move user files over and delete the old copy; an old copy
     whose index is already gone (the kill came while deleting it) loses its remaining data
-    files (``*.safetensors``, ``index.json.tmp``; anything else is kept and named). Returns a
+    files (``*.safetensors``, ``index.json.tmp``, ``.metadata``; anything else is kept and named). Returns a
     sentence saying what was done, or None when there was nothing to do.
     """
     copies = _replaced_copies(storage, path, token)
@@ -221,7 +221,7 @@ def recover_replaced(storage: Storage, path: str, token: str | None = None) -> s
     if intact:
         left = _finish_replace(storage, old, path)
     else:  # the index is gone: everything of the format left is data files (user files were moved first)
-        names = {n for n in storage.list(old) if n.endswith(_LEFTOVER_SUFFIXES)
+        names = {n for n in storage.list(old) if (n.endswith(_LEFTOVER_SUFFIXES) or n == DCP_MARKER)
                  and storage.kind(storage.join(old, n)) == "file"}
         left = delete_own_files(storage, old, names=names)
     storage.fsync_dir(storage.parent(path))

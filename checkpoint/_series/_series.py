@@ -54,7 +54,7 @@ import threading
 
 from ._commit import delete_own_files, index_of, recover_replaced, remove_temp, temp_dir_for
 from .._base import CheckpointError, parse_json_strict
-from .._format import INDEX_FILE, plain_file_name
+from .._format import DCP_MARKER, INDEX_FILE, plain_file_name
 from .._storage import Storage
 
 __all__ = ["RECORD_FILE", "default_series", "begin_save", "finish_save", "abort_save", "saving"]
@@ -187,7 +187,7 @@ def _delete_listed(storage: Storage, parent: str, entry: dict) -> list[str]:
             said.append(f"left {storage.url(full)} alone: it is no longer the checkpoint this series wrote there")
             continue
         try:
-            left = delete_own_files(storage, full, names={f for f in files if plain_file_name(f)})
+            left = delete_own_files(storage, full, names={f for f in files if plain_file_name(f) or f == DCP_MARKER})
         except OSError as e:
             still.append(d)
             said.append(f"could not remove {storage.url(full)} ({e.strerror or type(e).__name__}); it stays in the "
@@ -230,7 +230,7 @@ def abort_save(storage: Storage, path: str, series: str, token: str) -> None:
 
 def _own_names(raw: dict | None) -> list[str]:
     files = raw.get("files") if raw else None
-    names = {INDEX_FILE, INDEX_FILE + ".tmp"} | ({n for n in files if plain_file_name(n)}
+    names = {INDEX_FILE, INDEX_FILE + ".tmp", DCP_MARKER} | ({n for n in files if plain_file_name(n)}
                                                  if isinstance(files, dict) else set())
     return sorted(names)
 

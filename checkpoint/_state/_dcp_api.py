@@ -11,7 +11,10 @@ DCP's calls mean here:
   collective, also when a process group exists). Its tensors must be whole (not DTensors
   sharded over other ranks); every rank would write the same path, so give each its own.
   Without ``torch.distributed`` initialised that is what happens anyway (no warning).
-* ``storage_writer`` / ``storage_reader`` / ``planner`` / ``async_stager`` /
+* ``storage_writer=FileSystemWriter(path)`` / ``storage_reader=FileSystemReader(path)``
+  (shardwise's classes of DCP's names, ``checkpoint/_save/_fs_writer.py`` and
+  ``checkpoint/_load/_fs_reader.py``) are the path.
+* other ``storage_writer`` / ``storage_reader`` / ``planner`` / ``async_stager`` /
   ``use_collectives=False`` / ``async_checkpointer_type=PROCESS``: DCP's extension points,
   which do not exist here. Each is refused with one line naming the shardwise way (a path or
   fsspec URL, ``storage=`` for a custom `Storage`, the state tree for what to save).
@@ -34,10 +37,10 @@ from ._flatten import flatten
 __all__ = ["check_alone_state", "checkpoint_path", "dcp_scope", "refuse_dcp_extensions"]
 
 _WAYS = {
-    "storage_writer": "pass the checkpoint's path or fsspec URL (checkpoint_id= or the second argument), or "
-                      "storage= with a shardwise Storage for a custom place to keep files",
-    "storage_reader": "pass the checkpoint's path or fsspec URL (checkpoint_id= or the second argument), or "
-                      "storage= with a shardwise Storage for a custom place to keep files",
+    "storage_writer": "pass shardwise.checkpoint.FileSystemWriter(path), the checkpoint's path or fsspec URL "
+                      "(checkpoint_id= or the second argument), or storage= with a shardwise Storage",
+    "storage_reader": "pass shardwise.checkpoint.FileSystemReader(path), the checkpoint's path or fsspec URL "
+                      "(checkpoint_id= or the second argument), or storage= with a shardwise Storage",
     "planner": "shardwise plans from the state itself: put in the state exactly the tensors and values to save "
                "or load (strict=False on load skips keys the checkpoint lacks)",
     "async_stager": "async_save always copies the state to CPU memory before it returns",

@@ -13,6 +13,8 @@ An empty dict has no leaves.
   (including ``nan``/``inf``, written as Python's JSON extensions ``NaN``/``Infinity``), str,
   and lists/tuples/dicts of those with str keys. Tuples come back as lists, or as tuples when
   the value being replaced in the target is a tuple.
+* ``bytes`` values are stored as raw bytes in a data file, not as JSON ([Note: plain values per
+  rank] in ``checkpoint/_save/_save_plan.py``).
 * Dict keys must be ``str`` or ``int`` (``int`` keys are written in decimal, so ``0`` and
   ``"0"`` in one dict collide and are refused).
 """
@@ -26,7 +28,7 @@ import torch
 
 from .._base import CheckpointError
 
-__all__ = ["Leaf", "flatten", "join_key", "set_values", "to_json_value"]
+__all__ = ["Leaf", "flatten", "join_key", "rank_key", "set_values", "to_json_value"]
 
 
 def _escape(part: Any) -> str:
@@ -35,6 +37,13 @@ def _escape(part: Any) -> str:
 
 def join_key(path: tuple[Any, ...]) -> str:
     return "/".join(_escape(p) for p in path)
+
+
+def rank_key(key: str, rank: int) -> str:
+    """The name under which ``rank``'s own plain value of the flat key ``key`` is saved (one that
+    differed between ranks): ``key~r<rank>``, never a flat key (in those every ``~`` is followed by
+    ``0`` or ``1``)."""
+    return f"{key}~r{rank}"
 
 
 class Leaf:

@@ -33,11 +33,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._base import CheckpointError, broadcast_json, rank_and_world
+from torch.distributed.tensor import DTensor
+
+from .._base import CheckpointError, broadcast_json, collective_device, is_distributed, rank_and_world
 from ._flatten import to_json_value
 from ._full_state import gather_full, scatter_full, to_cpu
-from ._state_dict_forms import (as_optimizers, flatten_optim, merge_optims, select_model_keys, share_tied, split_optim,
-                                unflatten_optim)
+from ._state_dict_forms import (as_optimizers, canonical_names, flatten_optim, merge_optims, select_model_keys,
+                                share_tied, split_optim, unflatten_optim)
 
 __all__ = [
     "StateDictOptions",
@@ -85,7 +87,16 @@ class StateDictOptions:
 
 
 def _fqns(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
+    named = list(model.named_parameters())
+    canonical = canonical_names(model, [name for name, _ in named])
+    return {id(p): canonical[name] for name, p in named}
+
+
+def _wrapped_keys(model: nn.Module, sd: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` keyed as ``model.state_dict()`` (``current``) is: canonical names (as
+    `get_model_state_dict` gives them) back to the wrapped ones; wrapped names stay."""
+    back = {c: k for k, c in canonical_names(model, current).items()}
+    return {k if k in current else back.get(k, k): v for k, v in sd.items()}
 
 
 def _optim_params(model: nn.Module, optim: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -190,31 +201,86 @@ def set_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterabl
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
                          options: StateDictOptions | None = None):
     """Load ``model_state_dict`` (from `get_model_state_dict`, or full with ``full_state_dict``)
-    into ``model``; returns ``model.load_state_dict``'s missing/unexpected keys."""
+    into ``model``; returns ``model.load_state_dict``'s missing/unexpected keys. With
+    ``full_state_dict``, a model still on the meta device gets real tensors (`_materialized`)."""
     options = options or StateDictOptions()
+    current = model.state_dict()
+    model_state_dict = _wrapped_keys(model, model_state_dict, current)
     if options.full_state_dict:
-        current = model.state_dict()
+        current, assign = _materialized(current)
         source = model_state_dict if options.strict else {k: v for k, v in model_state_dict.items() if k in current}
         target = current if options.strict else {k: v for k, v in current.items() if k in source}
         scatter_full(target, source, from_rank0=options.broadcast_from_rank0, where="the full model state dict")
-        return model.load_state_dict(current, strict=options.strict)
+        if assign and not options.strict:
+            current = target  # only what was filled replaces the meta tensors
+        return model.load_state_dict(current, strict=options.strict, assign=assign)
     return model.load_state_dict(model_state_dict, strict=options.strict)
+
+
+def _materialized(sd: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """``sd`` with each meta tensor replaced by an empty one of its (local) shape, on the device of
+    the others (else its mesh's, else the collective device), and whether there was one: a full
+    state dict set into a model still on the meta device then loads with ``assign=True``, as
+    torch's DCP does (``fully_shard`` re-adopts the assigned shards)."""
+    tensors = [v for v in sd.values() if isinstance(v, torch.Tensor)]
+    if not any(t.device.type == "meta" for t in tensors):
+        return sd, False
+    real = {t.device for t in tensors if t.device.type != "meta"}
+    if len(real) > 1:
+        raise CheckpointError(f"set_model_state_dict: the model's tensors are on the meta device and on several others "
+                              f"{sorted(map(str, real))}; move them to one device first")
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            return t
+        if isinstance(t, DTensor):
+            device = next(iter(real)) if real else torch.device(t.device_mesh.device_type)
+            local = torch.empty_like(t.to_local(), device=device)
+            return DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride(),
+                                      run_check=False)
+        return torch.empty_like(t, device=next(iter(real)) if real else
+                                collective_device() if is_distributed() else torch.device("cpu"))
+
+    return {k: empty(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}, True
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                              optim_state_dict: dict[str, Any], *, options: StateDictOptions | None = None) -> None:
     """Load an FQN-keyed optimizer state dict (from `get_optimizer_state_dict`, nested or flat)
-    into ``optimizers`` (one or several: each takes the groups and state of its parameters)."""
+    into ``optimizers`` (one or several: each takes the groups and state of its parameters).
+    The optimizer's own form (``optim.state_dict()``, parameters by position) is accepted too,
+    as torch's DCP does: each optimizer reads the positions as its own parameters."""
     options = options or StateDictOptions()
     optims = as_optimizers(optimizers)
     for optim in optims:
         names = [fqn for fqn, _ in _optim_params(model, optim)]
         part = optim_state_dict
-        if part and "state" not in part:
+        if _id_keyed(part):  # optim.state_dict()'s own form: parameters by position in this optimizer
+            part = _by_name(part, names)
+        elif part and "state" not in part:
             part = unflatten_optim(part, optim, names)
         elif part and len(optims) > 1:
             part = split_optim(part, names)
         _set_one_optim(model, optim, part, options)
+
+
+def _id_keyed(osd: dict[str, Any]) -> bool:
+    groups = osd.get("param_groups") if isinstance(osd, dict) else None
+    if not isinstance(groups, list) or not groups or not isinstance(osd.get("state"), dict):
+        return False
+    ids = list(osd["state"]) + [i for g in groups for i in g.get("params", [])]
+    return bool(ids) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+
+
+def _by_name(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer's own state dict (parameters by position) keyed by parameter FQN."""
+    bad = [i for i in list(osd["state"]) + [i for g in osd["param_groups"] for i in g["params"]]
+           if not 0 <= i < len(names)]
+    if bad:
+        raise CheckpointError(f"the optimizer state dict (keyed by parameter position, optim.state_dict()'s form) "
+                              f"names position {bad[0]}, but the optimizer holds {len(names)} parameters")
+    return {"state": {names[i]: v for i, v in osd["state"].items()},
+            "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in osd["param_groups"]]}
 
 
 def _set_one_optim(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any],
@@ -229,6 +295,8 @@ def _set_one_optim(model: nn.Module, optim: torch.optim.Optimizer, optim_state_d
             groups = broadcast_json(to_json_value(groups, "param_groups") if rank_and_world()[0] == 0 else None)
         optim_state_dict = {"state": current["state"], "param_groups": groups}
     index = {fqn: i for i, (fqn, _) in enumerate(named)}
+    raw = {id(p): name for name, p in model.named_parameters()}
+    index.update({raw[id(p)]: i for i, (_, p) in enumerate(named) if raw[id(p)] not in index})  # wrapped names
     unknown = [k for k in list(optim_state_dict["state"]) + [f for g in optim_state_dict["param_groups"]
                                                               for f in g["params"]] if k not in index]
     if unknown:

@@ -1,5 +1,9 @@
 """The shapes torch DCP's state-dict helpers give a state dict, for `_state_dict`.
 
+* **Names** (`canonical_names`): a module's keys as torch's DCP names them, without the parts
+  that wrappers add: ``_orig_mod`` of a ``torch.compile``d module, ``module`` of a
+  ``DistributedDataParallel``, ``_checkpoint_wrapped_module`` of an activation-checkpoint
+  wrapper. Setting accepts these names and the wrapped ones.
 * **Submodules** (``submodules=``): only the keys under those modules, with their prefix
   (``keep_submodule_prefixes=True``, DCP's default) or without it.
 * **Frozen parameters** (``ignore_frozen_params=True``): parameters with
@@ -22,10 +26,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
-from .._base import CheckpointError
+from .._base import CheckpointError, is_compiled_module
 
-__all__ = ["as_optimizers", "flatten_optim", "merge_optims", "select_model_keys", "share_tied", "split_optim",
+__all__ = ["as_optimizers", "canonical_names", "flatten_optim", "merge_optims", "select_model_keys", "share_tied", "split_optim",
            "unflatten_optim"]
 
 
@@ -41,6 +46,26 @@ def as_optimizers(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
     bad = [type(o).__name__ for o in out if not isinstance(o, torch.optim.Optimizer)]
     if bad:
         raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {bad}")
+    return out
+
+
+def _wrapper_part(module: nn.Module | None, part: str) -> bool:
+    return part == "_checkpoint_wrapped_module" or (part == "module" and isinstance(module, DistributedDataParallel)) \
+        or (part == "_orig_mod" and is_compiled_module(module))
+
+
+def canonical_names(model: nn.Module, names: Iterable[str]) -> dict[str, str]:
+    """Each of ``names`` (state-dict keys, parameter or module names of ``model``) to its name
+    without the parts wrappers add (module docstring), as torch's ``_get_fqns`` does."""
+    out = {}
+    for name in names:
+        kept: list[str] = []
+        cur: nn.Module | None = model
+        for part in name.split(".") if name else []:
+            if not _wrapper_part(cur, part):
+                kept.append(part)
+            cur = cur._modules.get(part) if isinstance(cur, nn.Module) else None
+        out[name] = ".".join(kept)
     return out
 
 
@@ -60,16 +85,19 @@ def share_tied(model: nn.Module, sd: dict[str, Any]) -> dict[str, Any]:
 
 def select_model_keys(model: nn.Module, sd: dict[str, Any], submodules: Iterable[nn.Module] | None,
                       keep_prefixes: bool, ignore_frozen: bool) -> dict[str, Any]:
-    """``sd`` (``model.state_dict()``) restricted as the module docstring says."""
+    """``sd`` (``model.state_dict()``) with canonical keys, restricted as the module docstring says."""
     if ignore_frozen:
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 sd.pop(name, None)
+    names = canonical_names(model, sd)
+    sd = {names[k]: v for k, v in sd.items()}
     if submodules is None:
         return sd
     wanted = {id(m) for m in submodules}
-    prefixes = [f"{name}." if name else "" for name, m in model.named_modules(remove_duplicate=False)
-                if id(m) in wanted]
+    modules = [(name, m) for name, m in model.named_modules(remove_duplicate=False) if id(m) in wanted]
+    short = canonical_names(model, [name for name, _ in modules])
+    prefixes = [f"{short[name]}." if short[name] else "" for name, _ in modules]
     if len(prefixes) < len(wanted):
         raise CheckpointError(f"{len(wanted) - len(set(prefixes))} of the given submodules are not modules of the "
                               f"given {type(model).__name__}; pass modules from model.modules()")

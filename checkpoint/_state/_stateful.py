@@ -13,6 +13,13 @@ A value of a checkpoint state that has both ``state_dict()`` and ``load_state_di
 torch's DCP does the same for the top-level values of the state; here a stateful may sit at
 any depth (``{"app": AppState(...)}``, ``{"run": {"model": model}}``). Tensors are never
 stateful (they have no ``load_state_dict``).
+
+[Note: one order of statefuls]
+A stateful's ``state_dict()`` / ``load_state_dict()`` may run collectives (a sharded model, a
+data loader that gathers), so every rank must call them in the same order, whatever order
+each rank built its dicts in: the keys of each dict are visited sorted (as ``str``), as torch's
+DCP does, for ``state_dict()`` on save and load and for ``load_state_dict()`` (innermost first,
+then in that sorted order).
 """
 
 from __future__ import annotations
@@ -50,8 +57,9 @@ def _expand(value: Any, on_load: list[Callable[[], Any]], depth: int) -> Any:
         return inner
     if not _has_stateful(value, depth):
         return value  # kept as is: a load writes its plain values into the caller's own containers
-    if isinstance(value, dict):
-        out: Any = {k: _expand(v, on_load, depth + 1) for k, v in value.items()}
+    if isinstance(value, dict):  # in sorted key order on every rank: see [Note: one order of statefuls]
+        expanded = {k: _expand(value[k], on_load, depth + 1) for k in sorted(value, key=str)}
+        out: Any = {k: expanded[k] for k in value}
         on_load.append(lambda: _write_back(value, out, value.keys()))
         return out
     if isinstance(value, list):
