@@ -6,7 +6,9 @@ The script is Lightning's documented one: a ``parallelize_fn`` that calls
 ``parallelize_module`` for TP) on the strategy's device mesh, the model built under
 ``fabric.init_module(empty_init=True)`` (meta device; Fabric materializes it with
 ``to_empty`` + ``reset_parameters``), ``fabric.setup`` / ``setup_optimizers``, ``fabric.backward``,
-``fabric.clip_gradients``, and ``fabric.save`` / ``fabric.load`` (its sharded checkpoint: DCP
+``fabric.clip_gradients`` (FSDP only: with TP the parameters live on two meshes, the 1-D
+data-parallel one and the 2-D one, and torch's ``clip_grad_norm_`` raises "All operands in
+aten.stack.default must have the same mesh"), and ``fabric.save`` / ``fabric.load`` (its sharded checkpoint: DCP
 for the model and the optimizer, ``meta.pt`` for the rest). The model is the suite's `TinyLM`
 (`tests/compat/_adapter.py`); with TP its blocks are split Megatron-style and its head's
 logits stay sharded by class, the loss computed and backpropagated inside ``loss_parallel()``. Scenario: 4 steps, saved after step 2 and training on; then, in
@@ -90,11 +92,13 @@ def _fabric_run(rank, world_size, impl, path, tp, resume):
         with loss_parallel() if tp > 1 else contextlib.nullcontext():
             loss = loss_of(model, tokens)
             fabric.backward(loss)
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        if tp == 1:  # with TP, torch's clip_grad_norm_ cannot stack the norms of a 1-D and a 2-D mesh
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
         state["step"] += 1
-        mean = loss.detach().clone()
+        mean = loss.detach()
+        mean = mean.full_tensor() if hasattr(mean, "full_tensor") else mean.clone()  # loss_parallel: a DTensor
         dist.all_reduce(mean)
         out["losses"].append((mean / dist.get_world_size()).item())
         if state["step"] == SAVE_AT and not resume:
