@@ -219,12 +219,6 @@ def check(impl: str, tmp_path, world: int, tp: int, ref_cache: dict) -> None:
 _REF: dict[str, dict] = {}
 
 
-SHARDWISE_DEFAULT_FLOW = pytest.param("shardwise", marks=pytest.mark.xfail(strict=True, reason=(
-    "issue 33 items 1, 3, 4: to_empty of the [norm, output] unit raises 'parameters are on several devices "
-    "[cpu, meta]' (item 1); past it (CPU init), save raises CheckpointError on the data loader's bytes (item 3); "
-    "the resume then needs DCP's .metadata probe (item 4)")))
-
-
-@pytest.mark.parametrize("impl", ["torch", SHARDWISE_DEFAULT_FLOW])
+@pytest.mark.parametrize("impl", ["torch", "shardwise"])
 def test_fsdp2_meta_init_list_units_checkpoint_resume(impl, tmp_path_factory):
     check(impl, tmp_path_factory.mktemp(f"titan-fsdp-{impl}"), 2, 1, _REF.setdefault("fsdp", {}))
