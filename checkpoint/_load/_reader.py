@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,15 +169,24 @@ def _source(storage: Storage, path: str) -> tuple[str, str | None]:
 
 def _open_source(storage: Storage, path: str, attempts: int = 5) -> CheckpointFiles:
     """`open_checkpoint` of what `_source` names; when that vanished in between (a writer's
-    rename), resolved again, up to ``attempts`` times: a replace under way is not an error."""
+    rename), resolved again, up to ``attempts`` times, backing off: a replace under way is not an
+    error. If it was there at some attempt and vanished every time (a writer replacing it in a
+    tight loop), the error says "being replaced, retry", not that it does not exist."""
+    seen = False
     for attempt in range(attempts):
         source, said = _source(storage, path)
+        seen = seen or storage.kind(source) == "dir"
         try:
             files = open_checkpoint(source, storage)
-        except CheckpointError:
+        except CheckpointError as e:
             moved = storage.kind(source) != "dir" or _source(storage, path)[0] != source
             if moved and attempt + 1 < attempts:
+                time.sleep(0.005 * 2 ** attempt)
                 continue
+            if moved and seen:
+                raise CheckpointError(f"checkpoint {storage.url(path)} is being replaced by a save (it vanished "
+                                      f"between {attempts} attempts to open it); nothing is damaged: retry the load"
+                                      ) from e
             raise
         if said:
             _log.warning("%s", said)
