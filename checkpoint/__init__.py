@@ -30,12 +30,12 @@ from ._elastic import (BatchPlan, ElasticLoader, ElasticSampler, Heartbeat, Hear
                        async_save_training_state, exit_for_restart, load_training_state, plan_batches,
                        save_training_state, start_heartbeat)
 from ._hf import load_safetensors, save_hf_folder, save_pretrained
-from ._load import FileSystemReader, LoadStats, load
+from ._load import LoadStats, load
 from ._offline import VerifyReport, merge_checkpoint, reshard_checkpoint, verify_checkpoint
-from ._save import FileSystemWriter, SaveHandle, async_save, check_save_target, save
+from ._save import SaveHandle, async_save, check_save_target, save
 from ._series import latest_checkpoint
-from ._state import (StateDictOptions, Stateful, gather_full, get_model_state_dict, get_optimizer_state_dict,
-                     get_state_dict, scatter_full, set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+from ._state import (FileSystemReader, FileSystemWriter, StateDictOptions, Stateful, gather_full,
+                     get_model_state_dict, get_optimizer_state_dict, get_state_dict, scatter_full, set_model_state_dict, set_optimizer_state_dict, set_state_dict)
 from ._storage import FsspecStorage, PosixStorage, Storage
 
 ROOMS = ("_base", "_storage", "_geometry", "_format", "_state", "_series", "_save", "_load", "_hf", "_offline",

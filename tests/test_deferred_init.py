@@ -101,9 +101,12 @@ def test_parameters_left_uninitialised_are_an_error():
     assert "did not initialise ['extra']" in msg, msg
 
 
-def _from_rank0(rank, world_size, mesh_shape):
+def _from_rank0(rank, world_size, mesh_shape, src=0, fenced=False):
+    """``fenced``: ``torch.distributed`` inside ``_materialize`` is `_NoCollectives` meanwhile."""
+    import shardwise.composable._fsdp._materialize as m
+
     mesh = make_mesh(mesh_shape)
-    if rank == 0:
+    if rank == src:
         model = Llama(CFG, generator=torch.Generator().manual_seed(5))
         full = model.state_dict()
     else:
@@ -111,11 +114,17 @@ def _from_rank0(rank, world_size, mesh_shape):
             model = Llama(CFG)
         full = None
     _shard(model, mesh, model.layers)
-    broadcast_from_rank0(model, full)
+    real = m.dist
+    if fenced:
+        m.dist = _NoCollectives()
+    try:
+        broadcast_from_rank0(model, full, src_rank=src)
+    finally:
+        m.dist = real
     ref = Llama(CFG, generator=torch.Generator().manual_seed(5))
     got, want = _full(model), _full(ref)
     bad = [n for n in want if not torch.equal(got[n], want[n])]
-    assert torch.equal(model.rope_sin, ref.rope_sin), "buffers come from rank 0"
+    assert torch.equal(model.rope_sin, ref.rope_sin), "buffers come from the source rank"
     local = sum(p.to_local().numel() for p in model.parameters())
     return bad, local, sum(p.numel() for p in ref.parameters())
 
@@ -166,30 +175,8 @@ class _NoCollectives:
         raise AssertionError(f"deferred init called torch.distributed.{name} itself")
 
 
-def _from_rank1(rank, world_size):
-    import shardwise.composable._fsdp._materialize as m
-
-    mesh = make_mesh((world_size,))
-    if rank == 1:
-        model = Llama(CFG, generator=torch.Generator().manual_seed(5))
-        full = model.state_dict()
-    else:
-        with torch.device("meta"):
-            model = Llama(CFG)
-        full = None
-    _shard(model, mesh, model.layers)
-    real, m.dist = m.dist, _NoCollectives()
-    try:
-        broadcast_from_rank0(model, full, src_rank=1)
-    finally:
-        m.dist = real
-    ref = Llama(CFG, generator=torch.Generator().manual_seed(5))
-    got, want = _full(model), _full(ref)
-    return [n for n in want if not torch.equal(got[n], want[n])]
-
-
 def test_broadcast_from_another_rank_through_the_one_scatter():
     """``src_rank=1`` sends rank 1's state dict; deferred init itself calls no collective (every
     byte goes through ``shardwise.checkpoint.scatter_full``)."""
-    for rank, bad in enumerate(run_ranks(_from_rank1, 2)):
+    for rank, (bad, _, _) in enumerate(run_ranks(_from_rank0, 2, (2,), 1, True)):
         assert not bad, f"rank {rank}: {bad}"

@@ -29,6 +29,7 @@ import pathlib
 import shardwise.checkpoint
 import shardwise.composable
 import shardwise.mesh
+from tests.test_checkpoint_modules import find_cycle  # one cycle finder for both graph tests
 
 PACKAGES = {p.__name__: pathlib.Path(p.__file__).parent for p in (shardwise.mesh, shardwise.checkpoint,
                                                                  shardwise.composable)}
@@ -118,33 +119,6 @@ def import_graph(modules: dict[str, pathlib.Path] | None = None) -> dict[str, se
     known = set(modules)
     return {mod: imports_of(mod, path.read_text(), path.name == "__init__.py", known)
             for mod, path in modules.items()}
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None when it is acyclic."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
-            if nxt not in state:
-                found = visit(nxt)
-                if found:
-                    return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
-    return None
 
 
 def _inside(mod: str, container: str) -> bool:

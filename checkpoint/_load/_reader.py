@@ -70,10 +70,9 @@ import torch
 
 from .._base import CheckpointError, agree, all_gather_json, phase, rank_and_world
 from .._series import intact_replaced
-from .._state import (Leaf, check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten,
+from .._state import (FileSystemReader, Leaf, check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten,
                       refuse_dcp_extensions, set_values)
 from .._format import CheckpointFiles, open_checkpoint
-from ._fs_reader import FileSystemReader
 from ._load_checks import check_files
 from ._load_plan import plan_load as _plan_load, rank_view
 from ._reads import read_all as _read

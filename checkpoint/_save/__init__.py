@@ -1,6 +1,5 @@
 """Saving: `save` / `async_save`, what each rank writes, where, and the handle of a save in flight."""
 
-from ._fs_writer import FileSystemWriter
 from ._writer import SaveHandle, async_save, check_save_target, save
 
-__all__ = ["FileSystemWriter", "SaveHandle", "async_save", "check_save_target", "save"]
+__all__ = ["SaveHandle", "async_save", "check_save_target", "save"]

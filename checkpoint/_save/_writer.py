@@ -26,9 +26,9 @@ from typing import Any
 
 from .._base import agree, phase, rank_and_world
 from .._series import default_series, temp_dir_for
-from .._state import check_alone_state, checkpoint_path, dcp_scope, expand_stateful, refuse_dcp_extensions
+from .._state import (FileSystemWriter, check_alone_state, checkpoint_path, dcp_scope, expand_stateful,
+                      refuse_dcp_extensions)
 from .._storage import Storage, storage_for
-from ._fs_writer import FileSystemWriter
 from ._save_handle import SaveHandle
 from ._save_plan import SavePlan, keep_own_pieces, plan_save, snapshot
 from ._save_target import check_save_target, prepare as _prepare

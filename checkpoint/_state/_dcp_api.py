@@ -12,8 +12,7 @@ DCP's calls mean here:
   sharded over other ranks); every rank would write the same path, so give each its own.
   Without ``torch.distributed`` initialised that is what happens anyway (no warning).
 * ``storage_writer=FileSystemWriter(path)`` / ``storage_reader=FileSystemReader(path)``
-  (shardwise's classes of DCP's names, ``checkpoint/_save/_fs_writer.py`` and
-  ``checkpoint/_load/_fs_reader.py``) are the path.
+  (shardwise's classes of DCP's names, below) are the path.
 * other ``storage_writer`` / ``storage_reader`` / ``planner`` / ``async_stager`` /
   ``use_collectives=False`` / ``async_checkpointer_type=PROCESS``: DCP's extension points,
   which do not exist here. Each is refused with one line naming the shardwise way (a path or
@@ -34,7 +33,8 @@ from torch.distributed.tensor import DTensor
 from .._base import alone
 from ._flatten import flatten
 
-__all__ = ["check_alone_state", "checkpoint_path", "dcp_scope", "refuse_dcp_extensions"]
+__all__ = ["FileSystemReader", "FileSystemWriter", "check_alone_state", "checkpoint_path", "dcp_scope",
+           "refuse_dcp_extensions"]
 
 _WAYS = {
     "storage_writer": "pass shardwise.checkpoint.FileSystemWriter(path), the checkpoint's path or fsspec URL "
@@ -108,3 +108,76 @@ def check_alone_state(call: str, state: Any, no_dist: bool) -> None:
             raise ValueError(f"shardwise.checkpoint.{call}(no_dist=True) runs in this process alone, but the DTensor "
                              f"at '{leaf.key}' is spread over {v.device_mesh.size()} ranks: call {call} on every rank "
                              "without no_dist, or pass full tensors (StateDictOptions(full_state_dict=True))")
+
+
+class _Folder:
+    """What DCP's folder writer and reader share: the path they stand for (``checkpoint_id``),
+    and ``reset`` pointing them at another."""
+
+    path: str | os.PathLike
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """DCP's ``reset``: point at ``checkpoint_id`` (when given)."""
+        if checkpoint_id:
+            self.path = checkpoint_id
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({os.fspath(self.path)!r})"
+
+
+def _format_name(value: Any) -> str:
+    return str(getattr(value, "name", value)).upper()
+
+
+class FileSystemWriter(_Folder):
+    """``save(state, storage_writer=FileSystemWriter(path))`` is ``save(state, path)``.
+
+    DCP's constructor arguments (torch 2.13): ``single_file_per_rank`` (True: one data file per
+    rank, what shardwise always writes; False is refused), ``sync_files`` (accepted; files are
+    always synced, the atomic commit needs it), ``thread_count`` and ``per_thread_copy_ahead``
+    (accepted and unused: each rank streams its file in one thread), ``cache_staged_state_dict``
+    (accepted and unused: ``async_save`` copies the state to CPU memory anew each time),
+    ``overwrite`` (True: a save replaces the checkpoint at ``path``; False is refused),
+    ``_extensions`` (None only) and ``serialization_format`` (``TORCH_SAVE`` or
+    ``SAFETENSORS``: both mean shardwise's safetensors format). A refusal is a ``ValueError``
+    naming the argument.
+    """
+
+    def __init__(self, path: str | os.PathLike, single_file_per_rank: bool = True, sync_files: bool = True,
+                 thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000,
+                 cache_staged_state_dict: bool = False, overwrite: bool = True, _extensions: Any = None,
+                 serialization_format: Any = "TORCH_SAVE") -> None:
+        refused = {"single_file_per_rank": (single_file_per_rank is not True, "shardwise writes one file per rank"),
+                   "overwrite": (overwrite is not True, "a shardwise save replaces the checkpoint at its path "
+                                 "atomically; check for it yourself (os.path.exists) to keep an old one"),
+                   "_extensions": (_extensions is not None, "shardwise data files are plain safetensors, checksummed; "
+                                   "it has no stream transforms"),
+                   "serialization_format": (_format_name(serialization_format) not in ("TORCH_SAVE", "SAFETENSORS"),
+                                            "shardwise writes safetensors")}
+        for name, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"shardwise.checkpoint.FileSystemWriter({name}=...): {why}")
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"shardwise.checkpoint.FileSystemWriter(thread_count=...) must be an int >= 1, got "
+                             f"{thread_count!r}")
+        self.path = path
+        self.sync_files, self.thread_count, self.per_thread_copy_ahead = sync_files, thread_count, per_thread_copy_ahead
+        self.cache_staged_state_dict, self.overwrite = cache_staged_state_dict, overwrite
+
+
+class FileSystemReader(_Folder):
+    """``load(state, storage_reader=FileSystemReader(path))`` is ``load(state, path)``.
+
+    DCP's constructor arguments (torch 2.13): ``path`` and ``_extension_registry`` (None only:
+    shardwise data files have no stream transforms; anything else is a ``ValueError`` naming it).
+    """
+
+    def __init__(self, path: str | os.PathLike, _extension_registry: Any = None) -> None:
+        if _extension_registry is not None:
+            raise ValueError("shardwise.checkpoint.FileSystemReader(_extension_registry=...): shardwise data files "
+                             "are plain safetensors, checksummed; it has no stream transforms")
+        self.path = path
