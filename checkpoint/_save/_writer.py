@@ -91,7 +91,7 @@ def save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: 
     torch DCP's form works too: ``save(state_dict, checkpoint_id=path)``, values with
     ``state_dict()``/``load_state_dict()`` anywhere in the tree (`Stateful`: their
     ``state_dict()`` is saved), ``process_group`` (every rank) and ``no_dist`` (this process
-    alone), ``storage_writer=FileSystemWriter(path)``; other ``storage_writer``\s and ``planner`` are
+    alone), ``storage_writer=FileSystemWriter(path)``; other ``storage_writer`` objects and ``planner`` are
     refused naming the shardwise way (``_dcp_api``).
     """
     if isinstance(storage_writer, FileSystemWriter):
