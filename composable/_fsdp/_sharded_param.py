@@ -232,7 +232,9 @@ class ShardedParam:
     def take_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The unsharded gradient as a plain (TP-local) tensor in ``dtype``, cleared from the
         unsharded parameter. A TP gradient is first redistributed to the parameter's TP
-        placement (e.g. the all-reduce of a ``Partial`` gradient), in ``dtype``."""
+        placement (e.g. the all-reduce of a ``Partial`` gradient) in the dtype it was computed
+        in, then cast to ``dtype``, as torch's FSDP2 does ([Note: sharding a tensor-parallel
+        parameter] in ``_tp_param.py``)."""
         g = self.unsharded.grad
         self.unsharded.grad = None
         acc, self.accumulated_grad = self.accumulated_grad, None
@@ -240,11 +242,10 @@ class ShardedParam:
             g = acc if g is None else acc.add_(g)
         if g is None or self.tp_mesh is None:
             return g
-        g = g.to(dtype)
         assert isinstance(g, DTensor), "a tensor-parallel parameter's gradient is a DTensor"
         if tuple(g.placements) != self.tp_placements:
             g = g.redistribute(self.tp_mesh, self.tp_placements)
-        return g.to_local()
+        return g.to_local().to(dtype)
 
     def stash_unsharded_grad(self, dtype: torch.dtype) -> None:
         """After a backward that does not reduce: move the unsharded gradient into the running

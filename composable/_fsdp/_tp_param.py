@@ -14,7 +14,11 @@ the sizes of the TP axes that split dim 0) on the dp axis; otherwise the dp
 axis is a plain ``Shard(0)``. ``full_tensor()`` therefore gives the global tensor. The
 unsharded parameter is again a DTensor on the ``tp`` mesh, as the TP module code expects; its
 gradient is redistributed to the parameter's TP placement (the TP all-reduce of a
-``Partial`` gradient, in ``reduce_dtype``) before the data-parallel reduce-scatter.
+``Partial`` gradient) before the data-parallel reduce-scatter. That all-reduce runs in the
+gradient's own dtype (``param_dtype``) and the result is then cast to ``reduce_dtype``, in
+torch's FSDP2 order: under bf16 mixed precision the ``SequenceParallel`` norms' gradients are
+then torch's to the bit (casting first would sum in fp32, one bf16 rounding fewer, but no
+closer to an fp32 run: docs/tensor_parallel.md, "bf16 and torch").
 """
 
 from __future__ import annotations
