@@ -198,6 +198,33 @@ def test_bytes_values_round_trip_per_rank_and_reshard(tmp_path):
     assert kept["mine"] == b"" and kept["shared"] == bytes(range(256)) * 3, kept
 
 
+def _bytes_after_offline(rank, world_size, path):
+    state = _blank(rank)
+    ck.load(state, path)
+    return state
+
+
+def test_bytes_values_survive_an_offline_reshard_and_stay_out_of_a_merge(tmp_path):
+    """reshard_checkpoint keeps each bytes value a bytes value (not a uint8 tensor) and each
+    per-rank value with its rank; merge_checkpoint writes only the model's tensors."""
+    src, out = str(tmp_path / "src"), str(tmp_path / "r2")
+    run_ranks(_bytes_save, 2, src, str(tmp_path / "theirs"), timeout=90)
+    ck.reshard_checkpoint(src, out, 2)
+    assert ck.verify_checkpoint(out).ok
+    for rank, state in enumerate(run_ranks(_bytes_after_offline, 2, out, timeout=90)):
+        want = _bytes_state(rank)
+        for k in ("dataloader", "shared", "empty", "mine", "step"):
+            assert state[k] == want[k] and type(state[k]) is type(want[k]), (rank, k, state[k])
+        assert torch.equal(state["w"], want["w"])
+    from safetensors import safe_open
+
+    names = set()
+    for f in ck.merge_checkpoint(src, str(tmp_path / "merged"), prefix=""):
+        with safe_open(str(tmp_path / "merged" / f), "pt") as st:
+            names |= set(st.keys())
+    assert names == {"w"}, names
+
+
 # -- item 4: the .metadata marker ----------------------------------------------------------------
 
 

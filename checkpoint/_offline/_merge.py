@@ -88,7 +88,7 @@ def _merge(files: CheckpointFiles, out: str | os.PathLike, prefix: str | None, c
            chunk_bytes: int, progress: bool, replace: bool) -> list[str]:
     index = files.index
     prefix = model_prefix(index.tensors, prefix)
-    keys = [k for k in index.tensors if k.startswith(prefix)]
+    keys = [k for k in index.tensors if k.startswith(prefix) and k not in index.blobs]  # bytes values stay out
     if not keys:
         raise CheckpointError(f"checkpoint {files.where} has no tensor whose key starts with {prefix!r}")
     hf = read_config(config) if config is not None else None
@@ -116,9 +116,10 @@ def _merge(files: CheckpointFiles, out: str | os.PathLike, prefix: str | None, c
 def reshard_checkpoint(path: str | os.PathLike, out: str | os.PathLike, world_size: int, *,
                        chunk_bytes: int = 64 << 20, progress: bool = False, replace: bool = False) -> None:
     """Rewrite the checkpoint at ``path`` into a new checkpoint ``out`` laid out for
-    ``world_size`` ranks (see the module docstring). Plain values are kept. Verification of
-    the source and the rules for ``out`` and ``replace`` are those of `merge_checkpoint`
-    (``replace=True`` replaces an existing shardwise checkpoint)."""
+    ``world_size`` ranks (see the module docstring). Plain values and ``bytes`` values are kept,
+    a per-rank value with its rank. Verification of the source and the rules for ``out`` and
+    ``replace`` are those of `merge_checkpoint` (``replace=True`` replaces an existing shardwise
+    checkpoint)."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     with _verified(path) as files:
@@ -156,7 +157,7 @@ def _reshard(files: CheckpointFiles, out: str | os.PathLike, world_size: int, ch
                 boxes[key].append(SavedBox(box, name, fk, s.crc32, s.chunk_rows, s.chunk_crc32))
         tensors = {k: TensorEntry(t.dtype, t.shape, tuple(boxes[k]), layouts[k]) for k, t in index.tensors.items()}
         new = Index(tensors, index.values, sizes, world_size, time.time_ns(),
-                    save_id=os.path.basename(tmp).rsplit("-", 1)[-1])
+                    save_id=os.path.basename(tmp).rsplit("-", 1)[-1], blobs=index.blobs)
         PosixStorage().write_atomic(os.path.join(tmp, INDEX_FILE), format_index(index_to_json(new)).encode())
 
     _into_place(files.where, os.fspath(out), fill, replace)
