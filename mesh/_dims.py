@@ -21,8 +21,6 @@ PP_AXIS = "pp"
 CP_AXIS = "cp"
 """Name of the context-parallel axis; between ``dp_shard`` and ``tp`` when present (``cp > 1``)."""
 
-_SIZE_FIELDS = AXIS_NAMES
-
 
 def dp_axis_names(dp_replicate: int) -> tuple[str, ...]:
     """The axes data-parallel sharding (``fully_shard``) spans: ``("dp_shard",)`` when
@@ -93,7 +91,7 @@ class ParallelDims:
                 f"ParallelDims: world_size={self.world_size} is invalid; "
                 "it must be a positive int (the number of ranks)"
             )
-        sizes = {name: getattr(self, name) for name in _SIZE_FIELDS}
+        sizes = {name: getattr(self, name) for name in AXIS_NAMES}
         for name, size in sizes.items():
             _check_int(name, size)
             if size < 1 and size != -1:
@@ -121,7 +119,7 @@ class ParallelDims:
             )
         if inferred:
             (name,) = inferred
-            others = [n for n in _SIZE_FIELDS if n != name]
+            others = [n for n in AXIS_NAMES if n != name]
             known = prod(sizes[n] for n in others) * self.pp * self.cp
             if self.cp > 1:
                 sizes["cp"] = self.cp
@@ -141,7 +139,7 @@ class ParallelDims:
         sizes.pop("cp", None)
         total = prod(sizes.values()) * self.pp * self.cp
         if total != self.world_size:
-            fields = (("pp",) if self.pp > 1 else ()) + _SIZE_FIELDS + (("cp",) if self.cp > 1 else ())
+            fields = (("pp",) if self.pp > 1 else ()) + AXIS_NAMES + (("cp",) if self.cp > 1 else ())
             sizes["pp"], sizes["cp"] = self.pp, self.cp
             formula = " * ".join(f"{n}({sizes[n]})" for n in fields)
             raise ValueError(

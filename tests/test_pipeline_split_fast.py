@@ -20,6 +20,7 @@ from shardwise.composable._pipeline._split import _split_backward
 from shardwise.composable._pipeline._split._compat import bind_weight_grads, weight_grads_of
 from shardwise.composable._pipeline._split._graph_split import SplitCache, graph_split, number
 from shardwise.composable._pipeline._split._split_backward import input_grad, weight_grad
+from tests._dist import run_ranks
 
 
 class Net(nn.Module):
@@ -280,3 +281,23 @@ def test_bounded_batches_keep_a_tied_weight_exact(monkeypatch, budget, tied_head
         assert calls["n"] == 5, calls  # one batch per parameter
     else:
         assert 1 <= calls["n"] < 5, calls  # the two uses of the tied weight in one batch
+
+
+def _mesh_without_groups(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    from shardwise.composable._pipeline._split._compat import mesh_without_groups
+
+    groups = dict(dist.distributed_c10d._world.pg_map)  # private, in a test: the groups that exist
+    mesh = mesh_without_groups("cpu", [[0, 1], [2, 3]], ("a", "b"))  # ranks this job does not have
+    t = DTensor.from_local(torch.zeros(2), mesh, [Shard(0), Shard(0)], run_check=False,
+                           shape=torch.Size([8]), stride=(1,))
+    return (mesh.mesh.tolist(), mesh.mesh_dim_names, tuple(t.shape), dict(dist.distributed_c10d._world.pg_map) == groups)
+
+
+def test_mesh_without_groups_describes_other_ranks_and_makes_no_process_group():
+    """The pipeline checkpoint's stand-in mesh for another stage's tensor: any ranks, named
+    axes, usable as a DTensor's mesh, and no process group created (so no collective)."""
+    for out in run_ranks(_mesh_without_groups, 2, timeout=60):
+        assert out == ([[0, 1], [2, 3]], ("a", "b"), (8,), True), out
