@@ -155,10 +155,17 @@ class ParamGroup:
         self.zero_copy = cdtypes == dtypes and self.storage_device == self.compute_device and not any(self.extended)
         self._pieces: list[tuple[int, list[tuple[int, int, torch.dtype]]]] = []  # (param, [(offset, numel, dtype)])
 
+    def _shard_mesh(self) -> DeviceMesh:
+        names = self.mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(f"fully_shard({self.label}): fsdp_pre_all_gather takes the shard axis as a 1-D mesh; "
+                             "name the dims of the 2-D mesh (init_device_mesh(..., mesh_dim_names=...)), as FSDP2 needs")
+        return self.mesh[names[-1]]
+
     def _plan_pieces(self) -> list[list[torch.Tensor]]:
         """Call every extension parameter's ``fsdp_pre_all_gather`` and lay its pieces out after
         the plain parameters' segments of the all-gather buffer (the same `byte_layout`)."""
-        shard_mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]
+        shard_mesh = self.mesh if self.mesh.ndim == 1 else self._shard_mesh()
         inputs = [(i, self.params[i].gather_inputs(shard_mesh, self.mp)) for i, e in enumerate(self.extended) if e]
         flat = [t for _, ts in inputs for t in ts]
         align = max([self._ag_align] + [t.element_size() for t in flat])
@@ -329,8 +336,8 @@ class ParamGroup:
                 outs = p.ext.outputs_for(self.world, [(n, d) for _, n, d in plan], self.compute_device)
                 for (o, n, d), out in zip(plan, outs):
                     out.view(self.world, n).copy_(rows[:, o : o + n * d.itemsize].view(d))
-        for i, _ in self._pieces:  # [Note: the all-gather extension] in _extension.py
-            self.params[i].rebuild_unsharded()
+            for i, _ in self._pieces:  # [Note: the all-gather extension] in _extension.py
+                self.params[i].rebuild_unsharded()
         for p in self.params:
             p.register(unsharded=True)
         self._to(ShardState.UNSHARDED)

@@ -41,7 +41,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from .._compat import set_local_tensor
+from .._compat import local_tensor, set_local_tensor
 from ._extension import GatherExtension, has_extension
 from ._layout import ShardLayout
 from .._mesh_utils import same_mesh
@@ -115,9 +115,7 @@ class ShardedParam:
 
     def _check_extension(self, layout: ShardLayout) -> None:
         why = None
-        if self.tp_mesh is not None:
-            why = "is also tensor-parallel (not supported yet for a tensor subclass's all-gather)"
-        elif layout.placement.dim != 0:
+        if layout.placement.dim != 0:
             why = f"is sharded on dim {layout.placement.dim} (the all-gather extension shards dim 0, as FSDP2's)"
         elif layout.shape[0] % layout.world:
             why = (f"has {layout.shape[0]} rows, uneven over {layout.world} ranks (FSDP2 then needs pieces of the "
@@ -144,10 +142,9 @@ class ShardedParam:
         self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
 
     def sharded_local(self) -> torch.Tensor:
-        """The local tensor of the sharded parameter (a subclass for the all-gather extension)."""
-        with torch.no_grad():
-            local: torch.Tensor = self.sharded.to_local()
-        return local
+        """The local tensor object of the sharded parameter (a subclass for the all-gather
+        extension): the one the user's code sets attributes on, e.g. torchao's precomputed scale."""
+        return local_tensor(self.sharded)
 
     def _new_unsharded(self) -> None:
         if self.ext is not None:  # a stand-in until the first fsdp_post_all_gather builds it
@@ -238,8 +235,7 @@ class ShardedParam:
     def _adopt_extension(self, param: torch.Tensor) -> None:
         if isinstance(param, DTensor):
             self._check_layout(param)
-            with torch.no_grad():
-                local = param.to_local()
+            local = local_tensor(param)
             if not has_extension(local, self.fqn):
                 raise ValueError(f"fully_shard: '{self.fqn}' was sharded as a tensor subclass with "
                                  f"fsdp_pre_all_gather; its new local tensor is a {type(local).__name__} without it")
@@ -287,8 +283,12 @@ class ShardedParam:
         the unsharded weight (in place after the first time)."""
         assert self.ext is not None
         built = self.ext.post(self.sharded_local(), self.compute_dtype, self.unsharded if self.ext.inner else None)
-        if built is not None:
-            self.unsharded = nn.Parameter(built, requires_grad=self.requires_grad)
+        if built is None:
+            return
+        if self.tp_mesh is not None:  # the TP-local unsharded weight, in its TP placements
+            built = DTensor.from_local(built, self.tp_mesh, self.tp_placements, run_check=False,
+                                       shape=torch.Size(self.global_shape), stride=self.global_stride)
+        self.unsharded = nn.Parameter(built, requires_grad=self.requires_grad)
 
     def unsharded_data(self) -> torch.Tensor:
         """A writable alias of the unsharded parameter's (TP-local) data, outside autograd."""

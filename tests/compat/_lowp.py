@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+import torchao.float8  # noqa: F401  (imported here so that the rank forkserver holds it: a rank starts in 0.2 s)
+import torchao.prototype.quantized_training  # noqa: F401
 
 DIM, HIDDEN, LAYERS, BATCH, STEPS, RANK = 32, 64, 3, 8, 4, 4
 
@@ -50,7 +52,7 @@ class Bf16GatherWeight(torch.Tensor):
             return args[0]
         if func not in cls._KEEP:
             return out
-        return pytree.tree_map_only(torch.Tensor, Bf16GatherWeight, out)
+        return pytree.tree_map_only(torch.Tensor, cls, out)
 
     def __tensor_flatten__(self):
         return ["_data"], None
@@ -69,6 +71,15 @@ class Bf16GatherWeight(torch.Tensor):
             return None
         full = data.to(param_dtype)
         return full, (full,)
+
+
+class PreOnlyWeight(Bf16GatherWeight):
+    """A broken extension: ``fsdp_pre_all_gather`` without ``fsdp_post_all_gather``."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "fsdp_post_all_gather":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
 
 
 class _RoundBf16(torch.autograd.Function):
@@ -167,9 +178,14 @@ def local_types(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def train(impl: str, recipe: str, rank: int, world: int, precompute: bool = False) -> dict[str, Any]:
+def train(impl: str, recipe: str, rank: int, world: int, precompute: bool = False, hsdp: bool = False,
+          bf16: bool = False) -> dict[str, Any]:
     """``STEPS`` SGD steps of ``recipe`` under ``impl`` (``torch``, ``shardwise`` or ``local``);
-    losses of the whole batch (mean over ranks), all-gathered bytes and collectives per step."""
+    losses of the whole batch (mean over ranks), all-gathered bytes and collectives per step.
+    ``precompute``: torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after each step;
+    ``hsdp``: a ``(2, world // 2)`` (replicate, shard) mesh; ``bf16``: ``MixedPrecisionPolicy(
+    param_dtype=bf16, reduce_dtype=fp32)`` (``local``: the model run under bf16 autocast is not the
+    same computation, so the caller compares it at a bf16 tolerance)."""
     import torch.distributed as dist
 
     from benchmarks._comm_count import CommCounter
@@ -177,15 +193,19 @@ def train(impl: str, recipe: str, rank: int, world: int, precompute: bool = Fals
     model = build(recipe, local=impl == "local")
     if impl != "local":
         if impl == "torch":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         else:
-            from shardwise.composable import fully_shard  # type: ignore[no-redef]
+            from shardwise.composable import MixedPrecisionPolicy, fully_shard  # type: ignore[no-redef]
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (world,))
+        if hsdp:
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
     types = local_types(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     losses, gathered, kinds = [], [], []
@@ -196,7 +216,8 @@ def train(impl: str, recipe: str, rank: int, world: int, precompute: bool = Fals
             x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
         counter = CommCounter()
         with counter:
-            loss = F.mse_loss(model(x), y)
+            out = model(x)
+            loss = F.mse_loss(out.float(), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -211,15 +232,64 @@ def train(impl: str, recipe: str, rank: int, world: int, precompute: bool = Fals
         losses.append(full.item())
         gathered.append(sum(c.size_bytes for c in counter.calls if c.kind == "all_gather"))
         kinds.append(counter.by_kind())
-    return {"losses": losses, "all_gather_bytes": gathered, "kinds": kinds, "types": types}
+    return {"losses": losses, "all_gather_bytes": gathered, "kinds": kinds, "types": types,
+            "scales": precomputed_scales(model) if precompute and impl != "local" else []}
 
 
-def shapes(recipe: str) -> list[list[tuple[tuple[int, ...], bool]]]:
-    """Per unit (each layer, then the root), ``(shape, is_low_precision_weight)`` of its parameters."""
-    model = build(recipe, local=True)
-    units = []
-    for layer in model.layers:
-        units.append([(tuple(p.shape), n.endswith("weight") and "lora" not in n and n.count(".") <= 1 + (recipe == "qlora"))
-                      for n, p in layer.named_parameters()])
-    units.append([(tuple(p.shape), False) for p in model.head.parameters()])
-    return units
+def precomputed_scales(model: nn.Module) -> list[tuple[float, float]]:
+    """``(scale the rank holds, scale of the whole weight)`` of every float8 weight after
+    ``precompute_float8_dynamic_scale_for_fsdp``: equal when its all-reduce of amaxes ran."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        local = w._local_tensor if isinstance(w, DTensor) else None  # noqa: SLF001 (torchao writes it there)
+        if local is not None and getattr(local, "_precomputed_scale", None) is not None:
+            amax = w.full_tensor().detach().abs().max().clamp(min=1e-12).double()
+            out.append((float(local._precomputed_scale), float(torch.finfo(torch.float8_e4m3fn).max / amax)))
+    return out
+
+
+def train_tp(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """float8 with tensor parallelism: torchao's Float8ColwiseParallel / Float8RowwiseParallel on
+    the layers' two linears over a 2-rank TP axis, then ``fully_shard`` over the 2-rank DP axis
+    (4 ranks); ``local``: the float8 model on one process. Losses of the whole batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = build("float8", local=impl == "local")
+    if impl != "local":
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        # torchao's float8 styles subclass torch's ColwiseParallel / RowwiseParallel, which
+        # shardwise's parallelize_module refuses: both runs apply them with torch's
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if impl == "torch":
+            from torch.distributed.fsdp import fully_shard
+        else:
+            from shardwise.composable import fully_shard  # type: ignore[no-redef]
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"0": Float8ColwiseParallel(), "2": Float8RowwiseParallel()})
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    types = local_types(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    dp_rank, share = (rank // 2, BATCH // 2) if impl != "local" else (0, BATCH)
+    for step in range(STEPS):
+        x, y = data(step)
+        x, y = x[dp_rank * share : (dp_rank + 1) * share], y[dp_rank * share : (dp_rank + 1) * share]
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        full = loss.detach().clone()
+        if impl != "local":
+            dist.all_reduce(full)
+            full /= world
+        losses.append(full.item())
+    return {"losses": losses, "types": types}
