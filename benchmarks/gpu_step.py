@@ -154,7 +154,8 @@ def step(model, optim, tokens) -> torch.Tensor:
 def float8_bytes(cfg: LlamaConfig, args, mesh, device, tokens) -> list[str]:
     """One counted step of each implementation under ``--float8``: bytes all-gathered against the
     theory (every block twice, forward and backward, the root once; float8 weights 1 byte an
-    element, the rest in the all-gather dtype: bf16 under ``--mp bf16``)."""
+    element, the rest in the all-gather dtype: bf16 under ``--mp bf16``). One GPU moves nothing: the
+    bytes need ``torchrun --nproc-per-node N``; a one-GPU run measures the float8 step's time only."""
     from benchmarks._comm_count import CommCounter
 
     with torch.device("meta"):
@@ -168,7 +169,8 @@ def float8_bytes(cfg: LlamaConfig, args, mesh, device, tokens) -> list[str]:
 
     blocks = [unit(b.parameters()) for b in ref.layers]
     in_blocks = {id(p) for b in ref.layers for p in b.parameters()}
-    theory = 2 * sum(blocks) + unit(p for p in ref.parameters() if id(p) not in in_blocks)
+    # one rank gathers nothing: its shard is the whole parameter ([Note: a shard of one rank])
+    theory = 0 if W == 1 else 2 * sum(blocks) + unit(p for p in ref.parameters() if id(p) not in in_blocks)
     lines = []
     for impl in IMPLS:
         model, optim = build(impl, cfg, args, mesh, device)

@@ -35,12 +35,14 @@ parameter and rebuilds it in place, so tensors autograd saved stay valid. Gradie
 tensors and reduce as every other parameter's.
 
 Supported as in FSDP2: dim-0 sharding, mixed units (plain and subclass parameters in one
-all-gather), HSDP (``mesh`` is then the shard axis), mixed precision (the hook decides the
-dtypes). Refused with one line where FSDP2 does not support it or shardwise does not yet:
-sharding on another dim or unevenly (FSDP2 requires the pieces then to have the padded
-shard's size, which float8 and int8 weights do not), ``reshard_after_forward=<int>`` (FSDP2
-raises ``NotImplementedError``), tensor parallelism (not yet), CPU offload (not yet) and
-``shardwise.composable.materialize`` (initialise before sharding, or ``to_empty`` and init).
+all-gather), HSDP (``mesh`` is then the shard axis, a named dim), mixed precision (the hook
+decides the dtypes), tensor parallelism (the rebuilt TP-local weight is wrapped in its TP
+placements), ``to_empty`` / ``load_state_dict(assign=True)`` (the new local tensor is taken as
+it is). Refused with one line where FSDP2 does not support it or shardwise does not yet:
+sharding on another dim or unevenly (FSDP2 requires the pieces then to have the padded shard's
+size, which float8 and int8 weights do not), ``reshard_after_forward=<int>`` (FSDP2 raises
+``NotImplementedError``), CPU offload (not yet) and ``shardwise.composable.materialize``
+(initialise before sharding, or ``to_empty`` and init).
 """
 
 from __future__ import annotations

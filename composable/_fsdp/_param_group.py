@@ -13,6 +13,11 @@ so the optimizer's in-place updates land there and, when no cast or device move 
 the all-gather input is the buffer itself (no copy). Under mixed precision the all-gather
 input is a second byte buffer holding the shards cast to ``param_dtype``.
 
+A parameter whose local shard is a tensor subclass with FSDP2's all-gather hooks owns its
+shard instead (no bytes here) and contributes, at each unshard, the pieces its
+``fsdp_pre_all_gather`` returns, laid after the other segments of the all-gather input by the
+same ``byte_layout`` ([Note: the all-gather extension] in ``_extension.py``).
+
 The all-gather of ``W`` such buffers gives a rank-major ``[W, B]`` byte matrix; parameter
 ``i`` is the column block at its offset, which viewed in its dtype and read row by row is the
 padded parameter. One strided copy per parameter moves it into the parameter's own storage.
