@@ -144,7 +144,9 @@ class ShardedParam:
     def sharded_local(self) -> torch.Tensor:
         """The local tensor object of the sharded parameter (a subclass for the all-gather
         extension): the one the user's code sets attributes on, e.g. torchao's precomputed scale."""
-        return local_tensor(self.sharded)
+        sharded = self.sharded
+        assert isinstance(sharded, DTensor), "a sharded parameter wraps a DTensor"
+        return local_tensor(sharded)
 
     def _new_unsharded(self) -> None:
         if self.ext is not None:  # a stand-in until the first fsdp_post_all_gather builds it
