@@ -23,6 +23,7 @@ class Layout:
     reshard_after_forward: bool = True
     baseline: str = "torch FSDP2"
     no_shard: bool = False  # the (W, 1) mesh of NO_SHARD: every rank a replica, shard axis of 1
+    float8: bool = False  # torchao float8 training with the float8 all-gather (module docstring)
 
     def applies(self, world: int) -> bool:
         if self.name == "HSDP" or self.tp > 1:
@@ -37,6 +38,7 @@ LAYOUTS = {
     "FSDPxTP": Layout("FSDPxTP", tp=2),
     "DDP": Layout("DDP", reshard_after_forward=False, baseline="torch DDP", no_shard=True),
     "NO_SHARD": Layout("NO_SHARD", reshard_after_forward=False, no_shard=True),  # not run by default
+    "FSDP_FLOAT8": Layout("FSDP_FLOAT8", float8=True),  # not run by default (torchao)
 }
 DEFAULT_LAYOUTS = ("FSDP", "HSDP", "SHARD_GRAD_OP", "FSDPxTP", "DDP")
 
@@ -67,12 +69,36 @@ def apply_tp(model: Llama, tp_mesh, styles, parallelize) -> None:
         block.attention.n_kv_heads //= tp_mesh.size()
 
 
+def is_float8_linear(module: torch.nn.Module, fqn: str) -> bool:
+    """The linears the FSDP_FLOAT8 layout converts: those of the blocks (torchtitan leaves the
+    output head in high precision), with both dims multiples of 16 as float8 matmuls need."""
+    return (fqn.startswith("layers.") and isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def to_float8(model: Llama) -> Llama:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    cfg = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    return convert_to_float8_training(model, config=cfg, module_filter_fn=is_float8_linear)
+
+
+def after_step(layout: Layout, model) -> None:
+    """What a layout runs after each optimizer step: FSDP_FLOAT8's one all-reduce of all scales."""
+    if layout.float8:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
 def build(cfg: LlamaConfig, layout: Layout, impl: str, mesh):
     """The model sharded by ``impl`` ("shardwise" or "baseline") for ``layout``."""
     from shardwise.composable import strategy_mesh
     from shardwise.mesh import data_parallel_mesh
 
     model = Llama(cfg, generator=torch.Generator().manual_seed(0))
+    if layout.float8:
+        model = to_float8(model)
     if layout.name == "DDP" and impl == "baseline":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -98,21 +124,23 @@ def build(cfg: LlamaConfig, layout: Layout, impl: str, mesh):
     return model
 
 
-def unit_bytes(cfg: LlamaConfig, layout: Layout, mesh, shard: int) -> tuple[list[int], int]:
+def unit_bytes(cfg: LlamaConfig, layout: Layout, mesh, shard: int, gathered: bool = False) -> tuple[list[int], int]:
     """(bytes of each block unit, bytes of the root unit) as communicated: TP-local shapes,
-    each parameter padded to a multiple of ``shard`` rows."""
+    each parameter padded to a multiple of ``shard`` rows. ``gathered``: as all-gathered (a
+    float8 weight of FSDP_FLOAT8: 1 byte an element), else as reduced (the gradients' dtype)."""
     import shardwise.composable as sw
 
     model = Llama(cfg, generator=torch.Generator().manual_seed(0))
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], sw, sw.parallelize_module)
+    low = {id(m.weight) for n, m in model.named_modules() if layout.float8 and gathered and is_float8_linear(m, n)}
 
     def size(params) -> int:
         total = 0
         for p in params:
             local = p.to_local() if hasattr(p, "to_local") else p
             rows = -(-local.shape[0] // shard) * shard
-            total += rows * (local.numel() // max(local.shape[0], 1)) * local.element_size()
+            total += rows * (local.numel() // max(local.shape[0], 1)) * (1 if id(p) in low else local.element_size())
         return total
 
     blocks = [size(b.parameters()) for b in model.layers]

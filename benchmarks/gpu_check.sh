@@ -4,7 +4,8 @@
 # machine's torch image already has):
 #
 #   bash benchmarks/gpu_check.sh                 # CUDA/NCCL facts, then benchmarks/gpu_step.py
-#                                                # (its CPU-offload check first: grads must end on cpu)
+#                                                # (its CPU-offload check first: grads must end on cpu),
+#                                                # then its float8 step (--float8, when torchao imports)
 #   GPU_CHECK_ARGS="--device cpu --dim 64 --layers 2 --seq-len 32 --steps 2" bash benchmarks/gpu_check.sh
 #                                                # the same on CPU (a smoke run of this script)
 #
@@ -40,4 +41,13 @@ EOF
   echo "== benchmarks/gpu_step.py ${GPU_CHECK_ARGS:-}"
   # shellcheck disable=SC2086
   timeout 420 "$PY" benchmarks/gpu_step.py ${GPU_CHECK_ARGS:-}
+  status=$?
+  echo "== benchmarks/gpu_step.py --float8 ${GPU_CHECK_ARGS:-} (torchao float8 training, float8 all-gather)"
+  if timeout 60 "$PY" -c "import torchao.float8" 2>/dev/null; then
+    # shellcheck disable=SC2086
+    timeout 300 "$PY" benchmarks/gpu_step.py --float8 --reps 3 ${GPU_CHECK_ARGS:-} || echo "float8 step FAILED ($?)"
+  else
+    echo "torchao is not installed on this machine: no float8 step"
+  fi
+  exit $status
 } 2>&1 | tee "$LOG"

@@ -3,6 +3,7 @@
     python benchmarks/gpu_step.py                                # one GPU: a one-rank NCCL group
     torchrun --nproc-per-node 8 benchmarks/gpu_step.py           # several GPUs: FSDP over all
     python benchmarks/gpu_step.py --device cpu --dim 64 --layers 2 --seq-len 32 --steps 2   # smoke
+    python benchmarks/gpu_step.py --float8                       # torchao float8 (docs/low_precision.md)
 
 Without CUDA (and without ``--device cpu``) it prints why and exits with status 0.
 
@@ -21,6 +22,13 @@ master weights and AdamW state; the default on CUDA). Two phases:
 
 With a one-rank group both implementations shard over one rank, which measures their per-step
 overhead around the same compute (copies, hooks, casts) rather than communication.
+
+``--float8`` (needs torchao): both copies first convert the blocks' linears with torchao's
+``convert_to_float8_training`` (tensorwise scaling, ``enable_fsdp_float8_all_gather=True``) and
+end every step with ``precompute_float8_dynamic_scale_for_fsdp``: float8 matmuls (``torch._scaled_mm``,
+sm_89 or newer) and float8 all-gathers through FSDP2's all-gather extension. On a CPU the matmuls are
+emulated and the times say nothing about float8. The bytes all-gathered in one step are counted
+(``benchmarks/_comm_count.py``) for both implementations and printed with the float8 theory.
 
 Before the two phases, a correctness check that only a GPU can make: with ``CPUOffloadPolicy``,
 after a step's backward every sharded parameter and gradient must be on the CPU (the optimizer
@@ -66,13 +74,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=6, help="interleaved repetitions per implementation")
     p.add_argument("--steps", type=int, default=5, help="timed steps per repetition")
     p.add_argument("--mem-steps", type=int, default=2)
+    p.add_argument("--float8", action="store_true", help="torchao float8 training with the float8 all-gather")
     return p.parse_args(argv)
+
+
+def is_float8_linear(module: torch.nn.Module, fqn: str) -> bool:
+    """The linears ``--float8`` converts: the blocks' (not the output head), dims multiples of 16."""
+    return (fqn.startswith("layers.") and isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
 def build(impl: str, cfg: LlamaConfig, args, mesh, device: torch.device):
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.device(device):
         model = Llama(cfg, generator=gen)
+    if args.float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        model = convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                                           module_filter_fn=is_float8_linear)
     bf16 = args.mp == "bf16"
     if impl == "shardwise":
         from shardwise.composable import MixedPrecisionPolicy, fully_shard
@@ -83,6 +103,7 @@ def build(impl: str, cfg: LlamaConfig, args, mesh, device: torch.device):
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=None if raf else False, mp_policy=mp)
+    model.float8_precompute = args.float8
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -123,7 +144,46 @@ def step(model, optim, tokens) -> torch.Tensor:
     loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
+    if getattr(model, "float8_precompute", False):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)  # one all-reduce for all the weights' scales
     return loss.detach()
+
+
+def float8_bytes(cfg: LlamaConfig, args, mesh, device, tokens) -> list[str]:
+    """One counted step of each implementation under ``--float8``: bytes all-gathered against the
+    theory (every block twice, forward and backward, the root once; float8 weights 1 byte an
+    element, the rest in the all-gather dtype: bf16 under ``--mp bf16``). One GPU moves nothing: the
+    bytes need ``torchrun --nproc-per-node N``; a one-GPU run measures the float8 step's time only."""
+    from benchmarks._comm_count import CommCounter
+
+    with torch.device("meta"):
+        ref = Llama(cfg)
+    low = {id(m.weight) for n, m in ref.named_modules() if is_float8_linear(m, n)}
+    other = 2 if args.mp == "bf16" else 4
+    W = mesh.size()
+
+    def unit(params) -> int:  # padded to a multiple of W rows, as every rank gathers equal pieces
+        return sum(-(-p.shape[0] // W) * W * (p.numel() // p.shape[0]) * (1 if id(p) in low else other) for p in params)
+
+    blocks = [unit(b.parameters()) for b in ref.layers]
+    in_blocks = {id(p) for b in ref.layers for p in b.parameters()}
+    # one rank gathers nothing: its shard is the whole parameter ([Note: a shard of one rank])
+    theory = 0 if W == 1 else 2 * sum(blocks) + unit(p for p in ref.parameters() if id(p) not in in_blocks)
+    lines = []
+    for impl in IMPLS:
+        model, optim = build(impl, cfg, args, mesh, device)
+        step(model, optim, tokens)  # the first step casts without precomputed scales
+        counter = CommCounter()
+        with counter:
+            step(model, optim, tokens)
+        got = sum(c.size_bytes for c in counter.calls if c.kind == "all_gather")
+        lines.append(f"{impl}: {got:,} B all-gathered in one float8 step (theory {theory:,} B); collectives "
+                     + ", ".join(f"{k} {n}" for k, (n, _) in counter.by_kind().items()))
+        del model, optim
+        gc.collect()
+    return lines
 
 
 class Clock:
@@ -208,7 +268,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     with torch.device("meta"):
         n = sum(p.numel() for p in Llama(cfg).parameters())
-    say(f"{name} x {world}; torch {torch.__version__}; mp={args.mp}; reshard_after_forward="
+    say(f"{name} x {world}; torch {torch.__version__}; mp={args.mp}; float8={args.float8}; reshard_after_forward="
         f"{args.reshard_after_forward}\nmodel: {cfg}\n{n / 1e6:,.1f} M params; {args.batch_per_rank} x "
         f"{args.seq_len} tokens per rank")
     small = LlamaConfig(vocab_size=args.vocab, dim=64, n_layers=2, n_heads=4, max_seq_len=cfg.max_seq_len)
@@ -216,6 +276,9 @@ def main(argv=None) -> int:
     say(f"offload check ({'meaningful' if device.type == 'cuda' else 'code path only, cpu host'}): "
         + ("ok, parameters and gradients on cpu after backward for " + " and ".join(IMPLS) if not problems
            else "FAILED\n  " + "\n  ".join(problems[:20])))
+    if args.float8:
+        for line in float8_bytes(cfg, args, mesh, device, batches[0]):
+            say(line)
     mem = memory_phase(cfg, args, mesh, device, batches)
     times, diff = time_phase(cfg, args, mesh, device, batches)
     ratios = [a / b for a, b in zip(times[IMPLS[0]], times[IMPLS[1]])]

@@ -14,6 +14,7 @@ one copy with shardwise and the other with the torch baseline using the same mes
     FSDPxTP         parallelize_module (tp 2) + fully_shard     torch's parallelize_module + fully_shard
     DDP             apply_fully_shard NO_SHARD (replicate)      DistributedDataParallel
     NO_SHARD        fully_shard NO_SHARD, (W, 1) mesh           torch fully_shard, same mesh (opt-in)
+    FSDP_FLOAT8     torchao float8 + fully_shard, 1-D mesh      torch fully_shard, same (opt-in, torchao)
 
 After two warm-up steps each, one step per implementation runs under
 `benchmarks._comm_count.CommCounter`, then ``--reps`` repetitions of ``--steps`` timed steps
@@ -47,6 +48,9 @@ rank), ``P = sum U_i``, ``U_root`` the root unit, shard axis ``S``, replicas ``R
     FSDPxTP          the FSDP terms with TP-local unit sizes over the dp axis, plus tensor
                      parallelism's activations: Megatron's minimum is 2 all-reduces in forward
                      and 2 in backward per block, of [b, T, D] each (b rows per dp rank).
+    FSDP_FLOAT8      the FSDP terms, the all-gather's with the blocks' float8 weights at 1 byte
+                     an element (``G_i`` instead of ``U_i``), plus the scales' all-reduce:
+                     2 (S-1)/S 4 n for the n float8 weights (precompute_float8_dynamic_scale_for_fsdp)
 """
 
 from __future__ import annotations
@@ -65,7 +69,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks._comm_count import CommCounter, ring_sent  # noqa: E402
-from benchmarks._step_setup import DEFAULT_LAYOUTS, LAYOUTS, Layout, build, unit_bytes  # noqa: E402
+from benchmarks._step_setup import (DEFAULT_LAYOUTS, LAYOUTS, Layout, after_step, build, is_float8_linear,  # noqa: E402
+                                    unit_bytes)
 from examples.data import global_batch, inputs_and_targets, local_slice  # noqa: E402
 from examples.model import Llama, LlamaConfig  # noqa: E402
 
@@ -73,14 +78,16 @@ MB = 2**20
 
 
 def theory(layout: Layout, blocks: list[int], root: int, world: int, tokens_per_rank: int,
-           dim: int) -> dict[str, float]:
-    """Minimum bytes one rank sends per step, by collective kind (module docstring)."""
+           dim: int, gathered_units: tuple[list[int], int] | None = None, n_float8: int = 0) -> dict[str, float]:
+    """Minimum bytes one rank sends per step, by collective kind (module docstring).
+    ``gathered_units``: the units' bytes as all-gathered when they differ (FSDP_FLOAT8)."""
     S = 1 if layout.no_shard else world // (layout.replicate * layout.tp)
     R = world if layout.no_shard else layout.replicate
     P = sum(blocks) + root
-    gathered = P + (sum(blocks) if layout.reshard_after_forward else 0)
+    g_blocks, g_root = gathered_units or (blocks, root)
+    gathered = sum(g_blocks) + g_root + (sum(g_blocks) if layout.reshard_after_forward else 0)
     out = {"all_gather": ring_sent("all_gather", S, gathered), "reduce_scatter": ring_sent("reduce_scatter", S, P),
-           "all_reduce": ring_sent("all_reduce", R, P / S)}
+           "all_reduce": ring_sent("all_reduce", R, P / S) + ring_sent("all_reduce", S, 4 * n_float8)}
     if layout.tp > 1:
         out["all_reduce"] += 4 * len(blocks) * ring_sent("all_reduce", layout.tp, tokens_per_rank * dim * 4)
     return {k: v for k, v in out.items() if v}
@@ -91,12 +98,14 @@ def _barrier_time() -> float:
     return time.perf_counter()
 
 
-def _step(model, optim, batch) -> float:
+def _step(model, optim, batch, layout: Layout | None = None) -> float:
     inputs, targets = batch
     loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
     optim.zero_grad(set_to_none=True)
     loss.backward()
     optim.step()
+    if layout is not None:
+        after_step(layout, model)
     return loss.item()
 
 
@@ -175,10 +184,10 @@ def run_layout(cfg: LlamaConfig, layout: Layout, args, world: int) -> dict:
     comm = {}
     for i in impls:
         for b in batches[:2]:
-            losses[i].append(_step(models[i], optims[i], b))
+            losses[i].append(_step(models[i], optims[i], b, layout))
         counter = CommCounter()
         with counter:
-            losses[i].append(_step(models[i], optims[i], batches[2]))
+            losses[i].append(_step(models[i], optims[i], batches[2], layout))
         comm[i] = counter.by_kind()
     times, cpu = {i: [] for i in impls}, torch.zeros(len(impls), args.reps, dtype=torch.float64)
     for rep in range(args.reps):
@@ -186,18 +195,20 @@ def run_layout(cfg: LlamaConfig, layout: Layout, args, world: int) -> dict:
             t0 = _barrier_time()
             c0 = time.process_time()
             for k in range(args.steps):
-                losses[i].append(_step(models[i], optims[i], batches[3 + rep * args.steps + k]))
+                losses[i].append(_step(models[i], optims[i], batches[3 + rep * args.steps + k], layout))
             cpu[impls.index(i), rep] = (time.process_time() - c0) / args.steps
             times[i].append((_barrier_time() - t0) / args.steps)
     dist.all_reduce(cpu)  # CPU seconds per step, summed over ranks (all threads: compute and gloo)
     phases = {i: _phases(models[i], optims[i], batches, args.phases) for i in impls} if args.phases else None
     shard = 1 if layout.no_shard else world // (layout.replicate * layout.tp)
     blocks, root = unit_bytes(cfg, layout, mesh, shard)
+    gathered = unit_bytes(cfg, layout, mesh, shard, gathered=True) if layout.float8 else None
+    n_float8 = sum(is_float8_linear(m, n) for n, m in Llama(cfg).named_modules()) if layout.float8 else 0
     diff = max(abs(a - b) / abs(b) for a, b in zip(losses["shardwise"], losses["baseline"]))
     tokens = args.batch_size // dp_size * args.seq_len
     return dict(layout=layout.name, baseline=layout.baseline, world=world, times=times, comm=comm,
                 cpu={i: cpu[n].tolist() for n, i in enumerate(impls)}, phases=phases,
-                theory=theory(layout, blocks, root, world, tokens, cfg.dim), loss_rel_diff=diff,
+                theory=theory(layout, blocks, root, world, tokens, cfg.dim, gathered, n_float8), loss_rel_diff=diff,
                 mesh=f"({world}, 1)" if layout.no_shard else str(tuple(mesh.shape)), P=sum(blocks) + root,
                 dp=dp_size, rows=len(batches[0][0]))
 

@@ -122,6 +122,17 @@ def set_local_tensor(param: DTensor, local: torch.Tensor) -> None:
     param._local_tensor = local
 
 
+def local_tensor(param: DTensor) -> torch.Tensor:
+    """The very tensor object ``param`` (a DTensor, usually an ``nn.Parameter``) wraps, so that
+    attributes set on it (torchao's ``_precomputed_scale``) are seen. ``to_local()`` of an
+    ``nn.Parameter(DTensor)`` returns a new parameter object over the same data (a tensor
+    subclass's ``detach``, which need not copy such attributes).
+
+    Relies on: ``DTensor._local_tensor`` being that object (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` writes to it under FSDP2)."""
+    return param._local_tensor
+
+
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (``mesh`` itself when it is not a slice).
 

@@ -16,6 +16,7 @@ from shardwise.composable._compat import (
     foreach_norm,
     is_strided_shard,
     queue_backward_callback,
+    local_tensor,
     root_mesh,
     run_eagerly,
     set_local_tensor,
@@ -38,12 +39,13 @@ def _local_and_root(rank, world):
     new = torch.arange(6.0).view(2, 3)
     set_local_tensor(p, new)
     ok_local = p.to_local().data_ptr() == new.data_ptr() and torch.equal((p * 2).to_local(), new * 2)
+    ok_local = ok_local and local_tensor(p) is new  # the object itself, not a new Parameter over it
     ok_full = torch.equal(p.full_tensor()[2 * rank : 2 * rank + 2], new)
     m2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))
     return ok_local, ok_full, root_mesh(m2["b"]) is m2, root_mesh(m2) is m2
 
 
-def test_set_local_tensor_and_root_mesh():
+def test_set_local_tensor_local_tensor_and_root_mesh():
     for got in run_ranks(_local_and_root, 2):
         assert got == (True, True, True, True), got
 

@@ -13,6 +13,11 @@ so the optimizer's in-place updates land there and, when no cast or device move 
 the all-gather input is the buffer itself (no copy). Under mixed precision the all-gather
 input is a second byte buffer holding the shards cast to ``param_dtype``.
 
+A parameter whose local shard is a tensor subclass with FSDP2's all-gather hooks owns its
+shard instead (no bytes here) and contributes, at each unshard, the pieces its
+``fsdp_pre_all_gather`` returns, laid after the other segments of the all-gather input by the
+same ``byte_layout`` ([Note: the all-gather extension] in ``_extension.py``).
+
 The all-gather of ``W`` such buffers gives a rank-major ``[W, B]`` byte matrix; parameter
 ``i`` is the column block at its offset, which viewed in its dtype and read row by row is the
 padded parameter. One strided copy per parameter moves it into the parameter's own storage.
@@ -68,6 +73,7 @@ from torch.profiler import record_function
 
 from ._comm import CommOptions, all_gather
 from ._common import SHARD_NEXT, ParamEntry, ShardState, TraceNames
+from ._extension import has_extension
 from ._layout import ShardLayout, byte_columns, make_layout
 from ._layout import byte_layout as _byte_layout
 from .._mesh_utils import all_gather_single, mesh_device
@@ -104,12 +110,18 @@ class ParamGroup:
                    for (_, p, _), pl in zip(entries, placements)]
         dtypes = [p.dtype for _, p, _ in entries]
         cdtypes = [mp.param_dtype or d for d in dtypes]
+        # [Note: the all-gather extension] in _extension.py: no bytes of the sharded buffer
+        self.extended = [has_extension(p.to_local() if isinstance(p, DTensor) else p, fqn) for fqn, p, _ in entries]
+        if any(self.extended) and self.offload:
+            raise ValueError(f"fully_shard({label}): CPU offload of tensor-subclass parameters with "
+                             "fsdp_pre_all_gather is not supported yet; shard them without offload_policy")
         self._plan_bytes(layouts, dtypes, cdtypes)
         alias = self.world == 1 and self.zero_copy  # [Note: a shard of one rank]
         self.sharded_bytes = self._new_storage()
         self.params = [
-            ShardedParam(fqn, p, uses, lay, self._segment(o, lay, d), mesh, self.rank, cd, self.compute_device, alias)
-            for (fqn, p, uses), lay, o, d, cd in zip(entries, layouts, self.master_offsets, dtypes, cdtypes)
+            ShardedParam(fqn, p, uses, lay, self._segment(o, lay, d, e), mesh, self.rank, cd, self.compute_device, alias)
+            for (fqn, p, uses), lay, o, d, cd, e in zip(entries, layouts, self.master_offsets, dtypes, cdtypes,
+                                                        self.extended)
         ]
         self.buckets = make_buckets(self.params, mp.reduce_dtype)
         # FSDP2's set_reduce_scatter_unused_params: unused parameters get zero gradients
@@ -138,11 +150,35 @@ class ParamGroup:
 
     # -- storage ---------------------------------------------------------------------------
     def _plan_bytes(self, layouts: Sequence[ShardLayout], dtypes: list[torch.dtype], cdtypes: list[torch.dtype]) -> None:
-        sizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, dtypes)]
+        # a parameter with the all-gather extension owns its shard (0 bytes here) and its
+        # all-gather pieces are planned at each unshard (`_plan_pieces`)
+        sizes = [0 if e else lay.padded_numel * d.itemsize for lay, d, e in zip(layouts, dtypes, self.extended)]
         self.master_offsets, self.master_bytes = _byte_layout(sizes, max(d.itemsize for d in dtypes))
-        csizes = [lay.padded_numel * d.itemsize for lay, d in zip(layouts, cdtypes)]
-        self.ag_offsets, self.ag_bytes = _byte_layout(csizes, max(d.itemsize for d in cdtypes))
-        self.zero_copy = cdtypes == dtypes and self.storage_device == self.compute_device
+        self._ag_sizes = [0 if e else lay.padded_numel * d.itemsize for lay, d, e in zip(layouts, cdtypes, self.extended)]
+        self._ag_align = max(d.itemsize for d in cdtypes)
+        self.ag_offsets, self.ag_bytes = _byte_layout(self._ag_sizes, self._ag_align)
+        self.zero_copy = cdtypes == dtypes and self.storage_device == self.compute_device and not any(self.extended)
+        self._pieces: list[tuple[int, list[tuple[int, int, torch.dtype]]]] = []  # (param, [(offset, numel, dtype)])
+
+    def _shard_mesh(self) -> DeviceMesh:
+        names = self.mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(f"fully_shard({self.label}): fsdp_pre_all_gather takes the shard axis as a 1-D mesh; "
+                             "name the dims of the 2-D mesh (init_device_mesh(..., mesh_dim_names=...)), as FSDP2 needs")
+        return self.mesh[names[-1]]
+
+    def _plan_pieces(self) -> list[list[torch.Tensor]]:
+        """Call every extension parameter's ``fsdp_pre_all_gather`` and lay its pieces out after
+        the plain parameters' segments of the all-gather buffer (the same `byte_layout`)."""
+        shard_mesh = self.mesh if self.mesh.ndim == 1 else self._shard_mesh()
+        inputs = [(i, self.params[i].gather_inputs(shard_mesh, self.mp)) for i, e in enumerate(self.extended) if e]
+        flat = [t for _, ts in inputs for t in ts]
+        align = max([self._ag_align] + [t.element_size() for t in flat])
+        offsets, self.ag_bytes = _byte_layout(self._ag_sizes + [t.numel() * t.element_size() for t in flat], align)
+        self.ag_offsets = offsets[: len(self.params)]
+        it = iter(offsets[len(self.params):])
+        self._pieces = [(i, [(next(it), t.numel(), t.dtype) for t in ts]) for i, ts in inputs]
+        return [ts for _, ts in inputs]
 
     def readopt(self, partial_ok: bool = False) -> None:
         """Re-adopt the parameters the modules hold now, after ``nn.Module._apply`` or
@@ -172,9 +208,9 @@ class ParamGroup:
         self._plan_bytes([p.layout for p in self.params], dtypes, [p.compute_dtype for p in self.params])
         alias = self.world == 1 and self.zero_copy
         self.sharded_bytes = self._new_storage()
-        for p, c, o in zip(self.params, current, self.master_offsets):
+        for p, c, o, e in zip(self.params, current, self.master_offsets, self.extended):
             p.alias = alias
-            p.adopt(c, self._segment(o, p.layout, p.orig_dtype))
+            p.adopt(c, self._segment(o, p.layout, p.orig_dtype, e))
             p.register(unsharded=False)
         self.buckets = make_buckets(self.params, self.mp.reduce_dtype)
         self.drop_post_forward()
@@ -203,12 +239,17 @@ class ParamGroup:
         t = torch.zeros(self.master_bytes, dtype=torch.uint8, device=self.storage_device)
         return t.pin_memory() if self.pin and t.device.type == "cpu" else t
 
-    def _segment(self, offset: int, lay: ShardLayout, dtype: torch.dtype) -> torch.Tensor:
-        return self.sharded_bytes[offset : offset + lay.padded_numel * dtype.itemsize].view(dtype)
+    def _segment(self, offset: int, lay: ShardLayout, dtype: torch.dtype, extended: bool = False) -> torch.Tensor:
+        n = 0 if extended else lay.padded_numel * dtype.itemsize  # an extension parameter owns its shard
+        return self.sharded_bytes[offset : offset + n].view(dtype)
 
     def materialize(self, full_tensors: list[torch.Tensor | None] | None = None) -> None:
         """Give a unit built on the meta device real storage on its device, new sharded
         parameters pointing at it, filled from ``full_tensors`` (one per parameter or None)."""
+        if any(self.extended):
+            raise NotImplementedError(
+                f"fully_shard({self.label}): materialize() does not support tensor-subclass parameters with "
+                "fsdp_pre_all_gather; call module.to_empty(device=...) and initialise them, as with FSDP2")
         self.storage_device = torch.device("cpu") if self.offload else self.compute_device
         self.readopt_pending = False  # every parameter gets new storage here
         self.zero_copy = self.storage_device == self.compute_device and all(
@@ -243,10 +284,15 @@ class ParamGroup:
     def _all_gather_input(self) -> torch.Tensor:
         if self.zero_copy:
             return self.sharded_bytes
+        pieces = self._plan_pieces() if any(self.extended) else []
         buf = torch.empty(self.ag_bytes, dtype=torch.uint8, device=self.compute_device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self._ag_block(buf.view(1, -1), i)[0].copy_(p.padded, non_blocking=self.pin)
+                if not self.extended[i]:
+                    self._ag_block(buf.view(1, -1), i)[0].copy_(p.padded, non_blocking=self.pin)
+            for (_, plan), ts in zip(self._pieces, pieces):
+                for (o, n, d), t in zip(plan, ts):
+                    buf[o : o + n * d.itemsize].view(d).copy_(t)
         return buf
 
     def unshard(self, async_op: bool = False) -> None:
@@ -287,8 +333,16 @@ class ParamGroup:
         rows = gathered.view(self.world, self.ag_bytes)
         with torch.no_grad(), record_function(self.trace.copy_out):
             for i, p in enumerate(self.params):
-                if not p.alias:
+                if not p.alias and not self.extended[i]:
                     p.layout.gather(self._ag_block(rows, i), p.alloc_unsharded())
+            for i, plan in self._pieces:
+                p = self.params[i]
+                assert p.ext is not None
+                outs = p.ext.outputs_for(self.world, [(n, d) for _, n, d in plan], self.compute_device)
+                for (o, n, d), out in zip(plan, outs):
+                    out.view(self.world, n).copy_(rows[:, o : o + n * d.itemsize].view(d))
+            for i, _ in self._pieces:  # [Note: the all-gather extension] in _extension.py
+                self.params[i].rebuild_unsharded()
         for p in self.params:
             p.register(unsharded=True)
         self._to(ShardState.UNSHARDED)
@@ -301,6 +355,9 @@ class ParamGroup:
         self.wait_unshard()
         if not self.is_unsharded:
             return
+        if to is not None and any(self.extended):
+            raise ValueError(f"fully_shard({self.label}): reshard_after_forward=<int> is not supported for "
+                             "tensor-subclass parameters with fsdp_pre_all_gather (nor by FSDP2); use True or False")
         if to is not None:
             group, k = to
             per = self.world // k

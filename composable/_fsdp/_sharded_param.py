@@ -41,7 +41,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from .._compat import set_local_tensor
+from .._compat import local_tensor, set_local_tensor
+from ._extension import GatherExtension, has_extension
 from ._layout import ShardLayout
 from .._mesh_utils import same_mesh
 from ._tp_param import tp_sharded_placements
@@ -94,8 +95,16 @@ class ShardedParam:
             data = param.detach()
         self.global_stride = torch.empty(self.global_shape, device="meta").stride()
         self.compute_device = compute_device
+        # [Note: the all-gather extension] in _extension.py
+        self.ext = GatherExtension(fqn, layout.shape) if has_extension(data, fqn) else None
+        if self.ext is not None:
+            self._check_extension(layout)
+            self.alias = False
         self._new_unsharded()
-        self.set_storage(padded, None if param.device.type == "meta" else data)
+        if self.ext is not None:
+            self.set_extension_local(self._shard_subclass(data))
+        else:
+            self.set_storage(padded, None if param.device.type == "meta" else data)
 
     # [Note: accumulating in the reduce dtype] unsharded gradients of backwards that do not
     # reduce (``requires_gradient_sync=False``: gradient accumulation, pipeline microbatches)
@@ -104,7 +113,45 @@ class ShardedParam:
     # FSDP2 does the same. The reduction then takes this sum (plus the last backward's grad).
     accumulated_grad = None
 
+    def _check_extension(self, layout: ShardLayout) -> None:
+        why = None
+        if layout.placement.dim != 0:
+            why = f"is sharded on dim {layout.placement.dim} (the all-gather extension shards dim 0, as FSDP2's)"
+        elif layout.shape[0] % layout.world:
+            why = (f"has {layout.shape[0]} rows, uneven over {layout.world} ranks (FSDP2 then needs pieces of the "
+                   "padded shard's size; shard it evenly)")
+        if why is not None:
+            raise ValueError(f"fully_shard: '{self.fqn}' is a tensor subclass with fsdp_pre_all_gather and {why}; "
+                             "see 'The all-gather extension' in docs/low_precision.md")
+
+    def _shard_subclass(self, data: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a subclass tensor, built as FSDP2 builds it: through the subclass's
+        own ``chunk``, ``new_zeros`` and ``copy_`` (it owns its storage)."""
+        chunk = torch.chunk(data, self.layout.world, dim=0)[self.shard_rank]
+        with torch.no_grad():
+            local = data.new_zeros(chunk.shape)
+            if data.device.type != "meta":
+                local.copy_(chunk)
+        return local
+
+    def set_extension_local(self, local: torch.Tensor) -> None:
+        """Make ``local`` (a subclass with the all-gather extension, this rank's shard) the
+        sharded parameter's local tensor, as a new sharded parameter."""
+        self.padded = local
+        self.orig_dtype = local.dtype
+        self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
+
+    def sharded_local(self) -> torch.Tensor:
+        """The local tensor object of the sharded parameter (a subclass for the all-gather
+        extension): the one the user's code sets attributes on, e.g. torchao's precomputed scale."""
+        sharded = self.sharded
+        assert isinstance(sharded, DTensor), "a sharded parameter wraps a DTensor"
+        return local_tensor(sharded)
+
     def _new_unsharded(self) -> None:
+        if self.ext is not None:  # a stand-in until the first fsdp_post_all_gather builds it
+            self.unsharded = nn.Parameter(torch.empty(0, device=self.compute_device), requires_grad=self.requires_grad)
+            return
         local = torch.empty(self.layout.shape, dtype=self.compute_dtype, device=self.compute_device)
         if self.tp_mesh is not None:
             local = DTensor.from_local(local, self.tp_mesh, self.tp_placements, run_check=False,
@@ -140,6 +187,8 @@ class ShardedParam:
         """Whether ``param`` is the sharded parameter, still a view of ``padded``."""
         if param is not self.sharded or not isinstance(param, DTensor):
             return False
+        if self.ext is not None:
+            return self.sharded_local() is self.padded
         local = param.to_local()
         return (local.dtype == self.padded.dtype and local.device == self.padded.device
                 and local.untyped_storage().data_ptr() == self.padded.untyped_storage().data_ptr())
@@ -152,6 +201,9 @@ class ShardedParam:
         ``load_state_dict(assign=True)`` put there: a DTensor of this parameter's layout, or
         the full tensor. See [Note: re-adopting parameters] in ``_param_group.py``."""
         rank = self.shard_rank
+        if self.ext is not None:
+            self._adopt_extension(param)
+            return
         local = self.layout.local_view(padded, rank)
         if isinstance(param, DTensor):
             self._check_layout(param)
@@ -182,6 +234,26 @@ class ShardedParam:
         elif self.unsharded.requires_grad != self.requires_grad:
             self.unsharded.requires_grad_(self.requires_grad)
 
+    def _adopt_extension(self, param: torch.Tensor) -> None:
+        if isinstance(param, DTensor):
+            self._check_layout(param)
+            local = local_tensor(param)
+            if not has_extension(local, self.fqn):
+                raise ValueError(f"fully_shard: '{self.fqn}' was sharded as a tensor subclass with "
+                                 f"fsdp_pre_all_gather; its new local tensor is a {type(local).__name__} without it")
+            self.padded, self.orig_dtype = local, local.dtype
+            self.sharded = param if isinstance(param, nn.Parameter) else nn.Parameter(param, param.requires_grad)
+        else:
+            if tuple(param.shape) != self.global_shape or not has_extension(param, self.fqn):
+                raise ValueError(f"fully_shard: '{self.fqn}' was replaced by a {type(param).__name__} of shape "
+                                 f"{tuple(param.shape)}; it takes a DTensor like the sharded parameter or the full "
+                                 f"tensor subclass of shape {self.global_shape}")
+            self.requires_grad = param.requires_grad
+            self.set_extension_local(self._shard_subclass(param.detach()))
+        self.requires_grad = self.sharded.requires_grad
+        if self.unsharded.requires_grad != self.requires_grad:
+            self.unsharded.requires_grad_(self.requires_grad)
+
     def _check_layout(self, param: DTensor) -> None:
         if (tuple(param.shape) != self.global_shape or tuple(param.placements) != tuple(self.placements)
                 or not same_mesh(param.device_mesh, self.mesh)):
@@ -203,6 +275,23 @@ class ShardedParam:
         )
 
     # -- unsharded storage (see [Note: freeing by storage resize]) ------------------------------
+    def gather_inputs(self, mesh: DeviceMesh, mp_policy: object) -> list[torch.Tensor]:
+        """This rank's all-gather pieces from ``fsdp_pre_all_gather`` (extension only)."""
+        assert self.ext is not None
+        return self.ext.pre(self.sharded_local(), mesh, self.uses[0][0], mp_policy)
+
+    def rebuild_unsharded(self) -> None:
+        """After the pieces were copied into ``ext.outputs``: ``fsdp_post_all_gather`` rebuilds
+        the unsharded weight (in place after the first time)."""
+        assert self.ext is not None
+        built = self.ext.post(self.sharded_local(), self.compute_dtype, self.unsharded if self.ext.inner else None)
+        if built is None:
+            return
+        if self.tp_mesh is not None:  # the TP-local unsharded weight, in its TP placements
+            built = DTensor.from_local(built, self.tp_mesh, self.tp_placements, run_check=False,
+                                       shape=torch.Size(self.global_shape), stride=self.global_stride)
+        self.unsharded = nn.Parameter(built, requires_grad=self.requires_grad)
+
     def unsharded_data(self) -> torch.Tensor:
         """A writable alias of the unsharded parameter's (TP-local) data, outside autograd."""
         t: torch.Tensor = self.unsharded
@@ -226,7 +315,9 @@ class ShardedParam:
         return t
 
     def free_unsharded(self) -> None:
-        if not self.alias:
+        if self.ext is not None:
+            self.ext.free()
+        elif not self.alias:
             self.unsharded_data().untyped_storage().resize_(0)
 
     def take_unsharded_grad(self, dtype: torch.dtype) -> torch.Tensor | None:
