@@ -16,6 +16,17 @@ prints, per rank, the peak next to the theory
 with ``P`` the model's fp32 bytes, ``N`` the shard-axis size, ``U_max`` the bytes of the
 largest unit and ``A`` the activations: the peak of one forward + loss of the unsharded model
 on this rank's batch, minus its parameters (measured the same way, before sharding).
+
+``--lora R`` fine-tunes LoRA adapters of rank ``R`` instead (PEFT's ``get_peft_model`` on every
+``nn.Linear`` of the blocks, the base frozen; the PEFT model is the root unit; the optimizer is
+given every parameter, as PEFT scripts do). With ``F`` the frozen base's bytes and ``L`` the
+adapters' (``P = F + L``), the theory is
+
+    FULL_SHARD     (F + 4L)/N + U_max + A   (frozen params sharded with no gradient and no Adam
+    SHARD_GRAD_OP  (F + 4L)/N + P + A        state; adapters: params + grads + 2 Adam states,
+    NO_SHARD       F + 4L + A                sharded; units and activations as above)
+
+    torchrun --nproc-per-node 4 benchmarks/memory.py --lora 8 --strategies FULL_SHARD
 """
 
 from __future__ import annotations
@@ -53,12 +64,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", default="shardwise,torch", help="comma list of shardwise, shardwise-limit1 (set_unshard_limit(1)), torch, "
                    "ddp (NO_SHARD only)")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank: fine-tune PEFT LoRA adapters on the blocks' "
+                   "linear layers, the base frozen (0: train every parameter)")
     p.add_argument("--json", default=None, help="also write the results here (rank 0)")
     return p.parse_args(argv)
 
 
-def build(cfg: LlamaConfig) -> Llama:
-    return Llama(cfg, generator=torch.Generator().manual_seed(0))
+LORA_TARGETS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]  # every nn.Linear of a TransformerBlock
+
+
+def build(cfg: LlamaConfig, lora: int = 0):
+    """The Llama from one seed; with ``lora`` > 0 wrapped by PEFT with LoRA adapters of that rank
+    on ``LORA_TARGETS`` (the base frozen, the adapters' init from one seed)."""
+    model = Llama(cfg, generator=torch.Generator().manual_seed(0))
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=LORA_TARGETS,
+                                            lora_dropout=0.0, init_lora_weights=False))
+
+
+def blocks(model) -> list:
+    """The TransformerBlocks of the Llama, PEFT-wrapped or not."""
+    return list(getattr(model, "get_base_model", lambda: model)().layers)
 
 
 def shard(model: Llama, impl: str, strategy: str, mesh):
@@ -73,7 +103,7 @@ def shard(model: Llama, impl: str, strategy: str, mesh):
 
         dp_mesh = strategy_mesh(strategy, mesh)
         raf = ShardingStrategy.parse(strategy).reshard_after_forward
-        for block in model.layers:
+        for block in blocks(model):
             torch_fully_shard(block, mesh=dp_mesh, reshard_after_forward=raf)
         torch_fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if raf else False)
         return model
@@ -107,9 +137,9 @@ def train_step(model, optim, tokens, tracker=None) -> None:
     phase("between steps")
 
 
-def activation_bytes(cfg: LlamaConfig, tokens: torch.Tensor) -> int:
+def activation_bytes(cfg: LlamaConfig, tokens: torch.Tensor, lora: int = 0) -> int:
     """Peak of one forward + loss of the unsharded model over its parameter bytes."""
-    model = build(cfg)
+    model = build(cfg, lora)
     tracker = AllocationTracker()
     tracker.track(list(model.parameters()) + list(model.buffers()) + [tokens])
     base = tracker.current()
@@ -121,7 +151,7 @@ def activation_bytes(cfg: LlamaConfig, tokens: torch.Tensor) -> int:
 
 
 def measure(cfg, args, impl: str, strategy: str, mesh, rank: int, world: int) -> dict:
-    model = shard(build(cfg), impl, strategy, mesh)
+    model = shard(build(cfg, args.lora), impl, strategy, mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     train_step(model, optim, batch(0, args, rank, world))  # creates the optimizer state
     tracker = AllocationTracker()
@@ -135,12 +165,16 @@ def measure(cfg, args, impl: str, strategy: str, mesh, rank: int, world: int) ->
     return dict(peak=tracker.peak, phase=tracker.peak_phase, at_peak=tracker.peak_by_tag, between_steps=end)
 
 
-def theory(strategy: str, P: int, N: int, U: int, A: int) -> int:
+def theory(strategy: str, P: int, N: int, U: int, A: int, L: int | None = None) -> int:
+    """The module docstring's formulas; ``L``: the trainable (LoRA) bytes, ``P - L`` frozen
+    (``None``: every parameter trains, ``L = P``)."""
+    L = P if L is None else L
+    kept = (P - L) + 4 * L  # frozen params, then trained params + grads + 2 Adam states
     if strategy == "FULL_SHARD":
-        return 4 * P // N + U + A
+        return kept // N + U + A
     if strategy == "SHARD_GRAD_OP":
-        return 4 * P // N + P + A
-    return 4 * P + A
+        return kept // N + P + A
+    return kept + A
 
 
 def report(results: list[dict], info: dict) -> str:
@@ -148,14 +182,16 @@ def report(results: list[dict], info: dict) -> str:
     lines = [f"model: {info['cfg']}",
              f"P = {P / MB:.1f} MiB fp32 params ({info['numel']:,}); units: root {info['root'] / MB:.1f} MiB, "
              f"block {info['block'] / MB:.1f} MiB (U_max {U / MB:.1f}); A = {A / MB:.1f} MiB activations/rank; "
-             f"world {info['world']}", "",
+             f"world {info['world']}"
+             + (f"; LoRA rank {info['lora']}: F = {(P - info['L']) / MB:.1f} MiB frozen, L = {info['L'] / MB:.2f} MiB "
+                "adapters" if info.get("lora") else ""), "",
              "| impl | strategy | peak MiB per rank (r0..r3) | peak phase | theory MiB | peak/theory | "
              "params+optim between steps MiB | vs torch |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     by = {(r["impl"], r["strategy"]): r for r in results}
     for r in results:
         N = info["world"] if r["strategy"] != "NO_SHARD" else 1
-        th = theory(r["strategy"], P, N, U, A)
+        th = theory(r["strategy"], P, N, U, A, info["L"] if info.get("lora") else None)
         peaks = [x["peak"] for x in r["ranks"]]
         between = max(sum(x["between_steps"].values()) for x in r["ranks"])
         base = by.get(("torch", r["strategy"]))
@@ -178,11 +214,13 @@ def main(argv=None) -> None:
     rank, world = init_distributed()
     cfg = LlamaConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       max_seq_len=max(args.seq_len, LlamaConfig.max_seq_len))
-    probe = build(cfg)
-    block = sum(p.numel() for p in probe.layers[0].parameters()) * 4
+    probe = build(cfg, args.lora)
+    block = sum(p.numel() for p in blocks(probe)[0].parameters()) * 4
     total = sum(p.numel() for p in probe.parameters())
+    trained = sum(p.numel() for p in probe.parameters() if p.requires_grad)
     info = dict(cfg=str(cfg), numel=total, P=total * 4, block=block, root=total * 4 - block * cfg.n_layers,
-                world=world, A=activation_bytes(cfg, batch(1, args, rank, world)))
+                world=world, A=activation_bytes(cfg, batch(1, args, rank, world), args.lora), lora=args.lora,
+                L=trained * 4)
     info["U_max"] = max(info["block"], info["root"])
     del probe
     mesh = init_mesh()

@@ -25,6 +25,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/compat/test_init_and_apply.py',  # 8 s
     'tests/compat/test_lightning.py',  # 98 s (FSDP) + 99 s (TP), torch + shardwise, load average above 50
     'tests/compat/test_meshes.py',  # 5 s
+    'tests/compat/test_peft_lora.py',  # 100 s loaded (transformers + peft imported in 2 workers; torch and shardwise)
     'tests/compat/test_setters.py::test_setters_before_and_after_the_first_step',  # 3 s
     'tests/compat/test_torch_compile.py',  # 13 s
     'tests/compat/test_torchtitan.py',  # 2 runs of 2 ranks per implementation; 111 s for both on the loaded machine
@@ -76,6 +77,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_module_methods.py::test_custom_all_gather_on_uneven_shards',  # 3 s
     'tests/test_no_numpy.py',  # 10 s
     'tests/test_packaging.py',  # 17 s
+    'tests/test_peft_lora.py',  # 113 s loaded (transformers + peft imported in 2 workers)
     'tests/test_pipeline.py::test_pp2_x_dp2_x_tp2_on_8_ranks',  # 6 s
     'tests/test_pipeline.py::test_pp2_x_fsdp_accumulates_over_steps_with_gradient_sync_off',  # 3 s
     'tests/test_pipeline.py::test_pp2_x_fsdp_gathers_once_per_unit_per_step',  # 4 s
