@@ -144,10 +144,13 @@ def _killed_writer(rank, world_size, path):
     handle = ck.async_save(state, f"{path}/step-1", async_checkpointer_type="process")
     partial = None
     if rank == 1:  # kill the writer once its file has begun, before it is complete
-        data = os.path.join(handle._tmp, "rank-1.safetensors")
+        from shardwise.checkpoint._format import data_file_name
+
+        data = os.path.join(handle._tmp, data_file_name(1))
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline and not (os.path.exists(data) and os.path.getsize(data) > 0):
             time.sleep(0.0005)
+        assert os.path.exists(data), f"{data} never appeared"
         os.kill(first_pid, signal.SIGSTOP)
         partial = os.path.getsize(data) < 8_000_000 * 4
         os.kill(first_pid, signal.SIGKILL)
@@ -156,6 +159,7 @@ def _killed_writer(rank, world_size, path):
         message = "no error"
     except ck.CheckpointError as e:
         message = str(e)
+    torch.distributed.barrier()  # rank 0 has deleted the temporary folder
     listing = sorted(os.listdir(path))
     again = ck.async_save(state, f"{path}/step-2", async_checkpointer_type="process")
     again.result(timeout=TIMEOUT)  # the next save starts a new writer process
