@@ -84,7 +84,7 @@ def test_round_trip_bit_exact_and_saves_in_flight_in_order(tmp_path):
     assert _writer_pid() == pid, "the writer process is reused from save to save"
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"shardwise-staging-{os.getpid()}-")], \
         "the staging files are unlinked once the writer has mapped them"
-    ProcessWriter.get().stop()
+    ProcessWriter.shutdown()
     assert _gone(pid) and ProcessWriter._current is None
 
 
@@ -202,7 +202,7 @@ def test_dcp_call_form_thread_and_process(tmp_path):
     with pytest.raises(ValueError, match="'thread' or 'process'"):
         ck.async_save(state, tmp_path / "bad", async_checkpointer_type="gpu")
     assert not os.path.exists(tmp_path / "bad")
-    ProcessWriter.get().stop()
+    ProcessWriter.shutdown()
 
 
 def test_process_mode_refuses_a_memory_file_system():

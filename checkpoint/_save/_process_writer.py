@@ -99,6 +99,14 @@ class ProcessWriter:
                 w = cls._current = ProcessWriter()
             return w
 
+    @classmethod
+    def shutdown(cls) -> None:
+        """Stop this process's writer process, if one runs, once it has written the saves in
+        flight; its staging buffers are freed. The next process-mode save starts a new one."""
+        w = cls._current
+        if w is not None:
+            w.stop()
+
     def __init__(self) -> None:
         job_r, job_w = os.pipe()
         reply_r, reply_w = os.pipe()
