@@ -23,10 +23,15 @@ steps), then waits for it (``result()``). Measured, per implementation (median o
                     ratio to ``none`` of the same round (the slowdown)
     call            the time ``async_save`` blocked the training loop (the copy to staging)
     in flight       from the call to the end of the background write
-    extra memory    this process's peak RSS during the save minus its RSS before (VmHWM, reset
-                    before each save), plus the private memory of the writer process(es) this
-                    save used (RssAnon of each child process, at the end of the save): staging
-                    buffers that both processes map count once, in this process
+    peak RSS +      this process's peak RSS during the save minus its RSS before (VmHWM, reset
+                    before each save; run with MALLOC_MMAP_THRESHOLD_=131072, set by re-executing
+                    itself, so freed buffers go back to the OS): the snapshot, and staging
+                    buffers touched for the first time
+    writer process  the private memory (RssAnon, at the end of the save) of the writer process
+                    the save used: shardwise's for ``process``, DCP's for ``dcp-process``; a
+                    standing cost (mostly torch's import), paid once per rank
+    staging kept    shardwise ``process``: the staging buffers kept for the next saves (shared
+                    memory, counted in this process's RSS once touched)
 
 Every checkpoint written is loaded back once per implementation (shardwise's with
 shardwise.checkpoint.load, DCP's with torch.distributed.checkpoint.load) and compared with the
@@ -53,12 +58,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._procstat import peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 import shardwise.checkpoint as ck  # noqa: E402
+from shardwise.checkpoint._save._process_writer import ProcessWriter  # noqa: E402
 
 IMPLS = ("none", "thread", "process", "dcp-thread", "dcp-process")
 
 
-def _children_anon_bytes() -> int:
-    """RssAnon of every child process of this one (the writer processes)."""
+def _children_anon_bytes(impl: str) -> int:
+    """RssAnon of the writer process ``impl`` used: shardwise's for ``process``, the other
+    children of this process (DCP's checkpoint process) for ``dcp-process``; 0 for threads."""
+    if impl not in ("process", "dcp-process"):
+        return 0
+    ours = ProcessWriter._current.pid if ProcessWriter._current is not None else None
     total = 0
     me = str(os.getpid())
     for pid in os.listdir("/proc"):
@@ -69,7 +79,9 @@ def _children_anon_bytes() -> int:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
             continue
-        if fields.get("PPid", "").strip() == me and "RssAnon" in fields:
+        if fields.get("PPid", "").strip() != me or "RssAnon" not in fields:
+            continue
+        if (int(pid) == ours) == (impl == "process"):
             total += int(fields["RssAnon"].split()[0]) * 1024
     return total
 
@@ -155,14 +167,17 @@ def run_one(impl: str, model, optim, ballast, x, args, path: str, verify: bool) 
         times.append(time.perf_counter() - t1)
         if flight is None and handle.done():
             flight = time.perf_counter() - t0
-    children = _children_anon_bytes()
+    children = _children_anon_bytes(impl)
     handle.result()
-    extra = peak_rss_bytes() - before + children
+    peak = peak_rss_bytes() - before
+    staging = 0
+    if impl == "process" and ProcessWriter._current is not None:
+        staging = sum(buf.numel() for buf, _, _ in ProcessWriter._current._slots.values())
     if want is not None:
         check(impl, path, want)
     shutil.rmtree(path, ignore_errors=True)
     return {"step": statistics.median(times), "steps": len(times), "call": call, "flight": flight,
-            "extra_bytes": extra, "children_anon_bytes": children}
+            "peak_bytes": peak, "writer_anon_bytes": children, "staging_bytes": staging}
 
 
 def main() -> None:
@@ -181,6 +196,8 @@ def main() -> None:
     unknown = set(impls) - set(IMPLS)
     if unknown:
         raise SystemExit(f"--impls: unknown {sorted(unknown)}; choose from {', '.join(IMPLS)}")
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # freed buffers go back to the OS: peaks comparable
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -211,21 +228,22 @@ def main() -> None:
         if impl != "none":
             row.update(call_s=statistics.median(x["call"] for x in rows),
                        flight_s=statistics.median(x["flight"] for x in rows),
-                       extra_mib=statistics.median(x["extra_bytes"] for x in rows) / 2**20,
-                       writer_anon_mib=statistics.median(x["children_anon_bytes"] for x in rows) / 2**20)
+                       peak_mib=statistics.median(x["peak_bytes"] for x in rows) / 2**20,
+                       writer_anon_mib=statistics.median(x["writer_anon_bytes"] for x in rows) / 2**20,
+                       staging_mib=statistics.median(x["staging_bytes"] for x in rows) / 2**20)
         table[impl] = row
     print(f"\nstate {state_bytes / 2**20:.0f} MiB; {args.layers} x {args.width} MLP, batch {args.batch}; "
           f"medians of {args.reps} rounds\n")
-    print("| impl | step (ms) | step / none | async_save call (s) | in flight (s) | extra memory (MiB) "
-          "| of which writer process (MiB) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| impl | step (ms) | step / none | async_save call (s) | in flight (s) | peak RSS + (MiB) "
+          "| writer process (MiB) | staging kept (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
     for impl, row in table.items():
         cells = [f"{row['step_ms']:.1f}", "" if row["slowdown"] is None else f"{row['slowdown']:.2f}"]
         if impl != "none":
-            cells += [f"{row['call_s']:.2f}", f"{row['flight_s']:.2f}", f"{row['extra_mib']:.0f}",
-                      f"{row['writer_anon_mib']:.0f}"]
+            cells += [f"{row['call_s']:.2f}", f"{row['flight_s']:.2f}", f"{row['peak_mib']:.0f}",
+                      f"{row['writer_anon_mib']:.0f}", f"{row['staging_mib']:.0f}"]
         else:
-            cells += ["", "", "", ""]
+            cells += [""] * 5
         print(f"| {impl} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:

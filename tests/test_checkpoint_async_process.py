@@ -88,16 +88,14 @@ def test_round_trip_bit_exact_and_saves_in_flight_in_order(tmp_path):
     assert _gone(pid) and ProcessWriter._current is None
 
 
-def test_the_order_of_saves_in_flight(tmp_path, monkeypatch):
+def test_the_order_of_saves_in_flight(tmp_path):
     """The writer writes jobs in the order of the saves: a later one is never done first."""
     big = {"w": torch.randn(4_000_000)}
     first = ck.async_save(big, tmp_path / "a", async_checkpointer_type="process")
     second = ck.async_save({"w": torch.ones(3)}, tmp_path / "b", async_checkpointer_type="process")
-    seen = []
     while not second.done():
-        seen.append(first.done())
         time.sleep(0.001)
-    assert first.done() and (not seen or not seen[0] or all(seen)), "the second save finished before the first"
+    assert first.done(), "the second save finished before the first"
     second.result(timeout=TIMEOUT)  # the commits may come in any order: each is its own checkpoint
     first.result(timeout=TIMEOUT)
     got = {"w": torch.zeros(4_000_000)}

@@ -136,7 +136,7 @@ class ProcessWriter:
     def submit(self, plan: SavePlan, storage: Storage, tmp: str, rank: int) -> concurrent.futures.Future:
         """Copy the plan's boxes into a staging buffer and hand the writing to the writer
         process. Returns a ``Future`` of the rank's report, or of a `CheckpointError`."""
-        _check_storage(storage)
+        ProcessWriter.check_storage(storage)
         storage_bytes = pickle.dumps(storage)
         spans, offset = [], 0
         for p in plan.pieces:
@@ -281,24 +281,25 @@ class ProcessWriter:
             w._finalizer.cancel()
             for conn in (w._jobs, w._replies):
                 try:
-                    os.close(conn.fileno())
+                    conn.close()
                 except OSError:
                     pass
 
-
-def _check_storage(storage: Storage) -> None:
-    fs = getattr(storage, "fs", None)
-    protocols = getattr(fs, "protocol", ())
-    protocols = protocols if isinstance(protocols, (tuple, list)) else (protocols,)
-    if "memory" in protocols:
-        raise CheckpointError("async_checkpointer_type='process' writes from another process, which cannot "
-                              "reach this process's memory:// file system; use async_checkpointer_type='thread'")
-    try:
-        pickle.dumps(storage)
-    except Exception as e:
-        raise CheckpointError("async_checkpointer_type='process' sends the storage to the writer process, "
-                              f"but {type(storage).__name__} cannot be pickled ({e}); use "
-                              "async_checkpointer_type='thread'") from None
+    @staticmethod
+    def check_storage(storage: Storage) -> None:
+        """Raise `CheckpointError` unless the writer process can write to ``storage``."""
+        fs = getattr(storage, "fs", None)
+        protocols = getattr(fs, "protocol", ())
+        protocols = protocols if isinstance(protocols, (tuple, list)) else (protocols,)
+        if "memory" in protocols:
+            raise CheckpointError("async_checkpointer_type='process' writes from another process, which cannot "
+                                  "reach this process's memory:// file system; use async_checkpointer_type='thread'")
+        try:
+            pickle.dumps(storage)
+        except Exception as e:
+            raise CheckpointError("async_checkpointer_type='process' sends the storage to the writer process, "
+                                  f"but {type(storage).__name__} cannot be pickled ({e}); use "
+                                  "async_checkpointer_type='thread'") from None
 
 
 def _pin(buf: torch.Tensor) -> bool:

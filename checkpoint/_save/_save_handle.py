@@ -90,6 +90,7 @@ class SaveHandle:
             return
         if background and self.async_checkpointer_type == "process":
             try:
+                ProcessWriter.check_storage(storage)  # before a writer process is started for nothing
                 self._job = ProcessWriter.get().submit(plan, storage, tmp, rank_and_world()[0])
             except Exception as e:  # e.g. no room for the staging buffer: every rank learns it in wait()
                 self._error = e
