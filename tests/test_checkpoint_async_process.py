@@ -227,12 +227,17 @@ _CHILD = textwrap.dedent("""
 def test_no_writer_process_outlives_its_training_process(tmp_path, end):
     """At a normal exit (also with a save never waited for) the writer is stopped; when the
     training process is killed, the writer sees its pipe close and exits."""
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "a"), end], capture_output=True, text=True,
-                          timeout=TIMEOUT)
-    assert proc.returncode == (-9 if end == "kill" else 0), proc.stderr
-    trainer, pid = map(int, proc.stdout.split()[:2])
-    assert _gone(pid), f"the writer process {pid} outlived its training process ({end})"
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as o, open(err, "w") as e:  # files, not pipes: a lingering writer would hold a pipe open
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "a"), end], stdout=o, stderr=e,
+                              timeout=TIMEOUT)
+    assert proc.returncode == (-9 if end == "kill" else 0), err.read_text()
+    trainer, pid = map(int, out.read_text().split()[:2])
+    gone = _gone(pid)
+    if not gone:
+        os.kill(pid, signal.SIGKILL)
+    assert gone, f"the writer process {pid} outlived its training process ({end})"
     if end == "forget":
-        assert "was never waited for" in proc.stderr and not os.path.exists(tmp_path / "a-never")
+        assert "was never waited for" in err.read_text() and not os.path.exists(tmp_path / "a-never")
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"shardwise-staging-{trainer}-")], \
         "a staging file was left in /dev/shm"
