@@ -8,7 +8,10 @@ training loop's own work holds one core and the GIL most of the time, as a loop 
 does. The state saved is ``{"model", "optim", "step"}`` (model and AdamW moments, plus
 ``--ballast-mb`` of extra fp32 tensors so that a save spans many steps). In rounds (one untimed
 warm-up round that also starts the writer processes, then ``--reps`` timed rounds, the order
-of the implementations rotating from round to round), each implementation:
+of the implementations rotating from round to round), each implementation runs right after a
+phase of ``--steps`` training steps without a save (``none``), its reference: on a machine
+shared with other jobs the load drifts over minutes, and the ratio to the phase just before
+cancels most of that drift:
 
     none            ``--steps`` training steps, no save
     thread          shardwise.checkpoint.async_save(..., async_checkpointer_type="thread")
@@ -20,7 +23,8 @@ starts a save and trains until the save's background write is done (at least ``-
 steps), then waits for it (``result()``). Measured, per implementation (median over rounds):
 
     step            the median training-step time while the save was in flight (ms), and its
-                    ratio to ``none`` of the same round (the slowdown)
+                    ratio to the ``none`` phase just before it (the slowdown; median over rounds,
+                    with the smallest and largest)
     call            the time ``async_save`` blocked the training loop (the copy to staging)
     in flight       from the call to the end of the background write
     peak RSS +      this process's peak RSS during the save minus its RSS before (VmHWM, reset
@@ -210,21 +214,28 @@ def main() -> None:
     state_bytes = sum(t.numel() * t.element_size() for t in flat_tensors(state_of(model, optim, ballast, 0)).values())
     rounds: list[dict[str, dict]] = []
     try:
+        saving = [i for i in impls if i != "none"]
         for r in range(args.reps + 1):
-            order = impls[r % len(impls):] + impls[:r % len(impls)]
-            out = {impl: run_one(impl, model, optim, ballast, x, args, os.path.join(root, f"{impl}-{r}"), r == 0)
-                   for impl in order}
+            order = saving[r % len(saving):] + saving[:r % len(saving)]
+            out: dict[str, dict] = {}
+            nones = []
+            for impl in order:  # each save bracketed by a phase without one just before it
+                nones.append(run_one("none", model, optim, ballast, x, args, "", False))
+                out[impl] = run_one(impl, model, optim, ballast, x, args, os.path.join(root, f"{impl}-{r}"), r == 0)
+                out[impl]["ratio"] = out[impl]["step"] / nones[-1]["step"]
+            out["none"] = {"step": statistics.median(n["step"] for n in nones), "ratio": 1.0}
             if r > 0:
                 rounds.append(out)
-                print(f"round {r}: " + ", ".join(f"{i} {out[i]['step'] * 1e3:.1f} ms" for i in impls), flush=True)
+                print(f"round {r}: " + ", ".join(f"{i} {out[i]['step'] * 1e3:.1f} ms (x{out[i]['ratio']:.2f})"
+                                                 for i in ["none", *saving]), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     table = {}
-    for impl in impls:
+    for impl in ["none", *saving]:
         rows = [rd[impl] for rd in rounds]
         row = {"step_ms": statistics.median(x["step"] for x in rows) * 1e3,
-               "slowdown": statistics.median(x["step"] / rd["none"]["step"] for x, rd in zip(rows, rounds))
-               if "none" in impls else None}
+               "slowdown": statistics.median(x["ratio"] for x in rows),
+               "slowdown_min": min(x["ratio"] for x in rows), "slowdown_max": max(x["ratio"] for x in rows)}
         if impl != "none":
             row.update(call_s=statistics.median(x["call"] for x in rows),
                        flight_s=statistics.median(x["flight"] for x in rows),
@@ -234,11 +245,12 @@ def main() -> None:
         table[impl] = row
     print(f"\nstate {state_bytes / 2**20:.0f} MiB; {args.layers} x {args.width} MLP, batch {args.batch}; "
           f"medians of {args.reps} rounds\n")
-    print("| impl | step (ms) | step / none | async_save call (s) | in flight (s) | peak RSS + (MiB) "
+    print("| impl | step (ms) | step / none (min-max) | async_save call (s) | in flight (s) | peak RSS + (MiB) "
           "| writer process (MiB) | staging kept (MiB) |")
     print("|---|---|---|---|---|---|---|---|")
     for impl, row in table.items():
-        cells = [f"{row['step_ms']:.1f}", "" if row["slowdown"] is None else f"{row['slowdown']:.2f}"]
+        cells = [f"{row['step_ms']:.1f}",
+                 f"{row['slowdown']:.2f} ({row['slowdown_min']:.2f}-{row['slowdown_max']:.2f})"]
         if impl != "none":
             cells += [f"{row['call_s']:.2f}", f"{row['flight_s']:.2f}", f"{row['peak_mib']:.0f}",
                       f"{row['writer_anon_mib']:.0f}", f"{row['staging_mib']:.0f}"]
