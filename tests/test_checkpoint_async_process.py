@@ -203,6 +203,26 @@ def test_dcp_call_form_thread_and_process(tmp_path):
     ProcessWriter.shutdown()
 
 
+def test_an_error_in_the_writer_process_fails_the_save_and_the_writer_goes_on(tmp_path):
+    first = ck.async_save({"w": torch.ones(3)}, tmp_path / "warm", async_checkpointer_type="process")
+    first.result(timeout=TIMEOUT)
+    pid = _writer_pid()
+    os.kill(pid, signal.SIGSTOP)  # the job waits while its temporary folder is taken away
+    try:
+        handle = ck.async_save({"w": torch.ones(3)}, tmp_path / "step-1", async_checkpointer_type="process")
+        os.rmdir(handle._tmp)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    with pytest.raises(ck.CheckpointError, match=r"the writer process \(pid \d+\) failed: FileNotFoundError") as e:
+        handle.result(timeout=TIMEOUT)
+    assert "\n" not in str(e.value).split("failed:", 1)[1].strip(), str(e.value)
+    assert sorted(os.listdir(tmp_path)) == [".shardwise-series.json", "warm"]
+    again = ck.async_save({"w": torch.full((3,), 2.0)}, tmp_path / "step-2", async_checkpointer_type="process")
+    again.result(timeout=TIMEOUT)
+    assert _writer_pid() == pid, "a failed job does not end the writer process"
+    ProcessWriter.shutdown()
+
+
 def test_process_mode_refuses_a_memory_file_system():
     handle = ck.async_save({"w": torch.ones(2)}, "memory://shardwise-test/a", async_checkpointer_type="process")
     with pytest.raises(ck.CheckpointError, match="memory:// file system; use async_checkpointer_type='thread'"):

@@ -359,9 +359,9 @@ def writer_main(job_fd: int, reply_fd: int, parent: int) -> None:
                 replies.send(("done", job, _write_job(buffers.get(slot), spans, rank_values, blob_sizes,
                                                       storage_bytes, tmp, rank)))
             except BaseException as e:
+                traceback.print_exc()  # the whole story on the training process's stderr; one line in the error
                 detail = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-                replies.send(("failed", job, f"the writer process of rank {rank} failed: {detail}\n"
-                              + "".join(traceback.format_exception(e)[-3:]).rstrip()))
+                replies.send(("failed", job, f"the writer process (pid {os.getpid()}) failed: {detail}"))
 
 
 def _write_job(buf: torch.Tensor | None, spans: list, rank_values: dict, blob_sizes: dict, storage_bytes: bytes,
