@@ -33,6 +33,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/compat/test_tp_styles.py::test_loss_parallel_reductions_weights_and_a_wrongly_sharded_input',  # 2 s
     'tests/compat/test_torchtitan_forms.py',  # 55 s (16 scenarios on 4 workers)
     'tests/test_checkpoint.py',  # 13 s
+    'tests/test_checkpoint_async_process.py',  # each test starts writer processes (import torch): 20-150 s, load average 40-100
     'tests/test_checkpoint_dcp_forms.py',  # 60 s (torch.compile, DDP, DCP, gloo ranks)
     'tests/test_checkpoint_dcp_resharding.py::test_resharding_matches_torch_dcp',  # 180 s loaded
     'tests/test_checkpoint_chunks.py::test_ranks_loading_different_tensors_check_every_chunk_of_both',  # 2 s

@@ -79,10 +79,11 @@ def test_path_forms_and_refused_extension_points(tmp_path):
                           (ck.load, {"storage_reader": object()}, "storage="),
                           (ck.save, {"planner": object()}, "plans from the state"),
                           (ck.async_save, {"async_stager": object()}, "copies the state to CPU"),
-                          (ck.save, {"use_collectives": False}, "use_collectives"),
-                          (ck.async_save, {"async_checkpointer_type": "process"}, "background thread")]:
+                          (ck.save, {"use_collectives": False}, "use_collectives")]:
         with pytest.raises(TypeError, match=way):
             call(state, checkpoint_id=str(tmp_path / "c"), **kw)
+    with pytest.raises(ValueError, match="'thread' or 'process'"):  # PROCESS is taken: tests/test_checkpoint_async_process.py
+        ck.async_save(state, checkpoint_id=str(tmp_path / "c"), async_checkpointer_type="gpu")
     assert not os.path.exists(tmp_path / "c")
 
 

@@ -21,6 +21,14 @@ torch DCP's ``async_save`` returns a ``Future`` (``.result()``, ``.done()``, ...
   collective save cannot be withdrawn by one rank).
 * ``staging_completion``: a finished ``Future`` (the state is copied to CPU memory before
   `async_save` returns); ``upload_completion``: the handle itself.
+
+Where the background write runs is ``async_save``'s ``async_checkpointer_type`` (DCP's
+``AsyncCheckpointerType``; ``handle.async_checkpointer_type`` says which): ``"thread"`` (the
+default), a thread of this process; ``"process"``, this rank's writer process (`ProcessWriter`,
+[Note: the writer process] in ``_process_writer.py``), into whose shared staging buffer the
+snapshot is copied before `async_save` returns. Either way the commit runs in ``wait()``, in
+this process, and an error of the writer (the process killed included) is raised by ``wait()``
+on every rank, with nothing committed.
 """
 
 
@@ -39,8 +47,9 @@ from typing import Any
 from .._base import CheckpointError, agree, broadcast_json, gather_json, phase, rank_and_world
 from .._format import DCP_MARKER, INDEX_FILE, dcp_marker, format_index, index_to_json
 from .._series import abort_save, commit, finish_save, remove_temp
-from .._state import dcp_scope
+from .._state import dcp_scope, requested_async_checkpointer
 from .._storage import Storage
+from ._process_writer import ProcessWriter
 from ._save_plan import SavePlan, build_index, meta_digest, write_file as _write_file
 
 __all__ = ["SaveHandle"]
@@ -70,6 +79,8 @@ class SaveHandle:
         self._snapshot_error = error
         self._finished = False
         self._thread: threading.Thread | None = None
+        self._job: concurrent.futures.Future | None = None  # the writer process's report
+        self.async_checkpointer_type = requested_async_checkpointer() if background else None
         self._outcome: tuple[bool, Any] | None = None  # (True, what wait() said) or (False, its error)
         self._callbacks: list[Callable[[SaveHandle], Any]] = []
         self._alone = rank_and_world() == (0, 1)  # no_dist (or one process): the commit is too
@@ -77,7 +88,13 @@ class SaveHandle:
             atexit.register(self._at_exit)
         if error is not None:
             return
-        if background:
+        if background and self.async_checkpointer_type == "process":
+            try:
+                ProcessWriter.check_storage(storage)  # before a writer process is started for nothing
+                self._job = ProcessWriter.get().submit(plan, storage, tmp, rank_and_world()[0])
+            except Exception as e:  # e.g. no room for the staging buffer: every rank learns it in wait()
+                self._error = e
+        elif background:
             context = contextvars.copy_context()  # no_dist's "this process alone" reaches the thread
             self._thread = threading.Thread(target=context.run, args=(self._write,), name=f"shardwise-save {path}",
                                             daemon=True)
@@ -102,8 +119,7 @@ class SaveHandle:
         if self._finished:
             return
         self._finished = True
-        if self._thread is not None:
-            self._thread.join()
+        self._join()
         try:
             rank = 0 if self._alone else rank_and_world()[0]
         except Exception:  # the process group is already gone
@@ -136,8 +152,7 @@ class SaveHandle:
         self._finished = True
         atexit.unregister(self._at_exit)
         try:
-            if self._thread is not None:
-                self._thread.join()
+            self._join()
             with phase("save/commit"), dcp_scope("async_save", no_dist=self._alone):
                 said = self._commit()["said"]
         except BaseException as e:
@@ -147,6 +162,23 @@ class SaveHandle:
             _log.info("%s", line)
         self._settle(True, said)
         return said
+
+    def _join(self, timeout: float | None = None) -> bool:
+        """Wait for this rank's background write (thread or writer process); whether it ended.
+        The writer process's report or error becomes this handle's."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        if self._job is not None:
+            concurrent.futures.wait([self._job], timeout)
+            if not self._job.done():
+                return False
+            if self._report is None and self._error is None:
+                try:
+                    self._report = self._job.result()
+                except BaseException as e:  # surfaced by wait()
+                    self._error = e
+        return True
 
     def _settle(self, ok: bool, value: Any) -> None:
         self._outcome = (ok, value)
@@ -203,11 +235,9 @@ class SaveHandle:
 
     def _finish(self, timeout: float | None) -> tuple[bool, Any]:
         if self._outcome is None:
-            if timeout is not None and self._thread is not None:
-                self._thread.join(timeout)
-                if self._thread.is_alive():
-                    raise concurrent.futures.TimeoutError(
-                        f"this rank's part of the save is still being written after {timeout} s")
+            if timeout is not None and not self._join(timeout):
+                raise concurrent.futures.TimeoutError(
+                    f"this rank's part of the save is still being written after {timeout} s")
             try:
                 self.wait()
             except BaseException:
@@ -229,6 +259,8 @@ class SaveHandle:
 
     def done(self) -> bool:
         """Whether this rank has finished writing its files (``wait()`` still has to commit)."""
+        if self._job is not None:
+            return self._job.done()
         return self._thread is None or not self._thread.is_alive()
 
     def running(self) -> bool:

@@ -13,8 +13,13 @@ DCP's calls mean here:
   Without ``torch.distributed`` initialised that is what happens anyway (no warning).
 * ``storage_writer=FileSystemWriter(path)`` / ``storage_reader=FileSystemReader(path)``
   (shardwise's classes of DCP's names, below) are the path.
+* ``async_checkpointer_type`` of ``async_save``: DCP's ``AsyncCheckpointerType.THREAD`` (the
+  default) writes in a background thread, ``.PROCESS`` in this rank's writer process ([Note:
+  the writer process] in ``checkpoint/_save/_process_writer.py``). torch's enum is taken by its
+  value or name (it is not imported here), as are the strings ``"thread"`` / ``"process"``;
+  see [Note: how async_save learns its checkpointer type].
 * other ``storage_writer`` / ``storage_reader`` / ``planner`` / ``async_stager`` /
-  ``use_collectives=False`` / ``async_checkpointer_type=PROCESS``: DCP's extension points,
+  ``use_collectives=False``: DCP's extension points,
   which do not exist here. Each is refused with one line naming the shardwise way (a path or
   fsspec URL, ``storage=`` for a custom `Storage`, the state tree for what to save).
 """
@@ -22,6 +27,7 @@ DCP's calls mean here:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -33,8 +39,8 @@ from torch.distributed.tensor import DTensor
 from .._base import alone
 from ._flatten import flatten
 
-__all__ = ["FileSystemReader", "FileSystemWriter", "check_alone_state", "checkpoint_path", "dcp_scope",
-           "refuse_dcp_extensions"]
+__all__ = ["FileSystemReader", "FileSystemWriter", "async_checkpointer_kind", "check_alone_state", "checkpoint_path",
+           "dcp_scope", "refuse_dcp_extensions", "requested_async_checkpointer"]
 
 _WAYS = {
     "storage_writer": "pass shardwise.checkpoint.FileSystemWriter(path), the checkpoint's path or fsspec URL "
@@ -45,8 +51,34 @@ _WAYS = {
                "or load (strict=False on load skips keys the checkpoint lacks)",
     "async_stager": "async_save always copies the state to CPU memory before it returns",
     "use_collectives": "shardwise coordinates every save over the ranks; leave use_collectives at True",
-    "async_checkpointer_type": "async_save writes in a background thread (DCP's THREAD); leave it at THREAD",
 }
+
+_ASYNC_KINDS = ("thread", "process")
+_requested_kind: contextvars.ContextVar[str] = contextvars.ContextVar("shardwise_async_checkpointer_type",
+                                                                      default="thread")
+
+
+def async_checkpointer_kind(value: Any) -> str:
+    """``"thread"`` or ``"process"`` for ``async_save``'s ``async_checkpointer_type``: ``None``
+    (thread), torch DCP's ``AsyncCheckpointerType`` member (by its ``value`` or ``name``, so
+    torch's enum need not be imported), or the string, in any case. Anything else is a
+    ``ValueError`` naming the choices."""
+    if value is None:
+        return "thread"
+    for candidate in (getattr(value, "value", None), getattr(value, "name", None), value):
+        if isinstance(candidate, str) and candidate.lower() in _ASYNC_KINDS:
+            return candidate.lower()
+    raise ValueError(f"shardwise.checkpoint.async_save(): async_checkpointer_type must be 'thread' or 'process' "
+                     f"(or torch's AsyncCheckpointerType.THREAD / .PROCESS), got {value!r}")
+
+
+def requested_async_checkpointer() -> str:
+    """[Note: how async_save learns its checkpointer type]
+    ``async_save`` passes ``async_checkpointer_type`` (``None`` when not given) to
+    `refuse_dcp_extensions` on every call, which checks it and records the kind in a context
+    variable of the calling thread; the `SaveHandle` that the same call builds reads it here.
+    Every ``async_save`` call sets it anew, so a kind never carries over to the next save."""
+    return _requested_kind.get()
 
 
 def refuse_dcp_extensions(call: str, **given: Any) -> None:
@@ -54,7 +86,8 @@ def refuse_dcp_extensions(call: str, **given: Any) -> None:
     for name, value in given.items():
         if name == "use_collectives" and value is True:
             continue
-        if name == "async_checkpointer_type" and str(getattr(value, "value", value)).lower() in ("thread", "none"):
+        if name == "async_checkpointer_type":
+            _requested_kind.set(async_checkpointer_kind(value))  # [Note: how async_save learns its checkpointer type]
             continue
         if value is None:
             continue
