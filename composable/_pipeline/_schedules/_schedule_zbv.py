@@ -49,8 +49,9 @@ from functools import lru_cache
 
 from ._actions import Action
 from ._registry import ScheduleSpec, register_schedule
-from ._schedule_greedy import PREFERENCES, greedy_lists, greedy_plays
-from ._simulate import makespans
+from ._placement import stage_rank
+from ._schedule_greedy import PREFERENCES, _play, played_lists
+from ._simulate import played_makespans
 
 __all__ = ["INTERLEAVED_ZB", "STAGE_MODELS", "ZBV", "izb_cap", "zbv_cap"]
 
@@ -73,28 +74,40 @@ def _played_on_models(pp: int, m: int, v: int, placement: str, cap: Callable[[in
     the registered lists]."""
     S = pp * v
     models = [_model(S, *x) for x in STAGE_MODELS]
+    ranks = [stage_rank(s, pp, placement) for s in range(S)]
     with _gc_paused():
-        unit = greedy_lists(pp, m, v, placement, cap)
-        limit = makespans(unit, S, m, [None])[0] + 1e-9
+        unit, _, span = _play(pp, m, v, placement, cap, None, 0.0, "IFW", False, float("inf"))
+        limit = span + 1e-9
         best, best_sum = unit, float("inf")
-        for c in _candidates(pp, m, v, placement, cap, unit, models):
-            at_unit, *spans = makespans(c, S, m, [None, *models], first_at_most=limit)
-            if at_unit <= limit:
-                total = sum(spans)
-                if total < best_sum * (1 - 1e-9):
-                    best, best_sum = c, total
-    return best
+        for keys in _candidates(pp, m, v, placement, cap, unit, models, limit):
+            total = sum(played_makespans(keys, ranks, S, m, models))
+            if total < best_sum * (1 - 1e-9):
+                best, best_sum = keys, total
+    return played_lists(best, pp, m, v, placement)
 
 
-def _candidates(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int], unit: list[list[Action]],
-                models: list[dict[tuple[str, int], float]]) -> Iterator[list[list[Action]]]:
+def _candidates(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int], unit: list[int] | None,
+                models: list[dict[tuple[str, int], float]], limit: float) -> Iterator[list[int]]:
     """The unit-time play, then the plays on each model under each preference, without and with
-    reserve (one that stalls under the cap is none; a play made twice is given once)."""
+    reserve, that are no longer than ``limit`` at unit times (a play cut short there, or one that
+    stalls under the cap, is none; a play made twice is given once), as `_play` gives them."""
+    assert unit is not None
     yield unit
     for costs in models:
         for prefer in PREFERENCES:
-            plays = greedy_plays(pp, m, v, placement, cap, costs=costs, prefer=prefer)
-            yield from (c for k, c in enumerate(plays) if all(c is not d for d in plays[:k]))
+            try:
+                keys, mattered, _ = _play(pp, m, v, placement, cap, costs, 0.0, prefer, False, limit)
+            except ValueError:  # stalled under the cap: the play with reserve may not
+                keys, mattered = None, True
+            if keys is not None:
+                yield keys
+            if mattered:  # else the play with reserve makes the same decisions, as far as this one went
+                try:
+                    again = _play(pp, m, v, placement, cap, costs, 0.0, prefer, True, limit)[0]
+                except ValueError:
+                    again = None
+                if again is not None:
+                    yield again
 
 
 @contextmanager
