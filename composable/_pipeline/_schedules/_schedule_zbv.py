@@ -76,38 +76,43 @@ def _played_on_models(pp: int, m: int, v: int, placement: str, cap: Callable[[in
     models = [_model(S, *x) for x in STAGE_MODELS]
     ranks = [stage_rank(s, pp, placement) for s in range(S)]
     with _gc_paused():
-        unit, _, span = _play(pp, m, v, placement, cap, None, 0.0, "IFW", False, float("inf"))
+        unit, _, span, _ = _play(pp, m, v, placement, cap, None, 0.0, "IFW", False, float("inf"))
         limit = span + 1e-9
-        best, best_sum = unit, float("inf")
-        for keys in _candidates(pp, m, v, placement, cap, unit, models, limit):
+        assert unit is not None
+        best, best_sum = unit, None  # the unit play's sum only once another candidate is there to beat it
+        for keys in _candidates(pp, m, v, placement, cap, models, limit):
+            if best_sum is None:
+                best_sum = sum(played_makespans(unit, ranks, S, m, models))
             total = sum(played_makespans(keys, ranks, S, m, models))
             if total < best_sum * (1 - 1e-9):
                 best, best_sum = keys, total
     return played_lists(best, pp, m, v, placement)
 
 
-def _candidates(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int], unit: list[int] | None,
+def _candidates(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
                 models: list[dict[tuple[str, int], float]], limit: float) -> Iterator[list[int]]:
-    """The unit-time play, then the plays on each model under each preference, without and with
+    """After the unit-time play: the plays on each model under each preference, without and with
     reserve, that are no longer than ``limit`` at unit times (a play cut short there, or one that
-    stalls under the cap, is none; a play made twice is given once), as `_play` gives them."""
-    assert unit is not None
-    yield unit
+    stalls under the cap, is none; a play made twice is given once), as `_play` gives them. The
+    plays of one model go on from where they first decide otherwise ([Note: plays that fork] in
+    ``_schedule_greedy.py``)."""
+    first, *others = PREFERENCES
     for costs in models:
+        got: dict[tuple[str, bool], list[int] | None] = {}
+        got[first, False], _, _, forks = _play(pp, m, v, placement, cap, costs, 0.0, first, False, limit,
+                                               forks=others, reserve_forks=PREFERENCES)
+        for prefer in others:
+            if (prefer, False) in forks:
+                got[prefer, False], _, _, more = _play(pp, m, v, placement, cap, costs, 0.0, prefer, False, limit,
+                                                       reserve_forks=(prefer,), start=forks.pop((prefer, False)))
+                forks.update(more)
+        for (prefer, reserve), state in forks.items():
+            got[prefer, reserve] = _play(pp, m, v, placement, cap, costs, 0.0, prefer, reserve, limit, start=state)[0]
         for prefer in PREFERENCES:
-            try:
-                keys, mattered, _ = _play(pp, m, v, placement, cap, costs, 0.0, prefer, False, limit)
-            except ValueError:  # stalled under the cap: the play with reserve may not
-                keys, mattered = None, True
-            if keys is not None:
-                yield keys
-            if mattered:  # else the play with reserve makes the same decisions, as far as this one went
-                try:
-                    again = _play(pp, m, v, placement, cap, costs, 0.0, prefer, True, limit)[0]
-                except ValueError:
-                    again = None
-                if again is not None:
-                    yield again
+            for reserve in (False, True):
+                keys = got.get((prefer, reserve))
+                if keys is not None:
+                    yield keys
 
 
 @contextmanager
