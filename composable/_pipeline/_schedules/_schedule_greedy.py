@@ -101,10 +101,11 @@ def played_lists(keys: list[int] | None, pp: int, m: int, v: int, placement: str
     where = [stage_rank(s, pp, placement) for s in range(S)]
     lists: list[list[Action]] = [[] for _ in range(pp)]
     kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
+    make = Action.checked_already
     for key in keys:
         c, rest = divmod(key, S * m)
         s, i = divmod(rest, m)
-        lists[where[s]].append(Action(kinds[c], s, i))
+        lists[where[s]].append(make(kinds[c], s, i))
     return lists
 
 
@@ -149,7 +150,9 @@ def _play(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
     if start is None:
         start = [
             0.0, [], -1,  # the instant, the ranks still to check at it (a heap), the last one checked
-            [inf] * n, [inf] * n,  # when F(s, i) / I(s, i) ends, at s * m + i (inf: not started)
+            # when F(s, i) / I(s, i) ends, at s * m + i (inf: not started); F of "stage -1" (at n + i,
+            # index -m + i) at 0, I of "stage S" at -inf: what the first / last stage waits for
+            [inf] * n + [0.0] * m, [inf] * n + [-inf] * m,
             [0] * S, [0] * S,  # next microbatch to forward / to I on stage s
             [deque() for _ in range(pp)],  # per rank, s * m + i of the I's whose W is due
             [0] * pp, [0.0] * pp, [-inf] * pp, [False] * pp,  # alive, free_at, wake, in the sweep
@@ -199,10 +202,9 @@ def _play(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
                     j = next_i[u]
                     if j < bi:
                         ready = done_f[u * m + j]
-                        if u < last_stage:
-                            x = done_i[(u + 1) * m + j] + after_i[u]
-                            if x > ready:
-                                ready = x
+                        x = done_i[(u + 1) * m + j] + after_i[u]  # -inf past the last stage
+                        if x > ready:
+                            ready = x
                         if ready <= t:
                             bi, bs = j, u
                         elif ready < soonest:
@@ -217,7 +219,7 @@ def _play(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
                     for u in mine[r]:
                         j = next_f[u]
                         if j < bi and (room > later[u] or not reserve):
-                            ready = done_f[(u - 1) * m + j] + after_f[u] if u else 0.0
+                            ready = done_f[(u - 1) * m + j] + after_f[u]  # 0 before the first stage
                             if ready <= t:
                                 bi, bs = j, u
                             elif ready < soonest:
