@@ -31,7 +31,25 @@ that waits for it; a rank is examined only at an instant at or after both ``free
 find nothing, and the ranks examined at one instant still go in rank order, including one made
 ready in that pass by an action that takes no time (a later rank joins the pass, an earlier one
 the next pass at the same instant, as before): the lists are the same as the instant-by-instant
-play's, at ``O(actions log p)``.
+play's, at ``O(actions log p)``. The play records each action as an integer key (`simulate`'s)
+in the order it ran them, each after what it waits for: `played_makespans` times the lists in
+that order without checking or ordering them again, and `played_lists` makes the ``Action`` s.
+
+[Note: plays that fork]
+Plays that differ only in ``prefer`` or ``reserve`` make the same decisions up to the first pick
+at which one of them would take another action; up to there their states are the same. A play
+asked to watch other preferences (``forks``, without reserve) therefore checks, at each pick,
+whether one of them would take another kind: a kind it prefers to the one taken and that has an
+action ready (kinds this play prefers to the one taken had none). ``reserve`` changes a decision
+exactly when the play takes a forward that reserve would have refused (``room <= later[s]``; a
+forward it allows is also the one reserve takes, and a rank that finds nothing finds nothing with
+reserve either); so a play watching ``reserve_forks`` forks them there, as long as their own
+preference has not forked (then that play watches its reserve). At such a pick the state is
+copied (`_state`) and the other play goes on from it (``start``): its lists are those it would
+make from the beginning. ``wake`` instants copied from a play without reserve are no later than
+its own would be, so the play with reserve examines a rank no less often than it needs (an
+examination that finds nothing changes nothing). A play cut short by its limit cuts short the
+plays that had not forked yet: their lists begin with the same actions.
 """
 
 from __future__ import annotations

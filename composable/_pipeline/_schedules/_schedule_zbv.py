@@ -27,17 +27,26 @@ Deterministic, and each ``(p, m, v)`` is built once per process ([Note: building
 lists]). `tune_schedule` refits a list to a run's own measured times.
 
 [Note: building the registered lists]
-Up to 19 plays (the unit-time one; 3 models x 3 preferences x with/without reserve) and the
-makespans of each distinct one at unit times and on the 3 models, each linear in the number of
-actions ``3 p v m``: the play is event-driven ([Note: the play's events] in
-``_schedule_greedy.py``), the play with reserve is not repeated when reserve changed no decision
-of the one without (`greedy_plays`), a list is ordered once for all its cost models
-(`makespans`), the models are skipped for a list longer than the unit-time play, and the cyclic
-garbage collector is paused meanwhile (the build holds ~10^5-10^6 small objects alive and makes
-no cycles: each collection would walk them all). The lists are exactly those of the plain
-algorithm (``tests/test_pipeline_schedule_build.py``). CPU time measured on a shared 2-core
-machine: ``interleaved_zb`` at p=32, m=32, v=4 1.5 s (before: 29-53 s; torch: 0.5 s), at p=64,
-m=128 v=2 11.5 s and v=4 22 s (before: over 600 s; torch: 8 s).
+Up to 19 plays (the unit-time one; 3 models x 3 preferences x with/without reserve), each linear
+in the number of actions ``3 p v m`` ([Note: the play's events] in ``_schedule_greedy.py``), and
+the makespans of the candidates. Most candidates lose on the first test: longer than the
+unit-time play at unit times. So every play on a model times its own list at unit times as it
+goes (its order is one `simulate` may run, and at unit times an action ends one unit after the
+later of its rank's clock and what it waits for) and stops once rank ``r``'s clock plus the
+actions it still has to run exceeds the unit-time play's makespan: no order of the rest can make
+that list short enough (each action takes a unit on its rank). The plays of one model under the
+other preferences and with reserve go on from where they first decide otherwise ([Note: plays
+that fork] in ``_schedule_greedy.py``), so their common beginning is played once; a play is kept
+as integer keys and only the chosen list becomes ``Action`` s; the unit-time play's makespans on
+the models are computed only when another candidate is left to compare with; the cyclic garbage
+collector is paused meanwhile (the build holds ~10^5-10^6 small objects alive and makes no
+cycles: each collection would walk them all). The lists are exactly those of the plain algorithm
+(``tests/test_pipeline_schedule_build.py``). Measured against torch's own build of
+``ScheduleInterleavedZeroBubble`` (its constructor orders every rank's actions and adds the sends
+and receives) in one process on a shared 2-core machine (``benchmarks/pipeline_zb.py --parts
+build``, docs/benchmarks.md): ``interleaved_zb`` at p=32, m=32, v=4 0.25 s of CPU (torch 0.57 s;
+before the event-driven play 29-53 s), at p=64, m=128, v=2 2.4 s (torch 3.9 s) and v=4 8.6 s
+(torch 4.5 s: there most plays run to 50-99% before the bound stops them).
 """
 
 from __future__ import annotations
