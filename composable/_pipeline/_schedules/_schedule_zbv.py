@@ -44,9 +44,9 @@ cycles: each collection would walk them all). The lists are exactly those of the
 (``tests/test_pipeline_schedule_build.py``). Measured against torch's own build of
 ``ScheduleInterleavedZeroBubble`` (its constructor orders every rank's actions and adds the sends
 and receives) in one process on a shared 2-core machine (``benchmarks/pipeline_zb.py --parts
-build``, docs/benchmarks.md): ``interleaved_zb`` at p=32, m=32, v=4 0.25 s of CPU (torch 0.57 s;
-before the event-driven play 29-53 s), at p=64, m=128, v=2 2.4 s (torch 3.9 s) and v=4 8.6 s
-(torch 4.5 s: there most plays run to 50-99% before the bound stops them).
+build``, docs/benchmarks.md): ``interleaved_zb`` at p=32, m=32, v=4 0.25 s of CPU (torch 0.55 s;
+before the event-driven play 29-53 s), at p=64, m=128, v=2 2.4 s (torch 3.3 s) and v=4 8.6 s
+(torch 4.4 s: there most plays run to 50-99% before the bound stops them).
 """
 
 from __future__ import annotations
