@@ -42,6 +42,10 @@ Parts (the Llama of ``examples/model.py``, same seed and batches; uniform split 
    refitted lists (what separates runtime from order), with `simulate`'s makespans of the three
    lists under the registered run's measured times.
 
+8. ``build`` (one process): the time to build the ``interleaved_zb`` (and ``zbv``) lists of every
+   rank at the sizes of `BUILD_SIZES`, shardwise's first `build_schedule` against torch's
+   schedule constructor, alternating; CPU and wall seconds, ratio of medians.
+
 On a machine with fewer cores than ranks the ranks share cores: wall times then mostly measure
 the total work, and the measured bubble includes time a rank waits for a core.
 """
@@ -442,6 +446,62 @@ def bench_split(args) -> dict:
     return out
 
 
+BUILD_SIZES = ((8, 32, 4), (16, 32, 4), (32, 32, 4), (64, 128, 2), (64, 128, 4))
+"""Part 8: ``(pp, m, v)`` of the build times (issue 33 item 11: pp=32, m=32, v=4 and pp=64, m=128)."""
+
+
+def _torch_build(schedule: str, pp: int, m: int, v: int) -> None:
+    """torch builds every rank's order (``pipeline_order``, then the lowering with sends and
+    receives) when the schedule is made; rank 0's stages stand in for real ones (its
+    constructor reads only their ranks, sizes and indices)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules
+
+    ids = [0, 2 * pp - 1] if schedule == "zbv" else [k * pp for k in range(v)]
+    stages = [SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp * v, submod=None, stage_index=i) for i in ids]
+    getattr(schedules, _TORCH[schedule])(stages, m)
+
+
+def _our_build(schedule: str, pp: int, m: int, v: int) -> None:
+    """shardwise's first build in a process: the per-process cache of the lists emptied first."""
+    from shardwise.composable._pipeline._schedules import _schedule_zbv
+
+    _schedule_zbv._zbv_lists.cache_clear()
+    _schedule_zbv._izb_lists.cache_clear()
+    sw.build_schedule(schedule, pp, m, v)
+
+
+def bench_build(args) -> dict:
+    """Part 8, one process: the time to build the lists of every rank, shardwise's
+    `build_schedule` (first build: cache emptied) against torch's ``ScheduleInterleavedZeroBubble``
+    / ``ScheduleZBVZeroBubble`` constructor (which builds them for every rank too), alternating,
+    ``reps`` times each; CPU (process) and wall seconds, best and median, and the ratio of the
+    medians shardwise / torch."""
+    import time
+
+    out: dict = {}
+    for schedule in [s for s in args.schedules.split(",") if s in ("zbv", "interleaved_zb")]:
+        _torch_build(schedule, 4, 8, 2)  # imports and first calls out of the timings
+        _our_build(schedule, 4, 8, 2)
+        for pp, m, v in BUILD_SIZES:
+            if schedule == "zbv" and v != 2:
+                continue
+            got: dict[str, dict[str, list[float]]] = {"ours": {"cpu": [], "wall": []}, "torch": {"cpu": [], "wall": []}}
+            for _ in range(args.reps):
+                for name, fn in (("torch", _torch_build), ("ours", _our_build)):
+                    c0, w0 = time.process_time(), time.perf_counter()
+                    fn(schedule, pp, m, v)
+                    got[name]["cpu"].append(time.process_time() - c0)
+                    got[name]["wall"].append(time.perf_counter() - w0)
+            res = {f"{name}_{k}_s": {"best": round(min(x), 3), "median": round(statistics.median(x), 3)}
+                   for name, d in got.items() for k, x in d.items()}
+            for k in ("cpu", "wall"):
+                res[f"ours/torch_{k}"] = round(statistics.median(got["ours"][k]) / statistics.median(got["torch"][k]), 3)
+            out[f"build_{schedule}_p{pp}_m{m}_v{v}"] = res
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=6)
@@ -452,7 +512,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--schedules", default="1f1b,zbv,interleaved_zb,dualpipev", help="part 1: comma list")
-    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split, tuned, order")
+    p.add_argument("--parts", default="vs_torch,gain,memory", help="comma list of: vs_torch, gain, memory, split, tuned, order, build")
     p.add_argument("--worlds", default="2,4", help="part 2: comma list of rank counts (= pp)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -471,6 +531,8 @@ def main():
         res.update(run_ranks(bench_order, 2, args, timeout=1800)[0])
     if "tuned" in parts:
         res.update(run_ranks(bench_tuned, 2, args, timeout=1800)[0])
+    if "build" in parts:
+        res.update(bench_build(args))
     if "gain" in parts:
         for world in map(int, args.worlds.split(",")):
             res.update(run_ranks(bench_gain, world, args, timeout=1800)[0])

@@ -86,6 +86,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_pipeline.py::test_pp2_x_fsdp_reshard_between_microbatches_and_explicit_setting',  # 4 s
     'tests/test_pipeline.py::test_pp2_x_fsdp_with_activation_checkpointing',  # 2 s
     'tests/test_pipeline.py::test_pp2_x_tp2',  # 2 s
+    'tests/test_pipeline_build_time.py',  # 30 s: a fresh interpreter imports torch (the build: 1 s)
     'tests/test_pipeline_checkpoint.py::test_pp2_checkpoint_loads_at_pp1_and_resumes',  # 5 s
     'tests/test_pipeline_hf.py',  # 25 s
     'tests/test_pipeline_mesh_order.py',  # 19 s

@@ -95,7 +95,8 @@ def test_simulate_gives_the_figures_it_gave_before():
 
 @pytest.mark.timing
 def test_interleaved_zb_builds_in_seconds_at_pp32():
-    """Before: 29-53 s (torch: 0.5 s). Now about 1.5-3 s on a loaded 2-core CPU. The bound is
+    """Before: 29-53 s (torch: 0.5 s); at d479197 about 1.5-3 s, now about 0.15-0.3 s on a loaded
+    2-core CPU (the public, wall-time bound: tests/test_pipeline_build_time.py). The bound is
     on this process's CPU time (other jobs on a shared machine stretch the wall time many times
     over) and generous. The lists are the ones built before."""
     from shardwise.composable._pipeline._schedules._schedule_zbv import _izb_lists

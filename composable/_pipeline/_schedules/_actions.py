@@ -100,6 +100,14 @@ class Action:
         another (stage, microbatch) on the same rank. See [Note: action kinds]."""
         return cls(ActionKind.FB, forward.stage, forward.microbatch, (forward, backward))
 
+    @classmethod
+    def checked_already(cls, kind: ActionKind, stage: int, microbatch: int) -> Action:
+        """``Action(kind, stage, microbatch)`` of an `ActionKind` other than ``FB``, without
+        ``__post_init__``'s checks (for the ~10^5 actions of a list scheduler's play: twice as fast)."""
+        a = object.__new__(cls)
+        a.__dict__.update(kind=kind, stage=stage, microbatch=microbatch, sub=())
+        return a
+
     @property
     def halves(self) -> tuple[Action, ...]:
         """A pair's forward and backward; ``(self,)`` for any other action."""

@@ -27,17 +27,26 @@ Deterministic, and each ``(p, m, v)`` is built once per process ([Note: building
 lists]). `tune_schedule` refits a list to a run's own measured times.
 
 [Note: building the registered lists]
-Up to 19 plays (the unit-time one; 3 models x 3 preferences x with/without reserve) and the
-makespans of each distinct one at unit times and on the 3 models, each linear in the number of
-actions ``3 p v m``: the play is event-driven ([Note: the play's events] in
-``_schedule_greedy.py``), the play with reserve is not repeated when reserve changed no decision
-of the one without (`greedy_plays`), a list is ordered once for all its cost models
-(`makespans`), the models are skipped for a list longer than the unit-time play, and the cyclic
-garbage collector is paused meanwhile (the build holds ~10^5-10^6 small objects alive and makes
-no cycles: each collection would walk them all). The lists are exactly those of the plain
-algorithm (``tests/test_pipeline_schedule_build.py``). CPU time measured on a shared 2-core
-machine: ``interleaved_zb`` at p=32, m=32, v=4 1.5 s (before: 29-53 s; torch: 0.5 s), at p=64,
-m=128 v=2 11.5 s and v=4 22 s (before: over 600 s; torch: 8 s).
+Up to 19 plays (the unit-time one; 3 models x 3 preferences x with/without reserve), each linear
+in the number of actions ``3 p v m`` ([Note: the play's events] in ``_schedule_greedy.py``), and
+the makespans of the candidates. Most candidates lose on the first test: longer than the
+unit-time play at unit times. So every play on a model times its own list at unit times as it
+goes (its order is one `simulate` may run, and at unit times an action ends one unit after the
+later of its rank's clock and what it waits for) and stops once rank ``r``'s clock plus the
+actions it still has to run exceeds the unit-time play's makespan: no order of the rest can make
+that list short enough (each action takes a unit on its rank). The plays of one model under the
+other preferences and with reserve go on from where they first decide otherwise ([Note: plays
+that fork] in ``_schedule_greedy.py``), so their common beginning is played once; a play is kept
+as integer keys and only the chosen list becomes ``Action`` s; the unit-time play's makespans on
+the models are computed only when another candidate is left to compare with; the cyclic garbage
+collector is paused meanwhile (the build holds ~10^5-10^6 small objects alive and makes no
+cycles: each collection would walk them all). The lists are exactly those of the plain algorithm
+(``tests/test_pipeline_schedule_build.py``). Measured against torch's own build of
+``ScheduleInterleavedZeroBubble`` (its constructor orders every rank's actions and adds the sends
+and receives) in one process on a shared 2-core machine (``benchmarks/pipeline_zb.py --parts
+build``, docs/benchmarks.md): ``interleaved_zb`` at p=32, m=32, v=4 0.25 s of CPU (torch 0.55 s;
+before the event-driven play 29-53 s), at p=64, m=128, v=2 2.4 s (torch 3.3 s) and v=4 8.6 s
+(torch 4.4 s: there most plays run to 50-99% before the bound stops them).
 """
 
 from __future__ import annotations
@@ -49,8 +58,9 @@ from functools import lru_cache
 
 from ._actions import Action
 from ._registry import ScheduleSpec, register_schedule
-from ._schedule_greedy import PREFERENCES, greedy_lists, greedy_plays
-from ._simulate import makespans
+from ._placement import stage_rank
+from ._schedule_greedy import PREFERENCES, _play, played_lists
+from ._simulate import played_makespans
 
 __all__ = ["INTERLEAVED_ZB", "STAGE_MODELS", "ZBV", "izb_cap", "zbv_cap"]
 
@@ -73,28 +83,45 @@ def _played_on_models(pp: int, m: int, v: int, placement: str, cap: Callable[[in
     the registered lists]."""
     S = pp * v
     models = [_model(S, *x) for x in STAGE_MODELS]
+    ranks = [stage_rank(s, pp, placement) for s in range(S)]
     with _gc_paused():
-        unit = greedy_lists(pp, m, v, placement, cap)
-        limit = makespans(unit, S, m, [None])[0] + 1e-9
-        best, best_sum = unit, float("inf")
-        for c in _candidates(pp, m, v, placement, cap, unit, models):
-            at_unit, *spans = makespans(c, S, m, [None, *models], first_at_most=limit)
-            if at_unit <= limit:
-                total = sum(spans)
-                if total < best_sum * (1 - 1e-9):
-                    best, best_sum = c, total
-    return best
+        unit, _, span, _ = _play(pp, m, v, placement, cap, None, 0.0, "IFW", False, float("inf"))
+        limit = span + 1e-9
+        assert unit is not None
+        best, best_sum = unit, None  # the unit play's sum only once another candidate is there to beat it
+        for keys in _candidates(pp, m, v, placement, cap, models, limit):
+            if best_sum is None:
+                best_sum = sum(played_makespans(unit, ranks, S, m, models))
+            total = sum(played_makespans(keys, ranks, S, m, models))
+            if total < best_sum * (1 - 1e-9):
+                best, best_sum = keys, total
+    return played_lists(best, pp, m, v, placement)
 
 
-def _candidates(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int], unit: list[list[Action]],
-                models: list[dict[tuple[str, int], float]]) -> Iterator[list[list[Action]]]:
-    """The unit-time play, then the plays on each model under each preference, without and with
-    reserve (one that stalls under the cap is none; a play made twice is given once)."""
-    yield unit
+def _candidates(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
+                models: list[dict[tuple[str, int], float]], limit: float) -> Iterator[list[int]]:
+    """After the unit-time play: the plays on each model under each preference, without and with
+    reserve, that are no longer than ``limit`` at unit times (a play cut short there, or one that
+    stalls under the cap, is none; a play made twice is given once), as `_play` gives them. The
+    plays of one model go on from where they first decide otherwise ([Note: plays that fork] in
+    ``_schedule_greedy.py``)."""
+    first, *others = PREFERENCES
     for costs in models:
+        got: dict[tuple[str, bool], list[int] | None] = {}
+        got[first, False], _, _, forks = _play(pp, m, v, placement, cap, costs, 0.0, first, False, limit,
+                                               forks=others, reserve_forks=PREFERENCES)
+        for prefer in others:
+            if (prefer, False) in forks:
+                got[prefer, False], _, _, more = _play(pp, m, v, placement, cap, costs, 0.0, prefer, False, limit,
+                                                       reserve_forks=(prefer,), start=forks.pop((prefer, False)))
+                forks.update(more)
+        for (prefer, reserve), state in forks.items():
+            got[prefer, reserve] = _play(pp, m, v, placement, cap, costs, 0.0, prefer, reserve, limit, start=state)[0]
         for prefer in PREFERENCES:
-            plays = greedy_plays(pp, m, v, placement, cap, costs=costs, prefer=prefer)
-            yield from (c for k, c in enumerate(plays) if all(c is not d for d in plays[:k]))
+            for reserve in (False, True):
+                keys = got.get((prefer, reserve))
+                if keys is not None:
+                    yield keys
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from ._actions import Action, ActionKind
 from ._registry import ScheduleSpec, get_schedule, one_f_one_b_bubble
 
-__all__ = ["build_schedule", "dependencies", "makespans", "simulate", "theoretical_bubble"]
+__all__ = ["build_schedule", "dependencies", "makespans", "played_makespans", "simulate", "theoretical_bubble"]
 
 
 def build_schedule(schedule: str | ScheduleSpec, pp: int, microbatches: int,
@@ -235,12 +235,42 @@ def makespans(actions: Sequence[Sequence[Action]], num_stages: int, microbatches
                 break
         return out
     split = _check_complete([a for acts in actions for a in acts], num_stages, microbatches)
-    order = _order(actions, num_stages, split)
+    steps, n_keys = _order(actions, num_stages, split)
+    return _spans_of(steps, n_keys, len(actions), num_stages, costs, comm_time, first_at_most)
+
+
+def played_makespans(keys: Sequence[int], ranks: Sequence[int], num_stages: int, microbatches: int,
+                     costs: Sequence[Mapping[tuple[str, int], float] | None]) -> list[float]:
+    """``makespans`` of lists of split backwards (no pair, no ``B``) given as the keys of their
+    actions (``(code * num_stages + stage) * microbatches + microbatch``, code 0, 2, 3 for F, I, W)
+    in an order in which each comes after the actions it waits for and the earlier ones of its
+    rank (a play's: `_play` in ``_schedule_greedy.py``); ``ranks[s]``: the rank of stage ``s``.
+    The same figures as `makespans` of the lists, without checking or ordering them again."""
+    S, m = num_stages, microbatches
+    n = S * m
+    steps: list[_Step] = []
+    for key in keys:
+        c, at = divmod(key, n)
+        s = at // m
+        if c == 0:
+            deps = [key - m] if s else []
+        elif c == 3:
+            deps = [key - n]
+        else:
+            deps = [at, key + m] if s + 1 < S else [at]
+        steps.append((ranks[s], [key], deps, [c * S + s]))
+    return _spans_of(steps, 4 * n, 1 + max(ranks, default=0), S, costs, 0.0, None)
+
+
+def _spans_of(steps: list[_Step], n_keys: int, n: int, num_stages: int,
+              costs: Sequence[Mapping[tuple[str, int], float] | None], comm_time: float,
+              first_at_most: float | None) -> list[float]:
+    """The makespans of ordered steps (`_order`) under each of ``costs`` (`makespans`)."""
     unit = {ActionKind.F: 1.0, ActionKind.B: 2.0, ActionKind.I: 1.0, ActionKind.W: 1.0}
     out = []
     for given in costs:
         cost = {(k, s): (given or {}).get((k.value, s), t) for k, t in unit.items() for s in range(num_stages)}
-        out.append(_timed(order, len(actions), num_stages, cost, comm_time, 0.0)[0])
+        out.append(_timed((steps, n_keys), n, num_stages, cost, comm_time, 0.0)[0])
         if first_at_most is not None and out[0] > first_at_most:
             break
     return out
