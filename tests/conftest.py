@@ -23,10 +23,11 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/compat/test_hsdp_grads.py',  # 2 s
     'tests/compat/test_init_and_apply.py',  # 8 s
     'tests/compat/test_lightning.py',  # 98 s (FSDP) + 99 s (TP), torch + shardwise, load average above 50
+    'tests/compat/test_lightning_trainer.py',  # 476 s (FSDP, torch + shardwise) at load average 20-30
     'tests/compat/test_meshes.py',  # 5 s
     'tests/compat/test_setters.py::test_setters_before_and_after_the_first_step',  # 3 s
     'tests/compat/test_torch_compile.py',  # 13 s
-    'tests/compat/test_torchtitan.py',  # 2 runs of 2 ranks per implementation; 111 s for both on the loaded machine
+    'tests/compat/test_torchtitan.py',  # 2 runs of 2 ranks per implementation; 111 s for both on the loaded machine; FSDP x TP (4 ranks): 141 s at load 8
     'tests/compat/test_tp_api.py',  # 2 s
     'tests/compat/test_tp_styles.py::test_loss_parallel_reductions_weights_and_a_wrongly_sharded_input',  # 2 s
     'tests/compat/test_torchtitan_forms.py',  # 55 s (16 scenarios on 4 workers)
