@@ -198,8 +198,9 @@ def _train(rank, world_size, impl, folder, tp, resume, meta=True):
 
 def flow(impl: str, folder: str, world: int, tp: int) -> tuple[dict, dict]:
     """The uninterrupted run, then the resumed one (fresh processes); rank 0's results."""
-    first = run_ranks(_train, world, impl, folder, tp, False, timeout=300)[0]
-    second = run_ranks(_train, world, impl, folder, tp, True, timeout=300)[0]
+    timeout = 150 * world  # 4 ranks on 2 shared cores: a resume took over 300 s at load average 30
+    first = run_ranks(_train, world, impl, folder, tp, False, timeout=timeout)[0]
+    second = run_ranks(_train, world, impl, folder, tp, True, timeout=timeout)[0]
     return first, second
 
 
