@@ -112,8 +112,9 @@ def _outcomes(xml_path: pathlib.Path) -> dict[str, tuple[str, str]]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "FAIL", "error": "error", "skipped": "skip"}[child.tag]
-                text = (child.get("message") or child.text or "").strip()
-                reason = _first_line(text)
+                # the body holds the traceback (for thread-ranks, the rank's own after
+                # "Thread N exited with exception:"); the message attribute only its first line
+                reason = _first_line(f"{child.get('message') or ''}\n{child.text or ''}")
                 break
         out[name] = (outcome, reason)
     return out
@@ -122,8 +123,10 @@ def _outcomes(xml_path: pathlib.Path) -> dict[str, tuple[str, str]]:
 def _first_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     # prefer the exception line of a traceback (the last "SomethingError: ..." line)
-    errors = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception", "Failure"))]
+    errors = [ln for ln in lines if ln.split(":", 1)[0].split(".")[-1].endswith(("Error", "Exception", "Failure"))
+              and "exited with exception" not in ln]
     line = errors[-1] if errors else (lines[0] if lines else "")
+    line = line[2:].strip() if line.startswith("E ") else line
     return line[:200]
 
 
