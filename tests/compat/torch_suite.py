@@ -7,10 +7,11 @@ the pytorch/pytorch repository (``test/distributed/_composable/fsdp/test_fully_s
 ``test/distributed/tensor/parallel/test_tp_*.py``, ``test_parallelize_api.py``, keeping the
 ``test/distributed/...`` layout under one folder), then::
 
-    python -m tests.compat.torch_suite /path/to/pytorch [--only SUBSTRING] [--timeout 900]
+    python -m tests.compat.torch_suite /path/to/pytorch [--only SUBSTRING] [-k EXPR] [--timeout 900]
 
-from the repository root. Each test file found under ``PATH`` is run twice with pytest in a
-fresh interpreter, cwd = the file's folder:
+from the repository root. Each test file found under ``PATH`` (``--only``: whose path contains
+the substring; ``-k``: pytest's selection inside each file) is run twice, at the same time,
+with pytest in two fresh interpreters, cwd = the file's folder:
 
 - ``torch``: as is;
 - ``shardwise``: `tests/compat/_rebind.py`'s ``rebind_to_shardwise()`` runs at interpreter
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATTERNS = ("test/distributed/_composable/fsdp/test_fully_shard_*.py",
@@ -130,7 +132,8 @@ def _first_line(text: str) -> str:
     return line[:200]
 
 
-def run_file(test_file: pathlib.Path, impl: str, site_dir: str, timeout: float) -> dict[str, tuple[str, str]]:
+def run_file(test_file: pathlib.Path, impl: str, site_dir: str, timeout: float,
+             select: str | None = None) -> dict[str, tuple[str, str]]:
     """Runs one torch test file with pytest under ``impl``; its per-test outcomes."""
     with tempfile.TemporaryDirectory(prefix="torch-suite-") as tmp:
         xml_path = pathlib.Path(tmp) / "junit.xml"
@@ -138,7 +141,7 @@ def run_file(test_file: pathlib.Path, impl: str, site_dir: str, timeout: float) 
         env[ENV] = impl
         env["PYTHONPATH"] = os.pathsep.join([site_dir, str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}",
-               "-o", "junit_family=xunit1", test_file.name]
+               "-o", "junit_family=xunit1", test_file.name] + (["-k", select] if select else [])
         try:
             proc = subprocess.run(cmd, cwd=test_file.parent, env=env, capture_output=True, text=True,
                                   timeout=timeout)
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", type=pathlib.Path, help="a folder holding torch's test/distributed/... files")
     parser.add_argument("--only", help="run the files whose path contains this")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per file and implementation")
+    parser.add_argument("-k", dest="select", help="pytest's -k expression: run only the tests it selects")
     parser.add_argument("--json", type=pathlib.Path, help="write the rows to this file")
     args = parser.parse_args(argv)
     files = find_files(args.path, args.only)
@@ -166,7 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         pathlib.Path(site_dir, "sitecustomize.py").write_text(SITECUSTOMIZE)
         for f in files:
             started = time.monotonic()
-            got = {impl: run_file(f, impl, site_dir, args.timeout) for impl in ("torch", "shardwise")}
+            with ThreadPoolExecutor(2) as pool:  # both implementations at once, each in its own interpreter
+                runs = {impl: pool.submit(run_file, f, impl, site_dir, args.timeout, args.select)
+                        for impl in ("torch", "shardwise")}
+                got = {impl: run.result() for impl, run in runs.items()}
             names = sorted(set(got["torch"]) | set(got["shardwise"]))
             for name in names:
                 t = got["torch"].get(name, ("absent", ""))
