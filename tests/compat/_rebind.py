@@ -28,6 +28,11 @@ REBIND: dict[str, str] = {
     "torch.distributed.fsdp": "shardwise.composable",
     "torch.distributed._composable.fsdp": "shardwise.composable",
     "torch.distributed.tensor.parallel": "shardwise.composable",
+    # the submodules the package re-exports from: code (torch's own tests among it) that imports
+    # ``from torch.distributed.tensor.parallel.style import ColwiseParallel`` gets shardwise's too
+    "torch.distributed.tensor.parallel.api": "shardwise.composable",
+    "torch.distributed.tensor.parallel.style": "shardwise.composable",
+    "torch.distributed.tensor.parallel.loss": "shardwise.composable",
     "torch.distributed.checkpoint": "shardwise.checkpoint",
     "torch.distributed.checkpoint.state_dict": "shardwise.checkpoint",
     "torch.distributed.checkpoint.state_dict_saver": "shardwise.checkpoint",

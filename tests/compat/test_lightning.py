@@ -5,7 +5,10 @@ The script is Lightning's documented one: a ``parallelize_fn`` that calls
 ``torch.distributed.fsdp.fully_shard`` (and ``torch.distributed.tensor.parallel``'s
 ``parallelize_module`` for TP) on the strategy's device mesh, the model built under
 ``fabric.init_module(empty_init=True)`` (meta device; Fabric materializes it with
-``to_empty`` + ``reset_parameters``), ``fabric.setup`` / ``setup_optimizers``, ``fabric.backward``,
+``to_empty`` + ``reset_parameters``), ``fabric.setup`` / ``setup_optimizers``, ``fabric.backward`` over two microbatches a step, the
+first inside ``fabric.no_backward_sync(model)`` (Lightning calls
+``set_requires_gradient_sync(False, recurse=False)`` on each `FSDPModule`; after that backward
+no sharded parameter has a gradient yet),
 ``fabric.clip_gradients`` (FSDP only: with TP the parameters live on two meshes, the 1-D
 data-parallel one and the 2-D one, and torch's ``clip_grad_norm_`` raises "All operands in
 aten.stack.default must have the same mesh"), and ``fabric.save`` / ``fabric.load`` (its sharded checkpoint: DCP
@@ -86,18 +89,25 @@ def _fabric_run(rank, world_size, impl, path, tp, resume):
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if resume:
         fabric.load(path, state)
-    out = {"start": state["step"], "losses": []}
+    out = {"start": state["step"], "losses": [], "grads_inside_no_sync": None}
     while state["step"] < STEPS:
         tokens = data[state["step"]]
-        with loss_parallel() if tp > 1 else contextlib.nullcontext():
-            loss = loss_of(model, tokens)
-            fabric.backward(loss)
+        half = tokens.shape[0] // 2
+        loss = 0.0
+        for micro in range(2):  # two microbatches: the first without gradient sync
+            with fabric.no_backward_sync(model, enabled=(micro == 0)), \
+                    loss_parallel() if tp > 1 else contextlib.nullcontext():
+                part = loss_of(model, tokens[micro * half:(micro + 1) * half]) / 2
+                fabric.backward(part)
+            loss = loss + part.detach()
+            if micro == 0 and out["grads_inside_no_sync"] is None:  # FSDP2 keeps them unsharded, unset
+                out["grads_inside_no_sync"] = [n for n, p in model.named_parameters() if p.grad is not None]
         if tp == 1:  # with TP, torch's clip_grad_norm_ cannot stack the norms of a 1-D and a 2-D mesh
             fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
         state["step"] += 1
-        mean = loss.detach()
+        mean = loss
         mean = mean.full_tensor() if hasattr(mean, "full_tensor") else mean.clone()  # loss_parallel: a DTensor
         dist.all_reduce(mean)
         out["losses"].append((mean / dist.get_world_size()).item())
@@ -123,6 +133,8 @@ def check(impl: str, tmp_path, world: int, tp: int, ref: dict) -> None:
     errs = [abs(a - b) / abs(b) for a, b in zip(first["losses"], t_first["losses"])]
     assert len(first["losses"]) == STEPS and max(errs) <= 1e-6, \
         f"{impl}: losses {first['losses']} vs torch's {t_first['losses']}"
+    assert first["grads_inside_no_sync"] == [], \
+        f"{impl}: gradients set after a backward inside no_backward_sync: {first['grads_inside_no_sync']}"
     assert second["start"] == SAVE_AT and second["losses"] == first["losses"][SAVE_AT:], \
         f"{impl}: resumed at {second['start']} with {second['losses']} vs uninterrupted {first['losses'][SAVE_AT:]}"
 

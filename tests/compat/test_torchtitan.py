@@ -167,7 +167,8 @@ def _train(rank, world_size, impl, folder, tp, resume, meta=True):
         shutil.rmtree(f"{checkpointer.folder}/step-{STEPS}")  # the job died after step SAVE_AT's save
     torch.distributed.barrier()
     loaded = checkpointer.load(step=job.checkpoint.load_step)
-    out = {"loaded": loaded, "start": state.step, "losses": [], "grad_norms": []}
+    out = {"loaded": loaded, "start": state.step, "losses": [], "grad_norms": [],
+           "mesh_ndims": sorted({p.device_mesh.ndim for p in model.parameters()})}
     data = iter(dataloader)
     while state.step < job.training.steps:
         state.step += 1
@@ -181,6 +182,7 @@ def _train(rank, world_size, impl, folder, tp, resume, meta=True):
             loss = loss_fn(pred, labels) / global_valid
             del pred
             loss.backward()
+        out["loss_type"] = type(loss).__name__  # a DTensor inside loss_parallel
         grad_norm = dist_utils.clip_grad_norm_([p for m in model_parts for p in m.parameters()],
                                                job.training.max_norm, foreach=True,
                                                pp_mesh=parallel_dims.get_optional_mesh("pp"),
@@ -196,8 +198,9 @@ def _train(rank, world_size, impl, folder, tp, resume, meta=True):
 
 def flow(impl: str, folder: str, world: int, tp: int) -> tuple[dict, dict]:
     """The uninterrupted run, then the resumed one (fresh processes); rank 0's results."""
-    first = run_ranks(_train, world, impl, folder, tp, False, timeout=300)[0]
-    second = run_ranks(_train, world, impl, folder, tp, True, timeout=300)[0]
+    timeout = 150 * world  # 4 ranks on 2 shared cores: a resume took over 300 s at load average 30
+    first = run_ranks(_train, world, impl, folder, tp, False, timeout=timeout)[0]
+    second = run_ranks(_train, world, impl, folder, tp, True, timeout=timeout)[0]
     return first, second
 
 
@@ -206,6 +209,9 @@ def check(impl: str, tmp_path, world: int, tp: int, ref_cache: dict) -> None:
         ref_cache["torch"] = flow("torch", str(tmp_path / "torch"), world, tp)
     first, second = ref_cache["torch"] if impl == "torch" else flow(impl, str(tmp_path / impl), world, tp)
     t_first, _ = ref_cache["torch"]
+    ndims = [2] if tp > 1 else [1]  # with TP every parameter is on the 2-D (dp, tp) mesh
+    assert first["mesh_ndims"] == ndims and first["loss_type"] == ("DTensor" if tp > 1 else "Tensor"), \
+        f"{impl}: parameters on {first['mesh_ndims']}-D meshes (want {ndims}), the loss a {first['loss_type']}"
     assert not first["loaded"] and first["start"] == 0, f"{impl}: the first run found a checkpoint: {first}"
     assert len(first["losses"]) == STEPS
     errs = [abs(a - b) / abs(b) for a, b in zip(first["losses"], t_first["losses"])]
@@ -222,3 +228,13 @@ _REF: dict[str, dict] = {}
 @pytest.mark.parametrize("impl", ["torch", "shardwise"])
 def test_fsdp2_meta_init_list_units_checkpoint_resume(impl, tmp_path_factory):
     check(impl, tmp_path_factory.mktemp(f"titan-fsdp-{impl}"), 2, 1, _REF.setdefault("fsdp", {}))
+
+
+@pytest.mark.parametrize("impl", ["torch", "shardwise"])
+def test_fsdp2_x_tp2_loss_parallel_checkpoint_resume(impl, tmp_path_factory):
+    """4 ranks, ``dp_shard=2 x tp=2`` (``ParallelDims`` unflattens the world mesh into both):
+    `parallelize_llama` applies its TP plan (sequence-parallel norms, colwise/rowwise
+    projections, the output's logits sharded by vocabulary) before `fully_shard` on the 2-D
+    mesh's dp axis; the loss is computed inside its ``loss_parallel`` train context, the
+    gradient norm clipped by its `clip_grad_norm_` over parameters on the 2-D mesh."""
+    check(impl, tmp_path_factory.mktemp(f"titan-fsdp-tp-{impl}"), 4, 2, _REF.setdefault("fsdp-tp", {}))
