@@ -96,7 +96,7 @@ def pieces_of(p: torch.Tensor, where: str) -> Pieces:
         return Pieces(shape, (whole,), 0, None, ("local",))
     mesh, placements = p.device_mesh, tuple(p.placements)
     dims = [i for i, pl in enumerate(placements) if not pl.is_replicate()]
-    bad = [pl for i, pl in enumerate(placements) if i in dims and not isinstance(pl, Shard)]
+    bad = [pl for i, pl in enumerate(placements) if i in dims and not (isinstance(pl, Shard) or is_strided_shard(pl))]
     if bad:
         raise ValueError(f"{where}: a parameter with placement {bad[0]} (placements {placements}) cannot be "
                          "rebuilt whole; whole-tensor steps take parameters sharded (Shard / strided Shard) or "

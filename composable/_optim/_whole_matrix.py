@@ -77,10 +77,16 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
                             "register_whole_matrix_optimizer); an elementwise optimizer runs on the shards directly")
         if buckets < 1:
             raise ValueError(f"{_WHERE}: buckets must be >= 1, got {buckets}")
-        probe = optimizer_class([torch.zeros(2, 2, requires_grad=True)], **settings)  # checks the settings
         self._built = False
-        super().__init__(params, dict(probe.defaults))
+        super().__init__(params, {})
         self._built = True
+        # the settings and every parameter checked by the optimizer itself, on every rank alike
+        probe = optimizer_class([dict(g, params=[_placeholder(_local(p), tuple(p.shape)).requires_grad_()
+                                                 for p in g["params"]]) for g in self.param_groups], **settings)
+        for g, checked in zip(self.param_groups, probe.param_groups):
+            g.update({k: v for k, v in checked.items() if k != "params"})
+        self.defaults = dict(probe.defaults)
+        del probe
         self._cls, self._settings, self._buckets = optimizer_class, settings, buckets
         self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         self._group_of: list[int] = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
