@@ -355,3 +355,24 @@ def test_checkpoint_reshards_4_to_2_bit_exact(tmp_path):
     assert sorted(saved) == sorted(loaded) and any("momentum_buffer" in k for k in saved), sorted(saved)
     for k in saved:
         assert saved[k].dtype == loaded[k].dtype and torch.equal(saved[k], loaded[k]), k
+
+
+def test_settings_follow_param_groups_and_schedulers():
+    """A learning-rate scheduler changes ``param_groups``; the owner's inner optimizer follows at
+    every step (plain parameters: a group of one, no process group needed)."""
+    torch.manual_seed(0)
+    a = [nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(3, 5))]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    ref = torch.optim.Muon(a, lr=0.05)
+    opt = WholeMatrixOptimizer(torch.optim.Muon, b, lr=0.05)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ref, opt)]
+    for step in range(3):
+        for p, q in zip(a, b):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        ref.step()
+        opt.step()
+        for s in scheds:
+            s.step()
+    assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 0.05 * 0.5 ** 3
+    assert all(torch.equal(p, q) for p, q in zip(a, b)), "the inner optimizer stepped with another lr"
