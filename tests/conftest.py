@@ -62,6 +62,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_example.py',  # 57 s
     'tests/test_example_moe.py',  # 20 s
     'tests/test_example_muon.py::test_muon_job_matches_single_process',  # 2 launches (2 and 4 ranks), 150 s loaded
+    'tests/test_example_muon.py::test_muon_job_saved_on_four_ranks_resumes_on_two',  # 2 launches, 60 s loaded
     'tests/test_whole_matrix.py::test_same_gradients_bit_equal_to_one_process',  # 6 launches, 40 s loaded
     'tests/test_whole_matrix.py::test_trained_fp32_newton_schulz',  # 3 launches, 40 s loaded
     'tests/test_whole_matrix.py::test_trained_torch_muon_bf16_within_stated_tolerance',  # 10 s loaded

@@ -60,3 +60,16 @@ def test_muon_outside_the_plain_loop_is_refused(monkeypatch, capsys, tmp_path):
         main(["--optimizer", "muon", "--pp", "2"])
     assert e.value.code == 2
     assert "--optimizer muon is wired into the plain" in capsys.readouterr().err
+
+
+def test_muon_job_saved_on_four_ranks_resumes_on_two(tmp_path):
+    """Both optimizers' state (Muon's on its owners) goes through --save / --resume at another
+    world size: the resumed steps match one process that never stopped."""
+    ckpt = str(tmp_path / "ck")
+    base = ARGS + ["--optimizer", "muon"]  # the last --steps wins
+    run_ranks(_main_job, 4, base + ["--steps", "3", "--save", ckpt], timeout=300)
+    resumed = run_ranks(_main_job, 2, base + ["--steps", "5", "--resume", ckpt], timeout=300)[0]
+    ref = _reference_losses(steps=5)[3:]
+    assert len(resumed) == 2, resumed
+    for step, (a, b) in enumerate(zip(resumed, ref), 4):
+        assert abs(a - b) <= TOL * abs(b), f"step {step}: {a} vs reference {b}"
