@@ -179,7 +179,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
                 self._proxies[i].data = self._placeholders[i]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter that has a gradient ([Note: the whole-matrix step])."""
         loss = None
         if closure is not None:
@@ -253,7 +253,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
     def _has_state(self) -> list[int]:
         return [i for i, p in enumerate(self._params) if self.state.get(p)]
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """The state as a plain optimizer over the sharded parameters would hold it (collective):
         tensors of the parameter's shape as DTensors with its placements, the rest as is."""
         with_state = self._has_state()
@@ -309,7 +309,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
                                                             stride=p.stride(), run_check=False)
         return {"state": state, "param_groups": self._groups_state()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Put back a state dict of `state_dict`'s form, from any world size (collective): each
         owner gathers the pieces of its tensors' state."""
         groups = state_dict["param_groups"]
