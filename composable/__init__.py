@@ -7,15 +7,17 @@ The names follow torch's FSDP2 so that switching is one import::
 
 Each parallelism has a face of its own, whose ``__all__`` is its user-facing names:
 ``shardwise.composable.fsdp`` (also ``replicate``, the strategies, ``clip_grad_norm_``),
-``.tp``, ``.pipeline``, ``.cp``, ``.moe``. Every name is also here, flat; ``__all__`` is the
+``.tp``, ``.pipeline``, ``.cp``, ``.moe``, ``.optim`` (whole-matrix optimizers). Every name is
+also here, flat; ``__all__`` is the
 faces' names and the planner's. The pipeline names below the faces' level are importable
 here too (they were exported before the faces), but are not in ``__all__``.
 """
 
-from . import cp, fsdp, moe, pipeline, tp
+from . import cp, fsdp, moe, optim, pipeline, tp
 from .cp import *  # noqa: F403  the names in cp.__all__
 from .fsdp import *  # noqa: F403
 from .moe import *  # noqa: F403
+from .optim import *  # noqa: F403
 from .pipeline import *  # noqa: F403
 from .tp import *  # noqa: F403
 # importable for code written before the faces, not in __all__ (the pipeline's building blocks)
@@ -30,3 +32,4 @@ __all__ += tp.__all__
 __all__ += pipeline.__all__
 __all__ += cp.__all__
 __all__ += moe.__all__
+__all__ += optim.__all__

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["mesh_device", "same_mesh", "all_gather_single", "reduce_scatter_single"]
+__all__ = ["mesh_device", "same_mesh", "all_gather_single", "reduce_scatter_single", "all_to_all_single"]
 
 # The flat-tensor collectives, looked up in ``torch.distributed`` at each call (so that a spy
 # set there sees every call).
@@ -22,6 +22,15 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: dist
                           async_op: bool = False) -> dist.Work | None:
     """``output`` on rank ``r`` = the sum over ranks of chunk ``r`` of their ``input``."""
     return dist.reduce_scatter_single(output, input, group=group, async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], group: dist.ProcessGroup | None = None,
+                      async_op: bool = False) -> dist.Work | None:
+    """``input``'s ``input_split_sizes[r]`` consecutive rows go to group rank ``r``; ``output``
+    receives ``output_split_sizes[s]`` rows from each rank ``s``, in rank order."""
+    return dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                                  input_split_sizes=input_split_sizes, group=group, async_op=async_op)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

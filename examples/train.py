@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from examples.checkpoints import app_state, dir_bytes, resume, save_or_rescue  # noqa: E402,F401
 from examples.data import loss_floor  # noqa: E402
 from examples.model import LlamaConfig  # noqa: E402
+from examples.optimizers import MUON_LR, OPTIMIZERS, build_optimizer  # noqa: E402
 from examples.parallel import build_and_shard  # noqa: E402
 from examples.preflight import MODEL_ARGS, UsageError, preflight  # noqa: E402
 from examples.train_loop import (DP_DIMS, data_parallel_rank, finish, mean_over_mesh, mesh_device,  # noqa: E402,F401
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, carved out of --dp-shard (with --experts)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs only)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw (every parameter), or muon: torch.optim.Muon on the hidden matrices, each updated "
+                        "whole by one owner rank (docs/optimizers.md), AdamW on the rest")
+    p.add_argument("--muon-lr", type=float, default=MUON_LR, help="Muon's learning rate (with --optimizer muon)")
     from examples.pipeline_setup import add_pipeline_args  # pipeline flags: --pp, --schedule, --microbatches
 
     add_pipeline_args(p)
@@ -171,6 +176,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         paths = ["--cp", "--experts/--ep"]  # the pipeline loop wires each of them, not both together
     if len(paths) > 1:
         _fail(f"{' and '.join(paths)} do not combine in this example yet; run them separately")
+    if args.optimizer != "adamw" and (paths or args.cp > 1):
+        _fail(f"--optimizer {args.optimizer} is wired into the plain FSDP / HSDP / TP loop only, not with "
+              f"{' and '.join(paths or ['--cp'])}; drop one of them")
     if args.experts or args.ep > 1:  # mixture of experts (examples/moe.py)
         from examples.moe import check_moe_args
         try:
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         say(f"  rank {r}: {b} bytes sharded ({b / full:.1%} of full)")
     say(f"  sum over ranks {sum(per_rank)} bytes = {sum(per_rank) / full:.2f} x full")
 
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optim = build_optimizer(model, args.optimizer, args.lr, args.muon_lr)
     start = 1
     if args.resume:
         say(f"loading {args.resume} (step {checked.resume_step}) ...", flush=True)

@@ -66,6 +66,14 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_ep_tp.py',  # 9 s
     'tests/test_example.py',  # 57 s
     'tests/test_example_moe.py',  # 20 s
+    'tests/test_example_muon.py::test_muon_job_matches_single_process',  # 2 launches (2 and 4 ranks), 150 s loaded
+    'tests/test_example_muon.py::test_muon_job_saved_on_four_ranks_resumes_on_two',  # 2 launches, 60 s loaded
+    'tests/test_whole_matrix.py::test_same_gradients_bit_equal_to_one_process',  # 6 launches, 40 s loaded
+    'tests/test_whole_matrix.py::test_trained_fp32_newton_schulz',  # 3 launches, 40 s loaded
+    'tests/test_whole_matrix.py::test_trained_torch_muon_bf16_within_stated_tolerance',  # 10 s loaded
+    'tests/test_whole_matrix.py::test_fsdp_x_tp_gathers_over_both_axes',  # 4 ranks with TP, 100 s loaded
+    'tests/test_whole_matrix.py::test_one_gather_and_one_scatter_per_bucket',  # 2 launches, 10 s loaded
+    'tests/test_whole_matrix.py::test_checkpoint_reshards_4_to_2_bit_exact',  # save on 4, load on 2; 200 s loaded
     'tests/test_expert_parallel.py',  # 5 s
     'tests/test_fsdp2_semantics.py',  # 28 s
     'tests/test_fsdp_tp.py',  # 5 s

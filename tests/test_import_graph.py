@@ -52,6 +52,7 @@ WINGS = {
     f"{C}._moe": {f"{C}._fsdp", f"{C}._tp", "shardwise.mesh"},
     f"{C}._pipeline": {f"{C}._fsdp", f"{C}._tp", "shardwise.mesh", "shardwise.checkpoint"},
     f"{C}._plan": {f"{C}._fsdp", f"{C}._wrap", f"{C}._pipeline"},
+    f"{C}._optim": set(),
 }
 EVERYTHING = set(WINGS) | {"shardwise.mesh", "shardwise.checkpoint"}
 TOP = {
@@ -63,7 +64,8 @@ TOP = {
     f"{C}.pipeline": {f"{C}._pipeline"},
     f"{C}.cp": {f"{C}._cp"},
     f"{C}.moe": {f"{C}._moe"},
-    C: EVERYTHING | {f"{C}._clip_grad", f"{C}.fsdp", f"{C}.tp", f"{C}.pipeline", f"{C}.cp", f"{C}.moe"},
+    f"{C}.optim": {f"{C}._optim"},
+    C: EVERYTHING | {f"{C}._clip_grad", f"{C}.fsdp", f"{C}.tp", f"{C}.pipeline", f"{C}.cp", f"{C}.moe", f"{C}.optim"},
 }
 
 

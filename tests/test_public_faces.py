@@ -31,7 +31,7 @@ share_comm_ctx simulate stage_rank strategy_mesh suggest_mesh swap_hf_moe_blocks
 to_local_share token_mean_loss tune_schedule uniform_bounds unregister_schedule unshard_sequence
 vocab_parallel_cross_entropy zigzag_chunks zigzag_positions
 """.split()
-FACES = ("fsdp", "tp", "pipeline", "cp", "moe")
+FACES = ("fsdp", "tp", "pipeline", "cp", "moe", "optim")
 PLANNER = {"plan_memory", "plan_pipeline_memory", "suggest_mesh", "PlanOptions", "MeshOptions", "MemoryPlan",
            "PipelineMemoryPlan", "MeshSuggestion", "UnitPlan", "DEFAULT_KEPT_GRADS"}
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .._mesh_utils import all_to_all_single
+
 __all__ = ["all_to_all", "exchange_counts", "regroup_index"]
 
 
@@ -41,7 +43,7 @@ class _AllToAll(torch.autograd.Function):
 def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+    all_to_all_single(out, x, out_splits, in_splits, group=group)
     return out
 
 

@@ -1,0 +1,80 @@
+"""One all-to-all of tensors of any shapes and dtypes over a group: the owner step's gather and
+scatter.
+
+Each rank sends a list of tensors to every group rank and knows the shapes and dtypes it will
+receive from each (the owner plan makes both sides known: [Note: owners of whole matrices] in
+``_owners.py``). The tensors travel as bytes in one flat buffer per direction, each padded to
+``ALIGN`` bytes so that every received tensor is a view of the buffer in its own dtype: one
+collective whatever the mix of dtypes, and no copy out on the receiving side.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._mesh_utils import all_to_all_single
+
+__all__ = ["ALIGN", "Spec", "PendingExchange", "start_exchange"]
+
+ALIGN = 16  # bytes; a multiple of every dtype's size
+Spec = tuple[torch.Size, torch.dtype]
+
+
+def _nbytes(spec: Spec) -> int:
+    shape, dtype = spec
+    n = shape.numel() * dtype.itemsize
+    return -(-n // ALIGN) * ALIGN
+
+
+def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    sizes = [_nbytes((t.shape, t.dtype)) for t in tensors]
+    out = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    offset = 0
+    for t, n in zip(tensors, sizes):
+        if t.numel():
+            out[offset:offset + t.numel() * t.dtype.itemsize].view(t.dtype).view(t.shape).copy_(t)
+        offset += n
+    return out
+
+
+class PendingExchange:
+    """An exchange in flight; `wait` returns, per source group rank, its tensors in order."""
+
+    def __init__(self, work: dist.Work | None, buffer: torch.Tensor, recv: list[list[Spec]],
+                 sent: torch.Tensor | None) -> None:
+        self._work, self._buffer, self._recv, self._sent = work, buffer, recv, sent
+
+    @property
+    def sent_bytes(self) -> int:
+        return 0 if self._sent is None else self._sent.numel()
+
+    def wait(self) -> list[list[torch.Tensor]]:
+        if self._work is not None:
+            self._work.wait()
+        self._sent = None
+        out: list[list[torch.Tensor]] = []
+        offset = 0
+        for specs in self._recv:
+            out.append([])
+            for shape, dtype in specs:
+                n = shape.numel() * dtype.itemsize
+                out[-1].append(self._buffer[offset:offset + n].view(dtype).view(shape))
+                offset += _nbytes((shape, dtype))
+        return out
+
+
+def start_exchange(send: list[list[torch.Tensor]], recv: list[list[Spec]], group: dist.ProcessGroup | None,
+                   device: torch.device) -> PendingExchange:
+    """Send ``send[r]`` to group rank ``r`` and receive ``recv[s]`` (shapes and dtypes) from each
+    rank ``s``, asynchronously. With no group (a group of one) the tensors are handed over as
+    they are."""
+    if group is None:
+        buffer = _pack([t for ts in send for t in ts], device)
+        return PendingExchange(None, buffer, recv, None)
+    sent = _pack([t for ts in send for t in ts], device)
+    in_splits = [sum(_nbytes((t.shape, t.dtype)) for t in ts) for ts in send]
+    out_splits = [sum(_nbytes(s) for s in specs) for specs in recv]
+    buffer = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
+    work = all_to_all_single(buffer, sent, out_splits, in_splits, group=group, async_op=True)
+    return PendingExchange(work, buffer, recv, sent)

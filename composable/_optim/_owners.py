@@ -1,0 +1,50 @@
+"""Which rank of a shard axis owns which whole tensor: a plan every rank computes alike.
+
+[Note: owners of whole matrices]
+An optimizer that needs whole matrices (Muon's Newton-Schulz, Shampoo's preconditioners) cannot
+update a row slice on its own. Instead of every rank redistributing every matrix (W times the
+work), each matrix gets one *owner* on its shard axis, ZeRO-1 style: the owner receives the
+matrix's rows from every rank, runs the optimizer on the whole matrix, and sends the new rows
+back; its optimizer state lives only there. The plan is a pure function of the matrices' sizes,
+in parameter order, and the axis size, so every rank computes the same plan with no collective:
+the largest matrices first, each to the rank with the least work so far (ties: the lower rank;
+equal sizes keep parameter order). Work is counted in elements, which for Muon's iterations on an
+``m x n`` matrix (``m n min(m, n)`` multiply-adds) balances the usual transformer shapes, whose
+matrices share their short side; a world of one owns everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["OwnerPlan", "plan_owners"]
+
+
+@dataclass(frozen=True)
+class OwnerPlan:
+    """``owners[i]``: the shard-axis rank that owns tensor ``i``; ``loads[r]``: the elements
+    rank ``r`` owns (the balance the plan reached)."""
+
+    owners: tuple[int, ...]
+    loads: tuple[int, ...]
+
+    def owned_by(self, rank: int) -> list[int]:
+        """The indices of the tensors ``rank`` owns, in parameter order."""
+        return [i for i, o in enumerate(self.owners) if o == rank]
+
+
+def plan_owners(sizes: Sequence[int], world: int) -> OwnerPlan:
+    """Owners for tensors of ``sizes`` elements over ``world`` ranks ([Note: owners of whole
+    matrices]): largest first, each to the least loaded rank."""
+    if world < 1:
+        raise ValueError(f"plan_owners: world must be >= 1, got {world}")
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"plan_owners: sizes must be >= 0, got {list(sizes)}")
+    loads = [0] * world
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (loads[r], r))
+        owners[i] = r
+        loads[r] += sizes[i]
+    return OwnerPlan(tuple(owners), tuple(loads))

@@ -1,0 +1,119 @@
+"""How one sharded tensor's whole value splits over the ranks that must meet to rebuild it.
+
+[Note: the gather group of a whole tensor]
+A parameter sharded by ``fully_shard`` is a DTensor whose mesh axes are ``Replicate`` (HSDP's
+replica axis, a replicated TP axis) or shard a dim (the shard axis; a TP axis too). The ranks that
+together hold the whole value are those that differ only on the sharding axes: the *gather
+group*. One sharding axis is that axis's process group; several (FSDP x TP) are flattened into one
+axis (row-major over their coordinates) so one all-to-all reaches them all. Replica axes are left
+alone: each replica's group rebuilds and updates the same value, as each replica of HSDP already
+reduces the same gradient. The piece a rank holds is one box: each sharding axis cuts the range of
+its dim with ``torch.chunk`` semantics, the plain shards in axis order, then the strided ones
+(a strided dp shard splits *within* the piece a later TP axis cut, which is how ``fully_shard``
+shards a colwise TP weight: [Note: sharding a tensor-parallel parameter] in
+``composable/_fsdp/_tp_param.py``). A plain tensor, or a DTensor with no sharding axis, is its own
+group of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from .._chunks import chunk_range
+from .._compat import flatten_mesh, is_strided_shard
+
+__all__ = ["Pieces", "pieces_of"]
+
+Box = tuple[tuple[int, int], ...]  # per dim: [start, stop)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A tensor of ``shape`` cut over a gather group of ``world`` ranks: ``boxes[r]`` is the
+    piece group rank ``r`` holds (this rank is ``rank``), ``group`` the process group (None for a
+    group of one), ``key`` what tensors sharing one all-to-all have in common."""
+
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    rank: int
+    group: dist.ProcessGroup | None
+    key: tuple
+
+    @property
+    def world(self) -> int:
+        return len(self.boxes)
+
+    def piece(self, full: torch.Tensor, r: int) -> torch.Tensor:
+        """Group rank ``r``'s piece of the whole ``full`` (a view)."""
+        return full[tuple(slice(a, b) for a, b in self.boxes[r])]
+
+    def piece_shape(self, r: int) -> torch.Size:
+        return torch.Size(b - a for a, b in self.boxes[r])
+
+    def assemble(self, pieces: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the whole shape) filled from every rank's piece, in group rank order."""
+        for r, t in enumerate(pieces):
+            if t.numel():
+                self.piece(out, r).copy_(t.view(self.piece_shape(r)))
+        return out
+
+
+def _box(shape: tuple[int, ...], axes: list[tuple[object, int, int]]) -> Box:
+    """The box of the rank at ``coord`` on each sharding axis ``(placement, size, coord)``."""
+    ranges = [(0, n) for n in shape]
+    ordered = [a for a in axes if not is_strided_shard(a[0])] + [a for a in axes if is_strided_shard(a[0])]
+    for placement, size, coord in ordered:
+        d = placement.dim  # type: ignore[attr-defined]
+        lo, hi = ranges[d]
+        a, b = chunk_range(hi - lo, size, coord)
+        ranges[d] = (lo + a, lo + b)
+    return tuple(ranges)
+
+
+def _gather_mesh(mesh: DeviceMesh, dims: list[int], where: str) -> DeviceMesh:
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"{where}: the parameter is sharded over mesh axes {dims} of an unnamed mesh; whole-tensor "
+                         "steps over several sharding axes need named axes (init_mesh / init_device_mesh "
+                         "mesh_dim_names=...)")
+    picked = tuple(names[d] for d in dims)
+    sub = mesh[picked]
+    return flatten_mesh(sub, "_".join(picked))
+
+
+def pieces_of(p: torch.Tensor, where: str) -> Pieces:
+    """The gather group of ``p`` and every member's piece ([Note: the gather group of a whole
+    tensor]); a one-line ``ValueError`` naming ``where`` for a placement it cannot rebuild."""
+    shape = tuple(p.shape)
+    whole: Box = tuple((0, n) for n in shape)
+    if not isinstance(p, DTensor):
+        return Pieces(shape, (whole,), 0, None, ("local",))
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    dims = [i for i, pl in enumerate(placements) if not pl.is_replicate()]
+    bad = [pl for i, pl in enumerate(placements) if i in dims and not (isinstance(pl, Shard) or is_strided_shard(pl))]
+    if bad:
+        raise ValueError(f"{where}: a parameter with placement {bad[0]} (placements {placements}) cannot be "
+                         "rebuilt whole; whole-tensor steps take parameters sharded (Shard / strided Shard) or "
+                         "replicated on each mesh axis")
+    if not dims or all(mesh.size(d) == 1 for d in dims):
+        return Pieces(shape, (whole,), 0, None, ("local",))
+    if len(dims) == 1:
+        group, rank = mesh.get_group(dims[0]), mesh.get_local_rank(dims[0])
+    else:
+        flat = _gather_mesh(mesh, dims, where)
+        group, rank = flat.get_group(0), flat.get_local_rank(0)
+    sizes = [mesh.size(d) for d in dims]
+    boxes = tuple(_box(shape, [(placements[d], n, c) for d, n, c in zip(dims, sizes, coord)])
+                  for coord in itertools.product(*(range(n) for n in sizes)))
+    mine = tuple(p.to_local().shape)
+    if tuple(b - a for a, b in boxes[rank]) != mine:
+        raise ValueError(f"{where}: the local shard's shape {list(mine)} is not the torch.chunk piece "
+                         f"{[b - a for a, b in boxes[rank]]} its placements {placements} give; whole-tensor "
+                         "steps need torch.chunk shards (fully_shard's, DTensor's)")
+    return Pieces(shape, boxes, rank, group, ("group", tuple(dist.get_process_group_ranks(group))))
