@@ -154,6 +154,14 @@ def load_from_index(state: dict, files: CheckpointFiles, *, strict: bool = True,
     return LoadStats(ntensors, needed, read_bytes, verified, nfiles)
 
 
+def agree_version(files: CheckpointFiles, where: str) -> None:
+    """Collective: raise on every rank unless every rank opened the same version of the
+    checkpoint (its ``save_id`` and creation time); see [Note: readers and a writer]."""
+    ids = all_gather_json(f"{files.index.save_id}:{files.index.created_unix_ns}")
+    if len(set(ids)) > 1:  # ranks read different versions: a save replaced it in between
+        raise CheckpointError(f"{where}: {_retry(files)}")
+
+
 def _source(storage: Storage, path: str) -> tuple[str, str | None]:
     """The directory a load of ``path`` reads: ``path`` itself, or, when it is missing, the intact
     old copy a replace left (read in place, nothing renamed; see [Note: readers and a writer])."""
@@ -260,9 +268,7 @@ def _load(state: dict, path: str | os.PathLike, strict: bool, verify: bool, max_
     try:
         agree(error, where)
         assert files is not None  # else agree raised
-        ids = all_gather_json(f"{files.index.save_id}:{files.index.created_unix_ns}" if files else None)
-        if len(set(ids)) > 1:  # ranks read different versions: a save replaced it in between
-            raise CheckpointError(f"{where}: {_retry(files)}" if files else where)
+        agree_version(files, where)
         return load_from_index(state, files, strict=strict, verify=verify, max_read_bytes=max_read_bytes)
     finally:
         if files is not None:
