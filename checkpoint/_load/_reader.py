@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from .._base import CheckpointError, agree, all_gather_json, phase, rank_and_world
+from .._base import CheckpointError, agree, agree_values, phase, rank_and_world
 from .._series import intact_replaced
 from .._state import (FileSystemReader, Leaf, check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten,
                       refuse_dcp_extensions, set_values)
@@ -157,8 +157,8 @@ def load_from_index(state: dict, files: CheckpointFiles, *, strict: bool = True,
 def agree_version(files: CheckpointFiles, where: str) -> None:
     """Collective: raise on every rank unless every rank opened the same version of the
     checkpoint (its ``save_id`` and creation time); see [Note: readers and a writer]."""
-    ids = all_gather_json(f"{files.index.save_id}:{files.index.created_unix_ns}")
-    if len(set(ids)) > 1:  # ranks read different versions: a save replaced it in between
+    if not agree_values([f"{files.index.save_id}:{files.index.created_unix_ns}"])[0]:
+        # ranks read different versions: a save replaced it in between
         raise CheckpointError(f"{where}: {_retry(files)}")
 
 
