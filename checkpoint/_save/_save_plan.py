@@ -107,10 +107,9 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
     fp = fingerprint(world, rank, digest, [(p.key, p.box.offsets, p.box.sizes) for p in plan.pieces],
                      list(plan.values), list(plan.blobs))
     kept = lookup(rank, fp)
-    text = f"no agreement kept on rank {rank}" if kept is None else str(kept.generation)
-    if rank == 0 and kept is not None and kept.skeleton is None:
-        text += " (rank 0 lacks the skeleton)"
-    if agree_values([text])[0] and kept is not None:  # every rank kept this very agreement
+    usable = kept is not None and (rank != 0 or kept.skeleton is not None)  # rank 0 needs the skeleton
+    text = str(kept.generation) if kept is not None and usable else f"no usable agreement kept on rank {rank}"
+    if agree_values([text])[0] and kept is not None and usable:  # every rank kept this very agreement
         plan.pieces = [p for p in plan.pieces if (p.key, p.box.offsets, p.box.sizes) in kept.writes]
         plan.agreed, plan.reused = kept, True
         _settle_plain(plan, rank, kept)
