@@ -194,3 +194,19 @@ def test_a_reused_plan_s_checksums_must_fit_its_boxes():
     report["crc"] = "00000001"
     index = build_index(plan, [report], 1, "tok")
     assert [b.crc32 for b in index.tensors["t"].boxes] == [1]
+
+
+def test_a_kept_agreement_without_rank_0_s_skeleton_is_not_reused(tmp_path):
+    from shardwise.checkpoint._save import _plan_cache
+
+    state = {"w": torch.arange(6.0), "step": 1}
+    save(state, tmp_path / "a")
+    kept = [p for plans in _plan_cache._PLANS.values() for p in plans.values()]
+    assert kept and all(p.skeleton is not None for p in kept)
+    for p in kept:  # as after a save whose index was never built (it failed before)
+        p.skeleton = None
+    state["w"] += 1
+    save(state, tmp_path / "b")
+    target = {"w": torch.zeros(6), "step": 0}
+    load(target, tmp_path / "b")
+    assert torch.equal(target["w"], state["w"]) and target["step"] == 1
