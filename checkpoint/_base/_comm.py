@@ -117,7 +117,8 @@ def gather_json(obj: Any, dst: int = 0) -> list[Any] | None:
             for r, s in enumerate(sizes)]
     works = [dist.irecv(bufs[r], src=r) for r in range(world) if r != dst]
     for w in works:
-        w.wait()
+        if w is not None:  # None only for a rank outside the group, which no rank here is
+            w.wait()
     return [_decode(b) for b in bufs]
 
 
@@ -219,7 +220,8 @@ def scatter_json(objs: list[Any] | None, src: int = 0) -> Any:
     if datas is not None:
         works = [dist.isend(d, dst=r) for r, d in enumerate(datas) if r != src]
         for w in works:
-            w.wait()
+            if w is not None:  # as in gather_json
+                w.wait()
         return _decode(datas[src])
     buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     dist.recv(buf, src=src)

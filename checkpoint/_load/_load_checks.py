@@ -109,7 +109,7 @@ def check_files(files: CheckpointFiles, keys: list[str], reads: list[tuple[str, 
         except Exception as e:
             error = e
         gathered = gather_json(mine, dst=0)
-        answers = None
+        answers: list[dict] | None = None
         if gathered is not None:  # rank 0: every rank's share ([Note: verification shares])
             try:
                 union = mask_to_keys(index, [g["keys"] for g in gathered])

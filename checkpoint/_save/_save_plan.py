@@ -203,7 +203,7 @@ def write_file(plan: SavePlan, storage: Storage, tmp: str, rank: int) -> dict:
     if plan.reused:  # rank 0 holds the boxes' geometry: only the checksums travel
         tensors = [(k, p) for k, p in by_key.items() if p.key in plan.meta]
         report["crc"] = crcs_to_hex(sums[k].crc32 for k, _ in tensors)
-        report["chunks"] = [[i, sums[k].chunk_rows, crcs_to_hex(sums[k].chunk_crc32)]
+        report["chunks"] = [[i, sums[k].chunk_rows, crcs_to_hex(sums[k].chunk_crc32 or ())]
                             for i, (k, _) in enumerate(tensors) if sums[k].chunk_crc32 is not None]
         by_key = {k: p for k, p in by_key.items() if p.key not in plan.meta}  # bytes values: in full
     report["boxes"] = [{"key": p.key, "file_key": k, "offsets": list(p.box.offsets), "sizes": list(p.box.sizes),
