@@ -39,6 +39,10 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_checkpoint_dcp_forms.py',  # 60 s (torch.compile, DDP, DCP, gloo ranks)
     'tests/test_checkpoint_dcp_resharding.py::test_resharding_matches_torch_dcp',  # 180 s loaded
     'tests/test_checkpoint_chunks.py::test_ranks_loading_different_tensors_check_every_chunk_of_both',  # 2 s
+    'tests/test_checkpoint_coordination.py::test_every_save_of_the_sequence_round_trips_bit_exact',  # 50 s (the fixture: 13 saves and loads on 2 and 4 ranks)
+    'tests/test_checkpoint_coordination.py::test_a_repeated_save_reuses_its_agreement_and_any_change_runs_it_again',
+    'tests/test_checkpoint_coordination.py::test_a_reused_save_takes_as_many_collectives_on_4_ranks_as_on_2',
+    'tests/test_checkpoint_coordination.py::test_no_rank_but_0_receives_more_than_its_own_share_and_load_has_no_all_gather',
     'tests/test_checkpoint_errors.py::test_bad_input_raises_the_same_clear_error_on_every_rank_and_leaves_the_target',  # 3 s
     'tests/test_checkpoint_fsdp_tp.py',  # 4 s
     'tests/test_checkpoint_hostile_files.py',  # 55 s

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from ._errors import CheckpointError
 
 __all__ = [
-    "agree", "all_gather_json", "alone", "broadcast_json", "collective_device", "gather_json",
+    "agree", "agree_values", "all_gather_json", "alone", "broadcast_json", "collective_device", "gather_json",
     "is_distributed", "rank_and_world", "scatter_json",
 ]
 
@@ -93,23 +94,55 @@ def all_gather_json(obj: Any) -> list[Any]:
 
 
 def gather_json(obj: Any, dst: int = 0) -> list[Any] | None:
-    """Every rank's ``obj`` on rank ``dst`` (by rank); None on the other ranks."""
+    """Every rank's ``obj`` on rank ``dst`` (by rank); None on the other ranks.
+
+    [Note: gathers without padding]
+    Rank ``dst`` receives each rank's bytes exactly (a gather of the sizes, then one
+    point-to-point message per rank), never the world times the longest message: what the
+    writer of an index receives is the sum of what the ranks send, and a rank with a long
+    message (per-rank values, many boxes) does not make every other rank's part as long.
+    `scatter_json` sends the same way. Neither pads, so neither needs a broadcast of the
+    longest size."""
     if not is_distributed():
         return [json.loads(json.dumps(obj))]
     dev, world, rank = collective_device(), dist.get_world_size(), dist.get_rank()
-    data = _encode(obj).to(dev)
+    data = _encode(obj).to(dev)  # never empty (json.dumps writes at least one byte)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=dev)
     sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world)] if rank == dst else None
     dist.gather(size, sizes, dst=dst)
-    longest = torch.tensor([max(int(s.item()) for s in sizes) if sizes else 0], dtype=torch.int64, device=dev)
-    dist.broadcast(longest, src=dst)
-    padded = torch.zeros(int(longest.item()), dtype=torch.uint8, device=dev)
-    padded[: data.numel()] = data
-    out = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
-    dist.gather(padded, out, dst=dst)
-    if rank != dst or out is None or sizes is None:
+    if rank != dst or sizes is None:
+        dist.send(data, dst)
         return None
-    return [_decode(o[: int(s.item())]) for o, s in zip(out, sizes)]
+    bufs = [data if r == dst else torch.empty(int(s.item()), dtype=torch.uint8, device=dev)
+            for r, s in enumerate(sizes)]
+    works = [dist.irecv(bufs[r], src=r) for r in range(world) if r != dst]
+    for w in works:
+        if w is not None:  # None only for a rank outside the group, which no rank here is
+            w.wait()
+    return [_decode(b) for b in bufs]
+
+
+def _words(text: str) -> list[int]:
+    """Two non-negative 62-bit words of the SHA-256 of ``text``."""
+    h = hashlib.sha256(text.encode()).digest()
+    return [int.from_bytes(h[:8], "little") >> 2, int.from_bytes(h[8:16], "little") >> 2]
+
+
+def agree_values(texts: list[str]) -> list[bool]:
+    """Collective: for each position ``i``, whether every rank passed the same ``texts[i]``
+    (compared by SHA-256). Every rank must pass a list of the same length. One all-reduce of
+    ``4 * len(texts)`` int64 (the digests and their negations, reduced by MAX: equal
+    everywhere exactly when the maximum of each word equals its minimum), whatever the world
+    size."""
+    if not is_distributed() or not texts:
+        return [True] * len(texts)
+    words = [w for t in texts for w in _words(t)]
+    dev = collective_device()
+    v = torch.tensor(words + [-w for w in words], dtype=torch.int64, device=dev)
+    dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    got = v.cpu().tolist()
+    n = len(words)
+    return [got[2 * i] == -got[n + 2 * i] and got[2 * i + 1] == -got[n + 2 * i + 1] for i in range(len(texts))]
 
 
 def broadcast_json(obj: Any, src: int = 0) -> Any:
@@ -172,24 +205,24 @@ def _ranks(ranks: list[int]) -> str:
 def scatter_json(objs: list[Any] | None, src: int = 0) -> Any:
     """Rank ``src`` sends ``objs[r]`` to rank ``r`` (``objs`` is ignored on the other ranks).
 
-    Each rank receives its own object, padded to the longest of them, never the whole list:
-    what a rank receives does not grow with the world size when the objects do not.
+    Each rank receives its own object, exactly its bytes (a scatter of the sizes, then one
+    point-to-point message per rank; [Note: gathers without padding]): what a rank receives
+    does not grow with the world size, nor with the other ranks' objects.
     """
     if not is_distributed():
         assert objs is not None, "scatter_json: the source rank passes the objects"
         return json.loads(json.dumps(objs[0]))
     dev, world, rank = collective_device(), dist.get_world_size(), dist.get_rank()
-    datas = [_encode(o) for o in objs] if rank == src and objs is not None else None
+    datas = [_encode(o).to(dev) for o in objs] if rank == src and objs is not None else None
     size = torch.zeros(1, dtype=torch.int64, device=dev)
     sizes = [torch.tensor([d.numel()], dtype=torch.int64, device=dev) for d in datas] if datas else None
     dist.scatter(size, sizes, src=src)
-    longest = torch.tensor([max(d.numel() for d in datas) if datas else 0], dtype=torch.int64, device=dev)
-    dist.broadcast(longest, src=src)
-    buf = torch.empty(int(longest.item()), dtype=torch.uint8, device=dev)
-    chunks = None
-    if datas:
-        chunks = [torch.zeros(int(longest.item()), dtype=torch.uint8, device=dev) for _ in range(world)]
-        for c, d in zip(chunks, datas):
-            c[: d.numel()] = d.to(dev)
-    dist.scatter(buf, chunks, src=src)
-    return _decode(buf[: int(size.item())])
+    if datas is not None:
+        works = [dist.isend(d, dst=r) for r, d in enumerate(datas) if r != src]
+        for w in works:
+            if w is not None:  # as in gather_json
+                w.wait()
+        return _decode(datas[src])
+    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+    dist.recv(buf, src=src)
+    return _decode(buf)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .._base import CheckpointError, all_gather_json, rank_and_world
+from .._base import CheckpointError, gather_json, rank_and_world, scatter_json
 from .._format import CheckpointFiles, SavedBox, crcs_of_ranges
 from .._geometry import Box
-from ._verify_shares import Unit, box_ids, contiguous_runs, keys_to_mask, mask_to_keys, needs_of, share_of
+from ._verify_shares import (Unit, all_shares, box_ids, contiguous_runs, id_boxes, keys_to_mask, mask_to_keys, needs_of,
+                             units_of)
 
 __all__ = ["check_files"]
 
@@ -85,8 +86,9 @@ def _check_share(files: CheckpointFiles, share: list[Unit], good: set[tuple[str,
 def check_files(files: CheckpointFiles, keys: list[str], reads: list[tuple[str, SavedBox, Box, int]], verify: bool,
                 problems: list[str], error: BaseException | str | None) -> tuple[int, BaseException | str | None]:
     """The file checks of step 1 of [Note: the steps of a load]: sizes and headers of the files
-    read, and with ``verify`` the checksums of this rank's share (collective: one all-gather,
-    taken part in even by a rank whose planning failed, so no rank hangs).
+    read, and with ``verify`` the checksums of this rank's share (collective: a gather to rank 0
+    and a scatter of the shares, taken part in even by a rank whose planning failed, so no rank
+    hangs).
 
     ``keys``: the tensors this rank loads; ``reads``: ``(tensor key, saved box, region of the
     saved box, itemsize)`` for each planned read; ``problems``: the planning's, appended to;
@@ -95,23 +97,34 @@ def check_files(files: CheckpointFiles, keys: list[str], reads: list[tuple[str, 
     index = files.index
     verified = 0
     share: list[Unit] = []
+    rank, world = rank_and_world()
     if verify:  # every rank takes part, even one whose planning failed (no hang)
         mine: dict = {"keys": "0", "needs": []}
+        ids = box_ids(index)
         try:
             if error is None:
-                ids = box_ids(index)
                 mine = {"keys": keys_to_mask(index, keys),
                         "needs": needs_of(((saved.file, saved.key, src, itemsize) for _, saved, src, itemsize in reads),
                                           ids)}
         except Exception as e:
             error = e
-        gathered = all_gather_json(mine)
+        gathered = gather_json(mine, dst=0)
+        answers: list[dict] | None = None
+        if gathered is not None:  # rank 0: every rank's share ([Note: verification shares])
+            try:
+                union = mask_to_keys(index, [g["keys"] for g in gathered])
+                answers = [{"share": s}
+                           for s in all_shares(index, union, ids, [g["needs"] for g in gathered], world)]
+            except Exception as e:  # every rank learns it in the agreement that follows
+                answers = [{"error": f"{type(e).__name__}: {e}"}] * world
+        answer = scatter_json(answers)
+        if error is None and "error" in answer:
+            error = f"working out the verification shares on rank 0 failed: {answer['error']}"
     try:
         if verify and error is None:
-            # every rank loads its own tensors; the units are those of every tensor any rank
-            # loads, numbered the same way everywhere, so each is checked by exactly one rank
-            share = share_of(index, mask_to_keys(index, [g["keys"] for g in gathered]), ids,
-                             [g["needs"] for g in gathered], *rank_and_world())
+            # the units are those of every tensor any rank loads, numbered the same way
+            # everywhere, so each is checked by exactly one rank
+            share = units_of(index, id_boxes(index), answer["share"])
         if error is None:
             uses = [(key, saved) for key, saved, _, _ in reads] + [(u.tensor, u.saved) for u in share]
             good = _check_headers(files, uses, problems)

@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from .._base import CheckpointError, agree, all_gather_json, phase, rank_and_world
+from .._base import CheckpointError, agree, agree_values, phase, rank_and_world
 from .._series import intact_replaced
 from .._state import (FileSystemReader, Leaf, check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten,
                       refuse_dcp_extensions, set_values)
@@ -152,6 +152,14 @@ def load_from_index(state: dict, files: CheckpointFiles, *, strict: bool = True,
     needed = sum(r.item.dst.numel * r.local.element_size() for r in reads)
     ntensors = sum(1 for leaf in leaves if isinstance(leaf.value, torch.Tensor) and leaf.key in index.tensors)
     return LoadStats(ntensors, needed, read_bytes, verified, nfiles)
+
+
+def agree_version(files: CheckpointFiles, where: str) -> None:
+    """Collective: raise on every rank unless every rank opened the same version of the
+    checkpoint (its ``save_id`` and creation time); see [Note: readers and a writer]."""
+    if not agree_values([f"{files.index.save_id}:{files.index.created_unix_ns}"])[0]:
+        # ranks read different versions: a save replaced it in between
+        raise CheckpointError(f"{where}: {_retry(files)}")
 
 
 def _source(storage: Storage, path: str) -> tuple[str, str | None]:
@@ -260,9 +268,7 @@ def _load(state: dict, path: str | os.PathLike, strict: bool, verify: bool, max_
     try:
         agree(error, where)
         assert files is not None  # else agree raised
-        ids = all_gather_json(f"{files.index.save_id}:{files.index.created_unix_ns}" if files else None)
-        if len(set(ids)) > 1:  # ranks read different versions: a save replaced it in between
-            raise CheckpointError(f"{where}: {_retry(files)}" if files else where)
+        agree_version(files, where)
         return load_from_index(state, files, strict=strict, verify=verify, max_read_bytes=max_read_bytes)
     finally:
         if files is not None:

@@ -3,16 +3,20 @@
 [Note: verification shares]
 With ``verify`` every checksum *unit* of the loaded tensors (a chunk, or a whole box when the
 box has no chunks) is checked by exactly one rank, before any rank writes. Each rank sends
-the others, in one all-gather, the set of tensors it loads (a bit mask over the index's sorted
-keys, `keys_to_mask`) and the dim-0 row ranges it reads from every saved box (`needs_of`, boxes
+rank 0, in one gather, the set of tensors it loads (a bit mask over the index's sorted keys,
+`keys_to_mask`) and the dim-0 row ranges it reads from every saved box (`needs_of`, boxes
 numbered by `box_ids`, which depends on the index alone). Ranks may load different tensors
-(pipeline stages, ``strict=False``): the units are those of the union of the sets. From the
-same gathered lists every rank works out its own share (`share_of`): a unit goes to the rank
-that reads the most of its bytes anyway; among equals (a replicated tensor that every rank
-reads) to one picked by the box and chunk, so such boxes spread over the ranks; a unit nobody
-reads goes round-robin. A rank thus re-reads for checking only the parts of the few chunks
-that straddle its shard's boundaries (none when they fall on chunk boundaries). The work is
-per saved box and reader boundary (`owned_chunks`), not per chunk of the checkpoint.
+(pipeline stages, ``strict=False``): the units are those of the union of the sets. Rank 0
+works out every rank's share in one pass (`all_shares`) and sends each rank its own (a
+scatter of ``[box id, first chunk, end chunk]`` ranges, turned into units by `units_of`): a
+unit goes to the rank that reads the most of its bytes anyway; among equals (a replicated
+tensor that every rank reads) to one picked by the box and chunk, so such boxes spread over the
+ranks; a unit nobody reads goes round-robin. A rank thus re-reads for checking only the parts
+of the few chunks that straddle its shard's boundaries (none when they fall on chunk
+boundaries). The work is per saved box and reader boundary (`chunk_owners`), not per chunk of
+the checkpoint. No rank receives the other ranks' reads except rank 0 (before, an all-gather
+brought every rank the world's reads: W times its own); `share_of` is one rank's share worked
+out from the world's reads, the same as `all_shares` gives it.
 
 The checksums themselves (chunks, CRC-32 arithmetic) are in ``_checksums.py``.
 """
@@ -27,7 +31,8 @@ from .._geometry import Box
 from .._base import box_rows
 from .._format import Index, SavedBox
 
-__all__ = ["Unit", "box_ids", "contiguous_runs", "keys_to_mask", "mask_to_keys", "needs_of", "owned_chunks", "share_of"]
+__all__ = ["Unit", "all_shares", "box_ids", "chunk_owners", "contiguous_runs", "id_boxes", "keys_to_mask", "mask_to_keys", "needs_of",
+           "owned_chunks", "share_of", "units_of"]
 
 
 @dataclass(frozen=True)
@@ -165,28 +170,40 @@ def owned_chunks(readers: Sequence[tuple[int, int, int, int]], rows: int, size: 
                  world: int) -> list[tuple[int, int]]:
     """The chunks (ranges ``[p, q)`` of chunk indices) that ``rank`` checks, of a box of ``rows``
     rows in chunks of ``size`` rows, read by ``readers`` ``[(rank, first row, end row, bytes per
-    row)]`` (a rank may appear several times, for disjoint rows).
+    row)]`` (a rank may appear several times, for disjoint rows): those of `chunk_owners` that
+    are ``rank``'s."""
+    return [(p, q) for p, q, owner in chunk_owners(readers, rows, size, salt, world, rank) if owner == rank]
+
+
+def chunk_owners(readers: Sequence[tuple[int, int, int, int]], rows: int, size: int, salt: int, world: int,
+                 only: int | None = None) -> list[tuple[int, int, int]]:
+    """Who checks each chunk of a box (see `owned_chunks` for the arguments): ``(p, q, owner)``
+    for ranges of chunk indices ``[p, q)``; ``only``: a rank whose chunks alone are wanted
+    (the round-robin of unread chunks then lists only its chunks).
 
     A chunk goes to the rank that reads the most of its bytes; among equals, to one chosen by
     ``salt`` (the box id) and the chunk, so that boxes read whole by every rank (replicated
-    tensors) spread over the ranks; a chunk nobody reads goes round-robin. The reader
-    boundaries cut the chunks into segments over which the readers that cover them whole do not
-    change; only the chunks that a boundary falls inside are looked at one by one."""
+    tensors) spread over the ranks; a chunk nobody reads goes round-robin (chunk ``i`` to rank
+    ``(i + salt) % world``). The reader boundaries cut the chunks into segments over which the
+    readers that cover them whole do not change; only the chunks that a boundary falls inside
+    are looked at one by one."""
     n = -(-rows // size)
 
     def pick(candidates: list[int], at: int) -> int:
         return sorted(candidates)[(salt + at) % len(candidates)]
 
-    def round_robin(p: int, q: int) -> list[tuple[int, int]]:
-        first = p + (rank - salt - p) % world
-        return [(i, i + 1) for i in range(first, q, world)]
+    def round_robin(p: int, q: int) -> list[tuple[int, int, int]]:
+        if only is not None:
+            first = p + (only - salt - p) % world
+            return [(i, i + 1, only) for i in range(first, q, world)]
+        return [(i, i + 1, (i + salt) % world) for i in range(p, q)]
 
     full = [(-(-lo // size), n if hi >= rows else hi // size, r, per_row) for r, lo, hi, per_row in readers]
     inside = {lo // size for _, lo, _, _ in readers if lo % size} | {
         hi // size for _, _, hi, _ in readers if hi < rows and hi % size}
     cuts = {0, n} | {a for a, _, _, _ in full} | {max(a, b) for a, b, _, _ in full} | inside | {c + 1 for c in inside}
     points = sorted(c for c in cuts if 0 <= c <= n)
-    out: list[tuple[int, int]] = []
+    out: list[tuple[int, int, int]] = []
     for p, q in zip(points, points[1:]):
         if p in inside:  # a reader boundary falls inside chunk p (q == p + 1)
             lo_c, hi_c = p * size, min(q * size, rows)
@@ -206,6 +223,74 @@ def owned_chunks(readers: Sequence[tuple[int, int, int, int]], rows: int, size: 
                 continue
             best = max(per_row for per_row, _ in cover)
             owner = pick(list({r for per_row, r in cover if per_row == best}), p)
-        if owner == rank:
-            out.append((p, q))
+        out.append((p, q, owner))
     return out
+
+
+def _units(index: Index, ids: dict[tuple[str, str], int], keys: Iterable[str]):
+    """For each checkable saved box of the tensors ``keys``: ``(tensor key, box, box id, rows,
+    bytes per row, chunk rows)``."""
+    for k in sorted(set(keys)):
+        t = index.tensors[k]
+        for b in t.boxes:
+            rows, per_row = box_rows(b.box.sizes)
+            row_bytes = per_row * t.dtype.itemsize
+            chunked = b.chunk_crc32 is not None
+            if rows * row_bytes == 0 or (not chunked and b.crc32 is None):
+                continue  # no bytes, or no checksum
+            yield k, b, ids[(b.file, b.key)], rows, row_bytes, (b.chunk_rows if chunked and b.chunk_rows else rows)
+
+
+def _wants(needs: Sequence[Sequence[int]]) -> dict[int, list[tuple[int, int, int, int]]]:
+    wants: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for r, flat in enumerate(needs):
+        for j in range(0, len(flat), 4):
+            bid, lo, hi, per_row = flat[j:j + 4]
+            if hi > lo:
+                wants[bid].append((r, lo, hi, per_row))
+    return wants
+
+
+def all_shares(index: Index, keys: Iterable[str], ids: dict[tuple[str, str], int], needs: Sequence[Sequence[int]],
+               world: int) -> list[list[int]]:
+    """Every rank's share at once (rank 0 works it out for the world, [Note: verification
+    shares]): for each rank, ``[box id, first chunk, end chunk, ...]`` flattened, the same
+    units as `share_of` gives that rank. One pass over the boxes of ``keys`` and the needs."""
+    wants = _wants(needs)
+    out: list[list[int]] = [[] for _ in range(world)]
+    for _, _, bid, rows, _, size in _units(index, ids, keys):
+        for p, q, owner in chunk_owners(wants.get(bid, ()), rows, size, bid, world):
+            share = out[owner]
+            if share and share[-3] == bid and share[-1] == p:
+                share[-1] = q  # consecutive ranges of one box: one entry
+            else:
+                share += [bid, p, q]
+    return out
+
+
+def id_boxes(index: Index) -> list[tuple[str, SavedBox]]:
+    """``(tensor key, saved box)`` by box id (`box_ids`' numbering)."""
+    out: list[tuple[str, SavedBox]] = []
+    seen: set[tuple[str, str]] = set()
+    for k in sorted(index.tensors):
+        for b in index.tensors[k].boxes:
+            if (b.file, b.key) not in seen:
+                seen.add((b.file, b.key))
+                out.append((k, b))
+    return out
+
+
+def units_of(index: Index, boxes: Sequence[tuple[str, SavedBox]], share: Sequence[int]) -> list[Unit]:
+    """The `Unit` s of a share from `all_shares` (``[box id, first chunk, end chunk, ...]``);
+    ``boxes`` is `id_boxes` of the index. The work is per unit of the share."""
+    mine: list[Unit] = []
+    for j in range(0, len(share), 3):
+        bid, p, q = share[j:j + 3]
+        k, b = boxes[bid]
+        rows, per_row = box_rows(b.box.sizes)
+        row_bytes = per_row * index.tensors[k].dtype.itemsize
+        chunked = b.chunk_crc32 is not None
+        size = b.chunk_rows if chunked and b.chunk_rows else rows
+        mine += [Unit(k, b, bid, i if chunked else None, i * size, min((i + 1) * size, rows), row_bytes)
+                 for i in range(p, q)]
+    return mine

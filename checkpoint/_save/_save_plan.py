@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,12 +30,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._base import CheckpointError, agree, crcs_from_hex, crcs_to_hex, gather_json, scatter_json
+from .._base import (CheckpointError, agree, agree_values, crcs_from_hex, crcs_to_hex, gather_json, rank_and_world,
+                     scatter_json)
 from .._state import flatten, rank_key, to_json_value
 from .._format import (DTYPE_CODES, FORMAT_NAME, Index, SavedBox, StreamingWriter, TensorEntry, data_file_name,
                        dtype_name)
 from .._geometry import Box, assign_writers, is_local_candidate, layout_of, local_boxes, tiling_problem
 from .._storage import Storage
+from ._plan_cache import AgreedPlan, fingerprint, lookup, remember
 
 __all__ = ["Piece", "SavePlan", "build_index", "keep_own_pieces", "meta_digest", "plan_save", "snapshot",
            "write_file"]
@@ -64,6 +67,8 @@ class SavePlan:
     blob_sizes: dict[str, int] = field(default_factory=dict)  # bytes values this rank writes: saved name -> size
     rank_values: dict[str, Any] = field(default_factory=dict)  # this rank's per-rank JSON values, by saved name
     path: str = ""
+    agreed: AgreedPlan | None = None  # the agreement of this save ([Note: reusing a save's agreement])
+    reused: bool = False  # ``agreed`` was kept from an earlier save and reused
 
 
 def plan_save(state: dict, rank: int) -> SavePlan:
@@ -97,29 +102,65 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
     held: dict[str, list[Box]] = {}
     for p in plan.pieces:
         held.setdefault(p.key, []).append(p.box)
+    _, world = rank_and_world()
+    digest = meta_digest(plan.meta)
+    fp = fingerprint(world, rank, digest, [(p.key, p.box.offsets, p.box.sizes) for p in plan.pieces],
+                     list(plan.values), list(plan.blobs))
+    kept = lookup(rank, fp)
+    usable = kept is not None and (rank != 0 or kept.skeleton is not None)  # rank 0 needs the skeleton
+    text = str(kept.generation) if kept is not None and usable else f"no usable agreement kept on rank {rank}"
+    if agree_values([text])[0] and kept is not None and usable:  # every rank kept this very agreement
+        plan.pieces = [p for p in plan.pieces if (p.key, p.box.offsets, p.box.sizes) in kept.writes]
+        plan.agreed, plan.reused = kept, True
+        _settle_plain(plan, rank, kept)
+        return
     shapes = {k: tuple(m["shape"]) for k, m in plan.meta.items()}
-    mine, problem = assign_writers(sorted(plan.meta), shapes, held, meta_digest(plan.meta), rank)
+    mine, problem = assign_writers(sorted(plan.meta), shapes, held, digest, rank)
     agree(problem, f"saving checkpoint {plan.path}")
     plan.pieces = [p for p in plan.pieces if (p.key, p.box) in mine]
-    _settle_plain(plan, rank)
+    writes = frozenset((p.key, p.box.offsets, p.box.sizes) for p in plan.pieces)
+    generation, common = _settle_plain(plan, rank, None)
+    plan.agreed = AgreedPlan(generation, writes, common)
+    remember(rank, fp, plan.agreed)
 
 
 def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
-def _settle_plain(plan: SavePlan, rank: int) -> None:
-    """Collective: which plain values are shared and which per rank ([Note: plain values per
-    rank]); this rank keeps what it saves, and a piece for each ``bytes`` value it writes."""
-    mine = {"v": {k: _digest(json.dumps(v, sort_keys=True).encode()) for k, v in plan.values.items()},
+def _value_digests(plan: SavePlan) -> dict[str, dict[str, str]]:
+    return {"v": {k: _digest(json.dumps(v, sort_keys=True).encode()) for k, v in plan.values.items()},
             "b": {k: _digest(b) for k, b in plan.blobs.items()}}
-    gathered = gather_json(mine, dst=0)
-    answers = None
-    if gathered is not None:  # rank 0: the keys each rank saves as its own
-        shared = {kind: {k for k, d in gathered[0][kind].items() if all(g[kind].get(k) == d for g in gathered)}
-                  for kind in ("v", "b")}
-        answers = [{kind: sorted(set(g[kind]) - shared[kind]) for kind in ("v", "b")} for g in gathered]
-    own = scatter_json(answers)
+
+
+def _settle_plain(plan: SavePlan, rank: int, kept: AgreedPlan | None) -> tuple[int, dict[str, list[str]]]:
+    """Collective: which plain values are shared and which per rank ([Note: plain values per
+    rank]); this rank keeps what it saves, and a piece for each ``bytes`` value it writes.
+
+    Without ``kept``: a gather of every rank's digests to rank 0 and a scatter of each rank's
+    own keys, plus the agreement's generation and the keys every rank holds. With ``kept`` (a
+    reused agreement): one all-reduce over the digests of the keys every rank holds ([Note:
+    reusing a save's agreement]). Returns ``(generation, common keys)``."""
+    mine = _value_digests(plan)
+    if kept is not None:
+        common = kept.common
+        same = agree_values([mine[kind][k] for kind in ("v", "b") for k in common[kind]])
+        equal = dict(zip([(kind, k) for kind in ("v", "b") for k in common[kind]], same))
+        own = {kind: sorted(k for k in mine[kind] if not equal.get((kind, k), False)) for kind in ("v", "b")}
+        generation = kept.generation
+    else:
+        gathered = gather_json(mine, dst=0)
+        answers = None
+        if gathered is not None:  # rank 0: the keys each rank saves as its own
+            shared = {kind: {k for k, d in gathered[0][kind].items() if all(g[kind].get(k) == d for g in gathered)}
+                      for kind in ("v", "b")}
+            held_by_all = {kind: sorted(k for k in gathered[0][kind] if all(k in g[kind] for g in gathered))
+                           for kind in ("v", "b")}
+            drawn = secrets.randbits(62)
+            answers = [{**{kind: sorted(set(g[kind]) - shared[kind]) for kind in ("v", "b")},
+                        "common": held_by_all, "generation": drawn} for g in gathered]
+        own = scatter_json(answers)
+        common, generation = own["common"], own["generation"]
     plan.rank_values = {rank_key(k, rank): plan.values.pop(k) for k in own["v"]}
     for k, data in plan.blobs.items():
         name = rank_key(k, rank) if k in own["b"] else k
@@ -130,6 +171,7 @@ def _settle_plain(plan: SavePlan, rank: int) -> None:
             plan.pieces.append(Piece(name, Box((0,), (len(data),)), torch.frombuffer(bytearray(data),
                                                                                       dtype=torch.uint8), None))
     plan.blobs = {}
+    return generation, common
 
 
 def snapshot(plan: SavePlan) -> None:
@@ -157,11 +199,18 @@ def write_file(plan: SavePlan, storage: Storage, tmp: str, rank: int) -> dict:
         writer.abort()
         raise
     sums = writer.close()
-    boxes = [{"key": p.key, "file_key": k, "offsets": list(p.box.offsets), "sizes": list(p.box.sizes),
-              "crc32": sums[k].crc32, "chunk_rows": sums[k].chunk_rows,
-              "chunk_crc32": None if sums[k].chunk_crc32 is None else crcs_to_hex(sums[k].chunk_crc32 or ())}
-             for k, p in by_key.items()]
-    return {"file": name, "bytes": storage.size(path, follow=False), "boxes": boxes, **plain}
+    report: dict[str, Any] = {"file": name, "bytes": storage.size(path, follow=False), **plain}
+    if plan.reused:  # rank 0 holds the boxes' geometry: only the checksums travel
+        tensors = [(k, p) for k, p in by_key.items() if p.key in plan.meta]
+        report["crc"] = crcs_to_hex(sums[k].crc32 for k, _ in tensors)
+        report["chunks"] = [[i, sums[k].chunk_rows, crcs_to_hex(sums[k].chunk_crc32 or ())]
+                            for i, (k, _) in enumerate(tensors) if sums[k].chunk_crc32 is not None]
+        by_key = {k: p for k, p in by_key.items() if p.key not in plan.meta}  # bytes values: in full
+    report["boxes"] = [{"key": p.key, "file_key": k, "offsets": list(p.box.offsets), "sizes": list(p.box.sizes),
+                        "crc32": sums[k].crc32, "chunk_rows": sums[k].chunk_rows,
+                        "chunk_crc32": None if sums[k].chunk_crc32 is None else crcs_to_hex(sums[k].chunk_crc32 or ())}
+                       for k, p in by_key.items()]
+    return report
 
 
 def meta_digest(meta: dict) -> str:
@@ -184,20 +233,52 @@ def build_index(plan: SavePlan, reports: list[dict], world: int, token: str) -> 
         blobs.update(rep.get("blobs", {}))
     meta = dict(plan.meta, **{k: {"dtype": "uint8", "shape": [n], "layout": None} for k, n in blobs.items()})
     boxes.update({k: [] for k in blobs})
-    for rep in reports:
+    skeleton: list[list[tuple[str, str, Box]]] = []
+    compact = plan.reused
+    for r, rep in enumerate(reports):
+        skeleton.append([])
+        if compact:
+            _put_checksums(plan, r, rep, boxes)
         if rep["file"] is None:
             continue
         files[rep["file"]] = rep["bytes"]
         for b in rep["boxes"]:
             rows, hex_crcs = b["chunk_rows"], b["chunk_crc32"]
             chunks = None if hex_crcs is None else crcs_from_hex(hex_crcs, len(hex_crcs) // 8)
-            boxes[b["key"]].append(SavedBox(Box(tuple(b["offsets"]), tuple(b["sizes"])), rep["file"], b["file_key"],
-                                            b["crc32"], rows, chunks))
+            box = Box(tuple(b["offsets"]), tuple(b["sizes"]))
+            boxes[b["key"]].append(SavedBox(box, rep["file"], b["file_key"], b["crc32"], rows, chunks))
+            if b["key"] in plan.meta:
+                skeleton[-1].append((b["key"], b["file_key"], box))
     tensors = {}
     for k, m in meta.items():
         dtype = getattr(torch, m["dtype"])
         tensors[k] = TensorEntry(dtype, tuple(m["shape"]), tuple(boxes[k]), m["layout"])
+        if compact and k in plan.meta:
+            continue  # the skeleton's boxes, checked when it was taken
         problem = tiling_problem(tensors[k].shape, [b.box for b in boxes[k]])
         if problem is not None:  # the written boxes themselves, checked once more before the commit
             raise CheckpointError(f"the boxes written for tensor '{k}' do not tile it: {problem}; nothing was committed")
+    if plan.agreed is not None and not compact:  # rank 0 keeps the geometry for the next saves
+        plan.agreed.skeleton = skeleton
     return Index(tensors, values, files, world, time.time_ns(), save_id=token, blobs=frozenset(blobs))
+
+
+def _put_checksums(plan: SavePlan, rank: int, rep: dict, boxes: dict[str, list[SavedBox]]) -> None:
+    """Rank 0, a reused agreement: rank ``rank``'s checksums (its compact report ``rep``) on the
+    boxes of the skeleton ([Note: reusing a save's agreement])."""
+    assert plan.agreed is not None and plan.agreed.skeleton is not None
+    skel = plan.agreed.skeleton[rank]
+    if rep["file"] is None:
+        if skel:
+            raise CheckpointError(f"rank {rank} wrote no data file but its reused plan has {len(skel)} boxes; "
+                                  "nothing was committed")
+        return
+    try:
+        crcs = crcs_from_hex(rep["crc"], len(skel))
+        chunks = {i: (rows, crcs_from_hex(hex_crcs, len(hex_crcs) // 8)) for i, rows, hex_crcs in rep["chunks"]}
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"rank {rank}'s checksums do not fit the boxes of its reused plan ({len(skel)} boxes): "
+                              f"{e}; nothing was committed") from None
+    for i, ((key, file_key, box), crc) in enumerate(zip(skel, crcs)):
+        rows, chunk_crcs = chunks.get(i, (None, None))
+        boxes[key].append(SavedBox(box, rep["file"], file_key, crc, rows, chunk_crcs))
