@@ -9,8 +9,10 @@
    here on the caller may change the state; the checkpoint holds the values of this moment.
 4. Every writing rank streams its boxes into ``rank-<rank>.safetensors`` (CRC-32 of each box
    and of each of its checksum chunks on the way, [Note: checksum chunks] in ``checkpoint/_base/_checksums.py``)
-   and fsyncs it. ``async_save`` does this in a background thread, which does no
-   collective (a collective there could interleave with the training's own).
+   and fsyncs it. ``async_save`` does this in a background thread, or with
+   ``async_checkpointer_type="process"`` in the rank's writer process ([Note: the writer
+   process] in ``_process_writer.py``); neither does a collective (a collective there could
+   interleave with the training's own).
 5. Commit (collective; for ``async_save`` inside ``SaveHandle.wait()``): agree on write errors;
    gather each rank's file and boxes on rank 0, which checks that all ranks saved the same
    tensors, writes ``index.json`` last and renames the directory into place ([Note: atomic
@@ -110,7 +112,9 @@ def async_save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_
                storage_writer: Any = None, planner: Any = None, async_checkpointer_type: Any = None,
                async_stager: Any = None, use_collectives: bool = True) -> SaveHandle:
     """Like `save`, but return once the state is copied to CPU memory; files are written in a
-    background thread. Collective. Call ``handle.wait()`` (collective, on every rank) before
+    background thread (``async_checkpointer_type`` None or ``"thread"``, or DCP's
+    ``AsyncCheckpointerType.THREAD``) or in this rank's writer process (``"process"`` /
+    ``AsyncCheckpointerType.PROCESS``). Collective. Call ``handle.wait()`` (collective, on every rank) before
     the next save: it commits the checkpoint and raises any error from the background write.
     A handle never waited for commits nothing and warns at exit (`SaveHandle`).
 
