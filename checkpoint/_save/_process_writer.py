@@ -154,7 +154,11 @@ class ProcessWriter:
                     view = buf[start:start + n].view(dtype).view(sizes)
                     view.copy_(p.tensor())
                     p.data, p.region = view, None  # the snapshot's own memory goes
-        message = ("write", job, slot, spans, plan.rank_values, plan.blob_sizes, storage_bytes, tmp, rank)
+        # what `write_file` reads of the plan besides its pieces: with a reused agreement only the
+        # tensors' checksums travel ([Note: reusing a save's agreement] in ``_plan_cache.py``)
+        tensors = sorted(plan.meta) if plan.reused else None
+        message = ("write", job, slot, spans, plan.rank_values, plan.blob_sizes, storage_bytes, tmp, rank,
+                   tensors)
         with self._lock:
             if self._dead is not None:
                 raise self._dead
@@ -354,10 +358,10 @@ def writer_main(job_fd: int, reply_fd: int, parent: int) -> None:
         elif kind == "drop":
             buffers.pop(msg[1], None)
         elif kind == "write":
-            _, job, slot, spans, rank_values, blob_sizes, storage_bytes, tmp, rank = msg
+            _, job, slot, spans, rank_values, blob_sizes, storage_bytes, tmp, rank, tensors = msg
             try:
                 replies.send(("done", job, _write_job(buffers.get(slot), spans, rank_values, blob_sizes,
-                                                      storage_bytes, tmp, rank)))
+                                                      storage_bytes, tmp, rank, tensors)))
             except BaseException as e:
                 traceback.print_exc()  # the whole story on the training process's stderr; one line in the error
                 detail = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
@@ -365,9 +369,11 @@ def writer_main(job_fd: int, reply_fd: int, parent: int) -> None:
 
 
 def _write_job(buf: torch.Tensor | None, spans: list, rank_values: dict, blob_sizes: dict, storage_bytes: bytes,
-               tmp: str, rank: int) -> dict:
+               tmp: str, rank: int, tensors: list[str] | None) -> dict:
+    """``tensors``: the tensor keys of a save whose agreement is reused (None otherwise)."""
     storage = pickle.loads(storage_bytes)
-    plan = SavePlan(rank_values=rank_values, blob_sizes=blob_sizes)
+    plan = SavePlan(rank_values=rank_values, blob_sizes=blob_sizes, meta=dict.fromkeys(tensors or (), {}),
+                    reused=tensors is not None)
     for key, offsets, sizes, dtype, start in spans:
         n = dtype.itemsize
         for s in sizes:
