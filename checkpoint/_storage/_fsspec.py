@@ -136,6 +136,9 @@ class FsspecStorage:
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.local = "file" in protocols or "local" in protocols
         self.atomic_rename = self.local
+        # an object store's folders are key prefixes: one exists while an object lies under it
+        # (see [Note: folders on an object store]); fsspec's memory:// and the local disk keep real ones
+        self.virtual_dirs = not self.local and "memory" not in protocols
         self._posix = PosixStorage() if self.local else None
 
     @classmethod
@@ -160,7 +163,14 @@ class FsspecStorage:
     def name(self, path: str) -> str:
         return posixpath.basename(path.rstrip("/"))
 
+    def _fresh(self, path: str) -> None:
+        """Forget what the file system cached about ``path`` (s3fs keeps listings, and answers
+        ``info`` from them, forever): another process may have changed it since."""
+        if not self.local:
+            self.fs.invalidate_cache(path)
+
     def kind(self, path: str) -> Kind:
+        self._fresh(path)
         try:
             info = self.fs.info(path)
         except (FileNotFoundError, NotADirectoryError):
@@ -226,6 +236,8 @@ class FsspecStorage:
     def mkdir(self, path: str, parents: bool = False) -> None:
         if self.kind(path) != "missing" and not parents:
             raise FileExistsError(path)
+        if self.virtual_dirs:
+            return  # a prefix needs no creating: it exists once an object is written under it
         if not parents and self.kind(self.parent(path)) == "missing":
             raise FileNotFoundError(self.parent(path))
         self.fs.makedirs(path, exist_ok=True)
@@ -239,11 +251,15 @@ class FsspecStorage:
         if self.kind(src) != "dir":
             self.fs.mv(src, dst)
             return
-        files = sorted(p for p in self.fs.find(src) if self.kind(p) == "file")
+        self._fresh(src)
+        found = self.fs.find(src, detail=True)
+        files = sorted(p for p, info in found.items() if info.get("type") == "file")
         rel = [posixpath.relpath(p, src) for p in files]
-        self.fs.makedirs(dst, exist_ok=True)
+        if not self.virtual_dirs:
+            self.fs.makedirs(dst, exist_ok=True)
         for p, r in sorted(zip(files, rel), key=lambda pr: pr[1] == _INDEX):  # the index last: see the note
-            self.fs.makedirs(posixpath.dirname(posixpath.join(dst, r)), exist_ok=True)
+            if not self.virtual_dirs:
+                self.fs.makedirs(posixpath.dirname(posixpath.join(dst, r)), exist_ok=True)
             self.fs.cp_file(p, posixpath.join(dst, r))
         if _INDEX in rel:
             self.fs.rm_file(posixpath.join(src, _INDEX))  # src stops being a checkpoint first
@@ -254,7 +270,14 @@ class FsspecStorage:
             self._posix.fsync_dir(path)
 
     def list(self, path: str) -> list[str]:
-        return sorted(self.name(p) for p in self.fs.ls(path, detail=False) if self.name(p) not in ("", ".", ".."))
+        self._fresh(path)
+        try:
+            names = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            if self.virtual_dirs:
+                return []  # an emptied prefix is gone: the same as an empty folder
+            raise
+        return sorted(n for n in (self.name(p) for p in names) if n not in ("", ".", ".."))
 
     def delete(self, path: str) -> None:
         if self.kind(path) == "missing":
@@ -264,11 +287,14 @@ class FsspecStorage:
     def rmdir(self, path: str) -> None:
         if self.list(path):
             raise OSError(f"{self.url(path)} is not empty")
+        if self.virtual_dirs:
+            return  # the prefix went with its last object
         self.fs.rmdir(path)
 
     def rmtree(self, path: str) -> None:
+        self._fresh(path)
         self.fs.rm(path, recursive=True)
-        if self.kind(path) == "dir":
+        if not self.virtual_dirs and self.kind(path) == "dir":
             with contextlib.suppress(OSError, FileNotFoundError):
                 self.fs.rmdir(path)
 
