@@ -26,6 +26,7 @@ import hashlib
 import os
 import posixpath
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -84,20 +85,27 @@ class _Writer:
 
 
 class _View:
-    """A directory read by path; `is_current` compares the small files read with what is there now."""
+    """A directory read by path: nothing is pinned, so the view remembers what it saw (the kind of
+    each name it asked about, the bytes of each small file it read) and `is_current` compares
+    that with what is there now (see [Note: readers on an object store])."""
 
     pinned = False
+    settle_s = 1.0  # how long a folder without index.json must stay unchanged to be taken as such
 
     def __init__(self, storage: FsspecStorage, path: str) -> None:
         self.path, self._s = path, storage
-        if storage.kind(path) != "dir":
-            kind = storage.kind(path)
+        self._seen: dict[str, tuple[int, str | None]] = {}
+        self._kinds: dict[str, Kind] = {}
+        kind = self._kinds[""] = storage.kind(path)
+        if kind == "missing" and storage.virtual_dirs:
+            return  # perhaps between the two renames of a replace: the index check says which
+        if kind != "dir":
             raise CheckpointError(f"{storage.url(path)} does not exist" if kind == "missing" else
                                   f"{storage.url(path)} is a file, not a checkpoint directory")
-        self._seen: dict[str, tuple[int, str]] = {}
 
     def kind(self, name: str) -> Kind:
-        return self._s.kind(self._s.join(self.path, name))
+        kind = self._kinds[name] = self._s.kind(self._s.join(self.path, name))
+        return kind
 
     def size(self, name: str, follow: bool = False) -> int:
         return self._s.size(self._s.join(self.path, name), follow)
@@ -106,21 +114,43 @@ class _View:
         return self._s.open_read(self._s.join(self.path, name), follow)
 
     def read_small(self, name: str, limit: int, follow: bool = False) -> bytes:
-        data = self._s.read_small(self._s.join(self.path, name), limit, follow)
+        try:
+            data = self._s.read_small(self._s.join(self.path, name), limit, follow)
+        except CheckpointError:
+            self._seen[name] = (limit, None)
+            raise
         self._seen[name] = (limit, hashlib.sha256(data).hexdigest())
         return data
 
     def list(self) -> list[str]:
         return self._s.list(self.path)
 
+    def _digest(self, name: str, limit: int) -> str | None:
+        try:
+            return hashlib.sha256(self._s.read_small(self._s.join(self.path, name), limit)).hexdigest()
+        except (CheckpointError, OSError):
+            return None
+
+    def _moving(self) -> bool:
+        """Whether objects come into or leave this folder, which has no ``index.json``, within
+        `settle_s`: a rename under way (copying in, or deleting the rest after the index)."""
+        listing = self._s.list(self.path)
+        deadline = time.monotonic() + self.settle_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if self._s.list(self.path) != listing:
+                return True
+        return False
+
     def is_current(self) -> bool:
+        for name, kind in self._kinds.items():
+            if self._s.kind(self._s.join(self.path, name) if name else self.path) != kind:
+                return False
         for name, (limit, digest) in self._seen.items():
-            try:
-                data = self._s.read_small(self._s.join(self.path, name), limit)
-            except CheckpointError:
+            if self._digest(name, limit) != digest:
                 return False
-            if hashlib.sha256(data).hexdigest() != digest:
-                return False
+        if self._s.virtual_dirs and (self._kinds.get(_INDEX) == "missing" or self._kinds[""] == "missing"):
+            return not self._moving()
         return True
 
     def close(self) -> None:
