@@ -283,3 +283,25 @@ def test_a_rotation_killed_at_every_s3_write_is_recovered(folder):
 
     points = _each_kill_point(folder, before, lambda f: save(_state(2.0), f"{f}/step-2", keep_last=1), after, check)
     assert points >= 5, points
+
+
+# --- requests per save (docs/checkpoint.md, "On an object store") --------------------------------
+
+def test_requests_per_save_replace_rotation_and_load(folder):
+    """Counts this process's S3 requests (one rank, one data file); docs/checkpoint.md quotes
+    the printed figures. The bounds fail when a change adds requests to a save."""
+    got = {}
+    for what, call in [("new", lambda: save(_state(1.0), f"{folder}/latest")),
+                       ("replace", lambda: save(_state(2.0), f"{folder}/latest")),
+                       ("step-1", lambda: save(_state(1.0), f"{folder}/step-1", keep_last=1)),
+                       ("rotate", lambda: save(_state(2.0), f"{folder}/step-2", keep_last=1)),
+                       ("load", lambda: _value(f"{folder}/latest"))]:
+        with S3Calls() as calls:
+            call()
+        writes = sum(n for m, n in calls.counts.items() if m in ("put_object", "copy_object", "delete_object",
+                                                                   "delete_objects"))
+        got[what] = (calls.total, writes, dict(sorted(calls.counts.items())))
+        print(what, calls.total, "requests,", writes, "writes:", got[what][2])
+    assert got["new"][1] <= 8 and got["replace"][1] <= 16 and got["rotate"][1] <= 14, got
+    assert got["load"][1] == 0 and got["load"][0] <= 40, got
+    assert got["replace"][0] <= 150, got

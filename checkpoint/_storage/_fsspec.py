@@ -9,14 +9,34 @@ An object store has no atomic rename of a prefix: ``mv`` copies objects one by o
 stays atomic because a directory is a checkpoint exactly when its ``index.json`` exists and
 every reader reads the index first: `FsspecStorage.rename` copies every other object first and
 ``index.json`` last (``dst`` becomes a checkpoint only when complete), then deletes ``src``'s
-``index.json`` first (``src`` stops being one at once) and the rest after. A single object PUT
-is atomic on the stores fsspec serves, so ``write_atomic`` is one ``pipe_file``. A kill at any
-point leaves at least one complete copy (the old one until the new one is complete). There is
-no cross-process lock: one job saves a series at a time (the lock here only orders the threads
-of this process). A reader cannot pin a version (no directory descriptors): `DirView.is_current`
-re-reads the ``index.json`` it read and compares, which is how a load detects a replace that
-happened while it read and says "being replaced, retry" (docs/checkpoint.md, "Readers and a
-writer").
+``index.json`` first (``src`` stops being one at once) and the rest after (one batch delete).
+A single object PUT is atomic on the stores fsspec serves, so ``write_atomic`` is one
+``pipe_file``. A kill at any point leaves at least one complete copy (the old one until the new
+one is complete); the half-done copies a kill can leave (a folder without index at ``<name>``,
+a partial ``.replaced-`` copy, a user file in two places) are undone by the next save of the
+series (``_clear_copy_leftovers`` in ``checkpoint/_series/_commit.py``). There is no
+cross-process lock: one job saves a series at a time (the lock here only orders the threads of
+this process). docs/checkpoint.md, "On an object store", lists the requests of a save.
+
+[Note: folders on an object store]
+On an object store (``virtual_dirs``: every fsspec file system but the local one and
+``memory://``) a folder is a key prefix: it exists while an object lies under it. ``mkdir``
+creates nothing, a folder whose last object is deleted is gone (``list`` answers ``[]`` and
+``rmdir`` does nothing, as for an emptied folder), and ``kind`` says ``"missing"`` for an empty
+one. s3fs caches listings and answers ``info`` from them forever; another process changes the
+store behind that cache, so every ``kind``/``list`` first drops what is cached for the path.
+
+[Note: readers on an object store]
+A reader cannot pin a version (no directory descriptors). The `_View` remembers what it saw:
+the kind of each name it asked about (the folder's own included) and the bytes of each small
+file it read (``index.json``); `_View.is_current` compares them with what is there now, which
+is how a load detects a replace that happened while it read and says "being replaced, retry"
+(docs/checkpoint.md, "Readers and a writer"). A rename passes ``<name>`` through two states a
+POSIX rename never shows: a folder without ``index.json`` (being copied in, or the rest being
+deleted after the index) and, on an object store, no folder at all between the two renames of
+a replace. A view that saw either is current only if nothing comes into or leaves the folder
+for ``settle_s`` (1 s, only on this error path): otherwise a rename is under way and the load
+says "retry", not "not a checkpoint".
 """
 
 from __future__ import annotations
@@ -199,18 +219,21 @@ class FsspecStorage:
         if not self.local:
             self.fs.invalidate_cache(path)
 
-    def kind(self, path: str) -> Kind:
+    def _kind_info(self, path: str) -> tuple[Kind, dict]:
         self._fresh(path)
         try:
             info = self.fs.info(path)
         except (FileNotFoundError, NotADirectoryError):
-            return "missing"
+            return "missing", {}
         if info.get("islink"):
-            return "link"
-        return {"file": "file", "directory": "dir"}.get(info.get("type"), "other")  # type: ignore[return-value]
+            return "link", info
+        return {"file": "file", "directory": "dir"}.get(info.get("type"), "other"), info  # type: ignore[return-value]
+
+    def kind(self, path: str) -> Kind:
+        return self._kind_info(path)[0]
 
     def _regular(self, path: str, follow: bool) -> int:
-        kind = self.kind(path)
+        kind, info = self._kind_info(path)  # one request for a file (a HEAD on S3), not two
         if kind == "link" and follow:
             info = self.fs.info(path)
             kind = {"file": "file", "directory": "dir"}.get(info.get("type"), "other")  # type: ignore[assignment]
@@ -221,7 +244,7 @@ class FsspecStorage:
                                   "file inside the checkpoint directory)")
         if kind != "file":
             raise CheckpointError(f"{self.url(path)} is not a regular file")
-        return int(self.fs.info(path)["size"])
+        return int(info["size"])
 
     def size(self, path: str, follow: bool = True) -> int:
         return self._regular(path, follow)
