@@ -155,12 +155,12 @@ for v in range(1, {SAVES} + 1):
 def test_a_reader_process_sees_one_whole_version_or_a_retry_while_a_writer_saves_20_times(folder):
     path = f"{folder}/latest"
     first = subprocess.run([sys.executable, "-c", WRITER.replace(f"{SAVES} + 1", "2"), path], capture_output=True,
-                           text=True, timeout=120)
+                           text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     loads, retries, verify = [], [], False
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 900
     try:
         while writer.poll() is None and time.monotonic() < deadline:
             verify = not verify
@@ -176,7 +176,7 @@ def test_a_reader_process_sees_one_whole_version_or_a_retry_while_a_writer_saves
             assert not mixed, f"verify={verify}: version {v} with tensors {mixed} of another version"
             loads.append(v)
     finally:
-        out, err = writer.communicate(timeout=240)
+        out, err = writer.communicate(timeout=900)
     assert writer.returncode == 0, f"the writer failed (a reader got in its way?): {err[-2000:]}"
     assert out.split() == [str(v) for v in range(1, SAVES + 1)], out
     assert len(loads) >= 10 and len(set(loads)) >= 3, (loads, len(retries))
@@ -302,6 +302,6 @@ def test_requests_per_save_replace_rotation_and_load(folder):
                                                                    "delete_objects"))
         got[what] = (calls.total, writes, dict(sorted(calls.counts.items())))
         print(what, calls.total, "requests,", writes, "writes:", got[what][2])
-    assert got["new"][1] <= 8 and got["replace"][1] <= 16 and got["rotate"][1] <= 14, got
-    assert got["load"][1] == 0 and got["load"][0] <= 40, got
-    assert got["replace"][0] <= 150, got
+    assert got["new"][1] <= 9 and got["replace"][1] <= 17 and got["rotate"][1] <= 13, got
+    assert got["load"][1] == 0 and got["load"][0] <= 25, got
+    assert got["new"][0] <= 45 and got["replace"][0] <= 95 and got["rotate"][0] <= 80, got

@@ -101,6 +101,8 @@ def check_target(storage: Storage, path: str, replaceable: Callable[[Storage, st
                               "or to a new path")
     if kind == "dir" and (replaceable(storage, path) or not storage.list(path)):
         return
+    if kind == "dir" and not storage.atomic_rename and _leftover_next_to_copy(storage, path):
+        return  # a copying rename killed half way: the save's cleanup (or `commit`) clears it
     raise CheckpointError(
         f"{where} exists and is not a shardwise checkpoint; refusing to replace it. Save to a new path or "
         "remove it first"
@@ -160,6 +162,10 @@ def commit(storage: Storage, tmp: str, path: str, token: str,
     check_target(storage, path, replaceable)
     old = None
     kind = storage.kind(path)
+    if kind == "dir" and not storage.atomic_rename and storage.kind(storage.join(path, INDEX_FILE)) != "file":
+        for name in _leftover_next_to_copy(storage, path) or []:
+            storage.delete(storage.join(path, name))
+        kind = storage.kind(path)
     if kind == "dir" and not storage.list(path):
         storage.rmdir(path)
     elif kind == "dir":
@@ -242,6 +248,24 @@ def _twin(storage: Storage, a: str, b: str) -> bool:
         return False
 
 
+def _copy_leftover(storage: Storage, path: str, old: str | None) -> list[str] | None:
+    """The names in the folder ``path`` (not a checkpoint) when each is a data file of the
+    format or a copy of the same name in ``old`` (a ``.replaced-`` copy): what a copying rename
+    killed half way leaves at ``path``; else None (``path`` holds something else: keep it)."""
+    names = storage.list(path)
+    ok = all(storage.kind(storage.join(path, n)) == "file" and (
+        n.endswith(_LEFTOVER_SUFFIXES) or n == DCP_MARKER
+        or (old is not None and _twin(storage, storage.join(path, n), storage.join(old, n)))) for n in names)
+    return names if names and ok else None
+
+
+def _leftover_next_to_copy(storage: Storage, path: str) -> list[str] | None:
+    """`_copy_leftover` of ``path`` against the intact ``.replaced-`` copy next to it; None
+    without one (a folder of safetensors files alone may be a user's: never touched)."""
+    old = intact_replaced(storage, path)
+    return None if old is None else _copy_leftover(storage, path, old)
+
+
 def _clear_copy_leftovers(storage: Storage, path: str, old: str | None) -> None:
     """Undo what a copying rename (a storage without atomic rename: [Note: commit on an object
     store] in ``_storage/_fsspec.py``) left half done when its process was killed, so that the
@@ -260,11 +284,8 @@ def _clear_copy_leftovers(storage: Storage, path: str, old: str | None) -> None:
 
     Files found in only one place, other than the format's data files, are never deleted."""
     if storage.kind(path) == "dir" and not is_checkpoint(storage, path):
-        names = storage.list(path)
-        if all(storage.kind(storage.join(path, n)) == "file" and (n.endswith(_LEFTOVER_SUFFIXES) or n == DCP_MARKER
-               or (old is not None and _twin(storage, storage.join(path, n), storage.join(old, n)))) for n in names):
-            for n in names:
-                storage.delete(storage.join(path, n))
+        for n in _copy_leftover(storage, path, old) or []:
+            storage.delete(storage.join(path, n))
         return
     here = index_of(storage, path)
     if here is None or old is None:
