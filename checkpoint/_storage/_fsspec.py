@@ -35,8 +35,10 @@ is how a load detects a replace that happened while it read and says "being repl
 POSIX rename never shows: a folder without ``index.json`` (being copied in, or the rest being
 deleted after the index) and, on an object store, no folder at all between the two renames of
 a replace. A view that saw either is current only if nothing comes into or leaves the folder
-for ``settle_s`` (1 s, only on this error path): otherwise a rename is under way and the load
-says "retry", not "not a checkpoint".
+for ``settle_s`` (1 s, or 20 times as long as one listing took when the store or the host is
+slow; only on this error path): otherwise a rename is under way and the load says "retry",
+not "not a checkpoint". This is a bound on time, not a proof: a writer stalled longer than
+that between the two renames of a replace makes the load say "does not exist" once.
 """
 
 from __future__ import annotations
@@ -154,10 +156,12 @@ class _View:
     def _moving(self) -> bool:
         """Whether objects come into or leave this folder, which has no ``index.json``, within
         `settle_s`: a rename under way (copying in, or deleting the rest after the index)."""
+        start = time.monotonic()
         listing = self._s.list(self.path)
-        deadline = time.monotonic() + self.settle_s
+        took = time.monotonic() - start  # a slow store (or a busy host) has longer gaps between a rename's steps
+        deadline = time.monotonic() + max(self.settle_s, 20 * took)
         while time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(max(0.05, took))
             if self._s.list(self.path) != listing:
                 return True
         return False
