@@ -213,7 +213,8 @@ def recover_replaced(storage: Storage, path: str, token: str | None = None) -> s
     sentence saying what was done, or None when there was nothing to do.
     """
     if token is not None and not storage.atomic_rename:
-        _clear_copy_leftovers(storage, path, (_replaced_copies(storage, path, token) or [None])[0])
+        first = _replaced_copies(storage, path, token)
+        _clear_copy_leftovers(storage, path, first[0] if first else None)
     copies = _replaced_copies(storage, path, token)
     intact = [p for p in copies if is_checkpoint(storage, p)]
     if storage.kind(path) == "missing":
