@@ -38,7 +38,12 @@ def resume(model: torch.nn.Module, optim: torch.optim.Optimizer, path: str) -> t
 
 
 def dir_bytes(path: str) -> int:
-    """Bytes of the files in ``path`` (a checkpoint folder)."""
+    """Bytes of the files in ``path`` (a checkpoint folder; a local path or an fsspec URL)."""
+    if "://" in path:
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(path)
+        return sum(int(e["size"]) for e in fs.ls(root, detail=True) if e["type"] == "file")
     return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
 
 

@@ -89,14 +89,50 @@ def _check_model(args: argparse.Namespace) -> None:
                          f"valid --kv-heads values: {', '.join(map(str, divisors(args.heads)))}")
 
 
+class _Folders:
+    """The few file-system questions `resume_step` asks, of the local disk or (a URL such as
+    ``s3://bucket/run/step-3``) of the fsspec file system serving it."""
+
+    def __init__(self, path: str) -> None:
+        self.fs = None
+        if "://" in path:
+            import fsspec
+
+            self.fs = fsspec.core.url_to_fs(path)[0]
+
+    def abspath(self, path: str) -> str:
+        return os.path.abspath(path) if self.fs is None else path.rstrip("/")
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path) if self.fs is None else self.fs.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path) if self.fs is None else self.fs.isdir(path)
+
+    def isfile(self, path: str) -> bool:
+        return os.path.isfile(path) if self.fs is None else self.fs.isfile(path)
+
+    def listdir(self, path: str) -> list[str]:
+        if self.fs is None:
+            return os.listdir(path)
+        return [os.path.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False)]
+
+    def read_text(self, path: str) -> str:
+        if self.fs is None:
+            with open(path) as f:
+                return f.read()
+        return self.fs.cat_file(path).decode("utf-8")
+
+
 def _complete_checkpoints_near(path: str) -> list[str]:
-    parent = os.path.dirname(os.path.abspath(path)) or "."
+    disk = _Folders(path)
+    parent = os.path.dirname(disk.abspath(path)) or "."
     try:
-        names = sorted(os.listdir(parent))
+        names = sorted(disk.listdir(parent))
     except OSError:
         return []
     return [os.path.join(os.path.dirname(path), n) for n in names
-            if not n.startswith(".") and os.path.isfile(os.path.join(parent, n, "index.json"))]
+            if not n.startswith(".") and disk.isfile(os.path.join(parent, n, "index.json"))]
 
 
 def _not_a_checkpoint(path: str, why: str) -> UsageError:
@@ -109,23 +145,24 @@ def _not_a_checkpoint(path: str, why: str) -> UsageError:
 def resume_step(path: str, args: argparse.Namespace) -> int:
     """The step the ``--resume`` checkpoint at ``path`` was saved at, after checking that it is
     a complete checkpoint of this script with the model arguments of ``args``."""
+    disk = _Folders(path)
     base = os.path.basename(os.path.normpath(path))
     if ".incomplete-" in base:
         raise _not_a_checkpoint(path, "is an incomplete save (the saving job stopped before committing it)")
-    if not os.path.exists(path):
-        parent = os.path.dirname(os.path.abspath(path))
-        left = [n for n in (os.listdir(parent) if os.path.isdir(parent) else [])
+    if not disk.exists(path):
+        parent = os.path.dirname(disk.abspath(path))
+        left = [n for n in (disk.listdir(parent) if disk.isdir(parent) else [])
                 if n.startswith(f".{base}.incomplete-")]
         why = (f"does not exist; a save to it stopped before committing ({left[0]} is left over)" if left
                else "does not exist")
         raise _not_a_checkpoint(path, why)
-    if not os.path.isdir(path):
+    if not disk.isdir(path):
         raise _not_a_checkpoint(path, "is a file, not a checkpoint folder")
-    names = os.listdir(path)
+    names = disk.listdir(path)
     if not names:
         raise _not_a_checkpoint(path, "is an empty folder")
     index = os.path.join(path, "index.json")
-    if not os.path.isfile(index):
+    if not disk.isfile(index):
         if "config.json" in names or any(n.endswith(".safetensors") for n in names):
             why = ("is a Hugging Face folder (safetensors/config.json, no index.json), not a training checkpoint; "
                    "load weights from it with shardwise.checkpoint.load_safetensors")
@@ -133,8 +170,7 @@ def resume_step(path: str, args: argparse.Namespace) -> int:
             why = f"has no index.json, so it is not a shardwise checkpoint (it holds {sorted(names)[:5]})"
         raise _not_a_checkpoint(path, why)
     try:
-        with open(index) as f:
-            raw = json.load(f)
+        raw = json.loads(disk.read_text(index))
     except (OSError, ValueError) as e:
         raise _not_a_checkpoint(path, f"its index.json is unreadable ({type(e).__name__})") from None
     values = raw.get("values", {}) if isinstance(raw, dict) else {}

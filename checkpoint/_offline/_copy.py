@@ -99,7 +99,8 @@ def verified(path: str | os.PathLike) -> CheckpointFiles:
     checked (every box's checksum read and matched, every tensor tiled exactly): damage is
     never passed on into a new file with fresh checksums. An index without its own checksum
     (an older shardwise) is accepted; a box without a checksum is not."""
-    path = os.path.abspath(os.fspath(path))
+    path = os.fspath(path)
+    path = path if "://" in path else os.path.abspath(path)  # a URL (s3://...) is read through fsspec
     report = verify_checkpoint(path)
     if report.problems:
         more = f" (and {len(report.problems) - 1} more problems; run verify)" if len(report.problems) > 1 else ""
@@ -128,7 +129,11 @@ def refuse_target(source: str, out: str, replace: bool, replaceable: Callable[[S
 def into_place(source: str, out: str, fill: Callable[[str], None], replace: bool,
                 replaceable: Callable[[Storage, str], bool] = is_checkpoint,
                 own: Callable[[Storage, str], set[str]] = own_files, what: str = "shardwise checkpoint") -> None:
-    out = os.path.abspath(os.fspath(out))
+    out = os.fspath(out)
+    if "://" in out:
+        raise CheckpointError(f"{out}: the offline tools write into a local folder, not to a URL; write to a local "
+                              "path and upload that folder (the source may be a URL)")
+    out = os.path.abspath(out)
     refuse_target(source, out, replace, replaceable, what)
     token = secrets.token_hex(4)
     storage = PosixStorage()

@@ -101,6 +101,8 @@ def check_target(storage: Storage, path: str, replaceable: Callable[[Storage, st
                               "or to a new path")
     if kind == "dir" and (replaceable(storage, path) or not storage.list(path)):
         return
+    if kind == "dir" and not storage.atomic_rename and _leftover_next_to_copy(storage, path):
+        return  # a copying rename killed half way: the save's cleanup (or `commit`) clears it
     raise CheckpointError(
         f"{where} exists and is not a shardwise checkpoint; refusing to replace it. Save to a new path or "
         "remove it first"
@@ -160,6 +162,10 @@ def commit(storage: Storage, tmp: str, path: str, token: str,
     check_target(storage, path, replaceable)
     old = None
     kind = storage.kind(path)
+    if kind == "dir" and not storage.atomic_rename and storage.kind(storage.join(path, INDEX_FILE)) != "file":
+        for name in _leftover_next_to_copy(storage, path) or []:
+            storage.delete(storage.join(path, name))
+        kind = storage.kind(path)
     if kind == "dir" and not storage.list(path):
         storage.rmdir(path)
     elif kind == "dir":
@@ -206,6 +212,9 @@ def recover_replaced(storage: Storage, path: str, token: str | None = None) -> s
     files (``*.safetensors``, ``index.json.tmp``, ``.metadata``; anything else is kept and named). Returns a
     sentence saying what was done, or None when there was nothing to do.
     """
+    if token is not None and not storage.atomic_rename:
+        first = _replaced_copies(storage, path, token)
+        _clear_copy_leftovers(storage, path, first[0] if first else None)
     copies = _replaced_copies(storage, path, token)
     intact = [p for p in copies if is_checkpoint(storage, p)]
     if storage.kind(path) == "missing":
@@ -227,6 +236,67 @@ def recover_replaced(storage: Storage, path: str, token: str | None = None) -> s
     storage.fsync_dir(storage.parent(path))
     return (f"finished replacing {storage.url(path)}: removed the old copy {storage.url(old)}"
             + (f" (kept {left})" if left else ""))
+
+
+def _twin(storage: Storage, a: str, b: str) -> bool:
+    """Whether files ``a`` and ``b`` hold the same bytes (one a copy of the other)."""
+    try:
+        if storage.kind(a) != "file" or storage.kind(b) != "file" or storage.size(a, False) != storage.size(b, False):
+            return False
+        n = storage.size(a, False)
+        return storage.read_small(a, n) == storage.read_small(b, n)
+    except (OSError, CheckpointError):
+        return False
+
+
+def _copy_leftover(storage: Storage, path: str, old: str | None) -> list[str] | None:
+    """The names in the folder ``path`` (not a checkpoint) when each is a data file of the
+    format or a copy of the same name in ``old`` (a ``.replaced-`` copy): what a copying rename
+    killed half way leaves at ``path``; else None (``path`` holds something else: keep it)."""
+    names = storage.list(path)
+    ok = all(storage.kind(storage.join(path, n)) == "file" and (
+        n.endswith(_LEFTOVER_SUFFIXES) or n == DCP_MARKER
+        or (old is not None and _twin(storage, storage.join(path, n), storage.join(old, n)))) for n in names)
+    return names if names and ok else None
+
+
+def _leftover_next_to_copy(storage: Storage, path: str) -> list[str] | None:
+    """`_copy_leftover` of ``path`` against the intact ``.replaced-`` copy next to it; None
+    without one (a folder of safetensors files alone may be a user's: never touched)."""
+    old = intact_replaced(storage, path)
+    return None if old is None else _copy_leftover(storage, path, old)
+
+
+def _clear_copy_leftovers(storage: Storage, path: str, old: str | None) -> None:
+    """Undo what a copying rename (a storage without atomic rename: [Note: commit on an object
+    store] in ``_storage/_fsspec.py``) left half done when its process was killed, so that the
+    POSIX recovery of `recover_replaced` applies:
+
+    * ``path`` a folder without index (killed while ``path`` was deleted after being copied to
+      ``old``, or while the new checkpoint was copied into ``path``; ``path`` was missing, empty
+      or a checkpoint when the save began, `check_target`): when each of its files is a data
+      file of the format or a copy of ``old``'s, delete them, so ``path`` is missing and an
+      intact ``old`` is renamed back;
+    * ``path`` a checkpoint and ``old`` the same one (same ``save_id``: killed after copying
+      ``path`` to ``old``, before deleting ``path``), or ``old`` a partial copy without index
+      (killed while copying): delete the files of ``old`` that ``path`` holds too;
+    * ``path`` the new checkpoint and ``old`` intact: a user file whose move was killed after
+      the copy is in both; delete ``old``'s copy (the move then finishes as usual).
+
+    Files found in only one place, other than the format's data files, are never deleted."""
+    if storage.kind(path) == "dir" and not is_checkpoint(storage, path):
+        for n in _copy_leftover(storage, path, old) or []:
+            storage.delete(storage.join(path, n))
+        return
+    here = index_of(storage, path)
+    if here is None or old is None:
+        return
+    there = index_of(storage, old)
+    same = there is not None and there.get("save_id") == here.get("save_id")
+    keep = set() if same or there is None else own_files(storage, old)
+    for n in sorted(storage.list(old), key=lambda n: n != INDEX_FILE):  # the index first: old stops being one
+        if n not in keep and _twin(storage, storage.join(old, n), storage.join(path, n)) and (n != INDEX_FILE or same):
+            storage.delete(storage.join(old, n))
 
 
 def remove_temp(storage: Storage, tmp: str) -> bool:

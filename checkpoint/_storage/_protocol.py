@@ -28,7 +28,10 @@ What the commit protocol ([Note: atomic commit] in ``checkpoint/_series/_commit.
 * ``fsync_dir(path)`` makes the entries of a folder (creations, renames, deletions) durable;
   a no-op where the storage has no such notion.
 * ``list(path)`` the entry names of a folder (no ``.``/``..``); ``delete`` one file; ``rmdir``
-  an empty folder; ``rmtree`` a folder and everything in it, never following links.
+  an empty folder; ``rmtree`` a folder and everything in it, never following links. Where
+  folders are key prefixes (an object store: [Note: folders on an object store] in
+  ``_fsspec.py``) an empty folder and a missing one are the same: ``list`` gives ``[]``,
+  ``rmdir`` does nothing, ``mkdir`` creates nothing.
 * ``lock(folder)`` is a context manager excluding every other holder of the same folder's lock,
   in this process and in other processes using the same storage on the same host (``flock``
   on POSIX); object stores have no such lock: one job saves a series at a time there
