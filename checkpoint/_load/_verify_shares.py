@@ -129,12 +129,7 @@ def share_of(index: Index, keys: Iterable[str], ids: dict[tuple[str, str], int],
     Every rank computes its share from the same arguments, and the shares of all ranks hold
     every unit exactly once. The work is per saved box and per reader boundary, plus the units
     this rank owns: not per unit of the whole checkpoint."""
-    wants: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
-    for r, flat in enumerate(needs):
-        for j in range(0, len(flat), 4):
-            bid, lo, hi, per_row = flat[j:j + 4]
-            if hi > lo:
-                wants[bid].append((r, lo, hi, per_row))
+    wants = _wants(needs)
     reading = {bid for bid, readers in wants.items() if any(r == rank for r, _, _, _ in readers)}
     mine: list[Unit] = []
     for k in sorted(set(keys)):
