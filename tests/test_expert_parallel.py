@@ -16,6 +16,11 @@ from shardwise.mesh import data_parallel_mesh, expert_meshes, init_mesh
 from tests._dist import run_ranks
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
+# An expert's weight gradient sums the tokens of every rank: here one matmul over the tokens the
+# expert received, in the reference four backward passes accumulated one after another. The
+# summation order differs, so a few elements round differently (measured: 1 of 1024 at 2.7e-6
+# relative, world 4, softmax-capacity, on an AMD EPYC; the earlier runs of this suite saw none).
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 CONFIGS = {
     "softmax-top2": dict(num_experts=8, top_k=2),
     "sigmoid-shared": dict(num_experts=8, top_k=3, score_func="sigmoid", shared_hidden=12),
@@ -36,9 +41,9 @@ def _loss(moe: MoE, x: torch.Tensor, rank: int) -> torch.Tensor:
     return (out * weight).sum() + 0.1 * moe.aux_loss + 0.01 * moe.z_loss
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+def _close(a: torch.Tensor, b: torch.Tensor, what: str, tol: dict = TOL) -> None:
     try:
-        torch.testing.assert_close(a, b, **TOL)
+        torch.testing.assert_close(a, b, **tol)
     except AssertionError as e:
         raise AssertionError(f"{what}: {e}") from None
 
@@ -76,7 +81,7 @@ def _parity(rank, world, config, tokens, dim):
         else:  # dense (router, shared experts): each rank has its tokens' share
             got = p.grad.clone()
             dist.all_reduce(got)
-        _close(got, want, f"{name} grad")
+        _close(got, want, f"{name} grad", GRAD_TOL)
     assert sum(moe.experts.dispatch_stats.received) == sum(moe.experts.dispatch_stats.per_local_expert)
     return drops
 

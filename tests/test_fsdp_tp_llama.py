@@ -98,7 +98,7 @@ def test_llama_fsdp_x_tp_matches_single_process(world_size, shape, clip):
         assert all(e <= TOL for e in norms), f"rank {rank}: clipped norms differ {norms}"
 
 
-def _tp_grad_in_reduce_dtype(rank, world_size):
+def _tp_grad_dtype(rank, world_size):
     mp = sw.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     _, model, _, _, _ = build((1, 2, 2), mp)
     from shardwise.composable._fsdp._sharded_param import ShardedParam
@@ -127,6 +127,8 @@ def _tp_grad_in_reduce_dtype(rank, world_size):
     return [str(d) for d in seen]
 
 
-def test_tp_gradient_all_reduce_runs_in_reduce_dtype():
-    for rank, dtypes in enumerate(run_ranks(_tp_grad_in_reduce_dtype, 4, timeout=120)):
-        assert dtypes and set(dtypes) == {"torch.float32"}, f"rank {rank}: partial TP grads reduced in {dtypes}"
+def test_tp_gradient_all_reduce_runs_in_param_dtype_as_torchs():
+    """A Partial TP gradient is all-reduced in the dtype it was computed in (bf16) and cast to
+    reduce_dtype afterwards, torch's FSDP2 order (tests/compat/test_tp_bf16.py: bit-equal runs)."""
+    for rank, dtypes in enumerate(run_ranks(_tp_grad_dtype, 4, timeout=120)):
+        assert dtypes and set(dtypes) == {"torch.bfloat16"}, f"rank {rank}: partial TP grads reduced in {dtypes}"
