@@ -30,8 +30,31 @@ for v in range(1, {VERSIONS} + 1):
 """
 
 
-def _target() -> dict:
-    return {k: torch.zeros(s) for k, s in SHAPES.items()} | {"version": 0}
+def load_while_writing(writer: subprocess.Popen, path: str, shapes: dict, timeout: float):
+    """Load ``path`` in a loop (verify on and off in turn) while ``writer`` replaces it with
+    versions whose every tensor of ``shapes`` is filled with the version number. A load either
+    gets one whole version or a "being replaced, retry" error; anything else fails. Returns
+    ``(versions loaded, retry messages, writer stdout, writer stderr)``. Also used for S3
+    (tests/test_checkpoint_s3.py)."""
+    loads, retries, verify = [], [], False
+    deadline = time.monotonic() + timeout
+    try:
+        while writer.poll() is None and time.monotonic() < deadline:
+            verify = not verify
+            got = {k: torch.zeros(s) for k, s in shapes.items()} | {"version": 0}
+            try:
+                load(got, path, verify=verify)
+            except CheckpointError as e:
+                assert "being replaced" in str(e) and "retry" in str(e), f"verify={verify}: {e}"
+                retries.append(str(e))
+                continue
+            v = got["version"]
+            mixed = [k for k in shapes if not torch.equal(got[k], torch.full(shapes[k], float(v)))]
+            assert not mixed, f"verify={verify}: version {v} with tensors {mixed} of another version"
+            loads.append(v)
+    finally:
+        out, err = writer.communicate(timeout=timeout)
+    return loads, retries, out, err
 
 
 def test_a_reader_sees_one_whole_version_or_a_retry_while_a_writer_replaces(tmp_path):
@@ -41,24 +64,7 @@ def test_a_reader_sees_one_whole_version_or_a_retry_while_a_writer_replaces(tmp_
     assert first.returncode == 0, first.stderr
     writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
-    loads, retries, verify = [], [], False
-    deadline = time.monotonic() + 240
-    try:
-        while writer.poll() is None and time.monotonic() < deadline:
-            verify = not verify
-            got = _target()
-            try:
-                load(got, path, verify=verify)
-            except CheckpointError as e:
-                assert "being replaced" in str(e) and "retry" in str(e), f"verify={verify}: {e}"
-                retries.append(str(e))
-                continue
-            v = got["version"]
-            mixed = [k for k in SHAPES if not torch.equal(got[k], torch.full(SHAPES[k], float(v)))]
-            assert not mixed, f"verify={verify}: version {v} with tensors {mixed} of another version"
-            loads.append(v)
-    finally:
-        out, err = writer.communicate(timeout=240)
+    loads, retries, out, err = load_while_writing(writer, path, SHAPES, 240)
     assert writer.returncode == 0, f"the writer failed (a reader got in its way?): {err[-2000:]}"
     assert len(loads) >= 10 and len(set(loads)) >= 3, (loads, len(retries))
     assert sorted(os.listdir(tmp_path)) == [".shardwise-series.json", "latest"], os.listdir(tmp_path)

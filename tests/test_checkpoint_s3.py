@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from shardwise.checkpoint._series._series import RECORD_FILE
 from shardwise.checkpoint._storage import storage_for
 from tests._dist import run_ranks
 from tests._s3 import Killed, S3Calls, fresh_prefix, s3_server
+from tests.test_checkpoint_readers import load_while_writing
 
 
 @pytest.fixture(scope="module")
@@ -159,24 +159,7 @@ def test_a_reader_process_sees_one_whole_version_or_a_retry_while_a_writer_saves
     assert first.returncode == 0, first.stderr
     writer = subprocess.Popen([sys.executable, "-c", WRITER, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
-    loads, retries, verify = [], [], False
-    deadline = time.monotonic() + 900
-    try:
-        while writer.poll() is None and time.monotonic() < deadline:
-            verify = not verify
-            got = {k: torch.zeros(s) for k, s in SHAPES.items()} | {"version": 0}
-            try:
-                load(got, path, verify=verify)
-            except CheckpointError as e:
-                assert "being replaced" in str(e) and "retry" in str(e), f"verify={verify}: {e}"
-                retries.append(str(e))
-                continue
-            v = got["version"]
-            mixed = [k for k in SHAPES if not torch.equal(got[k], torch.full(SHAPES[k], float(v)))]
-            assert not mixed, f"verify={verify}: version {v} with tensors {mixed} of another version"
-            loads.append(v)
-    finally:
-        out, err = writer.communicate(timeout=900)
+    loads, retries, out, err = load_while_writing(writer, path, SHAPES, 900)
     assert writer.returncode == 0, f"the writer failed (a reader got in its way?): {err[-2000:]}"
     assert out.split() == [str(v) for v in range(1, SAVES + 1)], out
     assert len(loads) >= 10 and len(set(loads)) >= 3, (loads, len(retries))
