@@ -276,11 +276,12 @@ def sim_plan(rank: int, world: int, names: list[str]):
 
 
 class _SimWriter:
-    """``StreamingWriter`` without the data: an empty file, random checksums."""
+    """``StreamingWriter`` without the data: a sparse file of the data's size, random checksums."""
 
     def __init__(self, path, entries, metadata=None, chunk_rule=None, storage=None) -> None:
         self.keys = [k for k, _, _ in entries]
         self._path, self._storage = path, storage
+        self._bytes = sum(dtype.itemsize * int(torch.Size(sizes).numel()) for _, dtype, sizes in entries)
 
     def append(self, t) -> None:
         pass
@@ -291,7 +292,8 @@ class _SimWriter:
     def close(self):
         from shardwise.checkpoint._base import BoxChecksums
 
-        self._storage.write_atomic(self._path, b"")
+        with open(self._path, "wb") as f:
+            f.truncate(self._bytes)
         g = torch.Generator().manual_seed(hash(self._path) & 0xFFFF)
         crcs = torch.randint(0, 2**31, (len(self.keys),), generator=g).tolist()
         return {k: BoxChecksums(c) for k, c in zip(self.keys, crcs)}
@@ -326,7 +328,7 @@ def _patched(obj, **attrs):
 def simulate(world: int, n_tensors: int, root: str, saves: int = 2, load: bool = True) -> dict:
     """Save ``saves`` times and load once on ``world`` simulated ranks; per step, the counts."""
     from shardwise.checkpoint._base import _comm
-    from shardwise.checkpoint._format import SavedBox
+    from shardwise.checkpoint._format import read_index
     from shardwise.checkpoint._geometry import Box, ReadItem
     from shardwise.checkpoint._load import _load_checks, _reader, _verify_shares
     from shardwise.checkpoint._load._reads import Read
@@ -374,6 +376,16 @@ def simulate(world: int, n_tensors: int, root: str, saves: int = 2, load: bool =
         return once
 
     shared_box_ids = shared(_load_checks.box_ids)
+    read_lock = threading.Lock()
+
+    def read_once():
+        """The committed index, read (its parts too) once for all simulated ranks."""
+        with read_lock:
+            if "read" not in built:
+                t0 = time.perf_counter()
+                built["read"] = read_index(os.path.join(root, "ckpt"))
+                timings["read_index_s"] = time.perf_counter() - t0
+            return built["read"]
 
     def sim_plan_load(view, leaves, strict, where):
         reads = []
@@ -402,7 +414,7 @@ def simulate(world: int, n_tensors: int, root: str, saves: int = 2, load: bool =
             if not load:
                 return
             before = Counter(counter.stats.get(rank, Counter()))
-            files = _SimFiles(built["index"], "sim")
+            files = _SimFiles(read_once(), "sim")
             _comm.agree(None, "loading sim")  # the agreement on opening it
             _reader.agree_version(files, "loading sim")
             _reader.load_from_index(state_leaves, files, strict=True, verify=True)
@@ -434,8 +446,9 @@ def simulate(world: int, n_tensors: int, root: str, saves: int = 2, load: bool =
     if errors:
         raise errors[0]
     del _verify_shares
+    index = built["index"]
     return {"world": world, "steps": {k: results[k] for k in step_names}, "timings": timings,
-            "wall_s": time.perf_counter() - t0, "index_boxes": sum(len(t.boxes) for t in built["index"].tensors.values())}
+            "wall_s": time.perf_counter() - t0, "index_boxes": world * n_tensors, "parts": len(index.parts)}
 
 
 def summary(per_rank: list[Counter]) -> dict:
@@ -461,12 +474,14 @@ def print_table(rows: list[dict]) -> None:
             kinds = ", ".join(f"{k} {v}" for k, v in s["kinds"].items() if k not in ("send", "recv"))
             print(f"| {r['world']} | {step} | {s['calls']} ({kinds}) | {s['p2p']} | {_fmt_bytes(per_rank[0]['recv'])} | "
                   f"{_fmt_bytes(s['recv_other'])} | {_fmt_bytes(s['sent_other'])} |")
-    print("\n| W | index boxes | rank 0 build_index s (last save) | index to JSON s | index.json | wall s |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| W | boxes | index parts | rank 0 build_index s (last save) | index to JSON s | index.json | "
+          "read_index s (at load) | wall s |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         t = r["timings"]
-        print(f"| {r['world']} | {r['index_boxes']:,} | {t.get('build_index_s', float('nan')):.2f} | "
-              f"{t.get('index_json_s', float('nan')):.2f} | {_fmt_bytes(t.get('index_bytes', 0))} | {r['wall_s']:.0f} |")
+        print(f"| {r['world']} | {r['index_boxes']:,} | {r.get('parts', 0):,} | {t.get('build_index_s', float('nan')):.2f} | "
+              f"{t.get('index_json_s', float('nan')):.2f} | {_fmt_bytes(t.get('index_bytes', 0))} | "
+              f"{t.get('read_index_s', float('nan')):.2f} | {r['wall_s']:.0f} |")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,21 @@ that is damaged or hostile: its own checksum (``index_sha256``, over every field
 matching, a repeated JSON key, a field of the wrong type, a data file name that is not a plain
 name inside the directory, an ``index.json`` that is a symbolic link, a box larger than its
 file. No message echoes the content of a file beyond short excerpts of the index's own fields.
+
+[Note: index parts]
+An index that holds every box grows with the world times the tensors (a box per rank and
+tensor under ``fully_shard``), and so does what its writer, rank 0, receives: at 256 ranks and
+1,000 tensors, 256,000 boxes, 36 MiB of JSON built from 2 MiB of checksums gathered at every
+save; at 4,096 ranks it would not fit `MAX_INDEX_BYTES`. From ``INDEX_PARTS_FROM`` ranks on
+(``_save_plan.py``) a save therefore writes the index in parts (format version 2): each
+writing rank puts the records of its own boxes (the same JSON records as ``tensors``' boxes)
+into its *index part* ``rank-<rank>.boxes.json``, next to its data file, and reports to rank 0
+only the part's size and SHA-256; ``index.json`` lists the parts under ``parts`` (name ->
+``bytes``, ``sha256``) and keeps every tensor's dtype, shape and layout with ``boxes`` empty.
+Its own checksum covers the parts' SHA-256s, so a damaged, missing or swapped part is refused
+like a damaged index. `read_index` reads every part and hands out the same `Index` as for
+version 1 (boxes merged, ``parts`` empty): loading, verifying and the offline tools do not
+know the difference. Below the threshold nothing changes (version 1, every box inline).
 """
 
 from __future__ import annotations
@@ -33,13 +48,14 @@ from .._geometry import Box
 from .._base import CheckpointError, DuplicateKey, box_rows, chunk_count, crcs_from_hex, crcs_to_hex, parse_json_strict
 from ._file_io import pread_exact
 from .._storage import DirView, Storage, storage_for
-from ._index_model import (CHECKSUM_FIELD, DCP_MARKER, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, SavedBox,
-                           TensorEntry, data_file_name, dcp_marker, dtype_from_name, dtype_name, plain_file_name)
+from ._index_model import (CHECKSUM_FIELD, DCP_MARKER, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE,
+                           PART_SUFFIX, PARTS_VERSION, READ_VERSIONS, Index, SavedBox, TensorEntry, data_file_name, dcp_marker,
+                           dtype_from_name, dtype_name, part_file_name, plain_file_name)
 
 __all__ = [
     "DCP_MARKER", "dcp_marker", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "Index", "SavedBox", "TensorEntry",
     "dtype_name", "dtype_from_name", "read_index", "index_to_json", "format_index", "data_file_name",
-    "describe_non_checkpoint", "MAX_INDEX_BYTES",
+    "describe_non_checkpoint", "MAX_INDEX_BYTES", "PART_SUFFIX", "PARTS_VERSION", "own_names", "part_file_name", "part_to_json",
 ]
 
 def _box_to_json(b: SavedBox) -> dict:
@@ -108,7 +124,7 @@ def index_to_json(index: Index) -> dict:
         }
     obj = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": PARTS_VERSION if index.parts else FORMAT_VERSION,
         "created_unix_ns": index.created_unix_ns,
         "world_size": index.world_size,
         "files": {name: {"bytes": size} for name, size in sorted(index.files.items())},
@@ -116,9 +132,30 @@ def index_to_json(index: Index) -> dict:
         "values": index.values,
         **({"save_id": index.save_id} if index.save_id is not None else {}),
         **({"bytes": sorted(index.blobs)} if index.blobs else {}),
+        **({"parts": {name: {"bytes": n, "sha256": sha} for name, (n, sha) in sorted(index.parts.items())}}
+           if index.parts else {}),
     }
     obj[CHECKSUM_FIELD] = index_checksum(obj)
     return obj
+
+
+def part_to_json(boxes: dict[str, list[SavedBox]]) -> bytes:
+    """The bytes of an index part holding ``boxes`` (tensor key -> its boxes in the part;
+    [Note: index parts])."""
+    body = {"format": FORMAT_NAME, "part": True, "tensors": {k: [_box_to_json(b) for b in bs] for k, bs in boxes.items()}}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def own_names(raw: dict | None) -> set[str]:
+    """The names in a checkpoint directory that the format wrote, from its parsed index ``raw``
+    (None: no index): the index (and its temporary name), the ``.metadata`` marker, the data files
+    and the index parts it lists."""
+    names = {INDEX_FILE, INDEX_FILE + ".tmp", DCP_MARKER}
+    for field in ("files", "parts"):
+        listed = raw.get(field) if raw else None
+        if isinstance(listed, dict):
+            names |= {n for n in listed if plain_file_name(n)}
+    return names
 
 
 def index_checksum(obj: dict) -> str:
@@ -236,9 +273,9 @@ def read_index(view: DirView | str | os.PathLike, storage: Storage | None = None
         raise CheckpointError(f"{file} is not a {FORMAT_NAME} index (its 'format' is {_short(raw.get('format'))})"
                               if isinstance(raw, dict) else f"{file} is not a {FORMAT_NAME} index")
     version = raw.get("version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{file} has format version {_short(version)}; this shardwise reads version "
-                              f"{FORMAT_VERSION}. Use the shardwise release that wrote it")
+    if version not in READ_VERSIONS or isinstance(version, bool):
+        raise CheckpointError(f"{file} has format version {_short(version)}; this shardwise reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))}. Use the shardwise release that wrote it")
     checksummed = CHECKSUM_FIELD in raw
     if checksummed and raw[CHECKSUM_FIELD] != index_checksum(raw):
         raise CheckpointError(f"{file} is damaged: its own checksum ({CHECKSUM_FIELD}) does not match its contents; "
@@ -254,13 +291,21 @@ def read_index(view: DirView | str | os.PathLike, storage: Storage | None = None
             if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
                 raise ValueError(f"file {name}: 'bytes' must be a non-negative integer, got {_short(size)}")
             files[name] = size
-        tensors = {}
-        for key, t in _typed(raw, "tensors", dict, file).items():
+        raw_tensors = _typed(raw, "tensors", dict, file)
+        boxes: dict[str, list[SavedBox]] = {}
+        for key, t in raw_tensors.items():
             if not isinstance(t, dict) or not isinstance(t.get("boxes"), list):
                 raise ValueError(f"tensor '{key}' must be an object with a 'boxes' list")
-            boxes = tuple(_box_from_json(b, key, file) for b in t["boxes"])
+            boxes[key] = [_box_from_json(b, key, file) for b in t["boxes"]]
+        parts = _typed(raw, "parts", dict, file, {})
+        if parts and version != PARTS_VERSION:
+            raise CheckpointError(f"{file} is damaged: it lists index parts but has format version {version}")
+        for name, rec in sorted(parts.items()):
+            _read_part(view, storage, name, rec, boxes, file)
+        tensors = {}
+        for key, t in raw_tensors.items():
             dtype = dtype_from_name(t["dtype"]) if isinstance(t["dtype"], str) else dtype_from_name("?")
-            entry = TensorEntry(dtype, _ints(t["shape"], f"tensor '{key}': 'shape'"), boxes, t.get("layout"))
+            entry = TensorEntry(dtype, _ints(t["shape"], f"tensor '{key}': 'shape'"), tuple(boxes[key]), t.get("layout"))
             _check_boxes_fit(entry, key, files, file)
             tensors[key] = entry
         values = _typed(raw, "values", dict, file, {})
@@ -276,6 +321,47 @@ def read_index(view: DirView | str | os.PathLike, storage: Storage | None = None
                      save_id if isinstance(save_id, str) else None, blobs)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{file} is damaged: {type(e).__name__}: {e}") from None
+
+
+def _read_part(view: DirView, storage: Storage, name: Any, rec: Any, boxes: dict[str, list[SavedBox]],
+               file: str) -> None:
+    """Add the boxes of index part ``name`` (its record ``rec`` in the index) to ``boxes``;
+    `CheckpointError` when the part is not the one the index names ([Note: index parts])."""
+    if not plain_file_name(name):
+        raise CheckpointError(f"{file}: index part name {_short(name)} is not a plain file name inside the checkpoint "
+                              "directory (absolute, '..', a sub-directory or hidden); refusing it")
+    size, sha = rec.get("bytes") if isinstance(rec, dict) else None, rec.get("sha256") if isinstance(rec, dict) else None
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_INDEX_BYTES or not (
+            isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        raise ValueError(f"index part {name}: needs 'bytes' (an integer up to {MAX_INDEX_BYTES}) and 'sha256' "
+                         f"(64 lowercase hex digits), got {_short(rec)}")
+    where = posixpath.join(storage.url(view.path), name)
+    kind = view.kind(name)
+    if kind != "file":
+        what = {"missing": "is missing", "link": "is a symbolic link"}.get(kind, "is not a regular file")
+        raise CheckpointError(f"index part {where} {what}; the checkpoint is damaged (restore the file or load "
+                              "another checkpoint)")
+    try:
+        data = view.read_small(name, size + 1, follow=False)
+    except OSError as e:
+        raise CheckpointError(f"index part {where}: cannot read it ({e.strerror or type(e).__name__})") from None
+    if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
+        raise CheckpointError(f"index part {where} is damaged: its {len(data)} bytes do not match the size and SHA-256 "
+                              f"that {file} records; restore it or load another checkpoint")
+    try:
+        body = parse_json_strict(data.decode("utf-8"))
+    except (DuplicateKey, ValueError, UnicodeDecodeError, RecursionError):
+        raise CheckpointError(f"index part {where} is not valid UTF-8 JSON; the checkpoint is damaged") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME or not isinstance(body.get("tensors"), dict):
+        raise CheckpointError(f"index part {where} is not a {FORMAT_NAME} index part; the checkpoint is damaged")
+    for key, records in body["tensors"].items():
+        if key not in boxes or not isinstance(records, list):
+            raise CheckpointError(f"index part {where} is damaged: it has boxes of {_short(key)}, which is not a tensor "
+                                  f"of {file}")
+        try:
+            boxes[key] += [_box_from_json(b, key, where) for b in records]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"index part {where} is damaged: {type(e).__name__}: {e}") from None
 
 
 def _check_boxes_fit(entry: TensorEntry, key: str, files: dict[str, int | None], file: str) -> None:

@@ -14,11 +14,14 @@ from .._base import CheckpointError
 from .._geometry import Box
 from ._safetensors_io import DTYPE_CODES
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "INCOMPLETE_MARK", "CHECKSUM_FIELD", "DCP_MARKER", "Index",
-           "SavedBox", "TensorEntry", "dcp_marker", "data_file_name", "dtype_name", "dtype_from_name", "plain_file_name"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "PARTS_VERSION", "PART_SUFFIX", "READ_VERSIONS", "INDEX_FILE", "INCOMPLETE_MARK", "CHECKSUM_FIELD", "DCP_MARKER", "Index",
+           "SavedBox", "TensorEntry", "dcp_marker", "data_file_name", "part_file_name", "dtype_name", "dtype_from_name", "plain_file_name"]
 
 FORMAT_NAME = "shardwise.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # an index holding every box itself
+PARTS_VERSION = 2  # an index whose boxes are in index parts ([Note: index parts] in ``_index.py``)
+READ_VERSIONS = (FORMAT_VERSION, PARTS_VERSION)
+PART_SUFFIX = ".boxes.json"  # the end of an index part's name (`part_file_name`)
 INDEX_FILE = "index.json"
 INCOMPLETE_MARK = ".incomplete-"
 CHECKSUM_FIELD = "index_sha256"
@@ -44,6 +47,11 @@ def dcp_marker() -> bytes:
 
 def data_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
+
+
+def part_file_name(rank: int) -> str:
+    """The index part of rank ``rank``'s boxes ([Note: index parts] in ``_index.py``)."""
+    return f"rank-{rank:05d}{PART_SUFFIX}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -103,6 +111,10 @@ class Index:
     checksummed: bool = False  # the index carried its own checksum and it matched
     save_id: str | None = None  # the save that wrote it (rotation compares it with the series record)
     blobs: frozenset[str] = frozenset()  # tensors (uint8, 1-D) that hold a ``bytes`` value
+    # index parts holding boxes that ``tensors`` does not: name -> (bytes, sha256). Set on the
+    # index a save builds ([Note: index parts] in ``_index.py``); an index read has its parts'
+    # boxes in ``tensors`` and this empty (``version`` says it had parts)
+    parts: dict[str, tuple[int, str]] = field(default_factory=dict)
 
 
 def plain_file_name(name: Any) -> bool:

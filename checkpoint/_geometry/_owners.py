@@ -22,6 +22,17 @@ are agreed in two steps:
    (``_tiling.tiling_problem``), and sends each rank only its own answer (a scatter): the
    positions in its own list that it must drop, plus the verdict (the same on every rank).
 
+[Note: writers without a gather]
+Step 2 exists for DTensors on a mesh that leaves ranks out (a sub-mesh). When every rank's
+DTensors live on meshes of the whole world (``fully_shard`` on the default mesh, HSDP and
+FSDP x TP on a mesh of all ranks: the usual case) and plain tensors are rank 0's alone,
+every candidate left by step 1 is its box's only one: the world's boxes are each rank's box of
+one layout, and ``local_boxes`` gives each coordinate a distinct, non-empty box that together
+tile the tensor. The save then skips the gather: one all-reduce (``_comm.agree_values``, with
+the other checks of the save's planning) tells that every rank has the same state digest
+(keys, dtypes, shapes and layouts) and only whole-world meshes; anything else falls back to
+step 2, which also words the error of a digest that differs.
+
 [Note: why rank 0 decides, not every rank]
 With an all-gather every rank would receive the world's box lists, W times its own, and build
 the same dict of every box of the world and run every tiling check: for a 70B model with AdamW

@@ -16,7 +16,7 @@ from .._base import CheckpointError, gather_json, rank_and_world, scatter_json
 from .._format import CheckpointFiles, SavedBox, crcs_of_ranges
 from .._geometry import Box
 from ._verify_shares import (Unit, all_shares, box_ids, contiguous_runs, id_boxes, keys_to_mask, mask_to_keys, needs_of,
-                             units_of)
+                             pack_ints, units_of, unpack_ints)
 
 __all__ = ["check_files"]
 
@@ -99,13 +99,13 @@ def check_files(files: CheckpointFiles, keys: list[str], reads: list[tuple[str, 
     share: list[Unit] = []
     rank, world = rank_and_world()
     if verify:  # every rank takes part, even one whose planning failed (no hang)
-        mine: dict = {"keys": "0", "needs": []}
+        mine: dict = {"keys": "0", "needs": pack_ints([], 4)}
         ids = box_ids(index)
         try:
             if error is None:
                 mine = {"keys": keys_to_mask(index, keys),
-                        "needs": needs_of(((saved.file, saved.key, src, itemsize) for _, saved, src, itemsize in reads),
-                                          ids)}
+                        "needs": pack_ints(needs_of(((saved.file, saved.key, src, itemsize)
+                                                     for _, saved, src, itemsize in reads), ids), 4)}
         except Exception as e:
             error = e
         gathered = gather_json(mine, dst=0)
@@ -113,8 +113,8 @@ def check_files(files: CheckpointFiles, keys: list[str], reads: list[tuple[str, 
         if gathered is not None:  # rank 0: every rank's share ([Note: verification shares])
             try:
                 union = mask_to_keys(index, [g["keys"] for g in gathered])
-                answers = [{"share": s}
-                           for s in all_shares(index, union, ids, [g["needs"] for g in gathered], world)]
+                needs = [unpack_ints(g["needs"], 4) for g in gathered]
+                answers = [{"share": pack_ints(s, 3)} for s in all_shares(index, union, ids, needs, world)]
             except Exception as e:  # every rank learns it in the agreement that follows
                 answers = [{"error": f"{type(e).__name__}: {e}"}] * world
         answer = scatter_json(answers)
@@ -124,7 +124,7 @@ def check_files(files: CheckpointFiles, keys: list[str], reads: list[tuple[str, 
         if verify and error is None:
             # the units are those of every tensor any rank loads, numbered the same way
             # everywhere, so each is checked by exactly one rank
-            share = units_of(index, id_boxes(index), answer["share"])
+            share = units_of(index, id_boxes(index), unpack_ints(answer["share"], 3))
         if error is None:
             uses = [(key, saved) for key, saved, _, _ in reads] + [(u.tensor, u.saved) for u in share]
             good = _check_headers(files, uses, problems)

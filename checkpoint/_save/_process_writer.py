@@ -158,7 +158,7 @@ class ProcessWriter:
         # tensors' checksums travel ([Note: reusing a save's agreement] in ``_plan_cache.py``)
         tensors = sorted(plan.meta) if plan.reused else None
         message = ("write", job, slot, spans, plan.rank_values, plan.blob_sizes, storage_bytes, tmp, rank,
-                   tensors)
+                   tensors, plan.parted)
         with self._lock:
             if self._dead is not None:
                 raise self._dead
@@ -358,10 +358,10 @@ def writer_main(job_fd: int, reply_fd: int, parent: int) -> None:
         elif kind == "drop":
             buffers.pop(msg[1], None)
         elif kind == "write":
-            _, job, slot, spans, rank_values, blob_sizes, storage_bytes, tmp, rank, tensors = msg
+            _, job, slot, spans, rank_values, blob_sizes, storage_bytes, tmp, rank, tensors, parted = msg
             try:
                 replies.send(("done", job, _write_job(buffers.get(slot), spans, rank_values, blob_sizes,
-                                                      storage_bytes, tmp, rank, tensors)))
+                                                      storage_bytes, tmp, rank, tensors, parted)))
             except BaseException as e:
                 traceback.print_exc()  # the whole story on the training process's stderr; one line in the error
                 detail = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
@@ -369,11 +369,12 @@ def writer_main(job_fd: int, reply_fd: int, parent: int) -> None:
 
 
 def _write_job(buf: torch.Tensor | None, spans: list, rank_values: dict, blob_sizes: dict, storage_bytes: bytes,
-               tmp: str, rank: int, tensors: list[str] | None) -> dict:
-    """``tensors``: the tensor keys of a save whose agreement is reused (None otherwise)."""
+               tmp: str, rank: int, tensors: list[str] | None, parted: bool) -> dict:
+    """``tensors``: the tensor keys of a save whose agreement is reused (None otherwise);
+    ``parted``: the boxes go to the rank's index part."""
     storage = pickle.loads(storage_bytes)
     plan = SavePlan(rank_values=rank_values, blob_sizes=blob_sizes, meta=dict.fromkeys(tensors or (), {}),
-                    reused=tensors is not None)
+                    reused=tensors is not None, parted=parted)
     for key, offsets, sizes, dtype, start in spans:
         n = dtype.itemsize
         for s in sizes:

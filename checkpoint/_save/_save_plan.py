@@ -30,17 +30,20 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._base import (CheckpointError, agree, agree_values, crcs_from_hex, crcs_to_hex, gather_json, rank_and_world,
-                     scatter_json)
+from .._base import (CheckpointError, agree, agree_values, broadcast_json, crcs_from_hex, crcs_to_hex, gather_json,
+                     rank_and_world, scatter_json)
 from .._state import flatten, rank_key, to_json_value
 from .._format import (DTYPE_CODES, FORMAT_NAME, Index, SavedBox, StreamingWriter, TensorEntry, data_file_name,
-                       dtype_name)
+                       dtype_name, part_file_name, part_to_json)
 from .._geometry import Box, assign_writers, is_local_candidate, layout_of, local_boxes, tiling_problem
 from .._storage import Storage
 from ._plan_cache import AgreedPlan, fingerprint, lookup, remember
 
-__all__ = ["Piece", "SavePlan", "build_index", "keep_own_pieces", "meta_digest", "plan_save", "snapshot",
+__all__ = ["INDEX_PARTS_FROM", "Piece", "SavePlan", "build_index", "keep_own_pieces", "meta_digest", "plan_save", "snapshot",
            "write_file"]
+
+
+INDEX_PARTS_FROM = 64  # world size from which a save writes its index in parts ([Note: index parts] in _index.py)
 
 
 @dataclass
@@ -69,10 +72,13 @@ class SavePlan:
     path: str = ""
     agreed: AgreedPlan | None = None  # the agreement of this save ([Note: reusing a save's agreement])
     reused: bool = False  # ``agreed`` was kept from an earlier save and reused
+    spans_world: bool = True  # every DTensor's mesh holds every rank ([Note: writers without a gather])
+    parted: bool = False  # this rank's boxes go to its index part ([Note: index parts] in ``_format/_index.py``)
 
 
 def plan_save(state: dict, rank: int) -> SavePlan:
     plan = SavePlan()
+    world = rank_and_world()[1]
     with torch.no_grad():
         for leaf in flatten(state):
             v = leaf.value
@@ -89,6 +95,8 @@ def plan_save(state: dict, rank: int) -> SavePlan:
                                       "(e.g. module.to_empty(device=...) and initialize) before saving")
             plan.meta[leaf.key] = {"dtype": dtype_name(v.dtype), "shape": list(v.shape), "layout": layout_of(v)}
             boxes = local_boxes(v)  # on every rank: refuses unsupported placements everywhere
+            if isinstance(v, DTensor) and v.device_mesh.size() != world:
+                plan.spans_world = False
             if not is_local_candidate(v, rank):
                 continue  # step 1 of [Note: one writer per box over the world] in _owners.py
             local = v.to_local() if isinstance(v, DTensor) else v
@@ -103,23 +111,30 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
     for p in plan.pieces:
         held.setdefault(p.key, []).append(p.box)
     _, world = rank_and_world()
+    plan.parted = world >= INDEX_PARTS_FROM
     digest = meta_digest(plan.meta)
     fp = fingerprint(world, rank, digest, [(p.key, p.box.offsets, p.box.sizes) for p in plan.pieces],
                      list(plan.values), list(plan.blobs))
     kept = lookup(rank, fp)
-    usable = kept is not None and (rank != 0 or kept.skeleton is not None)  # rank 0 needs the skeleton
+    # rank 0 puts reused checksums on the skeleton, unless the boxes go to index parts
+    usable = kept is not None and (plan.parted or rank != 0 or kept.skeleton is not None)
     text = str(kept.generation) if kept is not None and usable else f"no usable agreement kept on rank {rank}"
-    if agree_values([text])[0] and kept is not None and usable:  # every rank kept this very agreement
+    keys = {"v": sorted(plan.values), "b": sorted(plan.blobs)}
+    reuse, same_meta, whole, same_keys = agree_values([
+        text, digest, "every mesh spans the world" if plan.spans_world else f"a sub-mesh on rank {rank}",
+        json.dumps(keys)])
+    if reuse and kept is not None and usable:  # every rank kept this very agreement
         plan.pieces = [p for p in plan.pieces if (p.key, p.box.offsets, p.box.sizes) in kept.writes]
         plan.agreed, plan.reused = kept, True
-        _settle_plain(plan, rank, kept)
+        _settle_plain(plan, rank, kept.common, None)
         return
-    shapes = {k: tuple(m["shape"]) for k, m in plan.meta.items()}
-    mine, problem = assign_writers(sorted(plan.meta), shapes, held, digest, rank)
-    agree(problem, f"saving checkpoint {plan.path}")
-    plan.pieces = [p for p in plan.pieces if (p.key, p.box) in mine]
+    if not (same_meta and whole):  # else every candidate is its box's only one: [Note: writers without a gather]
+        shapes = {k: tuple(m["shape"]) for k, m in plan.meta.items()}
+        mine, problem = assign_writers(sorted(plan.meta), shapes, held, digest, rank)
+        agree(problem, f"saving checkpoint {plan.path}")
+        plan.pieces = [p for p in plan.pieces if (p.key, p.box) in mine]
     writes = frozenset((p.key, p.box.offsets, p.box.sizes) for p in plan.pieces)
-    generation, common = _settle_plain(plan, rank, None)
+    generation, common = _settle_plain(plan, rank, keys if same_keys else None, secrets.randbits(62))
     plan.agreed = AgreedPlan(generation, writes, common)
     remember(rank, fp, plan.agreed)
 
@@ -133,21 +148,24 @@ def _value_digests(plan: SavePlan) -> dict[str, dict[str, str]]:
             "b": {k: _digest(b) for k, b in plan.blobs.items()}}
 
 
-def _settle_plain(plan: SavePlan, rank: int, kept: AgreedPlan | None) -> tuple[int, dict[str, list[str]]]:
+def _settle_plain(plan: SavePlan, rank: int, common: dict[str, list[str]] | None,
+                  draw: int | None) -> tuple[int, dict[str, list[str]]]:
     """Collective: which plain values are shared and which per rank ([Note: plain values per
     rank]); this rank keeps what it saves, and a piece for each ``bytes`` value it writes.
 
-    Without ``kept``: a gather of every rank's digests to rank 0 and a scatter of each rank's
-    own keys, plus the agreement's generation and the keys every rank holds. With ``kept`` (a
-    reused agreement): one all-reduce over the digests of the keys every rank holds ([Note:
-    reusing a save's agreement]). Returns ``(generation, common keys)``."""
+    With ``common`` (the keys every rank holds: of a reused agreement, or this rank's own keys
+    when every rank holds the same ones): one all-reduce over their digests ([Note: reusing a
+    save's agreement]); a key is shared when its digest is the same everywhere. Without: a
+    gather of every rank's digests to rank 0 and a scatter of each rank's own keys and the keys
+    every rank holds. ``draw`` (a new agreement): this rank's candidate for the agreement's
+    generation; rank 0's is taken (sent with the scatter, else broadcast). Returns
+    ``(generation, common keys)``; the generation is 0 for a reused agreement (``draw`` None)."""
     mine = _value_digests(plan)
-    if kept is not None:
-        common = kept.common
+    if common is not None:
         same = agree_values([mine[kind][k] for kind in ("v", "b") for k in common[kind]])
         equal = dict(zip([(kind, k) for kind in ("v", "b") for k in common[kind]], same))
         own = {kind: sorted(k for k in mine[kind] if not equal.get((kind, k), False)) for kind in ("v", "b")}
-        generation = kept.generation
+        generation = 0 if draw is None else int(broadcast_json(draw, src=0))
     else:
         gathered = gather_json(mine, dst=0)
         answers = None
@@ -156,9 +174,8 @@ def _settle_plain(plan: SavePlan, rank: int, kept: AgreedPlan | None) -> tuple[i
                       for kind in ("v", "b")}
             held_by_all = {kind: sorted(k for k in gathered[0][kind] if all(k in g[kind] for g in gathered))
                            for kind in ("v", "b")}
-            drawn = secrets.randbits(62)
             answers = [{**{kind: sorted(set(g[kind]) - shared[kind]) for kind in ("v", "b")},
-                        "common": held_by_all, "generation": drawn} for g in gathered]
+                        "common": held_by_all, "generation": draw} for g in gathered]
         own = scatter_json(answers)
         common, generation = own["common"], own["generation"]
     plan.rank_values = {rank_key(k, rank): plan.values.pop(k) for k in own["v"]}
@@ -200,6 +217,15 @@ def write_file(plan: SavePlan, storage: Storage, tmp: str, rank: int) -> dict:
         raise
     sums = writer.close()
     report: dict[str, Any] = {"file": name, "bytes": storage.size(path, follow=False), **plain}
+    if plan.parted:  # the boxes go to this rank's index part; rank 0 gets its size and digest
+        records: dict[str, list[SavedBox]] = {}
+        for k, p in by_key.items():
+            c = sums[k]
+            records.setdefault(p.key, []).append(SavedBox(p.box, name, k, c.crc32, c.chunk_rows, c.chunk_crc32))
+        data = part_to_json(records)
+        storage.write_atomic(storage.join(tmp, part_file_name(rank)), data)
+        report["part"] = [len(data), hashlib.sha256(data).hexdigest()]
+        return report
     if plan.reused:  # rank 0 holds the boxes' geometry: only the checksums travel
         tensors = [(k, p) for k, p in by_key.items() if p.key in plan.meta]
         report["crc"] = crcs_to_hex(sums[k].crc32 for k, _ in tensors)
@@ -234,7 +260,8 @@ def build_index(plan: SavePlan, reports: list[dict], world: int, token: str) -> 
     meta = dict(plan.meta, **{k: {"dtype": "uint8", "shape": [n], "layout": None} for k, n in blobs.items()})
     boxes.update({k: [] for k in blobs})
     skeleton: list[list[tuple[str, str, Box]]] = []
-    compact = plan.reused
+    parts: dict[str, tuple[int, str]] = {}
+    compact = plan.reused and not plan.parted
     for r, rep in enumerate(reports):
         skeleton.append([])
         if compact:
@@ -242,6 +269,9 @@ def build_index(plan: SavePlan, reports: list[dict], world: int, token: str) -> 
         if rep["file"] is None:
             continue
         files[rep["file"]] = rep["bytes"]
+        if plan.parted:
+            parts[part_file_name(r)] = _part_record(r, rep)
+            continue
         for b in rep["boxes"]:
             rows, hex_crcs = b["chunk_rows"], b["chunk_crc32"]
             chunks = None if hex_crcs is None else crcs_from_hex(hex_crcs, len(hex_crcs) // 8)
@@ -253,14 +283,23 @@ def build_index(plan: SavePlan, reports: list[dict], world: int, token: str) -> 
     for k, m in meta.items():
         dtype = getattr(torch, m["dtype"])
         tensors[k] = TensorEntry(dtype, tuple(m["shape"]), tuple(boxes[k]), m["layout"])
-        if compact and k in plan.meta:
-            continue  # the skeleton's boxes, checked when it was taken
+        if plan.parted or (compact and k in plan.meta):
+            continue  # boxes in parts, or the skeleton's: checked when the writers were agreed
         problem = tiling_problem(tensors[k].shape, [b.box for b in boxes[k]])
         if problem is not None:  # the written boxes themselves, checked once more before the commit
             raise CheckpointError(f"the boxes written for tensor '{k}' do not tile it: {problem}; nothing was committed")
-    if plan.agreed is not None and not compact:  # rank 0 keeps the geometry for the next saves
+    if plan.agreed is not None and not compact and not plan.parted:  # rank 0 keeps the geometry for the next saves
         plan.agreed.skeleton = skeleton
-    return Index(tensors, values, files, world, time.time_ns(), save_id=token, blobs=frozenset(blobs))
+    return Index(tensors, values, files, world, time.time_ns(), save_id=token, blobs=frozenset(blobs), parts=parts)
+
+
+def _part_record(rank: int, rep: dict) -> tuple[int, str]:
+    """Rank 0: ``(bytes, sha256)`` of rank ``rank``'s index part, from its report."""
+    part = rep.get("part")
+    if not (isinstance(part, list) and len(part) == 2 and isinstance(part[0], int) and isinstance(part[1], str)):
+        raise CheckpointError(f"rank {rank} reported no index part for its data file {rep['file']}; nothing was "
+                              "committed")
+    return part[0], part[1]
 
 
 def _put_checksums(plan: SavePlan, rank: int, rep: dict, boxes: dict[str, list[SavedBox]]) -> None:

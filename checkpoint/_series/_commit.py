@@ -36,7 +36,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .._base import CheckpointError, parse_json_strict
-from .._format import DCP_MARKER, FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, plain_file_name
+from .._format import (DCP_MARKER, FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, PART_SUFFIX, own_names,
+                       plain_file_name)
 from .._storage import Storage
 
 __all__ = ["temp_dir_for", "replaced_dir_for", "check_target", "commit", "own_files", "delete_own_files",
@@ -71,14 +72,9 @@ def is_checkpoint(storage: Storage, path: str) -> bool:
 
 
 def own_files(storage: Storage, path: str) -> set[str]:
-    """The names inside checkpoint ``path`` that the format wrote: the index (and its temporary
-    name), the ``.metadata`` marker and the data files it lists."""
-    names = {INDEX_FILE, INDEX_FILE + ".tmp", DCP_MARKER}
-    raw = index_of(storage, path)
-    files = raw.get("files") if raw else None
-    if isinstance(files, dict):
-        names |= {n for n in files if plain_file_name(n)}
-    return names
+    """The names inside checkpoint ``path`` that the format wrote (``_format.own_names``: the
+    index and its temporary name, the ``.metadata`` marker, the data files and index parts it lists)."""
+    return own_names(index_of(storage, path))
 
 
 def check_target(storage: Storage, path: str, replaceable: Callable[[Storage, str], bool] | None = None) -> None:
@@ -199,7 +195,7 @@ def intact_replaced(storage: Storage, path: str) -> str | None:
     return max(found)[1] if found else None
 
 
-_LEFTOVER_SUFFIXES = (".safetensors", INDEX_FILE + ".tmp")
+_LEFTOVER_SUFFIXES = (".safetensors", PART_SUFFIX, INDEX_FILE + ".tmp")
 
 
 def recover_replaced(storage: Storage, path: str, token: str | None = None) -> str | None:

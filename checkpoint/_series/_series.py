@@ -54,7 +54,7 @@ import threading
 
 from ._commit import delete_own_files, index_of, recover_replaced, remove_temp, temp_dir_for
 from .._base import CheckpointError, parse_json_strict
-from .._format import DCP_MARKER, INDEX_FILE, plain_file_name
+from .._format import DCP_MARKER, own_names, plain_file_name
 from .._storage import Storage
 
 __all__ = ["RECORD_FILE", "default_series", "begin_save", "finish_save", "abort_save", "saving"]
@@ -228,11 +228,6 @@ def abort_save(storage: Storage, path: str, series: str, token: str) -> None:
         _store(storage, parent, record)
 
 
-def _own_names(raw: dict | None) -> list[str]:
-    files = raw.get("files") if raw else None
-    names = {INDEX_FILE, INDEX_FILE + ".tmp", DCP_MARKER} | ({n for n in files if plain_file_name(n)}
-                                                 if isinstance(files, dict) else set())
-    return sorted(names)
 
 
 def finish_save(storage: Storage, path: str, series: str, token: str, created: int | None,
@@ -264,7 +259,7 @@ def finish_save(storage: Storage, path: str, series: str, token: str, created: i
                     said.append(f"left {storage.url(full)} alone: it is no longer the checkpoint this series wrote "
                                 "there")
                     continue
-                entry["deleting"].append({"name": cname, "save_id": c.get("save_id"), "files": _own_names(raw)})
+                entry["deleting"].append({"name": cname, "save_id": c.get("save_id"), "files": sorted(own_names(raw))})
         entry["checkpoints"] = kept
         _store(storage, parent, record)  # the doomed are listed as deleting before any file goes
         if entry["deleting"]:
