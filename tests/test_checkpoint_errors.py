@@ -69,7 +69,7 @@ CASES = {  # case -> words the message must contain
     # without checksums only rank 1 reads its file, so only rank 1 finds the damage
     "truncated_no_verify": ["rank 1:", "rank-00001.safetensors", "truncated", "holds tensor 'model/"],
     "checksum": ["rank-00001.safetensors", "checksum mismatch", "(tensor '", "corrupted"],
-    "bad_version": ["every rank:", "version 99", "reads version 1"],
+    "bad_version": ["every rank:", "version 99", "reads versions 1, 2"],
     "nonexistent": ["every rank:", "does not exist"],
     "empty_dir": ["every rank:", "no index.json"],
     "incomplete": ["every rank:", "incomplete save"],

@@ -99,7 +99,7 @@ def check_files(files: CheckpointFiles, keys: list[str], reads: list[tuple[str, 
     share: list[Unit] = []
     rank, world = rank_and_world()
     if verify:  # every rank takes part, even one whose planning failed (no hang)
-        mine: dict = {"keys": "0", "needs": pack_ints([], 4)}
+        mine: dict = {"keys": keys_to_mask(index, []), "needs": pack_ints([], 4)}
         ids = box_ids(index)
         try:
             if error is None:

@@ -88,20 +88,20 @@ def box_ids(index: Index) -> dict[tuple[str, str], int]:
 
 
 def keys_to_mask(index: Index, keys: Iterable[str]) -> str:
-    """The set ``keys`` of tensor keys as a hex bit mask over the sorted keys of the index
-    (compact for the all-gather: one bit per tensor)."""
+    """The set ``keys`` of tensor keys as a bit mask over the sorted keys of the index, zlib
+    compressed, base64 (a few bytes when a rank loads every tensor, as usual)."""
     pos = {k: i for i, k in enumerate(sorted(index.tensors))}
     mask = 0
     for k in keys:
         mask |= 1 << pos[k]
-    return format(mask, "x")
+    return base64.b64encode(zlib.compress(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), 6)).decode()
 
 
 def mask_to_keys(index: Index, masks: Iterable[str]) -> list[str]:
     """The union of the key sets ``masks`` (from `keys_to_mask`), in sorted order."""
     union = 0
     for m in masks:
-        union |= int(m, 16)
+        union |= int.from_bytes(zlib.decompress(base64.b64decode(m)), "little")
     return [k for i, k in enumerate(sorted(index.tensors)) if union >> i & 1]
 
 
