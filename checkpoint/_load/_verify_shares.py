@@ -126,17 +126,18 @@ def unpack_ints(text: str, width: int) -> list[int]:
 
 
 def needs_of(reads: Iterable[tuple[str, str, Box, int]], ids: dict[tuple[str, str], int]) -> list[int]:
-    """What this rank reads, for the all-gather: ``[box id, first row, end row, bytes per row]``
-    for each ``(file, key, region of the saved box, itemsize)`` in ``reads``, flattened."""
-    out: list[int] = []
+    """What this rank reads, for rank 0: ``[box id, first row, end row, bytes per row]`` for each
+    ``(file, key, region of the saved box, itemsize)`` in ``reads``, in box id order (which packs
+    small: `pack_ints`), flattened."""
+    records: list[tuple[int, int, int, int]] = []
     for file, key, src, itemsize in reads:
         bid = ids.get((file, key))
         if bid is None:
             continue
         rows, per_row = box_rows(src.sizes)
         lo = src.offsets[0] if src.sizes else 0
-        out += [bid, lo, lo + rows, per_row * itemsize]
-    return out
+        records.append((bid, lo, lo + rows, per_row * itemsize))
+    return [v for rec in sorted(records) for v in rec]
 
 
 def contiguous_runs(units: Iterable[Unit]) -> list[list[Unit]]:
