@@ -19,12 +19,24 @@ cancels most of that drift:
     dcp-thread      torch.distributed.checkpoint.async_save(..., AsyncCheckpointerType.THREAD)
     dcp-process     torch.distributed.checkpoint.async_save(..., AsyncCheckpointerType.PROCESS)
 
-starts a save and trains until the save's background write is done (at least ``--steps``
-steps), then waits for it (``result()``). Measured, per implementation (median over rounds):
+starts a save and trains until the save's background write is done, then waits for it
+(``result()``).
 
+[Note: steps in flight]
+Only the steps taken while the background write runs are timed in a save phase (each one
+started before the write ended; the loop checks ``done()`` after every step), never steps
+after it: padding the phase with steps after the write (as an earlier version did, up to
+``--steps``) dilutes the slowdown by the share of quiet steps. So a save phase times as many
+steps as fit in the write (the ``steps timed`` column); ``--ballast-mb`` sets how long that is.
+Measured, per implementation (median over rounds):
+
+    steps timed     the number of steps timed in the phase (``none``: ``--steps``)
     step            the median training-step time while the save was in flight (ms), and its
                     ratio to the ``none`` phase just before it (the slowdown; median over rounds,
                     with the smallest and largest)
+    mean step       the same ratio for the mean step time (the loss of throughput, stalls
+                    included), median over rounds
+    rounds below    in how many rounds this implementation's step ratio was below the thread's
     call            the time ``async_save`` blocked the training loop (the copy to staging)
     in flight       from the call to the end of the background write
     peak RSS +      this process's peak RSS during the save minus its RSS before (VmHWM, reset
@@ -156,7 +168,7 @@ def run_one(impl: str, model, optim, ballast, x, args, path: str, verify: bool) 
             t0 = time.perf_counter()
             step(model, optim, x)
             times.append(time.perf_counter() - t0)
-        return {"step": statistics.median(times), "steps": len(times)}
+        return {"step": statistics.median(times), "mean": statistics.fmean(times), "steps": len(times)}
     state = state_of(model, optim, ballast, 1)
     want = copy_tensors(state) if verify else None
     reset_peak_rss()
@@ -165,13 +177,20 @@ def run_one(impl: str, model, optim, ballast, x, args, path: str, verify: bool) 
     handle = start(impl, state, path)
     call = time.perf_counter() - t0
     flight = call if handle.done() else None
-    while flight is None or len(times) < args.steps:
+    children = 0
+    while flight is None:  # only steps that overlap the background write: [Note: steps in flight]
         t1 = time.perf_counter()
         step(model, optim, x)
         times.append(time.perf_counter() - t1)
-        if flight is None and handle.done():
+        if not children:
+            children = _children_anon_bytes(impl)  # the writer process's memory while it writes
+        if handle.done():
             flight = time.perf_counter() - t0
-    children = _children_anon_bytes(impl)
+    if not times:  # the write ended within the call: one step after it, so the row is not empty
+        t1 = time.perf_counter()
+        step(model, optim, x)
+        times.append(time.perf_counter() - t1)
+        children = _children_anon_bytes(impl)
     handle.result()
     peak = peak_rss_bytes() - before
     staging = 0
@@ -180,7 +199,8 @@ def run_one(impl: str, model, optim, ballast, x, args, path: str, verify: bool) 
     if want is not None:
         check(impl, path, want)
     shutil.rmtree(path, ignore_errors=True)
-    return {"step": statistics.median(times), "steps": len(times), "call": call, "flight": flight,
+    return {"step": statistics.median(times), "mean": statistics.fmean(times), "steps": len(times), "call": call,
+            "flight": flight,
             "peak_bytes": peak, "writer_anon_bytes": children, "staging_bytes": staging}
 
 
@@ -223,11 +243,14 @@ def main() -> None:
                 nones.append(run_one("none", model, optim, ballast, x, args, "", False))
                 out[impl] = run_one(impl, model, optim, ballast, x, args, os.path.join(root, f"{impl}-{r}"), r == 0)
                 out[impl]["ratio"] = out[impl]["step"] / nones[-1]["step"]
-            out["none"] = {"step": statistics.median(n["step"] for n in nones), "ratio": 1.0}
+                out[impl]["mean_ratio"] = out[impl]["mean"] / nones[-1]["mean"]
+            out["none"] = {"step": statistics.median(n["step"] for n in nones), "ratio": 1.0, "mean_ratio": 1.0,
+                           "steps": statistics.median(n["steps"] for n in nones)}
             if r > 0:
                 rounds.append(out)
-                print(f"round {r}: " + ", ".join(f"{i} {out[i]['step'] * 1e3:.1f} ms (x{out[i]['ratio']:.2f})"
-                                                 for i in ["none", *saving]), flush=True)
+                print(f"round {r}: " + ", ".join(
+                    f"{i} {out[i]['step'] * 1e3:.1f} ms (x{out[i]['ratio']:.2f}, mean x{out[i]['mean_ratio']:.2f}, "
+                    f"{out[i]['steps']:.0f} steps)" for i in ["none", *saving]), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     table = {}
@@ -235,7 +258,11 @@ def main() -> None:
         rows = [rd[impl] for rd in rounds]
         row = {"step_ms": statistics.median(x["step"] for x in rows) * 1e3,
                "slowdown": statistics.median(x["ratio"] for x in rows),
-               "slowdown_min": min(x["ratio"] for x in rows), "slowdown_max": max(x["ratio"] for x in rows)}
+               "slowdown_min": min(x["ratio"] for x in rows), "slowdown_max": max(x["ratio"] for x in rows),
+               "mean_slowdown": statistics.median(x["mean_ratio"] for x in rows),
+               "steps": statistics.median(x["steps"] for x in rows),
+               "wins": None if impl in ("none", "thread") or "thread" not in saving
+               else sum(rd[impl]["ratio"] < rd["thread"]["ratio"] for rd in rounds)}
         if impl != "none":
             row.update(call_s=statistics.median(x["call"] for x in rows),
                        flight_s=statistics.median(x["flight"] for x in rows),
@@ -245,12 +272,13 @@ def main() -> None:
         table[impl] = row
     print(f"\nstate {state_bytes / 2**20:.0f} MiB; {args.layers} x {args.width} MLP, batch {args.batch}; "
           f"medians of {args.reps} rounds\n")
-    print("| impl | step (ms) | step / none (min-max) | async_save call (s) | in flight (s) | peak RSS + (MiB) "
-          "| writer process (MiB) | staging kept (MiB) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| impl | steps timed | step (ms) | step / none (min-max) | mean step / none | rounds below thread "
+          "| async_save call (s) | in flight (s) | peak RSS + (MiB) | writer process (MiB) | staging kept (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for impl, row in table.items():
-        cells = [f"{row['step_ms']:.1f}",
-                 f"{row['slowdown']:.2f} ({row['slowdown_min']:.2f}-{row['slowdown_max']:.2f})"]
+        cells = [f"{row['steps']:.0f}", f"{row['step_ms']:.1f}",
+                 f"{row['slowdown']:.2f} ({row['slowdown_min']:.2f}-{row['slowdown_max']:.2f})",
+                 f"{row['mean_slowdown']:.2f}", "" if row["wins"] is None else f"{row['wins']}/{len(rounds)}"]
         if impl != "none":
             cells += [f"{row['call_s']:.2f}", f"{row['flight_s']:.2f}", f"{row['peak_mib']:.0f}",
                       f"{row['writer_anon_mib']:.0f}", f"{row['staging_mib']:.0f}"]

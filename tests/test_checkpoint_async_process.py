@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import shardwise.checkpoint as ck
 from shardwise.checkpoint._save._process_writer import ProcessWriter
@@ -180,6 +181,48 @@ def test_a_killed_writer_process_fails_the_save_on_every_rank_and_commits_nothin
     assert out[0][3] == out[0][4], "rank 0 kept its writer process"
     for o in out:
         assert _gone(o[3]) and _gone(o[4]), "a writer process outlived its rank"
+
+
+class _CountCopies(TorchFunctionMode):
+    """Bytes written by ``Tensor.copy_`` and bytes of tensors allocated by ``torch.empty`` while
+    active (on this thread: the training process's part of an ``async_save``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copied = self.allocated = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.copy_:
+            self.copied += out.numel() * out.element_size()
+        elif func is torch.empty:
+            self.allocated += out.numel() * out.element_size()
+        return out
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_async_save_copies_each_box_once(tmp_path, kind):
+    """The training process copies the state once: with "process" straight from the live
+    tensors into the staging buffer (no snapshot allocated before it); with "thread" into the
+    snapshot. A second copy (a snapshot, then the staging buffer) doubles ``copied``."""
+    state = _mixed_state(5)
+    box_bytes = sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    box_bytes += len(state["blob"])  # saved as a uint8 box
+    ck.async_save(state, tmp_path / "warm", async_checkpointer_type=kind).result(timeout=TIMEOUT)  # buffers made
+    with _CountCopies() as counted:
+        handle = ck.async_save(state, tmp_path / "step-1", async_checkpointer_type=kind)
+    if kind == "process":
+        buffers = {buf.untyped_storage().data_ptr() for buf, _, _ in ProcessWriter._current._slots.values()}
+        assert all(p.tensor().untyped_storage().data_ptr() in buffers for p in handle._plan.pieces), \
+            "a box of the save is not in the staging buffer"
+    assert counted.copied == box_bytes, f"{kind}: copied {counted.copied} bytes for {box_bytes} bytes of boxes"
+    assert counted.allocated == (0 if kind == "process" else box_bytes), (kind, counted.allocated)
+    state["w"].add_(1.0)  # after the call: not saved
+    handle.result(timeout=TIMEOUT)
+    want, got = _mixed_state(5), _zeros_like(state)
+    ck.load(got, tmp_path / "step-1")
+    assert _states_equal(got, want)
+    ProcessWriter.shutdown()
 
 
 def test_dcp_call_form_thread_and_process(tmp_path):

@@ -268,6 +268,72 @@ def test_a_rotation_killed_at_every_s3_write_is_recovered(folder):
     assert points >= 5, points
 
 
+def _load_right_after_kill(path: str) -> tuple[float | None, str]:
+    """A load before any other save: the value read, or (None, the error's text)."""
+    try:
+        return _value(path), ""
+    except CheckpointError as e:
+        return None, str(e)
+
+
+def test_a_load_right_after_a_killed_replace_reads_the_committed_version(folder):
+    """Killed at each S3 write of a replace of ``latest`` (the commit's copies and deletes
+    included), a load of ``latest`` and of `latest_checkpoint` before any other save reads the
+    committed version: the old one until the new ``index.json`` is in place, the new one after;
+    never "not a shardwise checkpoint" (a folder without index.json at ``latest`` while the
+    intact old copy lies in ``.latest.replaced-<token>``), never "none yet"."""
+    seen: list[tuple[int, float | None, float | None]] = []
+    new_from: list[int] = []
+
+    def before(f):
+        save(_state(1.0), f"{f}/latest")
+
+    def after(f):
+        by_path, error = _load_right_after_kill(f"{f}/latest")
+        assert by_path is not None, f"killed at write {len(seen) + 1}: {error}"
+        latest = latest_checkpoint(f)
+        assert latest is not None, f"killed at write {len(seen) + 1}: the series' committed checkpoint is not found"
+        seen.append((len(seen) + 1, by_path, _value(latest)))
+
+    def check(f, k, writes):
+        _, by_path, by_latest = seen[-1]
+        assert by_path in (1.0, 2.0) and by_latest in (1.0, 2.0), (k, writes[-1:], seen[-1])
+        if by_path == 2.0:
+            new_from.append(k)
+        else:
+            assert not new_from, f"killed at write {k}: the old version again after the new one ({seen})"
+
+    points = _each_kill_point(folder, before, lambda f: save(_state(2.0), f"{f}/latest"), after, check)
+    assert points >= 8 and 1.0 in [v for _, v, _ in seen] and new_from, seen
+    print(f"{points} write requests; (kill point, load of latest, load of latest_checkpoint): {seen}")
+
+
+def test_a_load_right_after_a_killed_first_save_says_interrupted_not_damaged(folder):
+    """The first save of a path killed at each S3 write: before its index.json is copied in,
+    nothing is committed, and a load says the path does not exist or that a save of it was
+    interrupted (retry, or the next save cleans up), never that it is not a shardwise
+    checkpoint; `latest_checkpoint` says None until the save is committed."""
+    said: list[str] = []
+
+    def crashing(f):
+        save(_state(2.0), f"{f}/latest")
+
+    def after(f):
+        value, error = _load_right_after_kill(f"{f}/latest")
+        latest = latest_checkpoint(f)
+        assert (value is None) == (latest is None), (value, error, latest)
+        said.append(error if value is None else f"loaded {value}")
+
+    def check(f, k, writes):
+        text = said[-1]
+        assert "not a shardwise checkpoint" not in text and "safetensors files but no" not in text, (k, text)
+        assert text == "loaded 2.0" or "does not exist" in text or "interrupted" in text, (k, text)
+
+    points = _each_kill_point(folder, lambda f: None, crashing, after, check)
+    assert any("interrupted" in t for t in said), said
+    print(f"{points} write requests; loads right after each kill: {said}")
+
+
 # --- requests per save (docs/checkpoint.md, "On an object store") --------------------------------
 
 def test_requests_per_save_replace_rotation_and_load(folder):

@@ -56,6 +56,11 @@ changes the folder (a writer's in-progress state is the writer's to finish). How
 * a path that is missing while an intact ``.<name>.replaced-<hex>`` checkpoint exists (a replace
   between its two renames, or one that crashed there) is read from that copy, without renaming
   anything (so this works on a read-only mount too); the next save of the series restores it.
+  On an object store a replace also passes through a ``<name>`` without ``index.json`` (the old
+  index deleted, the new one not copied in yet); when that stays so (the writer was killed) it
+  is read from the same copy (`stand_in` in ``checkpoint/_series/_commit.py``), and a first save
+  of ``<name>`` stopped while copying in is "an interrupted save; retry or run the next save",
+  never "not a checkpoint".
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ from typing import Any
 import torch
 
 from .._base import CheckpointError, agree, agree_values, phase, rank_and_world
-from .._series import intact_replaced
+from .._series import interrupted_save, stand_in
 from .._state import (FileSystemReader, Leaf, check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten,
                       refuse_dcp_extensions, set_values)
 from .._format import CheckpointFiles, open_checkpoint
@@ -162,15 +167,17 @@ def agree_version(files: CheckpointFiles, where: str) -> None:
         raise CheckpointError(f"{where}: {_retry(files)}")
 
 
-def _source(storage: Storage, path: str) -> tuple[str, str | None]:
-    """The directory a load of ``path`` reads: ``path`` itself, or, when it is missing, the intact
-    old copy a replace left (read in place, nothing renamed; see [Note: readers and a writer])."""
-    if storage.kind(path) != "missing":
+def _source(storage: Storage, path: str, indexless: bool = False) -> tuple[str, str | None]:
+    """The directory a load of ``path`` reads: ``path`` itself, or, when it is missing (or was
+    found to be a folder without index, ``indexless``), the intact old copy a replace left
+    (`stand_in`: read in place, nothing renamed; see [Note: readers and a writer])."""
+    if not indexless and storage.kind(path) != "missing":
         return path, None
-    old = intact_replaced(storage, path)
+    old = stand_in(storage, path)
     if old is None:
         return path, None
-    return old, (f"{storage.url(path)} is missing; reading {storage.url(old)}, the intact copy a replace of it left "
+    state = "is missing" if storage.kind(path) == "missing" else "has no index.json"
+    return old, (f"{storage.url(path)} {state}; reading {storage.url(old)}, the intact copy a replace of it left "
                  "(under way, or interrupted: the next save of the series restores it)")
 
 
@@ -178,15 +185,22 @@ def _open_source(storage: Storage, path: str, attempts: int = 5) -> CheckpointFi
     """`open_checkpoint` of what `_source` names; when that vanished in between (a writer's
     rename), resolved again, up to ``attempts`` times, backing off: a replace under way is not an
     error. If it was there at some attempt and vanished every time (a writer replacing it in a
-    tight loop), the error says "being replaced, retry", not that it does not exist."""
-    seen = False
+    tight loop), the error says "being replaced, retry", not that it does not exist. A ``path``
+    without index next to a save's copy (a commit that stopped half way on an object store) is
+    read from the intact old copy, or else said to be an interrupted save, never "not a
+    checkpoint"."""
+    seen, indexless = False, False
     for attempt in range(attempts):
-        source, said = _source(storage, path)
+        source, said = _source(storage, path, indexless)
         seen = seen or storage.kind(source) == "dir"
         try:
             files = open_checkpoint(source, storage)
         except CheckpointError as e:
-            moved = storage.kind(source) != "dir" or _source(storage, path)[0] != source
+            moved = storage.kind(source) != "dir" or _source(storage, path, indexless)[0] != source
+            if (not moved and source == path and not indexless and attempt + 1 < attempts
+                    and stand_in(storage, path) is not None):
+                indexless = True  # read the old copy in its place
+                continue
             if moved and attempt + 1 < attempts:
                 time.sleep(0.005 * 2 ** attempt)
                 continue
@@ -194,6 +208,12 @@ def _open_source(storage: Storage, path: str, attempts: int = 5) -> CheckpointFi
                 raise CheckpointError(f"checkpoint {storage.url(path)} is being replaced by a save (it vanished "
                                       f"between {attempts} attempts to open it); nothing is damaged: retry the load"
                                       ) from e
+            other = interrupted_save(storage, path) if source == path else None
+            if other is not None:
+                raise CheckpointError(
+                    f"checkpoint {storage.url(path)} has no index.json: a save is copying it into place or was "
+                    f"interrupted while committing it ({other} is that save's); nothing committed is damaged: retry "
+                    "the load, or run the next save of the series, which cleans it up") from e
             raise
         if said:
             _log.warning("%s", said)

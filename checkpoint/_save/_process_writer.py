@@ -7,7 +7,8 @@ of every box and chunk, the writes and fsyncs) shares the training process: its 
 holds the GIL against the training loop's. With ``"process"``, each rank has one writer
 process, started on its first such save and reused by the next ones:
 
-* The training process copies each box it writes into a *staging buffer*: a file in
+* The training process copies each box it writes, straight from the live tensor (no snapshot
+  before it: ``_stage`` in ``_writer.py``), into a *staging buffer*: a file in
   ``/dev/shm`` (else the temporary folder) mapped by both processes (``torch.from_file``,
   shared), its space reserved up front (``posix_fallocate``: a full ``/dev/shm`` is an error
   at the save, never a ``SIGBUS``). Buffers are kept for the next saves (one per save in
@@ -84,7 +85,8 @@ def _exit_text(code: int | None) -> str:
 class ProcessWriter:
     """This process's writer process (see [Note: the writer process]); `ProcessWriter.get()`
     gives the running one, starting it if needed. ``submit(plan, storage, tmp, rank)`` copies
-    the plan's boxes into a staging buffer and returns a ``Future`` of `write_file`'s report.
+    the plan's boxes (the live tensors) into a staging buffer and returns a ``Future`` of
+    `write_file`'s report.
     """
 
     _current: ProcessWriter | None = None
@@ -148,12 +150,17 @@ class ProcessWriter:
         slot = self._take_slot(offset) if offset else None
         if slot is not None:
             buf = self._slots[slot][0]
-            with torch.no_grad():
-                for p, (_, _, sizes, dtype, start) in zip(plan.pieces, spans):
-                    n = p.tensor().numel() * p.tensor().element_size()
-                    view = buf[start:start + n].view(dtype).view(sizes)
-                    view.copy_(p.tensor())
-                    p.data, p.region = view, None  # the snapshot's own memory goes
+            try:
+                with torch.no_grad():
+                    for p, (_, _, sizes, dtype, start) in zip(plan.pieces, spans):
+                        n = p.tensor().numel() * p.tensor().element_size()
+                        view = buf[start:start + n].view(dtype).view(sizes)
+                        view.copy_(p.tensor())  # the one copy: from the live tensor (GPU or CPU)
+                        p.data, p.region = view, None  # the plan no longer holds the live tensor
+            except BaseException:
+                with self._lock:
+                    self._free.append(slot)  # the buffer is not lost with the failed save
+                raise
         # what `write_file` reads of the plan besides its pieces: with a reused agreement only the
         # tensors' checksums travel ([Note: reusing a save's agreement] in ``_plan_cache.py``)
         tensors = sorted(plan.meta) if plan.reused else None

@@ -25,8 +25,9 @@ torch DCP's ``async_save`` returns a ``Future`` (``.result()``, ``.done()``, ...
 Where the background write runs is ``async_save``'s ``async_checkpointer_type`` (DCP's
 ``AsyncCheckpointerType``; ``handle.async_checkpointer_type`` says which): ``"thread"`` (the
 default), a thread of this process; ``"process"``, this rank's writer process (`ProcessWriter`,
-[Note: the writer process] in ``_process_writer.py``), into whose shared staging buffer the
-snapshot is copied before `async_save` returns. Either way the commit runs in ``wait()``, in
+[Note: the writer process] in ``_process_writer.py``), whose shared staging buffer `async_save`
+fills straight from the live tensors (no other copy) and whose job it submits before it
+returns (``job``, the future of the writer's report). Either way the commit runs in ``wait()``, in
 this process, and an error of the writer (the process killed included) is raised by ``wait()``
 on every rank, with nothing committed.
 """
@@ -49,7 +50,6 @@ from .._format import DCP_MARKER, INDEX_FILE, dcp_marker, format_index, index_to
 from .._series import abort_save, commit, finish_save, remove_temp
 from .._state import dcp_scope, requested_async_checkpointer
 from .._storage import Storage
-from ._process_writer import ProcessWriter
 from ._save_plan import SavePlan, build_index, meta_digest, write_file as _write_file
 
 __all__ = ["SaveHandle"]
@@ -68,7 +68,7 @@ class SaveHandle:
 
     def __init__(self, storage: Storage, path: str, plan: SavePlan, tmp: str, token: str, keep_last: int | None,
                  background: bool, error: BaseException | None = None, series: str = "",
-                 said: list[str] | None = None) -> None:
+                 said: list[str] | None = None, job: concurrent.futures.Future | None = None) -> None:
         self._storage = storage
         self.path = storage.url(path)
         self._path = path
@@ -89,11 +89,7 @@ class SaveHandle:
         if error is not None:
             return
         if background and self.async_checkpointer_type == "process":
-            try:
-                ProcessWriter.check_storage(storage)  # before a writer process is started for nothing
-                self._job = ProcessWriter.get().submit(plan, storage, tmp, rank_and_world()[0])
-            except Exception as e:  # e.g. no room for the staging buffer: every rank learns it in wait()
-                self._error = e
+            self._job = job  # submitted by `async_save` with the copy into the staging buffer
         elif background:
             context = contextvars.copy_context()  # no_dist's "this process alone" reaches the thread
             self._thread = threading.Thread(target=context.run, args=(self._write,), name=f"shardwise-save {path}",

@@ -5,8 +5,11 @@
    whether it is their writer (see [Note: boxes of a placement] in ``checkpoint/_geometry/_boxes.py``); plain
    values to JSON. Problems are agreed on (``_comm.agree``) before anything is written.
 2. Rank 0 checks the target and creates the temporary directory; its name goes to every rank.
-3. ``async_save`` only: copy every box this rank writes to CPU memory (the snapshot). From
-   here on the caller may change the state; the checkpoint holds the values of this moment.
+3. ``async_save`` only: copy every box this rank writes, once, to the CPU memory its background
+   write reads (`_stage`): a fresh snapshot for the thread, the writer process's shared staging
+   buffer for ``async_checkpointer_type="process"``. From here on the caller may change the
+   state; the checkpoint holds the values of this moment. An error here (no memory, no room in
+   ``/dev/shm``, no writer process) is kept for ``wait()``, which raises it on every rank.
 4. Every writing rank streams its boxes into ``rank-<rank>.safetensors`` (CRC-32 of each box
    and of each of its checksum chunks on the way, [Note: checksum chunks] in ``checkpoint/_base/_checksums.py``)
    and fsyncs it. ``async_save`` does this in a background thread, or with
@@ -23,14 +26,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from typing import Any
 
 from .._base import agree, phase, rank_and_world
 from .._series import default_series, temp_dir_for
 from .._state import (FileSystemWriter, check_alone_state, checkpoint_path, dcp_scope, expand_stateful,
-                      refuse_dcp_extensions)
+                      refuse_dcp_extensions, requested_async_checkpointer)
 from .._storage import Storage, storage_for
+from ._process_writer import ProcessWriter
 from ._save_handle import SaveHandle
 from ._save_plan import SavePlan, keep_own_pieces, plan_save, snapshot
 from ._save_target import check_save_target, prepare as _prepare
@@ -61,15 +66,29 @@ def _start(state: dict, path: str | os.PathLike, keep_last: int | None, backgrou
         keep_own_pieces(plan, rank)
     with phase("save/prepare"):
         setup = _prepare(storage, path, series, rank)
-    snapshot_error = None
+    tmp = temp_dir_for(storage, path, setup["token"])
+    snapshot_error, job = None, None
     if background:
         with phase("save/snapshot"):
             try:
-                snapshot(plan)
+                job = _stage(plan, storage, tmp, rank)
             except Exception as e:  # e.g. out of CPU memory on this rank: every rank learns it in wait()
                 snapshot_error = e
-    return SaveHandle(storage, path, plan, temp_dir_for(storage, path, setup["token"]), setup["token"], keep_last,
-                      background, snapshot_error, series, setup["said"])
+    return SaveHandle(storage, path, plan, tmp, setup["token"], keep_last, background, snapshot_error, series,
+                      setup["said"], job)
+
+
+def _stage(plan: SavePlan, storage: Storage, tmp: str, rank: int) -> concurrent.futures.Future | None:
+    """Step 3 of [Note: the steps of a save]: copy each box this rank writes once, from the live
+    tensor to the memory the background write reads. For the writer process that is its
+    staging buffer (`ProcessWriter.submit` copies and hands over the job, whose report is the
+    returned future); for the thread, a snapshot in fresh CPU memory (None: the handle starts
+    the thread)."""
+    if requested_async_checkpointer() == "process":
+        ProcessWriter.check_storage(storage)  # before a writer process is started for nothing
+        return ProcessWriter.get().submit(plan, storage, tmp, rank)
+    snapshot(plan)
+    return None
 
 
 def save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: int | None = None,

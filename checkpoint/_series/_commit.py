@@ -19,8 +19,10 @@ old one that the checkpoint format did not write (a ``config.json``, a ``tokeniz
 user put there) are moved into the new one, and only then the rest of the old one is deleted
 (index first). A crash between the two renames leaves ``<name>`` missing and the intact old
 checkpoint in ``.<name>.replaced-<token>``: readers read that copy in place
-(`intact_replaced`), and the next save of the series renames it back (`recover_replaced`,
-through the series record). A crash while the old copy is deleted leaves a
+(`stand_in`; also `latest_checkpoint`, which names ``<name>``), and the next save of the series
+renames it back (`recover_replaced`, through the series record). Where rename copies (an object
+store) the same holds for a ``<name>`` left without ``index.json`` by a commit killed between
+deleting the old index and copying in the new one. A crash while the old copy is deleted leaves a
 ``.replaced-<token>`` directory without an index: the next save of the series, which knows the
 token from its record, deletes what is left of it (only data files; anything else is kept and
 reported). A ``<name>`` that exists but is not a checkpoint (and not an empty directory), or is
@@ -41,7 +43,8 @@ from .._format import (DCP_MARKER, FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX
 from .._storage import Storage
 
 __all__ = ["temp_dir_for", "replaced_dir_for", "check_target", "commit", "own_files", "delete_own_files",
-           "recover_replaced", "intact_replaced", "is_checkpoint", "index_of", "remove_temp", "REPLACED_MARK"]
+           "recover_replaced", "intact_replaced", "stand_in", "interrupted_save", "is_checkpoint", "index_of",
+           "remove_temp", "REPLACED_MARK"]
 
 REPLACED_MARK = ".replaced-"
 
@@ -196,6 +199,43 @@ def intact_replaced(storage: Storage, path: str) -> str | None:
 
 
 _LEFTOVER_SUFFIXES = (".safetensors", PART_SUFFIX, INDEX_FILE + ".tmp")
+
+
+def stand_in(storage: Storage, path: str) -> str | None:
+    """The intact ``.<name>.replaced-<token>`` copy that a reader of ``path`` reads in its place
+    (the last committed version of ``path``), or None. Reads only. That is the case when
+    ``path`` is missing (a replace between its two renames, under way or interrupted) and,
+    where rename copies (an object store, [Note: commit on an object store] in
+    ``_storage/_fsspec.py``), when ``path`` is a folder without ``index.json`` holding only what
+    a copying rename leaves there (the format's data files and names of the old copy): a
+    replace stopped after deleting the old ``index.json`` and before copying in the new one.
+    The caller knows ``path`` is not a checkpoint (this does not read its index)."""
+    kind = storage.kind(path)
+    if kind == "missing":
+        return intact_replaced(storage, path)
+    if kind != "dir" or storage.atomic_rename or storage.kind(storage.join(path, INDEX_FILE)) != "missing":
+        return None
+    old = intact_replaced(storage, path)
+    if old is None:
+        return None
+    theirs = set(storage.list(old))
+    ok = all(n in theirs or n.endswith(_LEFTOVER_SUFFIXES) or n == DCP_MARKER for n in storage.list(path))
+    return old if ok else None
+
+
+def interrupted_save(storage: Storage, path: str) -> str | None:
+    """Where rename copies: the URL of a save's ``.<name>.incomplete-`` or ``.replaced-`` folder
+    next to ``path`` when ``path`` is a folder without ``index.json`` (a commit copying into it,
+    under way or killed), else None. Reads only."""
+    if storage.atomic_rename or storage.kind(path) != "dir" or storage.kind(storage.join(path, INDEX_FILE)) != "missing":
+        return None
+    parent, prefix = storage.parent(path), f".{storage.name(path)}"
+    try:
+        names = storage.list(parent)
+    except OSError:
+        return None
+    found = [n for n in names if n.startswith(prefix + INCOMPLETE_MARK) or n.startswith(prefix + REPLACED_MARK)]
+    return storage.url(storage.join(parent, sorted(found)[0])) if found else None
 
 
 def recover_replaced(storage: Storage, path: str, token: str | None = None) -> str | None:

@@ -6,13 +6,18 @@ commit order (``seq``), so a save that is still being written (an ``async_save``
 process killed mid-write: its ``.incomplete-`` directory and ``pending`` entry) is never
 returned. Each candidate is checked to still be the checkpoint the series wrote (a directory
 whose index carries the recorded ``save_id``); one that is gone or replaced by hand is skipped.
+A checkpoint whose replace stopped half way (``<name>`` missing, or on an object store a folder
+without ``index.json``, next to the intact ``.<name>.replaced-`` copy) is still the committed
+one: its path is returned, and a load of it reads that copy (`stand_in` in ``_commit.py``). A
+pending save whose index is already in place (killed after its commit, before the record was
+updated) is committed: it is returned first, as the next save's cleanup records it.
 """
 
 from __future__ import annotations
 
 import os
 
-from ._commit import index_of
+from ._commit import index_of, stand_in
 from .._base import CheckpointError
 from ._series import _entry_name, _load, _seq
 from .._storage import Storage, storage_for
@@ -43,12 +48,20 @@ def latest_checkpoint(folder: str | os.PathLike, *, series: str | None = None,
     if not isinstance(checkpoints, list):
         return None
     ordered = sorted((c for c in checkpoints if isinstance(c, dict)), key=_seq, reverse=True)
+    pending = entry.get("pending") if isinstance(entry.get("pending"), list) else []
+    # a pending save whose index is in place passed its commit point (the record is updated just
+    # after): the newest committed checkpoint, as the next save's cleanup will record it
+    ordered = [{"name": p.get("name"), "save_id": p.get("token")} for p in reversed(pending) if isinstance(p, dict)
+               ] + ordered
     for c in ordered:
         name = c.get("name")
         if not isinstance(name, str) or not _entry_name(name):
             continue
         path = storage.join(parent, name)
         raw = index_of(storage, path)
+        if raw is None:  # a replace of it stopped half way: a load of ``path`` reads the intact old copy
+            old = stand_in(storage, path)
+            raw = index_of(storage, old) if old is not None else None
         if raw is not None and raw.get("save_id") == c.get("save_id"):
             return storage.url(path)
     return None

@@ -76,7 +76,7 @@ def requested_async_checkpointer() -> str:
     """[Note: how async_save learns its checkpointer type]
     ``async_save`` passes ``async_checkpointer_type`` (``None`` when not given) to
     `refuse_dcp_extensions` on every call, which checks it and records the kind in a context
-    variable of the calling thread; the `SaveHandle` that the same call builds reads it here.
+    variable of the calling thread; the same call reads it here (`_stage` and `SaveHandle`).
     Every ``async_save`` call sets it anew, so a kind never carries over to the next save."""
     return _requested_kind.get()
 
