@@ -6,7 +6,8 @@ One process (a gloo group of one rank, so that torch DCP can take part) trains a
 (``--layers`` x ``--width``, AdamW, batch ``--batch``) with ``torch.set_num_threads(1)``: the
 training loop's own work holds one core and the GIL most of the time, as a loop driving a GPU
 does. The state saved is ``{"model", "optim", "step"}`` (model and AdamW moments, plus
-``--ballast-mb`` of extra fp32 tensors so that a save spans many steps). In rounds (one untimed
+``--ballast-mb`` of extra fp32 tensors of ``--ballast-tensor-kb`` each, so that a save spans many
+steps). In rounds (one untimed
 warm-up round that also starts the writer processes, then ``--reps`` timed rounds, the order
 of the implementations rotating from round to round), each implementation runs right after a
 phase of ``--steps`` training steps without a save (``none``), its reference: on a machine
@@ -109,7 +110,8 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimi
         layers += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
     model = torch.nn.Sequential(*layers)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ballast = {f"b{i}": torch.randn(1 << 18) for i in range(args.ballast_mb)}  # 1 MiB each
+    per = args.ballast_tensor_kb * 256  # fp32 elements of one ballast tensor
+    ballast = {f"b{i}": torch.randn(per) for i in range(args.ballast_mb * 1024 // args.ballast_tensor_kb)}
     return model, optim, ballast
 
 
@@ -210,6 +212,9 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--ballast-mb", type=int, default=256)
+    p.add_argument("--ballast-tensor-kb", type=int, default=1024,
+                   help="size of each ballast tensor: small ones make the writer's per-tensor Python work (which "
+                        "holds the GIL) large against its copying and checksumming (which release it)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--impls", default=",".join(IMPLS))
