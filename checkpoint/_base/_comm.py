@@ -30,7 +30,7 @@ from ._errors import CheckpointError
 
 __all__ = [
     "agree", "agree_values", "all_gather_json", "alone", "broadcast_json", "collective_device", "gather_json",
-    "is_distributed", "rank_and_world", "scatter_json",
+    "is_distributed", "rank_and_world", "scatter_json", "sum_ints",
 ]
 
 _ALONE = contextvars.ContextVar("shardwise_checkpoint_alone", default=False)
@@ -143,6 +143,16 @@ def agree_values(texts: list[str]) -> list[bool]:
     got = v.cpu().tolist()
     n = len(words)
     return [got[2 * i] == -got[n + 2 * i] and got[2 * i + 1] == -got[n + 2 * i + 1] for i in range(len(texts))]
+
+
+def sum_ints(values: list[int]) -> list[int]:
+    """Collective: the sum over the ranks of each position of ``values`` (the same length on every
+    rank; int64). One all-reduce of ``len(values)`` int64, whatever the world size."""
+    if not is_distributed() or not values:
+        return list(values)
+    v = torch.tensor(values, dtype=torch.int64, device=collective_device())
+    dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    return v.cpu().tolist()
 
 
 def broadcast_json(obj: Any, src: int = 0) -> Any:

@@ -30,8 +30,11 @@ every candidate left by step 1 is its box's only one: the world's boxes are each
 one layout, and ``local_boxes`` gives each coordinate a distinct, non-empty box that together
 tile the tensor. The save then skips the gather: one all-reduce (``_comm.agree_values``, with
 the other checks of the save's planning) tells that every rank has the same state digest
-(keys, dtypes, shapes and layouts) and only whole-world meshes; anything else falls back to
-step 2, which also words the error of a digest that differs.
+(keys, dtypes, shapes and layouts) and only whole-world meshes, and a second one sums the
+candidates' corner digests to confirm that they tile every tensor without rank 0 seeing them
+([Note: tiling checked across ranks] in ``_tiling.py``; a placement rule gone wrong is still
+caught before anything is written). Anything else falls back to step 2, which also words the
+error (a digest that differs, the overlapping boxes).
 
 [Note: why rank 0 decides, not every rank]
 With an all-gather every rank would receive the world's box lists, W times its own, and build

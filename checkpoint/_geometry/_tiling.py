@@ -31,6 +31,16 @@ in the other (else two of them overlap), kept sorted so that a new one is compar
 neighbours only. For ``k >= 3`` (rare: tensors cut in three dimensions at once) the sweep
 compares a box with every open one along the dimension with the most distinct offsets.
 
+[Note: tiling checked across ranks]
+When no rank holds the world's boxes (a save whose writers need no gather, [Note: writers
+without a gather] in ``_owners.py``), the corner sums are checked through a fingerprint that
+adds up across ranks: `corner_digest` maps each signed corner to two hashed residues modulo the
+prime ``2**31 - 1`` and sums them, a linear function of the corner counts. The ranks' digests,
+summed by one all-reduce, equal the digest of the tensor's own corners when the boxes tile it;
+boxes that do not tile it have other corner counts, and their digest differs except with a
+chance of about ``2**-62`` per tensor. A mismatch sends the save to rank 0's exact check, which
+words the problem.
+
 Exact duplicates (the same box twice) are what a save before the one-writer fix wrote for
 data replicated over a mesh axis the DTensor's mesh does not name; ``distinct_boxes`` keeps
 the first of each so such checkpoints still load (the copies are checksummed alike).
@@ -39,6 +49,7 @@ the first of each so such checkpoints still load (the copies are checksummed ali
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import math
 from collections import defaultdict
@@ -46,7 +57,25 @@ from collections.abc import Sequence
 
 from ._boxes import Box
 
-__all__ = ["tiling_problem", "distinct_boxes", "saved_tiling_problem"]
+__all__ = ["CORNER_PRIME", "corner_digest", "tiling_problem", "distinct_boxes", "saved_tiling_problem"]
+
+CORNER_PRIME = (1 << 31) - 1  # residues below it sum over 2**32 ranks within an int64
+
+
+def corner_digest(boxes: Sequence[Box]) -> tuple[int, int]:
+    """Two residues modulo `CORNER_PRIME` of the signed corners of ``boxes`` ([Note: tiling
+    checked across ranks]): additive, so the digests of a partition of the boxes sum (modulo
+    the prime) to the digest of all of them."""
+    a = b = 0
+    for box in boxes:
+        ends = [(o, o + n) for o, n in zip(box.offsets, box.sizes)]
+        for picks in itertools.product((0, 1), repeat=len(ends)):
+            corner = ",".join(str(e[p]) for e, p in zip(ends, picks))
+            h = hashlib.blake2b(corner.encode(), digest_size=8).digest()
+            sign = -1 if sum(picks) % 2 else 1
+            a += sign * int.from_bytes(h[:4], "little")
+            b += sign * int.from_bytes(h[4:], "little")
+    return a % CORNER_PRIME, b % CORNER_PRIME
 
 
 def distinct_boxes(boxes: Sequence[Box]) -> list[int]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -31,11 +32,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._base import (CheckpointError, agree, agree_values, broadcast_json, crcs_from_hex, crcs_to_hex, gather_json,
-                     rank_and_world, scatter_json)
+                     rank_and_world, scatter_json, sum_ints)
 from .._state import flatten, rank_key, to_json_value
 from .._format import (DTYPE_CODES, FORMAT_NAME, Index, SavedBox, StreamingWriter, TensorEntry, data_file_name,
                        dtype_name, part_file_name, part_to_json)
-from .._geometry import Box, assign_writers, is_local_candidate, layout_of, local_boxes, tiling_problem
+from .._geometry import (CORNER_PRIME, Box, assign_writers, corner_digest, is_local_candidate, layout_of, local_boxes,
+                         tiling_problem)
 from .._storage import Storage
 from ._plan_cache import AgreedPlan, fingerprint, lookup, remember
 
@@ -128,7 +130,7 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
         plan.agreed, plan.reused = kept, True
         _settle_plain(plan, rank, kept.common, None)
         return
-    if not (same_meta and whole):  # else every candidate is its box's only one: [Note: writers without a gather]
+    if not (same_meta and whole and _candidates_tile(plan)):  # [Note: writers without a gather]
         shapes = {k: tuple(m["shape"]) for k, m in plan.meta.items()}
         mine, problem = assign_writers(sorted(plan.meta), shapes, held, digest, rank)
         agree(problem, f"saving checkpoint {plan.path}")
@@ -137,6 +139,23 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
     generation, common = _settle_plain(plan, rank, keys if same_keys else None, secrets.randbits(62))
     plan.agreed = AgreedPlan(generation, writes, common)
     remember(rank, fp, plan.agreed)
+
+
+def _candidates_tile(plan: SavePlan) -> bool:
+    """Collective (one all-reduce): whether the ranks' candidate pieces tile every tensor, by the
+    sum of their corner digests ([Note: tiling checked across ranks] in ``_geometry/_tiling.py``)."""
+    keys = sorted(plan.meta)
+    pos = {k: i for i, k in enumerate(keys)}
+    held: list[list[Box]] = [[] for _ in keys]
+    for p in plan.pieces:
+        held[pos[p.key]].append(p.box)
+    mine = [r for boxes in held for r in corner_digest(boxes)]
+    total = [v % CORNER_PRIME for v in sum_ints(mine)]
+    want: list[int] = []
+    for k in keys:
+        shape = tuple(plan.meta[k]["shape"])
+        want += corner_digest([Box((0,) * len(shape), shape)] if math.prod(shape) else [])
+    return total == want
 
 
 def _digest(data: bytes) -> str:
