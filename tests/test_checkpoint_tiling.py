@@ -104,3 +104,18 @@ def test_assign_writers_one_process():
     assert "overlapping" in problem and "'b'" in problem and mine == set()
     mine, problem = assign_writers(["a"], {"a": (4,)}, {"a": held["a"]}, "digest", 0)
     assert problem is None and mine == {("a", Box((0,), (4,)))}
+
+
+def test_corner_digests_of_a_tiling_sum_to_the_tensor_s_and_others_do_not():
+    from shardwise.checkpoint._geometry import CORNER_PRIME, corner_digest
+
+    def summed(parts):
+        digests = [corner_digest(p) for p in parts]
+        return tuple(sum(d[i] for d in digests) % CORNER_PRIME for i in range(2))
+
+    full = corner_digest([Box((0, 0), (6, 4))])
+    tiles = [[Box((0, 0), (3, 4))], [Box((3, 0), (3, 2)), Box((3, 2), (3, 2))]]  # two ranks, 3 boxes
+    assert summed(tiles) == full
+    assert summed([[Box((0, 0), (3, 4))], [Box((2, 0), (4, 4))]]) != full  # overlap, sizes past the end
+    assert summed([[Box((0, 0), (3, 4))], [Box((3, 0), (2, 4))]]) != full  # a gap
+    assert summed([[Box((0, 0), (3, 4))], [Box((0, 0), (3, 4))]]) != full  # the top half twice
