@@ -130,7 +130,7 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
         plan.agreed, plan.reused = kept, True
         _settle_plain(plan, rank, kept.common, None)
         return
-    if not (same_meta and whole and _candidates_tile(plan)):  # [Note: writers without a gather]
+    if not (same_meta and whole and _candidates_tile(plan, held)):  # [Note: writers without a gather]
         shapes = {k: tuple(m["shape"]) for k, m in plan.meta.items()}
         mine, problem = assign_writers(sorted(plan.meta), shapes, held, digest, rank)
         agree(problem, f"saving checkpoint {plan.path}")
@@ -141,15 +141,12 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
     remember(rank, fp, plan.agreed)
 
 
-def _candidates_tile(plan: SavePlan) -> bool:
-    """Collective (one all-reduce): whether the ranks' candidate pieces tile every tensor, by the
-    sum of their corner digests ([Note: tiling checked across ranks] in ``_geometry/_tiling.py``)."""
+def _candidates_tile(plan: SavePlan, held: dict[str, list[Box]]) -> bool:
+    """Collective (one all-reduce): whether the ranks' candidate boxes (``held``, by key) tile
+    every tensor, by the sum of their corner digests ([Note: tiling checked across ranks] in
+    ``_geometry/_tiling.py``)."""
     keys = sorted(plan.meta)
-    pos = {k: i for i, k in enumerate(keys)}
-    held: list[list[Box]] = [[] for _ in keys]
-    for p in plan.pieces:
-        held[pos[p.key]].append(p.box)
-    mine = [r for boxes in held for r in corner_digest(boxes)]
+    mine = [r for k in keys for r in corner_digest(held.get(k, []))]
     total = [v % CORNER_PRIME for v in sum_ints(mine)]
     want: list[int] = []
     for k in keys:
