@@ -32,12 +32,20 @@ def _value(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.arange(seed * 1000, seed * 1000 + shape[0] * shape[1], dtype=torch.float32).reshape(shape)
 
 
+_MESHES: dict = {}  # one mesh per shape for a rank's life: every new group makes the next slower
+
+
+def _mesh(shape: tuple[int, ...]):
+    if shape not in _MESHES:
+        _MESHES[shape] = init_device_mesh("cpu", shape)
+    return _MESHES[shape]
+
+
 def _state(world: int, layouts: dict, fill: bool) -> dict:
     """One tensor per (saved layout, shape), each laid out as ``layouts[saved layout]``."""
-    meshes: dict = {}
     out = {}
     for src, (mesh_shape, placements) in layouts.items():
-        mesh = meshes.setdefault(mesh_shape, init_device_mesh("cpu", mesh_shape))
+        mesh = _mesh(mesh_shape)
         for s, (name, shape) in enumerate(SHAPES.items()):
             full = _value(shape, s) if fill else torch.full(shape, -1.0)
             out[f"{src}/{name}"] = distribute_tensor(full, mesh, placements)
