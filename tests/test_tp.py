@@ -295,7 +295,13 @@ def _plan_errors(rank, world_size):
     out["lax"] = ([f"{w.category.__name__}: {w.message}" for w in caught], sorted(placements_of(lax)))
     out["no_rule"] = error({"norm": ColwiseParallel()})
     out["overlap"] = error({"layers.*.up": ColwiseParallel(), "layers.0.up": ColwiseParallel()})
-    out["torch_style"] = error({"layers.0.up": torch_tp.ColwiseParallel()})
+    class Repartitioned(torch_tp.ColwiseParallel):  # a subclass that changes how torch shards parameters
+        @staticmethod
+        def _partition_linear_fn(name, module, device_mesh):
+            raise AssertionError("never called")
+
+    out["torch_style"] = error({"layers.0.up": Repartitioned()})
+    out["not_style"] = error({"layers.0.up": object()})
     out["two_d"] = error({"layers.0.up": ColwiseParallel()},
                          mesh=init_device_mesh("cpu", (1, world_size), mesh_dim_names=("dp", "tp")))
     model = parallelize_module(Tower(), mesh, {"layers.0.up": ColwiseParallel()})
@@ -319,7 +325,10 @@ def test_plan_patterns_and_errors():
     assert applied == [f"layers.{i}.up.{p}" for i in (0, 1) for p in ("bias", "weight")], applied
     assert "TypeError" in out["no_rule"] and "LayerNorm" in out["no_rule"] and "with_rule" in out["no_rule"], out["no_rule"]
     assert "'layers.*.up'" in out["overlap"] and "both shard its parameters" in out["overlap"], out["overlap"]
-    assert "shardwise.composable class of the same name" in out["torch_style"], out["torch_style"]
+    assert out["torch_style"].startswith("TypeError: plan['layers.0.up']: Repartitioned overrides _partition_linear_fn "
+                                         "of torch's ColwiseParallel"), out["torch_style"]
+    assert "use shardwise.composable.ColwiseParallel" in out["torch_style"], out["torch_style"]
+    assert "is not a ParallelStyle" in out["not_style"], out["not_style"]
     assert "1-D mesh" in out["two_d"] and "mesh['tp']" in out["two_d"], out["two_d"]
     assert "already DTensors" in out["twice"], out["twice"]
     assert out["wildcards"] == [f"layers.{i}.{m}.{p}" for i in (0, 1) for m in ("down", "up") for p in ("bias", "weight")]

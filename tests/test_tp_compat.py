@@ -22,3 +22,45 @@ def _nested_meshes(rank, world):
 def test_current_mesh_follows_with_blocks_innermost_first():
     for r in run_ranks(_nested_meshes, 2):
         assert r == [None, "outer", "inner", "outer", None], r
+
+
+def test_torch_style_kind_fields_and_overrides_match_the_installed_torch():
+    """``torch_style_kind`` finds torch's class by module and name (also through a subclass),
+    ``torch_style_fields`` reads the arguments torch keeps, ``torch_style_overrides`` names
+    exactly what a subclass redefines."""
+    import torch.distributed.tensor.parallel as torch_tp
+    from torch.distributed.tensor import Replicate, Shard
+
+    from shardwise.composable._tp._compat import (TORCH_STYLE_MODULE, torch_style_fields, torch_style_kind,
+                                                  torch_style_overrides)
+
+    assert torch_tp.ColwiseParallel.__module__ == TORCH_STYLE_MODULE
+
+    class Cast(torch_tp.RowwiseParallel):
+        @staticmethod
+        def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+            return inputs
+
+    row = Cast(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    assert torch_style_kind(row) == "RowwiseParallel" and torch_style_kind(object()) is None
+    assert torch_style_fields(row, "RowwiseParallel") == {
+        "input_layouts": (Replicate(),), "output_layouts": (Shard(1),), "use_local_output": False}
+    assert set(torch_style_overrides(row, "RowwiseParallel")) == {"_prepare_input_fn"}
+    assert torch_style_overrides(torch_tp.ColwiseParallel(), "ColwiseParallel") == {}
+    assert torch_style_fields(torch_tp.ColwiseParallel(), "ColwiseParallel") == {
+        "input_layouts": (Replicate(),), "output_layouts": (Shard(-1),), "use_local_output": True}
+    assert torch_style_fields(torch_tp.SequenceParallel(sequence_dim=2), "SequenceParallel") == {
+        "sequence_sharding": (Shard(2),), "use_local_output": False}
+    prep = torch_tp.PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                                       input_kwarg_layouts={"m": Shard(0)}, desired_input_kwarg_layouts={"m": Replicate()})
+    assert torch_style_fields(prep, "PrepareModuleInput") == {
+        "input_layouts": (Shard(1), None), "desired_input_layouts": (Replicate(), None),
+        "input_kwarg_layouts": {"m": Shard(0)}, "desired_input_kwarg_layouts": {"m": Replicate()},
+        "use_local_output": False}
+    out = torch_tp.PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+    assert torch_style_fields(out, "PrepareModuleOutput") == {
+        "output_layouts": (Shard(1),), "desired_output_layouts": (Replicate(),), "use_local_output": True}
+    both = torch_tp.PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=Replicate(),
+                                             output_layouts=Shard(1), desired_output_layouts=Replicate())
+    halves = torch_style_fields(both, "PrepareModuleInputOutput")
+    assert [torch_style_kind(h) for h in halves.values()] == ["PrepareModuleInput", "PrepareModuleOutput"]

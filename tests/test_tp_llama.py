@@ -139,20 +139,27 @@ def _interop(rank, world_size):
 
     cfg = LlamaConfig(vocab_size=16, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=24, max_seq_len=16)
     base = Llama(cfg, generator=torch.Generator().manual_seed(0))
-    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    ours, theirs, adopted = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     mesh = tp_mesh(world_size)
     sw.parallelize_module(ours, mesh, llama_plan(sw))
     torch_tp.parallelize_module(theirs, mesh, llama_plan(torch_tp))
-    for m in (ours, theirs):
+    sw.parallelize_module(adopted, mesh, llama_plan(torch_tp))  # torch's style objects, shardwise's function
+    for m in (ours, theirs, adopted):
         per_rank_heads(m, world_size)
-    assert placements_of(ours) == placements_of(theirs), "same plan, same parameter placements"
+    assert placements_of(ours) == placements_of(theirs) == placements_of(adopted), "same plan, same placements"
     g = torch.Generator().manual_seed(1)
     tokens, targets = torch.randint(0, 16, (2, 8), generator=g), torch.randint(0, 16, (2, 8), generator=g)
-    out_ours, out_theirs = ours(tokens), theirs(tokens)
+    out_ours, out_theirs, out_adopted = ours(tokens), theirs(tokens), adopted(tokens)
     errs = {"logits": rel(out_ours, out_theirs)}
+    assert torch.equal(out_adopted.full_tensor(), out_ours.full_tensor()), "torch's styles run as shardwise's"
     with sw.loss_parallel():
         loss_ours = F.cross_entropy(out_ours.flatten(0, 1), targets.flatten())
+        loss_adopted = F.cross_entropy(out_adopted.flatten(0, 1), targets.flatten())
     loss_ours.backward()
+    loss_adopted.backward()
+    adopted_params = dict(adopted.named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.equal(p.grad.full_tensor(), adopted_params[name].grad.full_tensor()), name
     with torch_tp.loss_parallel():
         loss_theirs = F.cross_entropy(out_theirs.flatten(0, 1), targets.flatten())
         loss_theirs.backward()

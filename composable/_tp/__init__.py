@@ -12,9 +12,10 @@ One file per concept:
 | `_builtin.py` | the rules for ``nn.Linear`` / ``nn.Embedding``, ``DEFAULT_REGISTRY`` |
 | `_sequence.py` | `SequenceParallel` (norms, dropout on sequence shards) |
 | `_prepare.py` | `PrepareModuleInput` / `PrepareModuleOutput` / `PrepareModuleInputOutput` |
+| `_torch_styles.py` | plans built from torch's style classes (and torchao's float8 subclasses) |
 | `_plan.py` | `parallelize_module`: FQN patterns, near-miss errors |
 | `_loss.py` | `vocab_parallel_cross_entropy`, `loss_parallel` |
-| `_compat.py` | the one torch private API used: the mesh of a ``with mesh:`` block |
+| `_compat.py` | the torch private API used: the mesh of a ``with mesh:`` block, torch styles' fields |
 
 See docs/tensor_parallel.md.
 """

@@ -6,9 +6,26 @@ so an upgrade that changes it fails there first.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 
-__all__ = ["current_mesh"]
+__all__ = ["current_mesh", "TORCH_STYLE_MODULE", "torch_style_kind", "torch_style_fields", "torch_style_overrides"]
+
+#: The module of torch's tensor-parallel style classes (named, never imported: see `torch_style_kind`).
+TORCH_STYLE_MODULE = "torch.distributed.tensor.parallel.style"
+_KINDS = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+          "PrepareModuleInputOutput")
+# what each of torch's style classes keeps of its arguments, as attributes of the same names
+_FIELDS = {
+    "ColwiseParallel": ("input_layouts", "output_layouts", "use_local_output"),
+    "RowwiseParallel": ("input_layouts", "output_layouts", "use_local_output"),
+    "SequenceParallel": ("sequence_sharding", "use_local_output"),
+    "PrepareModuleInput": ("input_layouts", "desired_input_layouts", "input_kwarg_layouts",
+                           "desired_input_kwarg_layouts", "use_local_output"),
+    "PrepareModuleOutput": ("output_layouts", "desired_output_layouts", "use_local_output"),
+    "PrepareModuleInputOutput": ("prepare_module_input", "prepare_module_output"),
+}
 
 
 def current_mesh() -> DeviceMesh | None:
@@ -20,3 +37,46 @@ def current_mesh() -> DeviceMesh | None:
     """
     stack = getattr(_mesh_resources, "mesh_stack", None)
     return stack[-1] if stack else None
+
+
+def torch_style_kind(style: object) -> str | None:
+    """The name of torch's style class that ``style`` is an instance of (its own class or a base
+    class, as for torchao's ``Float8ColwiseParallel``), or None. Found by the classes' module and
+    name, so this library never imports ``torch.distributed.tensor.parallel``."""
+    for cls in type(style).__mro__:
+        if cls.__module__ == TORCH_STYLE_MODULE and cls.__name__ in _KINDS:
+            return cls.__name__
+    return None
+
+
+def torch_style_fields(style: object, kind: str) -> dict[str, Any]:
+    """The arguments a torch style of class ``kind`` was built with, as it keeps them.
+
+    Relies on: torch's ``__init__`` storing them as attributes: ``input_layouts`` and
+    ``output_layouts`` as 1-tuples (defaults filled in) for ``ColwiseParallel`` /
+    ``RowwiseParallel``; ``sequence_sharding`` as ``(Shard(sequence_dim),)``;
+    ``PrepareModuleInput`` / ``PrepareModuleOutput`` their layouts as tuples (or None) and kwarg
+    layouts as dicts; ``PrepareModuleInputOutput`` its two halves as ``prepare_module_input`` and
+    ``prepare_module_output``; ``use_local_output`` as given.
+    """
+    return {name: getattr(style, name) for name in _FIELDS[kind]}
+
+
+def torch_style_overrides(style: object, kind: str) -> dict[str, Callable]:
+    """The methods of torch's style class ``kind`` that a class outside torch's style module
+    overrides for ``style`` (a subclass such as torchao's ``Float8ColwiseParallel``): name -> the
+    bound override. Empty for an instance of torch's class itself.
+
+    Relies on: torch's styles running their forward hooks through ``_prepare_input_fn`` /
+    ``_prepare_output_fn`` (static, called with the style's layouts first, then the module, its
+    inputs or outputs, and the mesh), and applying through ``_apply``.
+    """
+    base = next(c for c in type(style).__mro__ if c.__module__ == TORCH_STYLE_MODULE and c.__name__ == kind)
+    out = {}
+    for name, value in vars(base).items():
+        if name.startswith("__") or not callable(getattr(value, "__func__", value)):
+            continue
+        owner = next(c for c in type(style).__mro__ if name in vars(c))
+        if owner.__module__ != TORCH_STYLE_MODULE:
+            out[name] = getattr(style, name)
+    return out

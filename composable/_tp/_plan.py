@@ -13,6 +13,10 @@ patterns matching the same module are an error (merge them, e.g. into
 `PrepareModuleInputOutput`); every style validates its module (a rule exists, the
 configuration is supported). Then the styles are applied in plan order.
 
+A style may also be an instance of one of torch's style classes, or of a subclass such as
+torchao's ``Float8ColwiseParallel``: it runs as the shardwise style of the same name
+([Note: torch's style objects in a plan] in ``_torch_styles.py``).
+
 The mesh and the plan may be omitted as in torch: no ``device_mesh`` takes the mesh of the
 innermost ``with mesh:`` block; no plan warns and returns the module unchanged.
 """
@@ -29,10 +33,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._builtin import DEFAULT_REGISTRY
-from ._compat import current_mesh
+from ._compat import current_mesh, torch_style_kind
 from ._layouts import check_tp_mesh
 from ._registry import TPRegistry
 from ._styles import ApplyContext, ParallelStyle
+from ._torch_styles import adopt
 
 __all__ = ["parallelize_module", "match_plan", "PlanError", "PlanTypeError", "PlanWarning", "NoMeshError"]
 
@@ -80,7 +85,7 @@ def _near_misses(pattern: str, fqns: list[str]) -> list[str]:
 # only after the first entry changed the model, where we refuse the plan before touching anything.
 
 
-def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle],
+def match_plan(module: nn.Module, plan: Mapping[str, object],
                strict: bool = True) -> list[tuple[str, nn.Module, ParallelStyle]]:
     """``[(fqn, submodule, style)]`` in plan order, module order within a pattern.
 
@@ -98,9 +103,10 @@ def match_plan(module: nn.Module, plan: Mapping[str, ParallelStyle],
             raise PlanTypeError(f"plan key {pattern!r} is not a string module pattern; use dotted "
                                 "module names such as 'layers.*.attention.wq'")
         if not isinstance(style, ParallelStyle):
-            hint = (" (one of torch's tensor-parallel styles? use the shardwise.composable "
-                    "class of the same name)" if "torch" in type(style).__module__ else "")
-            raise PlanTypeError(f"plan[{pattern!r}] = {style!r} is not a shardwise ParallelStyle{hint}")
+            style = adopt(style, f"plan[{pattern!r}]") or style  # [Note: torch's style objects in a plan]
+        if not isinstance(style, ParallelStyle):
+            raise PlanTypeError(f"plan[{pattern!r}] = {style!r} is not a ParallelStyle (shardwise's, or one of "
+                                "torch's tensor-parallel style classes)")
         hits = [f for f in fqns if _matches(pattern, f)]
         if not hits:
             near = _near_misses(pattern, fqns)
@@ -163,12 +169,14 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
                                           and 0 <= src_data_rank < device_mesh.size()):
         raise ValueError(f"parallelize_module(src_data_rank={src_data_rank!r}): use a rank of the "
                          f"mesh, 0..{device_mesh.size() - 1}, or None to keep each rank's own values")
-    if isinstance(parallelize_plan, ParallelStyle):
-        parallelize_plan = {"": parallelize_plan}
-    elif not isinstance(parallelize_plan, Mapping):
+    if isinstance(parallelize_plan, ParallelStyle) or torch_style_kind(parallelize_plan) is not None:
+        plan: Mapping[str, object] = {"": parallelize_plan}
+    elif isinstance(parallelize_plan, Mapping):
+        plan = parallelize_plan
+    else:
         raise PlanTypeError(f"parallelize_plan must be a ParallelStyle or a dict of pattern -> style, "
                             f"got {type(parallelize_plan).__name__}")
-    entries = match_plan(module, parallelize_plan, strict=strict)
+    entries = match_plan(module, plan, strict=strict)
     contexts = [ApplyContext(registry, src_data_rank, fqn) for fqn, _, _ in entries]
     for (fqn, sub, style), ctx in zip(entries, contexts):
         style.validate(sub, ctx)

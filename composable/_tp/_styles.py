@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import Any, Callable, ClassVar, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -173,6 +173,14 @@ class ModuleParallel(ParallelStyle):
                              "attribute; a rule with a local forward needs to bind it")
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
+        self.install(module, mesh, ctx)
+
+    def install(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext, *,
+                input_hook: Callable[[nn.Module, tuple], Any] | None = None,
+                output_hook: Callable[[nn.Module, tuple, Any], Any] | None = None) -> None:
+        """`apply`, with the forward pre-hook (``input_hook(module, args)``) or the forward hook
+        (``output_hook(module, args, output)``) given instead of the style's own: a torch style
+        subclass's hooks ([Note: torch's style objects in a plan] in ``_torch_styles.py``)."""
         rule = self._rule(module, ctx)
         where = ctx.where(self, module)
         distribute_params(module, mesh, rule.params, src_data_rank=ctx.src_data_rank, what=where)
@@ -201,8 +209,8 @@ class ModuleParallel(ParallelStyle):
             out = to_layout(out, mesh, None, out_layout)
             return out.to_local() if self.use_local_output else out
 
-        module.register_forward_pre_hook(lay_out_inputs)
-        module.register_forward_hook(lay_out_output)
+        module.register_forward_pre_hook(input_hook or lay_out_inputs)
+        module.register_forward_hook(output_hook or lay_out_output)
         if rule.forward is not None:
             module.forward = functools.partial(rule.forward, module)
 

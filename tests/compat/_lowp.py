@@ -251,20 +251,25 @@ def precomputed_scales(model: nn.Module) -> list[tuple[float, float]]:
     return out
 
 
-def train_tp(impl: str, rank: int, world: int) -> dict[str, Any]:
+def train_tp(impl: str, rank: int, world: int, tp_impl: str = "torch") -> dict[str, Any]:
     """float8 with tensor parallelism: torchao's Float8ColwiseParallel / Float8RowwiseParallel on
-    the layers' two linears over a 2-rank TP axis, then ``fully_shard`` over the 2-rank DP axis
-    (4 ranks); ``local``: the float8 model on one process. Losses of the whole batch."""
+    the layers' two linears over a 2-rank TP axis, applied by ``tp_impl``'s ``parallelize_module``
+    (torch's or shardwise's), then ``impl``'s ``fully_shard`` over the 2-rank DP axis (4 ranks);
+    ``local``: the float8 model on one process. Losses of the whole batch."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     model = build("float8", local=impl == "local")
+    casts = [0]
     if impl != "local":
         from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
 
-        # torchao's float8 styles subclass torch's ColwiseParallel / RowwiseParallel, which
-        # shardwise's parallelize_module refuses: both runs apply them with torch's
-        from torch.distributed.tensor.parallel import parallelize_module
+        # torchao's float8 styles subclass torch's ColwiseParallel / RowwiseParallel: shardwise's
+        # parallelize_module runs them as its own styles with torchao's hooks
+        if tp_impl == "torch":
+            from torch.distributed.tensor.parallel import parallelize_module
+        else:
+            from shardwise.composable import parallelize_module  # type: ignore[no-redef]
 
         if impl == "torch":
             from torch.distributed.fsdp import fully_shard
@@ -273,6 +278,15 @@ def train_tp(impl: str, rank: int, world: int) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         for layer in model.layers:
             parallelize_module(layer, mesh["tp"], {"0": Float8ColwiseParallel(), "2": Float8RowwiseParallel()})
+        import torchao.float8.float8_tensor_parallel as f8tp
+
+        cast = f8tp.hp_tensor_to_float8_dynamic  # counted: torchao's own input hooks must run
+
+        def counted(*a, **k):
+            casts[0] += 1
+            return cast(*a, **k)
+
+        f8tp.hp_tensor_to_float8_dynamic = counted
         for layer in model.layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
@@ -292,4 +306,4 @@ def train_tp(impl: str, rank: int, world: int) -> dict[str, Any]:
             dist.all_reduce(full)
             full /= world
         losses.append(full.item())
-    return {"losses": losses, "types": types}
+    return {"losses": losses, "types": types, "input_casts": casts[0]}

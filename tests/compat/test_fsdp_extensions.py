@@ -137,19 +137,51 @@ def test_qlora_int8_base(name, local_runs):
     assert got["losses"][-1] < got["losses"][0] - 1e-3, got["losses"]  # the adapters train
 
 
-def _tp_body(rank, world, impl):
-    return L.train_tp(impl, rank, world)
+def _tp_body(rank, world, impl, tp_impl="torch"):
+    return L.train_tp(impl, rank, world, tp_impl)
 
 
 def test_float8_tp_fsdp():
     """TP x FSDP with float8 weights (torchao's Float8ColwiseParallel / Float8RowwiseParallel
     over 2 TP ranks, fully_shard over 2 DP ranks): torch and shardwise give the same losses,
-    near one process's."""
+    near one process's; so does shardwise's parallelize_module given torchao's style objects
+    ([Note: torch's style objects in a plan])."""
     local = run_ranks(_tp_body, 1, "local", timeout=180)[0]
     t, s = (run_ranks(_tp_body, 4, n, timeout=240)[0] for n in IMPLS)
+    both = run_ranks(_tp_body, 4, "shardwise", "shardwise", timeout=240)[0]
     assert s["losses"] == t["losses"], (s["losses"], t["losses"])
+    assert both["losses"] == t["losses"], (both["losses"], t["losses"])
     assert _rel(s["losses"], local["losses"]) <= FLOAT8, (s["losses"], local["losses"])
-    assert s["types"]["layers.0.0.weight"] == "WeightWithDynamicFloat8CastTensor", s["types"]
+    # torchao's input hook casts each TP linear's input once a forward: 2 linears a layer, each step
+    assert both["input_casts"] == t["input_casts"] == 2 * L.LAYERS * L.STEPS, (both["input_casts"], t["input_casts"])
+    for got in (s, both):
+        assert got["types"]["layers.0.0.weight"] == "WeightWithDynamicFloat8CastTensor", got["types"]
+
+
+def _prepare_float8(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
+
+    from shardwise.composable import parallelize_module
+
+    style = PrepareFloat8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate())
+    try:
+        parallelize_module(L.build("float8", local=False).layers[0], init_device_mesh("cpu", (world,)), {"": style})
+    except TypeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_prepare_float8_module_input_refused_in_one_line():
+    """torchao's PrepareFloat8ModuleInput overrides torch's per-argument conversion and ``_apply``,
+    which cannot run without torch's implementation: refused on every rank, naming the style to
+    use instead."""
+    for msg in run_ranks(_prepare_float8, 2, timeout=120):
+        assert msg == ("plan['']: PrepareFloat8ModuleInput overrides _apply, _prepare_input_arg of torch's "
+                       "PrepareModuleInput, which shardwise cannot run without torch's implementation; use "
+                       "shardwise.composable.PrepareModuleInput (same arguments) or a shardwise ParallelStyle "
+                       "subclass"), msg
 
 
 # -- what is refused, in one line on every rank --------------------------------------------------
