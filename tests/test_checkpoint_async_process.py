@@ -304,3 +304,20 @@ def test_no_writer_process_outlives_its_training_process(tmp_path, end):
         assert "was never waited for" in err.read_text() and not os.path.exists(tmp_path / "a-never")
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"shardwise-staging-{trainer}-")], \
         "a staging file was left in /dev/shm"
+
+
+def test_a_dead_writer_takes_no_staging_buffer(tmp_path):
+    """A save that reaches a writer process which has died gets its death as the error, and no
+    staging file is made for it (one made then would outlive everything: nobody maps it)."""
+    ck.async_save({"w": torch.ones(3)}, tmp_path / "a", async_checkpointer_type="process").result(timeout=TIMEOUT)
+    w = ProcessWriter._current
+    assert w is not None
+    os.kill(w.pid, signal.SIGKILL)
+    deadline = time.monotonic() + TIMEOUT
+    while w._dead is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w._dead is not None, "the writer's death was not noticed"
+    with pytest.raises(ck.CheckpointError, match="writer process .* was killed by SIGKILL"):
+        w._take_slot(1 << 16)
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"shardwise-staging-{os.getpid()}-")], \
+        "a staging file was made for a dead writer"

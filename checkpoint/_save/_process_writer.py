@@ -181,7 +181,12 @@ class ProcessWriter:
         return future
 
     def _take_slot(self, nbytes: int) -> int:
+        """A staging buffer of at least ``nbytes`` bytes: a free one, or a new file mapped here and
+        sent to the writer. Raises the writer's death (no file is left behind, also when the writer
+        dies while the file is made: its death unlinks the files of ``_slots``, this the rest)."""
         with self._lock:
+            if self._dead is not None:
+                raise self._dead
             fits = sorted((self._slots[s][0].numel(), s) for s in self._free if self._slots[s][0].numel() >= nbytes)
             if fits:
                 self._free.remove(fits[0][1])
@@ -206,6 +211,11 @@ class ProcessWriter:
         buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         pinned = _pin(buf)
         with self._lock:
+            if self._dead is not None:
+                os.unlink(path)
+                if pinned:
+                    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+                raise self._dead
             self._slots[slot] = (buf, path, pinned)
             try:
                 self._jobs.send(("map", slot, path, size))
