@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -53,6 +54,12 @@ import torch
 import torch.distributed as dist
 
 MAX_WORLD_SIZE = 8
+NEAR_TIMEOUT = 0.5  # a run taking more than this share of its timeout is warned about
+
+
+class NearTimeoutWarning(UserWarning):
+    """A `run_ranks` call that took more than `NEAR_TIMEOUT` of its timeout."""
+
 _FAILURE_GRACE_S = 0.5  # after a first failure, how long other ranks may still report
 _STACK_DUMP_WAIT_S = 1.0
 _EXIT_WAIT_S = 5.0  # after success, how long ranks may take to tear down
@@ -111,7 +118,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             for rank in range(world_size):
                 ranks.append(_start_rank(ctx, rank, world_size, payload, workdir, timeout,
                                          env, init_group))
-            results = _collect(ranks, name, time.monotonic() + timeout, timeout)
+            started = time.monotonic()
+            results = _collect(ranks, name, started + timeout, timeout)
+            took = time.monotonic() - started
+            if took > NEAR_TIMEOUT * timeout:  # listed in pytest's warnings summary, so a CI log shows it
+                warnings.warn(f"{name} on {world_size} ranks took {took:.0f} s of its timeout={timeout:.0f} s; "
+                              "a loaded machine may time it out", NearTimeoutWarning, stacklevel=2)
         except BaseException:
             for r in ranks:  # failed or hung: no clean exit needed
                 r.proc.kill()

@@ -188,3 +188,22 @@ def _return_tensor(rank: int, world_size: int):
 def test_tensors_come_back_by_value() -> None:
     out = run_ranks(_return_tensor, 2)
     assert [o["t"].tolist() for o in out] == [[0.0] * 3, [1.0] * 3]
+
+
+def _sleep_for(rank: int, world_size: int, seconds: float) -> int:
+    time.sleep(seconds)
+    return rank
+
+
+def test_a_run_near_its_timeout_is_warned_about() -> None:
+    """A run that takes more than half its timeout passes with a `NearTimeoutWarning` naming
+    the body, so a CI log shows which tests a loaded machine may time out; a quick one does not."""
+    from tests._dist import NearTimeoutWarning
+
+    with pytest.warns(NearTimeoutWarning, match=r"_sleep_for on 2 ranks took \d+ s of its timeout=8 s"):
+        assert run_ranks(_sleep_for, 2, 4.5, timeout=8.0) == [0, 1]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NearTimeoutWarning)
+        assert run_ranks(_sleep_for, 2, 0.0, timeout=60.0) == [0, 1]
