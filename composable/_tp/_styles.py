@@ -37,7 +37,7 @@ from ._params import check_not_distributed, distribute_params
 from ._registry import ModuleRule, TPRegistry
 
 __all__ = ["ApplyContext", "ParallelStyle", "ModuleParallel", "ColwiseParallel", "RowwiseParallel",
-           "UnsupportedModuleTypeError", "as_layout_tuple"]
+           "UnsupportedModuleTypeError", "as_layout_tuple", "check_torch_hooks"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,15 @@ class ParallelStyle:
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         """torch's hook for user-defined styles; see the class docstring."""
         raise NotImplementedError
+
+
+def check_torch_hooks(hooks: tuple[Callable | None, Callable | None], rule: ModuleRule, where: str) -> None:
+    """torch's forward hooks (`ModuleParallel.torch_hooks`) run on the module's DTensor forward:
+    refuse them for a rule whose forward runs on local shards."""
+    if any(h is not None for h in hooks) and rule.forward is not None:
+        raise ValueError(f"{where}: the style's own torch forward hooks (_prepare_input_fn / _prepare_output_fn) need "
+                         "the module's forward to run on DTensors, and shardwise runs this module's on local "
+                         "shards; use the shardwise style without them")
 
 
 def as_layout_tuple(layouts: Placement | tuple | list | None, what: str) -> tuple | None:
@@ -171,9 +180,37 @@ class ModuleParallel(ParallelStyle):
         if rule.forward is not None and "forward" in vars(module):
             raise ValueError(f"{ctx.where(self, module)}: the instance already has its own forward "
                              "attribute; a rule with a local forward needs to bind it")
+        check_torch_hooks(self.torch_hooks(), rule, ctx.where(self, module))
+
+    def torch_hooks(self) -> tuple[Callable | None, Callable | None]:
+        """torch's forward hooks a subclass defines, ``(_prepare_input_fn, _prepare_output_fn)``
+        (None for each it does not): a subclass of this class written for torch's, such as
+        torchao's float8 styles when torch's names are rebound to shardwise's. They run as torch
+        runs them ([Note: torch's style objects in a plan] in ``_torch_styles.py``)."""
+        return getattr(self, "_prepare_input_fn", None), getattr(self, "_prepare_output_fn", None)
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
-        self.install(module, mesh, ctx)
+        input_fn, output_fn = self.torch_hooks()
+        if input_fn is None and output_fn is None:
+            return self.install(module, mesh, ctx)
+        given, out = self._layouts(self._rule(module, ctx), ctx.where(self, module))
+        self.install_torch_hooks(module, mesh, ctx, input_fn, output_fn, given[:1], (out,), self.use_local_output)
+
+    def install_torch_hooks(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext, input_fn: Callable | None,
+                            output_fn: Callable | None, input_layouts: tuple, output_layouts: tuple,
+                            use_local_output: bool) -> None:
+        """`install` with torch's hooks ``input_fn(input_layouts, desired_input_layouts, module,
+        inputs, mesh)`` / ``output_fn(output_layouts, use_local_output, module, output, mesh)`` in
+        place of this style's own, where given; the desired input layout is the rule's."""
+        desired = tuple(self._rule(module, ctx).input_layouts[:1])
+        pre = post = None
+        if input_fn is not None:
+            def pre(mod: nn.Module, args: tuple) -> Any:
+                return input_fn(input_layouts, desired, mod, args, mesh)
+        if output_fn is not None:
+            def post(mod: nn.Module, args: tuple, out: Any) -> Any:
+                return output_fn(output_layouts, use_local_output, mod, out, mesh)
+        self.install(module, mesh, ctx, input_hook=pre, output_hook=post)
 
     def install(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext, *,
                 input_hook: Callable[[nn.Module, tuple], Any] | None = None,

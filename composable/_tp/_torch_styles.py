@@ -21,12 +21,16 @@ per-argument conversion to run, so it is refused in one line that names the shar
 use instead; the one exception is an ``_apply`` that only checks the module before calling
 torch's (`CHECKS_ONLY`, torchao's float8 styles): it is not called, and a module it would
 have refused fails in the hooks instead (they read the ``Float8Linear``'s config).
+
+The same two hooks defined on a subclass of shardwise's ``ColwiseParallel`` /
+``RowwiseParallel`` run the same way (`ModuleParallel.torch_hooks`): that is what torchao's
+float8 classes are when torch's names were rebound to shardwise's before torchao was imported.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ._compat import torch_style_fields, torch_style_kind, torch_style_overrides
 from ._prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from ._sequence import SequenceParallel
-from ._styles import ApplyContext, ColwiseParallel, ModuleParallel, ParallelStyle, RowwiseParallel
+from ._styles import ApplyContext, ColwiseParallel, ModuleParallel, ParallelStyle, RowwiseParallel, check_torch_hooks
 
 __all__ = ["adopt", "TorchHooks", "CHECKS_ONLY"]
 
@@ -51,7 +55,6 @@ class TorchHooks(ParallelStyle):
     replace ``style``'s ([Note: torch's style objects in a plan])."""
 
     style: ModuleParallel
-    name: str  # the subclass's name, for messages
     input_layouts: tuple
     output_layouts: tuple
     use_local_output: bool
@@ -60,22 +63,11 @@ class TorchHooks(ParallelStyle):
 
     def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
         self.style.validate(module, ctx)
-        if self.style._rule(module, ctx).forward is not None:
-            raise ValueError(f"{self.name} on {ctx.fqn or 'the root module'} ({type(module).__name__}): its own "
-                             "forward hooks need the module's forward to run on DTensors, and shardwise runs "
-                             f"this module's on local shards; use shardwise.composable.{type(self.style).__name__}")
+        check_torch_hooks((self.input_fn, self.output_fn), self.style._rule(module, ctx), ctx.where(self.style, module))
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
-        desired = tuple(self.style._rule(module, ctx).input_layouts[:1])
-        input_fn, output_fn = self.input_fn, self.output_fn
-        pre = post = None
-        if input_fn is not None:
-            def pre(mod: nn.Module, args: tuple) -> Any:
-                return input_fn(self.input_layouts, desired, mod, args, mesh)
-        if output_fn is not None:
-            def post(mod: nn.Module, args: tuple, out: Any) -> Any:
-                return output_fn(self.output_layouts, self.use_local_output, mod, out, mesh)
-        self.style.install(module, mesh, ctx, input_hook=pre, output_hook=post)
+        self.style.install_torch_hooks(module, mesh, ctx, self.input_fn, self.output_fn, self.input_layouts,
+                                       self.output_layouts, self.use_local_output)
 
 
 def _refuse(style: object, kind: str, names: list[str], what: str) -> TypeError:
@@ -106,7 +98,7 @@ def adopt(style: object, what: str) -> ParallelStyle | None:
                    use_local_output=f["use_local_output"])
         if not set(overrides) & set(_HOOKS):
             return ours
-        return TorchHooks(ours, type(style).__name__, f["input_layouts"], f["output_layouts"], f["use_local_output"],
+        return TorchHooks(ours, f["input_layouts"], f["output_layouts"], f["use_local_output"],
                           overrides.get("_prepare_input_fn"), overrides.get("_prepare_output_fn"))
     if kind == "SequenceParallel":
         return SequenceParallel(sequence_dim=f["sequence_sharding"][0].dim, use_local_output=f["use_local_output"])

@@ -254,7 +254,9 @@ def precomputed_scales(model: nn.Module) -> list[tuple[float, float]]:
 def train_tp(impl: str, rank: int, world: int, tp_impl: str = "torch") -> dict[str, Any]:
     """float8 with tensor parallelism: torchao's Float8ColwiseParallel / Float8RowwiseParallel on
     the layers' two linears over a 2-rank TP axis, applied by ``tp_impl``'s ``parallelize_module``
-    (torch's or shardwise's), then ``impl``'s ``fully_shard`` over the 2-rank DP axis (4 ranks);
+    (torch's or shardwise's; ``rebound``: torch's names, rebound to shardwise's before torchao's
+    styles were imported, so they subclass shardwise's), then ``impl``'s ``fully_shard`` over the
+    2-rank DP axis (4 ranks);
     ``local``: the float8 model on one process. Losses of the whole batch."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -266,7 +268,7 @@ def train_tp(impl: str, rank: int, world: int, tp_impl: str = "torch") -> dict[s
 
         # torchao's float8 styles subclass torch's ColwiseParallel / RowwiseParallel: shardwise's
         # parallelize_module runs them as its own styles with torchao's hooks
-        if tp_impl == "torch":
+        if tp_impl in ("torch", "rebound"):  # rebound: torch's names are shardwise's (tests/compat/_rebind.py)
             from torch.distributed.tensor.parallel import parallelize_module
         else:
             from shardwise.composable import parallelize_module  # type: ignore[no-redef]

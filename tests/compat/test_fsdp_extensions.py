@@ -141,19 +141,36 @@ def _tp_body(rank, world, impl, tp_impl="torch"):
     return L.train_tp(impl, rank, world, tp_impl)
 
 
+def _rebound_tp_body(rank, world):
+    import sys
+
+    import shardwise.composable as sw
+    from tests.compat._rebind import rebind_to_shardwise
+
+    rebind_to_shardwise(clients=())
+    sys.modules.pop("torchao.float8.float8_tensor_parallel", None)  # imported again: subclasses shardwise's
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+    assert issubclass(Float8ColwiseParallel, sw.ColwiseParallel), Float8ColwiseParallel.__mro__
+    return L.train_tp("shardwise", rank, world, "rebound")
+
+
 def test_float8_tp_fsdp():
     """TP x FSDP with float8 weights (torchao's Float8ColwiseParallel / Float8RowwiseParallel
     over 2 TP ranks, fully_shard over 2 DP ranks): torch and shardwise give the same losses,
-    near one process's; so does shardwise's parallelize_module given torchao's style objects
-    ([Note: torch's style objects in a plan])."""
+    near one process's; so does shardwise's parallelize_module given torchao's style objects,
+    subclassing torch's classes or (torch's names rebound) shardwise's ([Note: torch's style
+    objects in a plan])."""
     local = run_ranks(_tp_body, 1, "local", timeout=180)[0]
     t, s = (run_ranks(_tp_body, 4, n, timeout=240)[0] for n in IMPLS)
     both = run_ranks(_tp_body, 4, "shardwise", "shardwise", timeout=240)[0]
+    rebound = run_ranks(_rebound_tp_body, 4, timeout=240)[0]
     assert s["losses"] == t["losses"], (s["losses"], t["losses"])
-    assert both["losses"] == t["losses"], (both["losses"], t["losses"])
+    assert both["losses"] == rebound["losses"] == t["losses"], (both["losses"], rebound["losses"], t["losses"])
     assert _rel(s["losses"], local["losses"]) <= FLOAT8, (s["losses"], local["losses"])
     # torchao's input hook casts each TP linear's input once a forward: 2 linears a layer, each step
-    assert both["input_casts"] == t["input_casts"] == 2 * L.LAYERS * L.STEPS, (both["input_casts"], t["input_casts"])
+    casts = [both["input_casts"], rebound["input_casts"], t["input_casts"]]
+    assert casts == [2 * L.LAYERS * L.STEPS] * 3, casts
     for got in (s, both):
         assert got["types"]["layers.0.0.weight"] == "WeightWithDynamicFloat8CastTensor", got["types"]
 
