@@ -69,3 +69,29 @@ def test_a_reader_sees_one_whole_version_or_a_retry_while_a_writer_replaces(tmp_
     assert len(loads) >= 10 and len(set(loads)) >= 3, (loads, len(retries))
     assert sorted(os.listdir(tmp_path)) == [".shardwise-series.json", "latest"], os.listdir(tmp_path)
     print(f"{len(loads)} whole loads of {len(set(loads))} versions, {len(retries)} retries")
+
+
+def test_a_checkpoint_renamed_into_place_while_a_load_opens_it_is_loaded(tmp_path, monkeypatch):
+    """The race the S3 reader test met under load: the load opens ``latest`` between the two
+    renames of a replace (no index there: `IndexMissing`), and by the time it looks again the
+    new version is in place. The load retries and reads it; before, it reported that the
+    checkpoint does not exist."""
+    from shardwise.checkpoint import save
+    from shardwise.checkpoint._base import IndexMissing
+    from shardwise.checkpoint._load import _reader
+
+    path = str(tmp_path / "latest")
+    save({k: torch.full(s, 3.0) for k, s in SHAPES.items()} | {"version": 3}, path)
+    real, opened = _reader.open_checkpoint, []
+
+    def between_renames(source, storage):
+        opened.append(source)
+        if len(opened) == 1:
+            raise IndexMissing(f"{source} does not exist")
+        return real(source, storage)
+
+    monkeypatch.setattr(_reader, "open_checkpoint", between_renames)
+    got = {k: torch.zeros(s) for k, s in SHAPES.items()} | {"version": 0}
+    load(got, path)
+    assert got["version"] == 3 and len(opened) == 2, (got["version"], opened)
+    assert all(torch.equal(got[k], torch.full(s, 3.0)) for k, s in SHAPES.items())

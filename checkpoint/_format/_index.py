@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from .._geometry import Box
-from .._base import CheckpointError, DuplicateKey, box_rows, chunk_count, crcs_from_hex, crcs_to_hex, parse_json_strict
+from .._base import CheckpointError, DuplicateKey, IndexMissing, box_rows, chunk_count, crcs_from_hex, crcs_to_hex, parse_json_strict
 from ._file_io import pread_exact
 from .._storage import DirView, Storage, storage_for
 from ._index_model import (CHECKSUM_FIELD, DCP_MARKER, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE,
@@ -252,7 +252,7 @@ def read_index(view: DirView | str | os.PathLike, storage: Storage | None = None
         raise CheckpointError(describe_non_checkpoint(storage, path))
     kind = view.kind(INDEX_FILE)
     if kind == "missing":
-        raise CheckpointError(describe_non_checkpoint(storage, path))
+        raise IndexMissing(describe_non_checkpoint(storage, path))
     if kind == "link":
         raise CheckpointError(f"{file} is a symbolic link; an index must be a regular file inside the checkpoint")
     if kind != "file":

@@ -73,11 +73,11 @@ from typing import Any
 
 import torch
 
-from .._base import CheckpointError, agree, agree_values, phase, rank_and_world
+from .._base import CheckpointError, IndexMissing, agree, agree_values, phase, rank_and_world
 from .._series import interrupted_save, stand_in
 from .._state import (FileSystemReader, Leaf, check_alone_state, checkpoint_path, dcp_scope, expand_stateful, flatten,
                       refuse_dcp_extensions, set_values)
-from .._format import CheckpointFiles, open_checkpoint
+from .._format import INDEX_FILE, CheckpointFiles, open_checkpoint
 from ._load_checks import check_files
 from ._load_plan import plan_load as _plan_load, rank_view
 from ._reads import read_all as _read
@@ -196,6 +196,9 @@ def _open_source(storage: Storage, path: str, attempts: int = 5) -> CheckpointFi
         try:
             files = open_checkpoint(source, storage)
         except CheckpointError as e:
+            if (isinstance(e, IndexMissing) and attempt + 1 < attempts
+                    and storage.kind(storage.join(source, INDEX_FILE)) == "file"):
+                continue  # renamed into place since it was opened (a replace on an object store: its two renames)
             moved = storage.kind(source) != "dir" or _source(storage, path, indexless)[0] != source
             if (not moved and source == path and not indexless and attempt + 1 < attempts
                     and stand_in(storage, path) is not None):
