@@ -220,34 +220,29 @@ class FileSystemReader(_Folder):
         self.path = path
 
 
-def _planner_flags(cls: str, flatten_state_dict: bool, flatten_sharded_tensors: bool) -> None:
-    for name, value in (("flatten_state_dict", flatten_state_dict), ("flatten_sharded_tensors", flatten_sharded_tensors)):
-        if value is not True:
-            raise ValueError(f"shardwise.checkpoint.{cls}({name}=...): shardwise always keys a checkpoint by the "
-                             "flattened state's paths; leave it True")
-
 
 class DefaultSavePlanner:
     """``save(state, path, planner=DefaultSavePlanner())`` is ``save(state, path)``: DCP's default
-    planner (torch 2.13's arguments: ``flatten_state_dict`` and ``flatten_sharded_tensors`` True
-    only, else a ``ValueError`` naming it; ``dedup_replicated_tensors``,
-    ``dedup_save_to_lowest_rank`` and ``enable_plan_caching`` accepted: every piece is written once
-    anyway, by one rank that holds it). A subclass is a custom planner, refused by `save`."""
+    planner. torch 2.13's arguments: ``flatten_state_dict`` / ``flatten_sharded_tensors`` True
+    only (else a ``ValueError`` naming it), the others accepted (every piece is written once
+    anyway, by one rank that holds it). A subclass is a custom planner, refused."""
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
                  dedup_replicated_tensors: bool | None = None, dedup_save_to_lowest_rank: bool = False,
-                 enable_plan_caching: bool = False) -> None:
-        _planner_flags(type(self).__name__, flatten_state_dict, flatten_sharded_tensors)
-        self.dedup_save_to_lowest_rank, self.enable_plan_caching = dedup_save_to_lowest_rank, enable_plan_caching
+                 enable_plan_caching: bool = False, allow_partial_load: bool = False) -> None:
+        for name, value in (("flatten_state_dict", flatten_state_dict),
+                            ("flatten_sharded_tensors", flatten_sharded_tensors)):
+            if value is not True:
+                raise ValueError(f"shardwise.checkpoint.{type(self).__name__}({name}=...): shardwise always keys a "
+                                 "checkpoint by the flattened state's paths; leave it True")
+        self.allow_partial_load = allow_partial_load
 
 
-class DefaultLoadPlanner:
+class DefaultLoadPlanner(DefaultSavePlanner):
     """``load(state, path, planner=DefaultLoadPlanner())`` is ``load(state, path)``; with
-    ``allow_partial_load=True`` it is ``load(state, path, strict=False)`` (keys the checkpoint
-    lacks keep their values). ``flatten_state_dict`` / ``flatten_sharded_tensors``: True only. A
-    subclass is a custom planner, refused by `load`."""
+    ``allow_partial_load=True`` it is ``strict=False`` (keys the checkpoint lacks keep their
+    values). Arguments as `DefaultSavePlanner`'s."""
 
     def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
                  allow_partial_load: bool = False) -> None:
-        _planner_flags(type(self).__name__, flatten_state_dict, flatten_sharded_tensors)
-        self.allow_partial_load = allow_partial_load
+        super().__init__(flatten_state_dict, flatten_sharded_tensors, allow_partial_load=allow_partial_load)
