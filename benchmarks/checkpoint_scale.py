@@ -409,7 +409,7 @@ def simulate(world: int, n_tensors: int, root: str, saves: int = 2, load: bool =
         try:
             for s in range(saves):
                 before = Counter(counter.stats.get(rank, Counter()))
-                _writer._start({}, os.path.join(root, "ckpt"), None, False, None, None).wait()
+                _writer._start({}, os.path.join(root, "ckpt"), None, None, None, None).wait()
                 results.setdefault(step_names[s], [None] * world)[rank] = counter.stats[rank] - before
             if not load:
                 return
