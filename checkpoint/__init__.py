@@ -21,7 +21,6 @@ rooms listed before it, and another room only through that room's ``__init__``
 and ``__main__.py``.
 """
 
-import warnings as _warnings
 
 from ._base import CheckpointError
 from ._cli import main
@@ -52,12 +51,3 @@ __all__ = ["BatchPlan", "CheckpointError", "ElasticLoader", "ElasticSampler", "F
            "save_pretrained", "save_training_state", "set_model_state_dict", "set_optimizer_state_dict",
            "set_state_dict", "start_heartbeat", "verify_checkpoint"]
 
-
-def __getattr__(name: str):
-    """``TrainingState``, the old name of `TrainingSnapshot` (deprecated; it clashed with the
-    unrelated enum of the same name in ``composable/_fsdp``)."""
-    if name != "TrainingState":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _warnings.warn("shardwise.checkpoint.TrainingState is now shardwise.checkpoint.TrainingSnapshot",
-                   DeprecationWarning, stacklevel=2)
-    return TrainingSnapshot
