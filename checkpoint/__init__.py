@@ -25,6 +25,7 @@ and ``__main__.py``.
 from ._base import CheckpointError
 from ._cli import main
 from ._dcp_import import ImportStats, import_dcp
+from ._geometry import boxes_for  # the one placement -> box arithmetic, shared with composable's optimizers
 from ._elastic import (BatchPlan, ElasticLoader, ElasticSampler, Heartbeat, HeartbeatPolicy, TrainingSnapshot,
                        async_save_training_state, exit_for_restart, load_training_state, plan_batches,
                        save_training_state, start_heartbeat)

@@ -18,6 +18,7 @@ in any order. `expert_meshes` gives the expert-parallel sub-meshes (``init_mesh(
 """
 
 from ._axes import DP_SHARD_CP, MeshAxes, mesh_axes
+from ._bytes import byte_layout  # shared with the other packages (not a public name)
 from ._dims import AXIS_NAMES, CP_AXIS, PP_AXIS, ParallelDims
 from ._ep import EP_AXIS, EP_DP_AXIS, ExpertMeshes, expert_meshes
 from ._hosts import HostLayoutWarning, host_fit_problem

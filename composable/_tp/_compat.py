@@ -117,7 +117,8 @@ def run_apply_override(style: object, base: type, stand_in: Callable[[nn.Module,
         return m
 
     shim = type(base)(base.__name__, (base,), {"_apply": _apply, "__module__": __name__})
-    cls = type(type(style))(type(style).__name__, (type(style), shim), {"__module__": type(style).__module__})
+    meta: Any = type(type(style))
+    cls = meta(type(style).__name__, (type(style), shim), {"__module__": type(style).__module__})
     twin = copy.copy(style)
     object.__setattr__(twin, "__class__", cls)
     object.__setattr__(twin, "src_data_rank", src_data_rank)

@@ -80,7 +80,7 @@ class TorchApply(ParallelStyle):
     torch_style: object
     kind: str
 
-    @property  # type: ignore[misc]
+    @property
     def shards_parameters(self) -> bool:  # type: ignore[override]
         return self.style.shards_parameters
 

@@ -4,9 +4,9 @@ both (``_accelerate.py`` reads it, ``_accelerate_config.py`` holds and applies i
 the fully_shard wing's public names only.
 """
 
-from ._accelerate_config import AccelerateConfig, from_accelerate_config
+from ._accelerate_config import AccelerateConfig, broadcast_from_rank0, from_accelerate_config
 from ._policy import ShardingPolicy, apply_fully_shard, select_units, strategy_mesh
 from ._strategies import STRATEGIES, ShardingStrategy, StrategySpec
 
 __all__ = ["AccelerateConfig", "STRATEGIES", "ShardingPolicy", "ShardingStrategy", "StrategySpec", "apply_fully_shard",
-           "from_accelerate_config", "select_units", "strategy_mesh"]
+           "broadcast_from_rank0", "from_accelerate_config", "select_units", "strategy_mesh"]

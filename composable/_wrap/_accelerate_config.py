@@ -15,12 +15,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._fsdp import FSDPModule, broadcast_from_rank0
+from shardwise.checkpoint import scatter_full
+
+from .._fsdp import FSDPModule, broadcast_state
 from ._accelerate import read_accelerate_config
 from ._policy import ShardingPolicy, _axes, apply_fully_shard, select_units
 from ._strategies import ShardingStrategy
 
-__all__ = ["AccelerateConfig", "from_accelerate_config"]
+__all__ = ["AccelerateConfig", "broadcast_from_rank0", "from_accelerate_config"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class AccelerateConfig:
         if not self.limit_all_gathers:
             model.set_unshard_limit(len(units) + 1)  # an FSDPModule (checked above)
         if self.sync_module_states:
-            broadcast_from_rank0(model, full)
+            broadcast_state(model, full, 0, scatter_full)
         return model
 
     def _policy_for(self, mesh: DeviceMesh | None) -> ShardingPolicy:
@@ -146,3 +148,20 @@ def from_accelerate_config(source: str | os.PathLike | dict) -> AccelerateConfig
     key that cannot take effect (see [Note: no key is ignored] in ``_accelerate.py``)."""
     fields = read_accelerate_config(source)
     return AccelerateConfig(**{**fields, "policy": ShardingPolicy(**fields["policy"])})
+
+
+def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None,
+                         src_rank: int = 0) -> None:
+    """Fill a sharded model from a full state dict that only rank ``src_rank`` holds (others
+    pass None and may have built the model on the meta device): Accelerate's
+    ``sync_module_states`` / ``cpu_ram_efficient_loading``. The source sends one tensor at a
+    time through the one rank-0 scatter (``shardwise.checkpoint.scatter_full``) and every rank
+    keeps its shard of it, so no rank holds more than its shards and one full tensor. Buffers
+    come from the source rank's model. Collective: call it on every rank.
+
+    On the source rank, take ``full_state_dict = model.state_dict()`` before calling
+    ``fully_shard``. A state dict it cannot use (None, a missing name, a wrong shape) is checked
+    before anything is sent and raises the same error on every rank (KeyError / ValueError),
+    not a hang.
+    """
+    broadcast_state(model, full_state_dict, src_rank, scatter_full)

@@ -1,0 +1,22 @@
+"""The one byte packer: tensors of any dtypes laid out back to back in one flat byte buffer.
+
+fully_shard's unit buffers (``composable/_fsdp``), the whole-matrix owners' exchange
+(``composable/_optim``), the memory planner and the checkpoint writer process's staging buffer
+all place their tensors with `byte_layout`; it lives here, in the package every other one may
+import.
+"""
+
+from __future__ import annotations
+
+__all__ = ["byte_layout"]
+
+
+def byte_layout(sizes: list[int], align: int) -> tuple[list[int], int]:
+    """Offsets of consecutive segments of ``sizes`` bytes, each starting at a multiple of
+    ``align`` (a multiple of every element size in the buffer, so every typed view is aligned;
+    with ``align`` the one element size there are no gaps at all), and the total size."""
+    offsets, total = [], 0
+    for s in sizes:
+        offsets.append(total)
+        total += -(-s // align) * align
+    return offsets, total
