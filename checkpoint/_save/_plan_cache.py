@@ -45,7 +45,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AgreedPlan", "fingerprint", "forget_plans", "lookup", "remember"]
+__all__ = ["AgreedPlan", "fingerprint", "lookup", "remember"]
 
 _KEEP = 4  # agreements kept per group (a job may save a few different states in turn)
 
@@ -94,8 +94,3 @@ def remember(group: Any, fp: str, plan: AgreedPlan) -> None:
         while len(plans) > _KEEP:
             plans.popitem(last=False)
 
-
-def forget_plans() -> None:
-    """Drop every kept agreement (the next save of each state runs the full agreement)."""
-    with _LOCK:
-        _PLANS.clear()

@@ -56,6 +56,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _lists(world: int) -> tuple[list[list[torch.Tensor]], list[list[Spec]]]:
+    """Empty send and receive lists of an exchange over ``world`` ranks."""
+    return [[] for _ in range(world)], [[] for _ in range(world)]
+
+
 def _placeholder(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor of ``shape`` holding one element (all strides 0): what a proxy holds between steps."""
     return torch.empty_strided(shape, (0,) * len(shape), dtype=like.dtype, device=like.device)
@@ -150,8 +155,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         return out
 
     def _gather(self, bucket: list[int], pc: Pieces, device: torch.device) -> PendingExchange:
-        send: list[list[torch.Tensor]] = [[] for _ in range(pc.world)]
-        recv: list[list[Spec]] = [[] for _ in range(pc.world)]
+        send, recv = _lists(pc.world)
         for i in bucket:
             p = self._params[i]
             grad = p.grad
@@ -164,8 +168,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         return start_exchange(send, recv, pc.group, device)
 
     def _scatter(self, bucket: list[int], pc: Pieces, device: torch.device) -> PendingExchange:
-        send: list[list[torch.Tensor]] = [[] for _ in range(pc.world)]
-        recv: list[list[Spec]] = [[] for _ in range(pc.world)]
+        send, recv = _lists(pc.world)
         for i in bucket:
             if self._mine[i]:
                 for r in range(pc.world):
@@ -272,8 +275,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
                 dist.all_gather_object(metas, meta, group=pc.group)
                 for m in metas:
                     meta.update(m)
-            send: list[list[torch.Tensor]] = [[] for _ in range(pc.world)]
-            recv: list[list[Spec]] = [[] for _ in range(pc.world)]
+            send, recv = _lists(pc.world)
             names: list[tuple[int, str]] = []
             for i in todo:
                 for name, (kind, v) in sorted(meta[i].items()):
@@ -326,8 +328,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
             if not todo:
                 continue
             pc = self._pieces[todo[0]]
-            send: list[list[torch.Tensor]] = [[] for _ in range(pc.world)]
-            recv: list[list[Spec]] = [[] for _ in range(pc.world)]
+            send, recv = _lists(pc.world)
             names: list[tuple[int, str]] = []
             for i in todo:
                 p = self._params[i]
