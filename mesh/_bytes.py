@@ -1,10 +1,5 @@
-"""The one byte packer: tensors of any dtypes laid out back to back in one flat byte buffer.
-
-fully_shard's unit buffers (``composable/_fsdp``), the whole-matrix owners' exchange
-(``composable/_optim``), the memory planner and the checkpoint writer process's staging buffer
-all place their tensors with `byte_layout`; it lives here, in the package every other one may
-import.
-"""
+"""The one byte packer (`byte_layout`), in the package every other may import: fully_shard's unit
+buffers, the whole-matrix owners' exchange, the planner and the writer process's staging buffer."""
 
 from __future__ import annotations
 
