@@ -132,7 +132,7 @@ Fork = tuple[str, bool]
 """A play's ``(prefer, reserve)``."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Board:
     """What a play knows before it starts: the stages' ranks and durations ([Note: greedy
     zero-bubble lists])."""
@@ -167,7 +167,7 @@ class _Board:
                    2 * S * m, 3 * S * m)
 
 
-@dataclass
+@dataclass(slots=True)
 class _PlayState:
     """A play's state between two picks; one that forks is copied (`fork`) and another play that
     made the same decisions so far goes on from the copy ([Note: plays that fork]). Finish times
