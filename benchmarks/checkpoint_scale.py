@@ -143,6 +143,14 @@ class _RecvWork:
         return True
 
 
+class _SimGroup:
+    """A simulated rank's world group."""
+
+    @property
+    def WORLD(self) -> "_SimGroup":
+        return self
+
+
 class SimDist:
     """``torch.distributed`` for W threads of one process (thread i is rank i): each collective
     meets at a barrier, one thread works out every rank's result, each copies its own."""
@@ -160,6 +168,13 @@ class SimDist:
 
     def set_rank(self, rank: int) -> None:
         self._local.rank = rank
+        self._local.group = _SimGroup()
+
+    @property
+    def group(self) -> Any:
+        """``dist.group``: each simulated rank's own ``WORLD`` (what a save's agreement is kept on,
+        one per process in a real job)."""
+        return self._local.group
 
     def is_available(self) -> bool:
         return True
@@ -409,7 +424,7 @@ def simulate(world: int, n_tensors: int, root: str, saves: int = 2, load: bool =
         try:
             for s in range(saves):
                 before = Counter(counter.stats.get(rank, Counter()))
-                _writer._start({}, os.path.join(root, "ckpt"), None, False, None, None).wait()
+                _writer._start({}, os.path.join(root, "ckpt"), None, None, None, None).wait()
                 results.setdefault(step_names[s], [None] * world)[rank] = counter.stats[rank] - before
             if not load:
                 return

@@ -21,11 +21,11 @@ rooms listed before it, and another room only through that room's ``__init__``
 and ``__main__.py``.
 """
 
-import warnings as _warnings
 
 from ._base import CheckpointError
 from ._cli import main
 from ._dcp_import import ImportStats, import_dcp
+from ._geometry import boxes_for  # the one placement -> box arithmetic, shared with composable's optimizers
 from ._elastic import (BatchPlan, ElasticLoader, ElasticSampler, Heartbeat, HeartbeatPolicy, TrainingSnapshot,
                        async_save_training_state, exit_for_restart, load_training_state, plan_batches,
                        save_training_state, start_heartbeat)
@@ -52,12 +52,3 @@ __all__ = ["BatchPlan", "CheckpointError", "DefaultLoadPlanner", "DefaultSavePla
            "save_pretrained", "save_training_state", "set_model_state_dict", "set_optimizer_state_dict",
            "set_state_dict", "start_heartbeat", "verify_checkpoint"]
 
-
-def __getattr__(name: str):
-    """``TrainingState``, the old name of `TrainingSnapshot` (deprecated; it clashed with the
-    unrelated enum of the same name in ``composable/_fsdp``)."""
-    if name != "TrainingState":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _warnings.warn("shardwise.checkpoint.TrainingState is now shardwise.checkpoint.TrainingSnapshot",
-                   DeprecationWarning, stacklevel=2)
-    return TrainingSnapshot

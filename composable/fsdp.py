@@ -7,11 +7,11 @@ and handles, the policies, ``replicate`` (DDP), the strategy table and ``apply_f
 
 from ._clip_grad import clip_grad_norm_
 from ._fsdp import (AllGather, CPUOffloadPolicy, DataParallelMeshDims, FSDPModule, FullyShardUsageError,
-                    MixedPrecisionPolicy, OffloadPolicy, ReduceScatter, UnshardHandle, broadcast_from_rank0,
-                    fully_shard, materialize, register_fsdp_forward_method, share_comm_ctx)
+                    MixedPrecisionPolicy, OffloadPolicy, ReduceScatter, UnshardHandle, fully_shard, materialize,
+                    register_fsdp_forward_method, share_comm_ctx)
 from ._replicate import ReplicateModule, replicate
-from ._wrap import (AccelerateConfig, ShardingPolicy, ShardingStrategy, apply_fully_shard, from_accelerate_config,
-                    select_units, strategy_mesh)
+from ._wrap import (AccelerateConfig, ShardingPolicy, ShardingStrategy, apply_fully_shard, broadcast_from_rank0,
+                    from_accelerate_config, select_units, strategy_mesh)
 
 __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle", "FullyShardUsageError", "register_fsdp_forward_method",

@@ -15,16 +15,10 @@ a ``"pp"`` axis comes first (outermost; `pipeline_mesh` slices it). `ParallelDim
 and their validation; `host_fit_problem` is the pure check behind
 `HostLayoutWarning`. `mesh_axes` is how every entry point finds the axes it needs, by name
 in any order. `expert_meshes` gives the expert-parallel sub-meshes (``init_mesh(ep=N)``).
-
-The heartbeat (`start_heartbeat`, ...) moved to ``shardwise.checkpoint`` (docs/elastic.md); its old
-names here are deprecated, resolved by the PEP 562 ``__getattr__`` below, which imports
-``shardwise.checkpoint`` lazily (it imports ``mesh``: an import statement would be a cycle).
 """
 
-import importlib as _importlib
-import warnings as _warnings
-
 from ._axes import DP_SHARD_CP, MeshAxes, mesh_axes
+from ._bytes import byte_layout  # shared with the other packages (not a public name)
 from ._dims import AXIS_NAMES, CP_AXIS, PP_AXIS, ParallelDims
 from ._ep import EP_AXIS, EP_DP_AXIS, ExpertMeshes, expert_meshes
 from ._hosts import HostLayoutWarning, host_fit_problem
@@ -34,14 +28,3 @@ from ._init import (cp_mesh, data_parallel_mesh, default_backend, default_device
 __all__ = ["AXIS_NAMES", "CP_AXIS", "DP_SHARD_CP", "cp_mesh", "EP_AXIS", "EP_DP_AXIS", "ExpertMeshes", "expert_meshes",
            "PP_AXIS", "HostLayoutWarning", "MeshAxes", "ParallelDims", "data_parallel_mesh", "default_backend",
            "default_device_type", "host_fit_problem", "init_distributed", "init_mesh", "mesh_axes", "pipeline_mesh"]
-
-_MOVED = ("Heartbeat", "HeartbeatPolicy", "exit_for_restart", "start_heartbeat")  # to shardwise.checkpoint
-
-
-def __getattr__(name: str):
-    """The heartbeat's old names (see the module docstring): deprecated, from ``shardwise.checkpoint``."""
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _warnings.warn(f"shardwise.mesh.{name} moved to shardwise.checkpoint.{name}; import it from there",
-                   DeprecationWarning, stacklevel=2)
-    return getattr(_importlib.import_module("shardwise.checkpoint"), name)

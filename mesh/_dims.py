@@ -23,10 +23,9 @@ CP_AXIS = "cp"
 
 
 def dp_axis_names(dp_replicate: int) -> tuple[str, ...]:
-    """The axes data-parallel sharding (``fully_shard``) spans: ``("dp_shard",)`` when
-    ``dp_replicate == 1`` (plain FSDP), otherwise ``("dp_replicate", "dp_shard")`` (HSDP:
-    replicate outer, shard inner). The one statement of that rule (`data_parallel_mesh`,
-    `ParallelDims.dp_axis_names`)."""
+    """The axes data-parallel sharding (``fully_shard``) spans: ``("dp_shard",)`` when ``dp_replicate
+    == 1`` (plain FSDP), otherwise ``("dp_replicate", "dp_shard")`` (HSDP: replicate outer, shard
+    inner). The one statement of that rule (`data_parallel_mesh`, `ParallelDims.dp_axis_names`)."""
     return ("dp_shard",) if dp_replicate == 1 else ("dp_replicate", "dp_shard")
 
 
@@ -42,35 +41,29 @@ class ParallelDims:
         dp_replicate: data-parallel replicas (the HSDP outer axis). Default 1.
         dp_shard: data-parallel ranks that shard parameters (FSDP). Default -1.
         tp: tensor-parallel ranks. Default 1.
-        pp: pipeline stages (ranks per pipeline), outermost. Default 1. A positive
-            int, never -1 (``dp_shard`` is the one inferred by default).
-        cp: context-parallel ranks (the sequence of each sample is sharded over them),
-            between ``dp_shard`` and ``tp``. Default 1. A positive int, never -1.
+        pp: pipeline stages (ranks per pipeline), outermost. Default 1. A positive int, never -1
+            (``dp_shard`` is the one inferred by default).
+        cp: context-parallel ranks (the sequence of each sample is sharded over them), between
+            ``dp_shard`` and ``tp``. Default 1. A positive int, never -1.
         ep: expert-parallel degree (default 1). Adds no ranks: it must divide the data-parallel
             shard extent ``dp_shard`` (times ``cp`` where there is one); experts are sharded over
             ``ep`` and ``fully_shard``-ed over the remaining ``dp_shard_mod_ep`` ranks
             (`mesh/_ep_dims.py`, docs/expert_parallel.md).
         world_size: total number of ranks. Required.
 
-    Rules, checked in ``__post_init__`` (``ValueError`` otherwise, with the
-    arithmetic spelled out):
+    Rules, checked in ``__post_init__`` (``ValueError`` otherwise, with the arithmetic spelled out):
 
     * ``world_size`` is a positive int.
-    * Each of ``dp_replicate``, ``dp_shard``, ``tp`` is a positive int or -1;
-      at most one is -1.
-    * A -1 is resolved to ``world_size // (product of the other two)``, which
-      must divide evenly; the resolved value is what the field holds afterwards
-      (``ParallelDims(world_size=8).dp_shard == 8``).
+    * Each of ``dp_replicate``, ``dp_shard``, ``tp`` is a positive int or -1; at most one is -1.
+    * A -1 is resolved to ``world_size // (product of the other two)``, which must divide evenly;
+      the resolved value is what the field holds afterwards (``ParallelDims(world_size=8).dp_shard == 8``).
     * ``pp * dp_replicate * dp_shard * cp * tp == world_size``.
 
     With ``cp > 1`` a ``cp`` axis sits between ``dp_shard`` and ``tp`` in `axis_names` and
     `mesh_shape` (torchtitan's order ``pp, dp_replicate, dp_shard, cp, tp``); with ``cp == 1``
-    there is no ``cp`` entry.
-
-    With ``pp == 1`` (the default) the mesh is the 3-D one of before: `axis_names`
-    and `mesh_shape` have no ``pp`` entry. With ``pp > 1`` the ``pp`` axis comes
-    first (outermost): each pipeline stage is a block of
-    ``dp_replicate * dp_shard * tp`` consecutive ranks.
+    there is no ``cp`` entry. With ``pp == 1`` (the default) `axis_names` and `mesh_shape` have no
+    ``pp`` entry; with ``pp > 1`` the ``pp`` axis comes first (outermost): each pipeline stage is a
+    block of ``dp_replicate * dp_shard * tp`` consecutive ranks.
 
     ``bool`` is rejected even though it is an ``int`` subclass.
     """
@@ -87,24 +80,18 @@ class ParallelDims:
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size)
         if self.world_size < 1:
-            raise ValueError(
-                f"ParallelDims: world_size={self.world_size} is invalid; "
-                "it must be a positive int (the number of ranks)"
-            )
+            raise ValueError(f"ParallelDims: world_size={self.world_size} is invalid; it must be a positive int (the "
+                             "number of ranks)")
         sizes = {name: getattr(self, name) for name in AXIS_NAMES}
         for name, size in sizes.items():
             _check_int(name, size)
             if size < 1 and size != -1:
-                raise ValueError(
-                    f"ParallelDims: {name}={size} is invalid; each size must be a "
-                    "positive int, or -1 for 'the rest of world_size'"
-                )
+                raise ValueError(f"ParallelDims: {name}={size} is invalid; each size must be a positive int, or -1 "
+                                 "for 'the rest of world_size'")
         _check_int("pp", self.pp)
         if self.pp < 1:
-            raise ValueError(
-                f"ParallelDims: pp={self.pp} is invalid; the number of pipeline stages "
-                "must be a positive int (-1 is not accepted for pp)"
-            )
+            raise ValueError(f"ParallelDims: pp={self.pp} is invalid; the number of pipeline stages must be a positive "
+                             "int (-1 is not accepted for pp)")
         # -- cp (context parallelism): a fixed positive factor, like pp; see _cp_layout below
         _check_int("cp", self.cp)
         if self.cp < 1:
@@ -113,10 +100,8 @@ class ParallelDims:
         inferred = [name for name, size in sizes.items() if size == -1]
         if len(inferred) > 1:
             listed = " and ".join(f"{name}=-1" for name in inferred)
-            raise ValueError(
-                f"ParallelDims: {listed}: at most one size can be -1 "
-                "(the rest of world_size); give the others explicitly"
-            )
+            raise ValueError(f"ParallelDims: {listed}: at most one size can be -1 (the rest of world_size); give the "
+                             "others explicitly")
         if inferred:
             (name,) = inferred
             others = [n for n in AXIS_NAMES if n != name]
@@ -129,10 +114,8 @@ class ParallelDims:
                 others = ["pp", *others]
             if self.world_size % known != 0:
                 formula = " * ".join(f"{n}({sizes[n]})" for n in others)
-                raise ValueError(
-                    f"{name}=-1 cannot be resolved: world_size({self.world_size}) "
-                    f"is not divisible by {formula} = {known}"
-                )
+                raise ValueError(f"{name}=-1 cannot be resolved: world_size({self.world_size}) is not divisible by "
+                                 f"{formula} = {known}")
             sizes[name] = self.world_size // known
             object.__setattr__(self, name, sizes[name])
         sizes.pop("pp", None)
@@ -142,10 +125,8 @@ class ParallelDims:
             fields = (("pp",) if self.pp > 1 else ()) + AXIS_NAMES + (("cp",) if self.cp > 1 else ())
             sizes["pp"], sizes["cp"] = self.pp, self.cp
             formula = " * ".join(f"{n}({sizes[n]})" for n in fields)
-            raise ValueError(
-                f"{formula} = {total} != world_size({self.world_size}); choose sizes "
-                "whose product is world_size, or pass -1 for one of them to infer it"
-            )
+            raise ValueError(f"{formula} = {total} != world_size({self.world_size}); choose sizes whose product is "
+                             "world_size, or pass -1 for one of them to infer it")
         check_ep(self)  # expert parallelism (mesh/_ep_dims.py)
 
     @property
@@ -165,22 +146,19 @@ class ParallelDims:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """``(dp_replicate, dp_shard, tp)``, with ``pp`` first when ``pp > 1``; in the
-        order of `axis_names`."""
+        """``(dp_replicate, dp_shard, tp)``, with ``pp`` first when ``pp > 1``; in the order of `axis_names`."""
         inner = _cp_layout(self, (self.dp_replicate, self.dp_shard, self.tp), self.cp)
         return (self.pp, *inner) if self.pp > 1 else inner
 
     @property
     def axis_names(self) -> tuple[str, ...]:
-        """``("dp_replicate", "dp_shard", "tp")``, size-1 axes included; with ``pp > 1``
-        ``("pp", "dp_replicate", "dp_shard", "tp")``."""
+        """``("dp_replicate", "dp_shard", "tp")``, size-1 axes included; with ``pp > 1`` ``("pp", ...)`` first."""
         inner = _cp_layout(self, AXIS_NAMES, CP_AXIS)
         return (PP_AXIS, *inner) if self.pp > 1 else inner
 
     @property
     def dp_axis_names(self) -> tuple[str, ...]:
-        """Axes that data-parallel sharding (``fully_shard``) spans: `dp_axis_names` of
-        ``dp_replicate`` (what `data_parallel_mesh` slices)."""
+        """Axes that ``fully_shard`` spans: `dp_axis_names` of ``dp_replicate`` (what `data_parallel_mesh` slices)."""
         return dp_axis_names(self.dp_replicate)
 
 
@@ -195,7 +173,4 @@ def _cp_layout(dims: "ParallelDims", inner: tuple, cp_entry: object) -> tuple:
 
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"ParallelDims: {name} must be an int, got {value!r} "
-            f"({type(value).__name__})"
-        )
+        raise TypeError(f"ParallelDims: {name} must be an int, got {value!r} ({type(value).__name__})")

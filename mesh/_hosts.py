@@ -2,17 +2,16 @@
 
 Pure functions of sizes, so they can be tested without processes.
 
-The mesh is laid out row-major with ``tp`` innermost, so each ``dp_shard`` x
-``tp`` block is ``dp_shard * tp`` consecutive ranks, and torchrun numbers ranks
-host by host (``local_world_size`` consecutive ranks per host). A block stays
-inside one host exactly when ``local_world_size % (dp_shard * tp) == 0``;
-otherwise the shard (all-gather / reduce-scatter every step) and TP
-collectives of some blocks cross hosts.
+The mesh is laid out row-major with ``tp`` innermost, so each ``dp_shard`` x ``tp`` block is
+``dp_shard * tp`` consecutive ranks, and torchrun numbers ranks host by host
+(``local_world_size`` consecutive ranks per host). A block stays inside one host exactly when
+``local_world_size % (dp_shard * tp) == 0``; otherwise the shard (all-gather / reduce-scatter
+every step) and TP collectives of some blocks cross hosts.
 
-With a ``pp`` axis (outermost) the rule is the same: stages are blocks of
-``stage_size`` consecutive ranks, so a ``dp_shard * tp`` block lies inside one
-stage, and the pipeline's point-to-point sends (activations only, between
-neighbouring stages) are the ones meant to cross hosts.
+With a ``pp`` axis (outermost) the rule is the same: stages are blocks of ``stage_size``
+consecutive ranks, so a ``dp_shard * tp`` block lies inside one stage, and the pipeline's
+point-to-point sends (activations only, between neighbouring stages) are the ones meant to cross
+hosts.
 
 With a ``cp`` axis (between ``dp_shard`` and ``tp``) the block is ``dp_shard * cp * tp``: the
 parameters are sharded over ``dp_shard`` x ``cp`` (``dp_shard_cp``) and the cp ring passes keys
@@ -27,8 +26,7 @@ from ._dims import ParallelDims
 class HostLayoutWarning(UserWarning):
     """The mesh shape makes ``dp_shard``/``tp`` collectives cross hosts.
 
-    A performance hint, not an error. Silence it where cross-host sharding is
-    intended with
+    A performance hint, not an error. Silence it where cross-host sharding is intended with
     ``warnings.filterwarnings("ignore", category=HostLayoutWarning)``.
     """
 
@@ -38,27 +36,21 @@ def host_fit_problem(dims: ParallelDims, local_world_size: int | None) -> str | 
 
     Args:
         dims: the resolved mesh sizes (``dims.world_size`` is the total).
-        local_world_size: ranks per host (torchrun's ``LOCAL_WORLD_SIZE``), or
-            None when unknown.
+        local_world_size: ranks per host (torchrun's ``LOCAL_WORLD_SIZE``), or None when unknown.
 
-    Returns None (nothing to say) when ``local_world_size`` is None, when the
-    job fits on one host (``world_size <= local_world_size``), when hosts are
-    uneven (``world_size % local_world_size != 0``: boundaries unknown), or
-    when the ``dp_shard * tp`` block divides ``local_world_size``. Otherwise
-    returns a one-paragraph message with a suggested shape.
+    Returns None (nothing to say) when ``local_world_size`` is None, when the job fits on one host
+    (``world_size <= local_world_size``), when hosts are uneven (``world_size % local_world_size
+    != 0``: boundaries unknown), or when the ``dp_shard * tp`` block divides ``local_world_size``.
+    Otherwise returns a one-paragraph message with a suggested shape.
 
     Raises:
         ValueError: ``local_world_size`` is not a positive int.
     """
     if local_world_size is None:
         return None
-    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or (
-        local_world_size < 1
-    ):
-        raise ValueError(
-            f"local_world_size={local_world_size!r} is invalid; it must be a positive "
-            "int (ranks per host, torchrun's LOCAL_WORLD_SIZE) or None"
-        )
+    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int) or local_world_size < 1:
+        raise ValueError(f"local_world_size={local_world_size!r} is invalid; it must be a positive int (ranks per "
+                         "host, torchrun's LOCAL_WORLD_SIZE) or None")
     world, local = dims.world_size, local_world_size
     if world <= local or world % local != 0:
         return None
@@ -71,23 +63,15 @@ def host_fit_problem(dims: ParallelDims, local_world_size: int | None) -> str | 
     pp_text = f"pp={dims.pp}, " if dims.pp > 1 else ""
     cp_text = f" * cp({dims.cp})" if dims.cp > 1 else ""
     inner = dims.cp * dims.tp  # the cp x tp block that a host must hold whole
-    head = (
-        f"dp_shard({dims.dp_shard}){cp_text} * tp({dims.tp}) = {block} consecutive ranks do not "
-        f"fit in one host of local_world_size({local}) ranks (world_size({world}) = "
-        f"{hosts} hosts), so shard/TP collectives would cross hosts over the slower "
-        "inter-host network."
-    )
+    head = (f"dp_shard({dims.dp_shard}){cp_text} * tp({dims.tp}) = {block} consecutive ranks do not fit in one host "
+            f"of local_world_size({local}) ranks (world_size({world}) = {hosts} hosts), so shard/TP collectives "
+            "would cross hosts over the slower inter-host network.")
     if local % inner != 0:
         divisors = [d for d in range(1, local + 1) if local % d == 0]
         what, name = (f"cp({dims.cp}) * tp({dims.tp})", "cp * tp") if dims.cp > 1 else (f"tp({dims.tp})", "tp")
-        return (
-            f"{head} {what} does not divide local_world_size({local}), so even "
-            f"the {'CP/TP' if dims.cp > 1 else 'TP'} groups cross hosts: choose {name} from {divisors}, then "
-            f"dp_shard = {local} // {name} and dp_replicate = {per_stage if dims.pp > 1 else hosts}."
-        )
-    return (
-        f"{head} Consider {pp_text}dp_replicate={per_stage if dims.pp > 1 else hosts}, "
-        f"dp_shard={local // inner}, {f'cp={dims.cp}, ' if dims.cp > 1 else ''}"
-        f"tp={dims.tp} (shard within a host, replicate across hosts), or filter "
-        "HostLayoutWarning if cross-host sharding is intended."
-    )
+        return (f"{head} {what} does not divide local_world_size({local}), so even the "
+                f"{'CP/TP' if dims.cp > 1 else 'TP'} groups cross hosts: choose {name} from {divisors}, then "
+                f"dp_shard = {local} // {name} and dp_replicate = {per_stage if dims.pp > 1 else hosts}.")
+    return (f"{head} Consider {pp_text}dp_replicate={per_stage if dims.pp > 1 else hosts}, dp_shard={local // inner}, "
+            f"{f'cp={dims.cp}, ' if dims.cp > 1 else ''}tp={dims.tp} (shard within a host, replicate across hosts), "
+            "or filter HostLayoutWarning if cross-host sharding is intended.")

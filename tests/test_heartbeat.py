@@ -57,19 +57,3 @@ def test_policy_refuses_a_timeout_not_above_the_interval():
     with pytest.raises(ValueError, match="interval_s < timeout_s"):
         HeartbeatPolicy(interval_s=2, timeout_s=1)
 
-
-def test_the_old_home_in_mesh_still_works_and_warns():
-    """The heartbeat moved from ``shardwise.mesh`` to ``shardwise.checkpoint``; the old names are
-    the same objects, resolved lazily with a DeprecationWarning naming the new home."""
-    import shardwise.checkpoint
-    import shardwise.mesh
-
-    for name in ("Heartbeat", "HeartbeatPolicy", "exit_for_restart", "start_heartbeat"):
-        with pytest.warns(DeprecationWarning, match=f"shardwise.checkpoint.{name}"):
-            assert getattr(shardwise.mesh, name) is getattr(shardwise.checkpoint, name)
-        assert name in shardwise.checkpoint.__all__
-    with pytest.warns(DeprecationWarning, match="shardwise.checkpoint.start_heartbeat"):
-        from shardwise.mesh import start_heartbeat as old
-    assert old is start_heartbeat
-    with pytest.raises(AttributeError):
-        shardwise.mesh.no_such_name  # noqa: B018

@@ -44,15 +44,15 @@ C = "shardwise.composable"
 # rules 3-4 in shardwise.composable: each wing and what it may import besides the leaves
 LEAVES = {f"{C}._compat", f"{C}._mesh_utils", f"{C}._chunks"}
 WINGS = {
-    f"{C}._fsdp": {"shardwise.checkpoint"},
+    f"{C}._fsdp": {"shardwise.checkpoint", "shardwise.mesh"},  # checkpoint: only _hf_save.py (going)
     f"{C}._tp": set(),
     f"{C}._cp": set(),
     f"{C}._replicate": {f"{C}._fsdp"},
     f"{C}._wrap": {f"{C}._fsdp", f"{C}._replicate", "shardwise.mesh", "shardwise.checkpoint"},
     f"{C}._moe": {f"{C}._fsdp", f"{C}._tp", "shardwise.mesh"},
     f"{C}._pipeline": {f"{C}._fsdp", f"{C}._tp", "shardwise.mesh", "shardwise.checkpoint"},
-    f"{C}._plan": {f"{C}._fsdp", f"{C}._wrap", f"{C}._pipeline"},
-    f"{C}._optim": set(),
+    f"{C}._plan": {f"{C}._fsdp", f"{C}._wrap", f"{C}._pipeline", "shardwise.mesh"},
+    f"{C}._optim": {"shardwise.mesh", "shardwise.checkpoint"},
 }
 EVERYTHING = set(WINGS) | {"shardwise.mesh", "shardwise.checkpoint"}
 TOP = {

@@ -181,12 +181,3 @@ def test_numpy_rng_row_without_numpy_names_the_row_and_the_fix(tmp_path, monkeyp
     assert torch.equal(torch.get_rng_state(), before), "no generator is restored halfway"
     assert load_training_state(path, model, optim, rng=False).step == 3
 
-
-def test_training_state_is_a_deprecated_alias_of_training_snapshot():
-    import shardwise.checkpoint
-
-    with pytest.warns(DeprecationWarning, match="TrainingSnapshot"):
-        assert shardwise.checkpoint.TrainingState is shardwise.checkpoint.TrainingSnapshot
-    with pytest.warns(DeprecationWarning):
-        from shardwise.checkpoint import TrainingState  # noqa: F401
-    assert "TrainingSnapshot" in shardwise.checkpoint.__all__ and "TrainingState" not in shardwise.checkpoint.__all__

@@ -261,11 +261,23 @@ def test_fsdp_x_tp_gathers_over_both_axes():
     assert max(e[0] for e in errs) <= TRAINED_FP32_TOL and max(e[1] for e in errs) <= ELEMENTWISE_TOL, errs
 
 
+class StepCounting(Fp32Muon):
+    """Counts its ``step()`` calls, as an optimizer with a step counter (a schedule inside) does."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        return super().step(closure)
+
+
 def _one_collective_each_way(rank, world_size, buckets):
     mesh = _mesh(world_size)
     torch.manual_seed(0)
     model = _shard(Mats(), mesh)
-    opt, _ = _optimizers(model, torch.optim.Muon, buckets=buckets)
+    opt, _ = _optimizers(model, StepCounting, buckets=buckets)
     calls = []
     real = dist.all_to_all_single
 
@@ -280,12 +292,14 @@ def _one_collective_each_way(rank, world_size, buckets):
         opt.step()
     finally:
         dist.all_to_all_single = real
-    return len(calls)
+    return len(calls), opt.inner.calls
 
 
 def test_one_gather_and_one_scatter_per_bucket():
-    assert run_ranks(_one_collective_each_way, 2, 1) == [2, 2]
-    assert run_ranks(_one_collective_each_way, 2, 2) == [4, 4]
+    """One all-to-all per bucket and direction; the inner optimizer's ``step()`` once per step
+    on each owner, whatever the number of buckets."""
+    assert run_ranks(_one_collective_each_way, 2, 1) == [(2, 1), (2, 1)]
+    assert run_ranks(_one_collective_each_way, 2, 2) == [(4, 1), (4, 1)]
 
 
 def test_refusals_are_one_line():

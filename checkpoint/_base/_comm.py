@@ -30,7 +30,7 @@ from ._errors import CheckpointError
 
 __all__ = [
     "agree", "agree_values", "all_gather_json", "alone", "broadcast_json", "collective_device", "gather_json",
-    "is_distributed", "rank_and_world", "scatter_json", "sum_ints",
+    "is_distributed", "rank_and_world", "scatter_json", "sum_ints", "world_group",
 ]
 
 _ALONE = contextvars.ContextVar("shardwise_checkpoint_alone", default=False)
@@ -55,6 +55,11 @@ def rank_and_world() -> tuple[int, int]:
 
 def is_distributed() -> bool:
     return not _ALONE.get() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_group() -> Any:
+    """The group every collective here runs on (the default one), or None for a process alone."""
+    return dist.group.WORLD if is_distributed() else None
 
 
 def collective_device() -> torch.device:

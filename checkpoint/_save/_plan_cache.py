@@ -8,7 +8,8 @@ boxes and names each box's writer ([Note: one writer per box over the world] in
 which are shared ([Note: plain values per rank] in ``_save_plan.py``); the commit gathers every
 rank's boxes again, with their checksums, for the index. A training job saves the same state,
 laid out the same way, every few hundred steps, and the answers do not change: so each rank
-keeps them, keyed by a *fingerprint* of everything they depend on from this rank: the world
+keeps them on the process group the agreement ran on (`lookup` / `remember` take it; None for a
+process alone), keyed by a *fingerprint* of everything they depend on from this rank: the world
 size and this rank, the digest of the tensors' keys, dtypes, shapes and layouts, the boxes this
 rank holds and may write (in order), and the keys of its plain values and ``bytes`` values.
 Rank 0 also keeps, per rank, the geometry of the boxes each rank wrote (the *skeleton*, taken
@@ -39,14 +40,22 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AgreedPlan", "fingerprint", "forget_plans", "lookup", "remember"]
+__all__ = ["AgreedPlan", "fingerprint", "lookup", "remember"]
 
-_KEEP = 4  # agreements kept per rank (a job may save a few different states in turn)
-_PLANS: dict[int, OrderedDict[str, AgreedPlan]] = {}  # by rank: the benchmark runs ranks as threads
+_KEEP = 4  # agreements kept per group (a job may save a few different states in turn)
+
+
+class _Alone:
+    """The key of a process saving on its own (no process group)."""
+
+
+_ALONE = _Alone()
+_PLANS: weakref.WeakKeyDictionary[Any, OrderedDict[str, AgreedPlan]] = weakref.WeakKeyDictionary()  # by group
 _LOCK = threading.Lock()
 
 
@@ -67,25 +76,21 @@ def fingerprint(world: int, rank: int, meta_digest: str, held: list[tuple[str, t
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-def lookup(rank: int, fp: str) -> AgreedPlan | None:
+def lookup(group: Any, fp: str) -> AgreedPlan | None:
+    """The agreement kept on ``group`` (None: this process alone) for fingerprint ``fp``."""
     with _LOCK:
-        plans = _PLANS.get(rank)
+        plans = _PLANS.get(_ALONE if group is None else group)
         if plans is None or fp not in plans:
             return None
         plans.move_to_end(fp)
         return plans[fp]
 
 
-def remember(rank: int, fp: str, plan: AgreedPlan) -> None:
+def remember(group: Any, fp: str, plan: AgreedPlan) -> None:
     with _LOCK:
-        plans = _PLANS.setdefault(rank, OrderedDict())
+        plans = _PLANS.setdefault(_ALONE if group is None else group, OrderedDict())
         plans[fp] = plan
         plans.move_to_end(fp)
         while len(plans) > _KEEP:
             plans.popitem(last=False)
 
-
-def forget_plans() -> None:
-    """Drop every kept agreement (the next save of each state runs the full agreement)."""
-    with _LOCK:
-        _PLANS.clear()

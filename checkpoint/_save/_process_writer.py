@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 
+from shardwise.mesh import byte_layout
+
 from .._base import CheckpointError
 from .._geometry import Box
 from .._storage import Storage
@@ -140,11 +142,9 @@ class ProcessWriter:
         process. Returns a ``Future`` of the rank's report, or of a `CheckpointError`."""
         ProcessWriter.check_storage(storage)
         storage_bytes = pickle.dumps(storage)
-        spans, offset = [], 0
-        for p in plan.pieces:
-            t = p.tensor()
-            spans.append((p.key, tuple(p.box.offsets), tuple(p.box.sizes), t.dtype, offset))
-            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        starts, offset = byte_layout([p.tensor().numel() * p.tensor().element_size() for p in plan.pieces], _ALIGN)
+        spans = [(p.key, tuple(p.box.offsets), tuple(p.box.sizes), p.tensor().dtype, start)
+                 for p, start in zip(plan.pieces, starts)]
         job = next(self._ids)
         future: concurrent.futures.Future = concurrent.futures.Future()
         slot = self._take_slot(offset) if offset else None

@@ -48,7 +48,7 @@ from typing import Any
 from .._base import CheckpointError, agree, broadcast_json, gather_json, phase, rank_and_world
 from .._format import DCP_MARKER, INDEX_FILE, dcp_marker, format_index, index_to_json
 from .._series import abort_save, commit, finish_save, remove_temp
-from .._state import dcp_scope, requested_async_checkpointer
+from .._state import dcp_scope
 from .._storage import Storage
 from ._save_plan import SavePlan, build_index, meta_digest, write_file as _write_file
 
@@ -67,7 +67,7 @@ class SaveHandle:
     """
 
     def __init__(self, storage: Storage, path: str, plan: SavePlan, tmp: str, token: str, keep_last: int | None,
-                 background: bool, error: BaseException | None = None, series: str = "",
+                 background: str | None, error: BaseException | None = None, series: str = "",
                  said: list[str] | None = None, job: concurrent.futures.Future | None = None) -> None:
         self._storage = storage
         self.path = storage.url(path)
@@ -80,7 +80,7 @@ class SaveHandle:
         self._finished = False
         self._thread: threading.Thread | None = None
         self._job: concurrent.futures.Future | None = None  # the writer process's report
-        self.async_checkpointer_type = requested_async_checkpointer() if background else None
+        self.async_checkpointer_type = background  # None for save, else "thread" or "process"
         self._outcome: tuple[bool, Any] | None = None  # (True, what wait() said) or (False, its error)
         self._callbacks: list[Callable[[SaveHandle], Any]] = []
         self._alone = rank_and_world() == (0, 1)  # no_dist (or one process): the commit is too

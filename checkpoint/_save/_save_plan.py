@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._base import (CheckpointError, agree, agree_values, broadcast_json, crcs_from_hex, crcs_to_hex, gather_json,
-                     rank_and_world, scatter_json, sum_ints)
+                     rank_and_world, scatter_json, sum_ints, world_group)
 from .._state import flatten, rank_key, to_json_value
 from .._format import (DTYPE_CODES, FORMAT_NAME, Index, SavedBox, StreamingWriter, TensorEntry, data_file_name,
                        dtype_name, part_file_name, part_to_json)
@@ -117,7 +117,7 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
     digest = meta_digest(plan.meta)
     fp = fingerprint(world, rank, digest, [(p.key, p.box.offsets, p.box.sizes) for p in plan.pieces],
                      list(plan.values), list(plan.blobs))
-    kept = lookup(rank, fp)
+    kept = lookup(world_group(), fp)
     # rank 0 puts reused checksums on the skeleton, unless the boxes go to index parts
     usable = kept is not None and (plan.parted or rank != 0 or kept.skeleton is not None)
     text = str(kept.generation) if kept is not None and usable else f"no usable agreement kept on rank {rank}"
@@ -138,7 +138,7 @@ def keep_own_pieces(plan: SavePlan, rank: int) -> None:
     writes = frozenset((p.key, p.box.offsets, p.box.sizes) for p in plan.pieces)
     generation, common = _settle_plain(plan, rank, keys if same_keys else None, secrets.randbits(62))
     plan.agreed = AgreedPlan(generation, writes, common)
-    remember(rank, fp, plan.agreed)
+    remember(world_group(), fp, plan.agreed)
 
 
 def _candidates_tile(plan: SavePlan, held: dict[str, list[Box]]) -> bool:

@@ -32,8 +32,8 @@ from typing import Any
 
 from .._base import agree, phase, rank_and_world
 from .._series import default_series, temp_dir_for
-from .._state import (FileSystemWriter, check_alone_state, checkpoint_path, dcp_scope, expand_stateful,
-                      refuse_dcp_extensions, requested_async_checkpointer)
+from .._state import (FileSystemWriter, async_checkpointer_kind, check_alone_state, checkpoint_path, dcp_scope,
+                      expand_stateful, refuse_dcp_extensions)
 from .._storage import Storage, storage_for
 from ._process_writer import ProcessWriter
 from ._save_handle import SaveHandle
@@ -43,8 +43,10 @@ from ._save_target import check_save_target, prepare as _prepare
 __all__ = ["save", "async_save", "SaveHandle", "check_save_target"]
 
 
-def _start(state: dict, path: str | os.PathLike, keep_last: int | None, background: bool, series: str | None,
+def _start(state: dict, path: str | os.PathLike, keep_last: int | None, background: str | None, series: str | None,
            storage: Storage | None) -> SaveHandle:
+    """Steps 1-3 of [Note: the steps of a save]; ``background``: None (`save`), ``"thread"`` or
+    ``"process"`` (`async_save`'s checkpointer kind)."""
     if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
         raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
     storage, path = storage_for(path, storage)
@@ -71,20 +73,20 @@ def _start(state: dict, path: str | os.PathLike, keep_last: int | None, backgrou
     if background:
         with phase("save/snapshot"):
             try:
-                job = _stage(plan, storage, tmp, rank)
+                job = _stage(plan, storage, tmp, rank, background)
             except Exception as e:  # e.g. out of CPU memory on this rank: every rank learns it in wait()
                 snapshot_error = e
     return SaveHandle(storage, path, plan, tmp, setup["token"], keep_last, background, snapshot_error, series,
                       setup["said"], job)
 
 
-def _stage(plan: SavePlan, storage: Storage, tmp: str, rank: int) -> concurrent.futures.Future | None:
+def _stage(plan: SavePlan, storage: Storage, tmp: str, rank: int, kind: str) -> concurrent.futures.Future | None:
     """Step 3 of [Note: the steps of a save]: copy each box this rank writes once, from the live
     tensor to the memory the background write reads. For the writer process that is its
     staging buffer (`ProcessWriter.submit` copies and hands over the job, whose report is the
     returned future); for the thread, a snapshot in fresh CPU memory (None: the handle starts
     the thread)."""
-    if requested_async_checkpointer() == "process":
+    if kind == "process":
         ProcessWriter.check_storage(storage)  # before a writer process is started for nothing
         return ProcessWriter.get().submit(plan, storage, tmp, rank)
     snapshot(plan)
@@ -122,7 +124,7 @@ def save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: 
     state = expand_stateful(state_dict)[0]
     check_alone_state("save", state, no_dist)
     with dcp_scope("save", process_group, no_dist):
-        return _start(state, path, keep_last, False, series, storage).wait()
+        return _start(state, path, keep_last, None, series, storage).wait()
 
 
 def async_save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_last: int | None = None,
@@ -144,9 +146,10 @@ def async_save(state_dict: dict, path: str | os.PathLike | None = None, *, keep_
     if isinstance(storage_writer, FileSystemWriter):
         checkpoint_id, storage_writer = checkpoint_path("async_save", checkpoint_id, storage_writer.path), None
     refuse_dcp_extensions("async_save", storage_writer=storage_writer, planner=planner, async_stager=async_stager,
-                          async_checkpointer_type=async_checkpointer_type, use_collectives=use_collectives)
+                          use_collectives=use_collectives)
+    kind = async_checkpointer_kind(async_checkpointer_type)
     path = checkpoint_path("async_save", path, checkpoint_id)
     state = expand_stateful(state_dict)[0]
     check_alone_state("async_save", state, no_dist)
     with dcp_scope("async_save", process_group, no_dist):
-        return _start(state, path, keep_last, True, series, storage)
+        return _start(state, path, keep_last, kind, series, storage)

@@ -17,7 +17,7 @@ DCP's calls mean here:
   default) writes in a background thread, ``.PROCESS`` in this rank's writer process ([Note:
   the writer process] in ``checkpoint/_save/_process_writer.py``). torch's enum is taken by its
   value or name (it is not imported here), as are the strings ``"thread"`` / ``"process"``;
-  see [Note: how async_save learns its checkpointer type].
+  `async_checkpointer_kind` reads it.
 * ``planner=DefaultSavePlanner()`` / ``DefaultLoadPlanner()`` (shardwise's classes of DCP's
   names, below: DCP's default planners, what torch's own tests pass) are no planner;
   ``DefaultLoadPlanner(allow_partial_load=True)`` is ``strict=False``.
@@ -30,7 +30,6 @@ DCP's calls mean here:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -43,7 +42,7 @@ from .._base import alone
 from ._flatten import flatten
 
 __all__ = ["DefaultLoadPlanner", "DefaultSavePlanner", "FileSystemReader", "FileSystemWriter", "async_checkpointer_kind", "check_alone_state", "checkpoint_path",
-           "dcp_scope", "refuse_dcp_extensions", "requested_async_checkpointer"]
+           "dcp_scope", "refuse_dcp_extensions"]
 
 _WAYS = {
     "storage_writer": "pass shardwise.checkpoint.FileSystemWriter(path), the checkpoint's path or fsspec URL "
@@ -57,8 +56,6 @@ _WAYS = {
 }
 
 _ASYNC_KINDS = ("thread", "process")
-_requested_kind: contextvars.ContextVar[str] = contextvars.ContextVar("shardwise_async_checkpointer_type",
-                                                                      default="thread")
 
 
 def async_checkpointer_kind(value: Any) -> str:
@@ -75,22 +72,10 @@ def async_checkpointer_kind(value: Any) -> str:
                      f"(or torch's AsyncCheckpointerType.THREAD / .PROCESS), got {value!r}")
 
 
-def requested_async_checkpointer() -> str:
-    """[Note: how async_save learns its checkpointer type]
-    ``async_save`` passes ``async_checkpointer_type`` (``None`` when not given) to
-    `refuse_dcp_extensions` on every call, which checks it and records the kind in a context
-    variable of the calling thread; the same call reads it here (`_stage` and `SaveHandle`).
-    Every ``async_save`` call sets it anew, so a kind never carries over to the next save."""
-    return _requested_kind.get()
-
-
 def refuse_dcp_extensions(call: str, **given: Any) -> None:
     """Raise ``TypeError`` naming the first DCP-only argument that was given a value."""
     for name, value in given.items():
         if name == "use_collectives" and value is True:
-            continue
-        if name == "async_checkpointer_type":
-            _requested_kind.set(async_checkpointer_kind(value))  # [Note: how async_save learns its checkpointer type]
             continue
         if value is None or (name == "planner" and type(value) is (DefaultLoadPlanner if call == "load"
                                                                    else DefaultSavePlanner)):

@@ -11,18 +11,20 @@ and the replica buckets of NO_SHARD (``_bucket.py``), the per-unit hooks and han
 (``_override.py``), deferred init (``_materialize.py``), the API (``_fully_shard.py``), and the
 small shared pieces: the error, the two state machines, the trace names (``_common.py``).
 This wing imports only the shared leaves of ``composable`` (``_compat``, ``_mesh_utils``,
-``_chunks``) and ``shardwise.checkpoint``; the other wings use it through the names below.
+``_chunks``) and ``shardwise.mesh`` (no checkpoint code: the full-state scatter is passed in,
+`broadcast_state`); the other wings use it through the names below.
 
-`FSDPState` is the unit handle other wings drive a unit through (what `units_of` returns):
-``unshard`` / ``wait_unshard`` / ``reshard``, ``finish_backward`` / ``abandon_step``.
+Other wings drive a unit through `UnitHandle` (what `units_of` returns; `FSDPState`
+implements it): its step override and settings, ``unshard``, ``finish_backward`` /
+``abandon_step``.
 """
 
 from ._comm import AllGather, ReduceScatter
 from ._fully_shard import (FSDPModule, FullyShardUsageError, UnshardHandle, fully_shard, register_fsdp_forward_method,
                            share_comm_ctx)
 from ._layout import make_layout
-from ._materialize import broadcast_from_rank0, materialize
-from ._override import StepOverride, clear_override, configured, override_unit, units_of
+from ._materialize import FullScatter, broadcast_state, materialize
+from ._override import StepOverride, UnitHandle, clear_override, configured, override_unit, units_of
 from ._policies import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._state import FSDPState
 
@@ -36,7 +38,8 @@ __all__ = [
     "AllGather",
     "ReduceScatter",
     "materialize",
-    "broadcast_from_rank0",
+    "broadcast_state",
+    "FullScatter",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
@@ -47,6 +50,7 @@ __all__ = [
     "clear_override",
     "configured",
     "units_of",
+    "UnitHandle",
     "FSDPState",  # the unit handle
     "make_layout",  # the shard layout of one parameter, for the planner
 ]

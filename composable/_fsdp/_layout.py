@@ -37,6 +37,8 @@ from typing import Protocol
 import torch
 from torch.distributed.tensor import Shard
 
+from shardwise.mesh import byte_layout  # the one byte packer (re-exported for the unit's buffers)
+
 from .._chunks import chunk_range, chunk_rows
 
 __all__ = ["ShardLayout", "DimLayout", "make_layout", "byte_columns", "byte_layout"]
@@ -190,14 +192,3 @@ def byte_columns(rows: torch.Tensor, offset: int, layout: ShardLayout, dtype: to
     view whose row ``r`` is rank ``r``'s padded shard. See [Note: flat buffers] in
     ``_param_group.py``."""
     return rows[:, offset : offset + layout.padded_numel * dtype.itemsize].view(dtype)
-
-
-def byte_layout(sizes: list[int], align: int) -> tuple[list[int], int]:
-    """Offsets of consecutive segments of ``sizes`` bytes, each starting at a multiple of
-    ``align`` (the largest element size in the unit, so every typed view is aligned and a
-    single-dtype unit has no gaps at all)."""
-    offsets, total = [], 0
-    for s in sizes:
-        offsets.append(total)
-        total += -(-s // align) * align
-    return offsets, total

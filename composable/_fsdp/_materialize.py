@@ -20,29 +20,40 @@ time:
 
 Parameters or meta buffers that the init code never touched are an error naming them, not
 silent garbage.
+
+`broadcast_state` (behind ``broadcast_from_rank0``) moves a full state dict from one rank into
+the shards through a full-state scatter the caller passes (`FullScatter`:
+``shardwise.checkpoint.scatter_full``, passed by ``composable/_wrap``): this wing imports no
+checkpoint code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from shardwise.checkpoint import scatter_full
-
 from .._compat import TorchDispatchMode, storage_key, tree_flatten
 from ._param_group import ParamGroup
 from ._sharded_param import ShardedParam
-from ._state import get_state, units_under
+from ._override import units_of
 
-__all__ = ["materialize", "broadcast_from_rank0"]
+__all__ = ["materialize", "broadcast_state", "FullScatter"]
+
+
+class FullScatter(Protocol):
+    """Fill ``state``'s tensors from rank ``src``'s full tensors in ``full``, one at a time;
+    ``check()`` runs on ``src`` first and its error is raised on every rank (collective)."""
+
+    def __call__(self, state: dict, full: dict, *, from_rank0: bool, src: int, where: str,
+                 check: Callable[[], BaseException | None]) -> None: ...
 
 
 def _groups(model: nn.Module) -> list[ParamGroup]:
-    return [s.group for s in units_under([model]) if s.group is not None]
+    return [u.group for u in units_of(model) if u.group is not None]
 
 
 def _refuse_tp(model: nn.Module, what: str) -> None:
@@ -63,9 +74,9 @@ def _materialize_storage(model: nn.Module) -> list[tuple[nn.Module, str]]:
             g.materialize()
     default = groups[0].compute_device if groups else torch.device("cpu")
     meta_buffers: list[tuple[nn.Module, str]] = []
+    device_of = {id(m): u.group.compute_device for u in units_of(model) if u.group is not None for m in u.modules}
     for m in model.modules():
-        s = get_state(m)
-        device = s.group.compute_device if s is not None and s.group is not None else None
+        device = device_of.get(id(m))
         for name, b in list(m._buffers.items()):
             if b is not None and b.device.type == "meta":
                 m._buffers[name] = torch.zeros_like(b, device=device or default)
@@ -205,20 +216,10 @@ def _source_problem(model: nn.Module, names: dict[int, str],
     return None
 
 
-def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None,
-                         src_rank: int = 0) -> None:
-    """Fill a sharded model from a full state dict that only rank ``src_rank`` holds (others
-    pass None and may have built the model on the meta device): Accelerate's
-    ``sync_module_states`` / ``cpu_ram_efficient_loading``. The source sends one tensor at a
-    time through the one rank-0 scatter (``shardwise.checkpoint.scatter_full``) and every rank
-    keeps its shard of it, so no rank holds more than its shards and one full tensor. Buffers
-    come from the source rank's model. Collective: call it on every rank.
-
-    On the source rank, take ``full_state_dict = model.state_dict()`` before calling
-    ``fully_shard``. A state dict it cannot use (None, a missing name, a wrong shape) is checked
-    before anything is sent and raises the same error on every rank (KeyError / ValueError),
-    not a hang.
-    """
+def broadcast_state(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None, src_rank: int,
+                    scatter: FullScatter) -> None:
+    """``broadcast_from_rank0`` (its docstring, in ``composable/_wrap/_accelerate_config.py``)
+    through ``scatter``; no collective of its own."""
     me = dist.get_rank()
     _refuse_tp(model, "broadcast_from_rank0")
     _materialize_storage(model)
@@ -234,7 +235,7 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, torch.Tens
         assert full_state_dict is not None, "checked by _source_problem"
         full = {names[id(p.sharded)]: full_state_dict[names[id(p.sharded)]].detach().to(p.orig_dtype) for p in params}
         full.update((n, b.detach()) for n, b in model.named_buffers())
-    # the source's verdict travels with scatter_full's own first message: a bad state dict is
+    # the source's verdict travels with the scatter's own first message: a bad state dict is
     # the same error on every rank, and deferred init issues no collective of its own
-    scatter_full(state, full, from_rank0=True, src=src_rank, where="broadcast_from_rank0's full state dict",
+    scatter(state, full, from_rank0=True, src=src_rank, where="broadcast_from_rank0's full state dict",
                  check=lambda: problem)

@@ -18,15 +18,20 @@ happened in between (a setter called during the step, lazy init in the first ste
 
 The unit reads its effective values (``FSDPState.reshard_after_forward`` and the like)
 through this override; the configured ones stay readable as `configured` says.
+
+Other wings and deferred init hold a unit as a `UnitHandle`, the few members they use
+(`FSDPState` implements it), never the whole state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Protocol
 
 import torch.nn as nn
 
-from ._state import FSDPState, units_under
+from ._param_group import ParamGroup
+from ._state import units_under
 
 __all__ = ["StepOverride", "override_unit", "clear_override", "units_of", "configured"]
 
@@ -45,23 +50,47 @@ class StepOverride:
                                 if getattr(other, f.name) is not None})
 
 
-def override_unit(state: FSDPState, override: StepOverride) -> None:
-    """Install ``override`` on the unit ``state`` (an ``FSDPState``), on top of any installed."""
+class UnitHandle(Protocol):
+    """A ``fully_shard`` unit as other wings (the pipeline's step) and deferred init drive it:
+    its step override and configured settings, its parameters' all-gather, its root's end of
+    backward or abandoned step, and (deferred init) its modules and parameter group."""
+
+    override: StepOverride | None
+    user_reshard_after_forward: bool | int | None
+    configured_reshard_after_backward: bool
+    configured_requires_gradient_sync: bool
+    group: ParamGroup | None
+    modules: list[nn.Module]
+
+    @property
+    def root(self) -> object | None: ...
+
+    def configured_reshard_after_forward(self) -> bool | int: ...
+
+    def unshard(self, async_op: bool = False) -> None: ...
+
+    def finish_backward(self) -> None: ...
+
+    def abandon_step(self) -> None: ...
+
+
+def override_unit(state: UnitHandle, override: StepOverride) -> None:
+    """Install ``override`` on the unit ``state``, on top of any installed."""
     state.override = override if state.override is None else state.override.merged(override)
 
 
-def clear_override(state: FSDPState) -> None:
+def clear_override(state: UnitHandle) -> None:
     """Back to the configured settings."""
     state.override = None
 
 
-def configured(state: FSDPState) -> StepOverride:
+def configured(state: UnitHandle) -> StepOverride:
     """The unit's configured settings (what the user set, the root default applied)."""
     return StepOverride(state.configured_reshard_after_forward(), state.configured_reshard_after_backward,
                         state.configured_requires_gradient_sync)
 
 
-def units_of(module: nn.Module) -> list[FSDPState]:
+def units_of(module: nn.Module) -> list[UnitHandle]:
     """The ``fully_shard`` units of ``module`` and of every module below it, each once, in
     module order."""
-    return units_under([module])
+    return list(units_under([module]))

@@ -4,14 +4,17 @@ scatter.
 Each rank sends a list of tensors to every group rank and knows the shapes and dtypes it will
 receive from each (the owner plan makes both sides known: [Note: owners of whole matrices] in
 ``_owners.py``). The tensors travel as bytes in one flat buffer per direction, each padded to
-``ALIGN`` bytes so that every received tensor is a view of the buffer in its own dtype: one
-collective whatever the mix of dtypes, and no copy out on the receiving side.
+``ALIGN`` bytes (``shardwise.mesh.byte_layout``, the one packer) so that every received tensor
+is a view of the buffer in its own dtype: one collective whatever the mix of dtypes, and no copy
+out on the receiving side.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from shardwise.mesh import byte_layout
 
 from .._mesh_utils import all_to_all_single
 
@@ -21,20 +24,16 @@ ALIGN = 16  # bytes; a multiple of every dtype's size
 Spec = tuple[torch.Size, torch.dtype]
 
 
-def _nbytes(spec: Spec) -> int:
-    shape, dtype = spec
-    n = shape.numel() * dtype.itemsize
-    return -(-n // ALIGN) * ALIGN
+def _layout(specs: list[Spec]) -> tuple[list[int], int]:
+    return byte_layout([shape.numel() * dtype.itemsize for shape, dtype in specs], ALIGN)
 
 
 def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    sizes = [_nbytes((t.shape, t.dtype)) for t in tensors]
-    out = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-    offset = 0
-    for t, n in zip(tensors, sizes):
+    offsets, total = _layout([(t.shape, t.dtype) for t in tensors])
+    out = torch.empty(total, dtype=torch.uint8, device=device)
+    for t, o in zip(tensors, offsets):
         if t.numel():
-            out[offset:offset + t.numel() * t.dtype.itemsize].view(t.dtype).view(t.shape).copy_(t)
-        offset += n
+            out[o:o + t.numel() * t.dtype.itemsize].view(t.dtype).view(t.shape).copy_(t)
     return out
 
 
@@ -53,15 +52,10 @@ class PendingExchange:
         if self._work is not None:
             self._work.wait()
         self._sent = None
-        out: list[list[torch.Tensor]] = []
-        offset = 0
-        for specs in self._recv:
-            out.append([])
-            for shape, dtype in specs:
-                n = shape.numel() * dtype.itemsize
-                out[-1].append(self._buffer[offset:offset + n].view(dtype).view(shape))
-                offset += _nbytes((shape, dtype))
-        return out
+        flat = [spec for specs in self._recv for spec in specs]
+        views = iter([self._buffer[o:o + shape.numel() * dtype.itemsize].view(dtype).view(shape)
+                      for o, (shape, dtype) in zip(_layout(flat)[0], flat)])
+        return [[next(views) for _ in specs] for specs in self._recv]
 
 
 def start_exchange(send: list[list[torch.Tensor]], recv: list[list[Spec]], group: dist.ProcessGroup | None,
@@ -73,8 +67,8 @@ def start_exchange(send: list[list[torch.Tensor]], recv: list[list[Spec]], group
         buffer = _pack([t for ts in send for t in ts], device)
         return PendingExchange(None, buffer, recv, None)
     sent = _pack([t for ts in send for t in ts], device)
-    in_splits = [sum(_nbytes((t.shape, t.dtype)) for t in ts) for ts in send]
-    out_splits = [sum(_nbytes(s) for s in specs) for specs in recv]
+    in_splits = [_layout([(t.shape, t.dtype) for t in ts])[1] for ts in send]
+    out_splits = [_layout(specs)[1] for specs in recv]
     buffer = torch.empty(sum(out_splits), dtype=torch.uint8, device=device)
     work = all_to_all_single(buffer, sent, out_splits, in_splits, group=group, async_op=True)
     return PendingExchange(work, buffer, recv, sent)

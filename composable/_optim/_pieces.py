@@ -12,20 +12,23 @@ its dim with ``torch.chunk`` semantics, the plain shards in axis order, then the
 (a strided dp shard splits *within* the piece a later TP axis cut, which is how ``fully_shard``
 shards a colwise TP weight: [Note: sharding a tensor-parallel parameter] in
 ``composable/_fsdp/_tp_param.py``). A plain tensor, or a DTensor with no sharding axis, is its own
-group of one.
+group of one. The boxes are the checkpoint's (``boxes_for``: [Note: boxes of a placement] in
+``checkpoint/_geometry/_boxes.py``), the one placement -> box arithmetic; a rank's piece must be
+one box.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .._chunks import chunk_range
+from shardwise.checkpoint import boxes_for
+
 from .._compat import flatten_mesh, is_strided_shard
 
 __all__ = ["Pieces", "pieces_of"]
@@ -64,16 +67,16 @@ class Pieces:
         return out
 
 
-def _box(shape: tuple[int, ...], axes: list[tuple[object, int, int]]) -> Box:
-    """The box of the rank at ``coord`` on each sharding axis ``(placement, size, coord)``."""
-    ranges = [(0, n) for n in shape]
-    ordered = [a for a in axes if not is_strided_shard(a[0])] + [a for a in axes if is_strided_shard(a[0])]
-    for placement, size, coord in ordered:
-        d = placement.dim  # type: ignore[attr-defined]
-        lo, hi = ranges[d]
-        a, b = chunk_range(hi - lo, size, coord)
-        ranges[d] = (lo + a, lo + b)
-    return tuple(ranges)
+def _box(shape: tuple[int, ...], sizes: list[int], coord: tuple[int, ...], placements: list, where: str) -> Box:
+    """The one box the rank at ``coord`` of the sharding axes holds (empty: ``(0, 0)`` per dim)."""
+    boxes = boxes_for(shape, sizes, coord, placements)
+    if len(boxes) > 1:
+        raise ValueError(f"{where}: placements {tuple(placements)} give rank {coord} several pieces, not one box; "
+                         "whole-tensor steps need each rank's shard to be one box")
+    if not boxes:
+        return tuple((0, 0) for _ in shape)
+    b = boxes[0].box
+    return tuple((o, o + n) for o, n in zip(b.offsets, b.sizes))
 
 
 def _gather_mesh(mesh: DeviceMesh, dims: list[int], where: str) -> DeviceMesh:
@@ -109,11 +112,14 @@ def pieces_of(p: torch.Tensor, where: str) -> Pieces:
         flat = _gather_mesh(mesh, dims, where)
         group, rank = flat.get_group(0), flat.get_local_rank(0)
     sizes = [mesh.size(d) for d in dims]
-    boxes = tuple(_box(shape, [(placements[d], n, c) for d, n, c in zip(dims, sizes, coord)])
+    boxes = tuple(_box(shape, sizes, coord, [placements[d] for d in dims], where)
                   for coord in itertools.product(*(range(n) for n in sizes)))
     mine = tuple(p.to_local().shape)
-    if tuple(b - a for a, b in boxes[rank]) != mine:
+    held = tuple(b - a for a, b in boxes[rank])
+    if held != mine and (0 not in held or 0 not in mine):  # an empty piece is empty in any shape
         raise ValueError(f"{where}: the local shard's shape {list(mine)} is not the torch.chunk piece "
                          f"{[b - a for a, b in boxes[rank]]} its placements {placements} give; whole-tensor "
                          "steps need torch.chunk shards (fully_shard's, DTensor's)")
+    if 0 in held:  # this rank's empty piece in its local tensor's shape (what it sends and receives)
+        boxes = boxes[:rank] + (tuple((0, n) for n in mine),) + boxes[rank + 1:]
     return Pieces(shape, boxes, rank, group, ("group", tuple(dist.get_process_group_ranks(group))))

@@ -12,8 +12,9 @@ one owner per matrix.
    at once and travel while the owner computes;
 3. as each bucket arrives its owner assembles the whole parameter and gradient into the *proxy*
    (a plain tensor that stands for the parameter in the inner optimizer, its ``.data`` and
-   ``.grad`` set for this step only), runs the inner optimizer's ``step()`` on that bucket, and
-   issues one all-to-all sending each rank its piece of the updated parameter;
+   ``.grad`` set for this step only); then the inner optimizer's ``step()`` runs once, over
+   every proxy (so an optimizer that counts its steps counts one per step), and one
+   all-to-all per bucket sends each rank its piece of the updated parameter;
 4. every rank copies its pieces back into its shards.
 
 So one gather and one scatter per tensor per step, grouped into one collective per bucket and
@@ -53,6 +54,11 @@ _WHERE = "WholeMatrixOptimizer"
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _lists(world: int) -> tuple[list[list[torch.Tensor]], list[list[Spec]]]:
+    """Empty send and receive lists of an exchange over ``world`` ranks."""
+    return [[] for _ in range(world)], [[] for _ in range(world)]
 
 
 def _placeholder(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -149,8 +155,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         return out
 
     def _gather(self, bucket: list[int], pc: Pieces, device: torch.device) -> PendingExchange:
-        send: list[list[torch.Tensor]] = [[] for _ in range(pc.world)]
-        recv: list[list[Spec]] = [[] for _ in range(pc.world)]
+        send, recv = _lists(pc.world)
         for i in bucket:
             p = self._params[i]
             grad = p.grad
@@ -163,8 +168,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         return start_exchange(send, recv, pc.group, device)
 
     def _scatter(self, bucket: list[int], pc: Pieces, device: torch.device) -> PendingExchange:
-        send: list[list[torch.Tensor]] = [[] for _ in range(pc.world)]
-        recv: list[list[Spec]] = [[] for _ in range(pc.world)]
+        send, recv = _lists(pc.world)
         for i in bucket:
             if self._mine[i]:
                 for r in range(pc.world):
@@ -188,7 +192,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
         self._sync_settings()
         active = [i for i, p in enumerate(self._params) if p.grad is not None]
         local = [i for i in active if self._pieces[i].group is None]
-        for i in local:  # a group of one: update the local tensor in place
+        for i in local:  # a group of one: updated in place, in the same inner step
             grad = self._params[i].grad
             assert grad is not None
             self._proxies[i].data = _local(self._params[i])
@@ -202,33 +206,29 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
             device = _local(self._params[todo[0]]).device
             for bucket in self._buckets_of(todo):
                 gathers.append((bucket, pc, self._gather(bucket, pc, device)))
-        if local:
-            self.inner.step()
-            self._release(local)
-        scatters: list[tuple[list[int], PendingExchange]] = []
-        for bucket, pc, pending in gathers:
+        owned: list[int] = list(local)
+        for bucket, pc, pending in gathers:  # each assembled as it arrives, while later ones travel
             got = pending.wait()
-            owned = [i for i in bucket if self._mine[i]]
             k = {s: 0 for s in range(pc.world)}
             for i in bucket:
                 if not self._mine[i]:
                     continue
-                p = self._params[i]
-                grad = p.grad
+                p, grad = self._params[i], self._params[i].grad
                 assert grad is not None
                 pieces = [got[s][k[s]] for s in range(pc.world)]
                 grads = [got[s][k[s] + 1] for s in range(pc.world)]
                 for s in range(pc.world):
                     k[s] += 2
-                proxy = self._proxies[i]
-                proxy.data = self._pieces[i].assemble(pieces, torch.empty(p.shape, dtype=p.dtype, device=pieces[0].device))
-                proxy.grad = self._pieces[i].assemble(grads, torch.empty(p.shape, dtype=grad.dtype,
-                                                                         device=pieces[0].device))
-            if owned:
-                self.inner.step()
-            device = _local(self._params[bucket[0]]).device
-            scatters.append((bucket, self._scatter(bucket, pc, device)))
-            self._release(owned)
+                device = pieces[0].device
+                self._proxies[i].data = self._pieces[i].assemble(pieces, torch.empty(p.shape, dtype=p.dtype, device=device))
+                self._proxies[i].grad = self._pieces[i].assemble(grads, torch.empty(p.shape, dtype=grad.dtype,
+                                                                                    device=device))
+                owned.append(i)
+        if owned:
+            self.inner.step()  # once per step, over every proxy with a gradient
+        scatters = [(bucket, self._scatter(bucket, pc, _local(self._params[bucket[0]]).device))
+                    for bucket, pc, _ in gathers]
+        self._release(owned)
         for bucket, pending in scatters:
             got = pending.wait()
             k = defaultdict(int)
@@ -275,8 +275,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
                 dist.all_gather_object(metas, meta, group=pc.group)
                 for m in metas:
                     meta.update(m)
-            send: list[list[torch.Tensor]] = [[] for _ in range(pc.world)]
-            recv: list[list[Spec]] = [[] for _ in range(pc.world)]
+            send, recv = _lists(pc.world)
             names: list[tuple[int, str]] = []
             for i in todo:
                 for name, (kind, v) in sorted(meta[i].items()):
@@ -329,8 +328,7 @@ class WholeMatrixOptimizer(torch.optim.Optimizer):
             if not todo:
                 continue
             pc = self._pieces[todo[0]]
-            send: list[list[torch.Tensor]] = [[] for _ in range(pc.world)]
-            recv: list[list[Spec]] = [[] for _ in range(pc.world)]
+            send, recv = _lists(pc.world)
             names: list[tuple[int, str]] = []
             for i in todo:
                 p = self._params[i]

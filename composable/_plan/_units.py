@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from shardwise.mesh import byte_layout
+
 from .._fsdp import MixedPrecisionPolicy, make_layout
 from .._wrap import ShardingPolicy, ShardingStrategy, select_units
 from ._options import PlanOptions
@@ -105,16 +107,18 @@ def _mesh_shape(shape, strategy: ShardingStrategy, cp: int = 1) -> tuple[int, in
 
 def _unit(name: str, params: list, shard: int, tp: int, mp: MixedPrecisionPolicy) -> UnitPlan:
     align = max((p.dtype.itemsize for p in params), default=1)  # fully_shard's byte alignment
-    cols = []
+    cols, padded_bytes = [], []
     for p in params:
         rows = -(-p.shape[0] // tp) if tp > 1 and p.dim() >= 2 else p.shape[0]
         row, g, size = math.prod(p.shape[1:]), p.requires_grad, p.dtype.itemsize
         padded = make_layout((rows, *p.shape[1:]), shard).padded_numel  # fully_shard's own layout
         full, compute = rows * row, (mp.param_dtype or p.dtype).itemsize
         reduce = (mp.reduce_dtype or mp.param_dtype or p.dtype).itemsize
-        cols.append((p.numel(), -(-padded * size // align) * align, g * padded, g * padded * size,
-                     full * compute, g * full * compute, g * padded * shard * reduce))
-    return UnitPlan(name, *([sum(c) for c in zip(*cols)] or [0] * 7))
+        padded_bytes.append(padded * size)
+        cols.append((p.numel(), g * padded, g * padded * size, full * compute, g * full * compute,
+                     g * padded * shard * reduce))
+    numel, *rest = [sum(c) for c in zip(*cols)] or [0] * 6
+    return UnitPlan(name, numel, byte_layout(padded_bytes, align)[1], *rest)
 
 
 def plan_units(model: nn.Module, mesh_shape: int | tuple[int, ...], options: PlanOptions) -> MemoryPlan:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
+from ._compat import TORCH_HOOKS, run_apply_override, style_hooks
 from ._layouts import as_dtensor, to_layout, to_local_share
 from ._params import check_not_distributed, distribute_params
 from ._registry import ModuleRule, TPRegistry
@@ -93,7 +94,7 @@ def check_torch_hooks(hooks: tuple[Callable | None, Callable | None], rule: Modu
     """torch's forward hooks (`ModuleParallel.torch_hooks`) run on the module's DTensor forward:
     refuse them for a rule whose forward runs on local shards."""
     if any(h is not None for h in hooks) and rule.forward is not None:
-        raise ValueError(f"{where}: the style's own torch forward hooks (_prepare_input_fn / _prepare_output_fn) need "
+        raise ValueError(f"{where}: the style's own torch forward hooks ({' / '.join(TORCH_HOOKS)}) need "
                          "the module's forward to run on DTensors, and shardwise runs this module's on local "
                          "shards; use the shardwise style without them")
 
@@ -183,13 +184,22 @@ class ModuleParallel(ParallelStyle):
         check_torch_hooks(self.torch_hooks(), rule, ctx.where(self, module))
 
     def torch_hooks(self) -> tuple[Callable | None, Callable | None]:
-        """torch's forward hooks a subclass defines, ``(_prepare_input_fn, _prepare_output_fn)``
-        (None for each it does not): a subclass of this class written for torch's, such as
-        torchao's float8 styles when torch's names are rebound to shardwise's. They run as torch
-        runs them ([Note: torch's style objects in a plan] in ``_torch_styles.py``)."""
-        return getattr(self, "_prepare_input_fn", None), getattr(self, "_prepare_output_fn", None)
+        """torch's forward hooks a subclass defines, input then output (None for each it does
+        not): a subclass of this class written for torch's, such as torchao's float8 styles when
+        torch's names are rebound to shardwise's. They run as torch runs them ([Note: torch's
+        style objects in a plan] in ``_torch_styles.py``)."""
+        return style_hooks(self)
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
+        """Apply the rule; a subclass's own ``_apply`` (torch's protocol: it may check the
+        module and call ``super()._apply``) runs first, with the rule standing in for the base
+        class ([Note: torch's style objects in a plan] in ``_torch_styles.py``)."""
+        if type(self)._apply is not ParallelStyle._apply:
+            return run_apply_override(self, ParallelStyle, lambda m, device_mesh: self._apply_rule(m, device_mesh, ctx),
+                                      module, mesh, ctx.src_data_rank)
+        self._apply_rule(module, mesh, ctx)
+
+    def _apply_rule(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
         input_fn, output_fn = self.torch_hooks()
         if input_fn is None and output_fn is None:
             return self.install(module, mesh, ctx)

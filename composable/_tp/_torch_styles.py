@@ -11,20 +11,24 @@ the backward. With only its imports changed, such code hands those objects to sh
 
 `adopt` turns each into the shardwise style of the same name, built from the arguments the
 object keeps (``_compat.torch_style_fields``): parameters are distributed, and inputs and
-outputs laid out, by shardwise's rules; torch's implementation never runs. A subclass's
-overrides of ``_prepare_input_fn`` / ``_prepare_output_fn`` on ``ColwiseParallel`` /
-``RowwiseParallel`` are the subclass's own code and run as torch runs them (`TorchHooks`): as
-the module's forward pre-hook and forward hook, called with the style's layouts (the desired
-input layout being the one the shardwise rule needs, which is torch's too), the module, its
-inputs or output, and the mesh. Any other override would need torch's own ``_apply`` or
-per-argument conversion to run, so it is refused in one line that names the shardwise style to
-use instead; the one exception is an ``_apply`` that only checks the module before calling
-torch's (`CHECKS_ONLY`, torchao's float8 styles): it is not called, and a module it would
-have refused fails in the hooks instead (they read the ``Float8Linear``'s config).
+outputs laid out, by shardwise's rules; torch's implementation never runs. A subclass's own
+code runs as torch runs it:
 
-The same two hooks defined on a subclass of shardwise's ``ColwiseParallel`` /
-``RowwiseParallel`` run the same way (`ModuleParallel.torch_hooks`): that is what torchao's
-float8 classes are when torch's names were rebound to shardwise's before torchao was imported.
+* its forward hooks (torch's two ``_prepare_*_fn`` of ``ColwiseParallel`` / ``RowwiseParallel``)
+  as the module's forward pre-hook and forward hook (`TorchHooks`), called with the style's
+  layouts (the desired input layout being the one the shardwise rule needs, which is torch's
+  too), the module, its inputs or output, and the mesh;
+* its ``_apply`` (`TorchApply`; torchao's float8 styles check the module there), with the
+  shardwise style standing in for torch's base class: what its ``super()._apply`` reaches
+  (``_compat.run_apply_override``). It runs when the plan is applied, after every entry was
+  validated.
+
+Any other override would need torch's own per-argument conversion or parameter partitioning,
+so it is refused in one line that names the shardwise style to use instead.
+
+The same hooks and ``_apply`` defined on a subclass of shardwise's ``ColwiseParallel`` /
+``RowwiseParallel`` run the same way (`ModuleParallel.apply`): that is what torchao's float8
+classes are when torch's names were rebound to shardwise's before torchao was imported.
 """
 
 from __future__ import annotations
@@ -35,17 +39,13 @@ from typing import Callable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._compat import torch_style_fields, torch_style_kind, torch_style_overrides
+from ._compat import (TORCH_HOOKS, run_apply_override, torch_style_class, torch_style_fields, torch_style_kind,
+                      torch_style_overrides)
 from ._prepare import PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput
 from ._sequence import SequenceParallel
 from ._styles import ApplyContext, ColwiseParallel, ModuleParallel, ParallelStyle, RowwiseParallel, check_torch_hooks
 
-__all__ = ["adopt", "TorchHooks", "CHECKS_ONLY"]
-
-#: ``_apply`` overrides that only check the module before calling torch's (torchao's float8
-#: parameter styles: a ``Float8Linear`` with dynamic scaling), by module and qualified name.
-CHECKS_ONLY = frozenset(f"torchao.float8.float8_tensor_parallel.Float8{k}Parallel._apply" for k in ("Colwise", "Rowwise"))
-_HOOKS = ("_prepare_input_fn", "_prepare_output_fn")
+__all__ = ["adopt", "TorchApply", "TorchHooks"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,28 @@ class TorchHooks(ParallelStyle):
                                        self.output_layouts, self.use_local_output)
 
 
+@dataclass(frozen=True)
+class TorchApply(ParallelStyle):
+    """A torch style subclass that overrides ``_apply``: the override runs with ``style`` (the
+    shardwise style adopted from it) standing in for torch's class ``kind``
+    ([Note: torch's style objects in a plan])."""
+
+    style: ParallelStyle
+    torch_style: object
+    kind: str
+
+    @property
+    def shards_parameters(self) -> bool:  # type: ignore[override]
+        return self.style.shards_parameters
+
+    def validate(self, module: nn.Module, ctx: ApplyContext) -> None:
+        self.style.validate(module, ctx)
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, ctx: ApplyContext) -> None:
+        run_apply_override(self.torch_style, torch_style_class(self.torch_style, self.kind),
+                           lambda m, device_mesh: self.style.apply(m, device_mesh, ctx), module, mesh, ctx.src_data_rank)
+
+
 def _refuse(style: object, kind: str, names: list[str], what: str) -> TypeError:
     return TypeError(f"{what}: {type(style).__name__} overrides {', '.join(names)} of torch's {kind}, which "
                      f"shardwise cannot run without torch's implementation; use shardwise.composable.{kind} "
@@ -83,30 +105,33 @@ def adopt(style: object, what: str) -> ParallelStyle | None:
     kind = torch_style_kind(style)
     if kind is None:
         return None
+    ours = _adopt(style, kind, what)
+    return TorchApply(ours, style, kind) if "_apply" in torch_style_overrides(style, kind) else ours
+
+
+def _adopt(style: object, kind: str, what: str, half: bool = False) -> ParallelStyle:
     f = torch_style_fields(style, kind)
     overrides = torch_style_overrides(style, kind)
-    allowed = set(_HOOKS) if kind in ("ColwiseParallel", "RowwiseParallel") else set()
-    apply = overrides.get("_apply")
-    if apply is not None and f"{apply.__module__}.{apply.__qualname__}" in CHECKS_ONLY:
-        allowed.add("_apply")
-    refused = sorted(set(overrides) - allowed)
+    hooks = kind in ("ColwiseParallel", "RowwiseParallel")
+    refused = sorted(set(overrides) - {*(() if half else ("_apply",)), *(TORCH_HOOKS if hooks else ())})
     if refused:
         raise _refuse(style, kind, refused, what)
-    if kind in ("ColwiseParallel", "RowwiseParallel"):
+    if hooks:
         cls = ColwiseParallel if kind == "ColwiseParallel" else RowwiseParallel
         ours = cls(input_layouts=f["input_layouts"], output_layouts=f["output_layouts"][0],
                    use_local_output=f["use_local_output"])
-        if not set(overrides) & set(_HOOKS):
+        input_fn, output_fn = (overrides.get(name) for name in TORCH_HOOKS)
+        if input_fn is None and output_fn is None:
             return ours
-        return TorchHooks(ours, f["input_layouts"], f["output_layouts"], f["use_local_output"],
-                          overrides.get("_prepare_input_fn"), overrides.get("_prepare_output_fn"))
+        return TorchHooks(ours, f["input_layouts"], f["output_layouts"], f["use_local_output"], input_fn, output_fn)
     if kind == "SequenceParallel":
         return SequenceParallel(sequence_dim=f["sequence_sharding"][0].dim, use_local_output=f["use_local_output"])
     if kind == "PrepareModuleInput":
         return PrepareModuleInput(**f)
     if kind == "PrepareModuleOutput":
         return PrepareModuleOutput(**f)
-    i, o = adopt(f["prepare_module_input"], what), adopt(f["prepare_module_output"], what)
+    i, o = _adopt(f["prepare_module_input"], "PrepareModuleInput", what, half=True), \
+        _adopt(f["prepare_module_output"], "PrepareModuleOutput", what, half=True)
     assert isinstance(i, PrepareModuleInput) and isinstance(o, PrepareModuleOutput)
     return PrepareModuleInputOutput(input_layouts=i.input_layouts, desired_input_layouts=i.desired_input_layouts,
                                     input_kwarg_layouts=i.input_kwarg_layouts,

@@ -20,8 +20,10 @@ Accelerate 1.15's meaning for the file's ``fsdp_version``: under 2, ``reshard_af
 is a bool, ``cpu_ram_efficient_loading`` means rank 0 loads and broadcasts, and the FSDP1 keys
 Accelerate drops or refuses there (``sharding_strategy``, ``sync_module_states``,
 ``backward_prefetch``, ``forward_prefetch``, ``use_orig_params``) are accepted only with the
-value that is what happens anyway. docs/accelerate.md has the table. The config object and
-its ``apply`` are ``_accelerate_config.py``.
+value that is what happens anyway. docs/accelerate.md has the table. `read_accelerate_config`
+returns the sorted fields (the policy's as keyword arguments); the config object, its ``apply``
+and `from_accelerate_config` are ``_accelerate_config.py``, `ShardingPolicy.from_accelerate`
+is ``_policy.py``.
 """
 
 from __future__ import annotations
@@ -32,10 +34,14 @@ from typing import Any
 import torch
 
 from .._fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from ._accelerate_config import AccelerateConfig
-from ._policy import ShardingPolicy
 
-__all__ = ["AccelerateConfig", "from_accelerate_config"]
+__all__ = ["APPLY_DEFAULTS", "read_accelerate_config"]
+
+#: `AccelerateConfig.apply` / ``state_dict_options`` settings and their defaults (what
+#: `ShardingPolicy.from_accelerate` refuses to drop when a config asks for another value)
+APPLY_DEFAULTS = {"sync_module_states": False, "cpu_ram_efficient_loading": False, "activation_checkpointing": False,
+                  "forward_prefetch": False, "backward_prefetch": "BACKWARD_PRE", "limit_all_gathers": True,
+                  "state_dict_type": "SHARDED_STATE_DICT"}
 
 # top-level keys only `accelerate launch` reads (torchrun's job here); kept in AccelerateConfig.launch
 _LAUNCH = {"num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend",
@@ -171,7 +177,7 @@ def _fsdp2_obsolete(c: dict, out: dict[str, Any]) -> None:
                       "(not implemented for FSDP2); remove it, or use fsdp_version: 1 for explicit forward prefetch")
 
 
-def _fsdp(cfg: dict, mp: MixedPrecisionPolicy, launch: dict) -> AccelerateConfig:
+def _fsdp(cfg: dict, mp: MixedPrecisionPolicy, launch: dict) -> dict[str, Any]:
     c = {k[5:] if k.startswith("fsdp_") else k: v for k, v in cfg.items()}
     out: dict[str, Any] = {"launch": launch}
     raw_version = c.pop("version", 1)
@@ -206,9 +212,8 @@ def _fsdp(cfg: dict, mp: MixedPrecisionPolicy, launch: dict) -> AccelerateConfig
     if pin is not None and not offload:
         raise _refuse("fsdp_cpu_offload_pin_memory", pin, "it applies only with fsdp_offload_params: true")
     pin = None if pin is None else _bool("fsdp_cpu_offload_pin_memory", pin)
-    policy = ShardingPolicy(strategy=strategy, mp_policy=mp, **units,
-                            offload_policy=CPUOffloadPolicy(pin_memory=pin) if offload else OffloadPolicy())
-    out["policy"] = policy
+    out["policy"] = dict(strategy=strategy, mp_policy=mp, **units,
+                         offload_policy=CPUOffloadPolicy(pin_memory=pin) if offload else OffloadPolicy())
     if version == 2:
         _fsdp2_obsolete(c, out)
     else:
@@ -232,12 +237,12 @@ def _fsdp(cfg: dict, mp: MixedPrecisionPolicy, launch: dict) -> AccelerateConfig
         key = sorted(c)[0]
         raise _refuse(f"fsdp_{key}", c[key], f"unknown FSDP key (known: see docs/accelerate.md); remove it. All "
                       f"unknown: {sorted('fsdp_' + k for k in c)}")
-    return AccelerateConfig(**out)
+    return out
 
 
-def from_accelerate_config(source: str | os.PathLike | dict) -> AccelerateConfig:
-    """Read an Accelerate config: the YAML file ``accelerate config`` writes (a path), the
-    same as a dict, or just its ``fsdp_config`` mapping. Raises ``ValueError`` naming the first
+def read_accelerate_config(source: str | os.PathLike | dict) -> dict[str, Any]:
+    """The fields of `AccelerateConfig` from an Accelerate config (see `from_accelerate_config`),
+    ``policy`` as `ShardingPolicy`'s keyword arguments. Raises ``ValueError`` naming the first
     key that cannot take effect (see [Note: no key is ignored])."""
     data = _read_yaml(os.fspath(source)) if not isinstance(source, dict) else dict(source)
     if "fsdp_config" not in data and "distributed_type" not in data:  # the fsdp_config mapping (+ top keys)

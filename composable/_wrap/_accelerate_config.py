@@ -1,10 +1,11 @@
-"""`AccelerateConfig`: what an Accelerate FSDP config asks for, and `AccelerateConfig.apply`,
-which carries it out on a model (units, strategy, mixed precision, offload, prefetch,
-activation checkpointing, rank-0 sync). Reading the YAML into it is ``_accelerate.py``'s
-([Note: no key is ignored] there)."""
+"""`AccelerateConfig`: what an Accelerate FSDP config asks for (`from_accelerate_config`), and
+`AccelerateConfig.apply`, which carries it out on a model (units, strategy, mixed precision,
+offload, prefetch, activation checkpointing, rank-0 sync). Reading the YAML is
+``_accelerate.py``'s ([Note: no key is ignored] there)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -14,11 +15,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._fsdp import FSDPModule, broadcast_from_rank0
+from shardwise.checkpoint import scatter_full
+
+from .._fsdp import FSDPModule, broadcast_state
+from ._accelerate import read_accelerate_config
 from ._policy import ShardingPolicy, _axes, apply_fully_shard, select_units
 from ._strategies import ShardingStrategy
 
-__all__ = ["AccelerateConfig"]
+__all__ = ["AccelerateConfig", "broadcast_from_rank0", "from_accelerate_config"]
 
 
 @dataclass(frozen=True)
@@ -42,18 +46,6 @@ class AccelerateConfig:
     limit_all_gathers: bool = True
     state_dict_type: str = "SHARDED_STATE_DICT"
     launch: dict = field(default_factory=dict)
-
-    def policy_only(self) -> ShardingPolicy:
-        """``policy``, refusing settings that only `apply` carries out."""
-        asked = {k: getattr(self, k) for k, default in (
-            ("sync_module_states", False), ("cpu_ram_efficient_loading", False), ("activation_checkpointing", False),
-            ("forward_prefetch", False), ("backward_prefetch", "BACKWARD_PRE"), ("limit_all_gathers", True),
-            ("state_dict_type", "SHARDED_STATE_DICT")) if getattr(self, k) != default}
-        if asked:
-            raise ValueError(f"ShardingPolicy.from_accelerate: {asked} are not sharding-policy settings and would be "
-                             "lost here; use shardwise.composable.from_accelerate_config(config).apply(model, mesh) "
-                             "(and its .state_dict_options), which carries them out")
-        return self.policy
 
     @property
     def state_dict_options(self):
@@ -109,7 +101,7 @@ class AccelerateConfig:
         if not self.limit_all_gathers:
             model.set_unshard_limit(len(units) + 1)  # an FSDPModule (checked above)
         if self.sync_module_states:
-            broadcast_from_rank0(model, full)
+            broadcast_state(model, full, 0, scatter_full)
         return model
 
     def _policy_for(self, mesh: DeviceMesh | None) -> ShardingPolicy:
@@ -148,3 +140,28 @@ def _checkpoint_forward(module: nn.Module) -> None:
         return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
+
+
+def from_accelerate_config(source: str | os.PathLike | dict) -> AccelerateConfig:
+    """Read an Accelerate config: the YAML file ``accelerate config`` writes (a path), the
+    same as a dict, or just its ``fsdp_config`` mapping. Raises ``ValueError`` naming the first
+    key that cannot take effect (see [Note: no key is ignored] in ``_accelerate.py``)."""
+    fields = read_accelerate_config(source)
+    return AccelerateConfig(**{**fields, "policy": ShardingPolicy(**fields["policy"])})
+
+
+def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, torch.Tensor] | None,
+                         src_rank: int = 0) -> None:
+    """Fill a sharded model from a full state dict that only rank ``src_rank`` holds (others
+    pass None and may have built the model on the meta device): Accelerate's
+    ``sync_module_states`` / ``cpu_ram_efficient_loading``. The source sends one tensor at a
+    time through the one rank-0 scatter (``shardwise.checkpoint.scatter_full``) and every rank
+    keeps its shard of it, so no rank holds more than its shards and one full tensor. Buffers
+    come from the source rank's model. Collective: call it on every rank.
+
+    On the source rank, take ``full_state_dict = model.state_dict()`` before calling
+    ``fully_shard``. A state dict it cannot use (None, a missing name, a wrong shape) is checked
+    before anything is sent and raises the same error on every rank (KeyError / ValueError),
+    not a hang.
+    """
+    broadcast_state(model, full_state_dict, src_rank, scatter_full)

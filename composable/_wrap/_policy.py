@@ -26,6 +26,7 @@ from shardwise.mesh import MeshAxes, init_mesh, mesh_axes
 
 from .._fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from .._replicate import replicate
+from ._accelerate import APPLY_DEFAULTS, read_accelerate_config
 from ._strategies import ShardingStrategy
 
 __all__ = ["ShardingStrategy", "ShardingPolicy", "select_units", "strategy_mesh", "apply_fully_shard"]
@@ -81,6 +82,21 @@ class ShardingPolicy:
         if not isinstance(self.mp_policy, MixedPrecisionPolicy) or not isinstance(self.offload_policy, OffloadPolicy):
             raise TypeError("ShardingPolicy: mp_policy must be a MixedPrecisionPolicy and offload_policy an "
                             "OffloadPolicy")
+
+    @classmethod
+    def from_accelerate(cls, config: dict) -> ShardingPolicy:
+        """A policy from Accelerate's FSDP config (its ``fsdp_config`` keys, with or without the
+        ``fsdp_`` prefix, or the whole YAML as a dict). Keys that a policy cannot carry
+        (``sync_module_states``, activation checkpointing, ...) are refused unless they ask for
+        the default: use ``from_accelerate_config(config).apply(model)`` for those. See
+        docs/accelerate.md for every key."""
+        fields = read_accelerate_config(config)
+        asked = {k: fields[k] for k, default in APPLY_DEFAULTS.items() if fields.get(k, default) != default}
+        if asked:
+            raise ValueError(f"ShardingPolicy.from_accelerate: {asked} are not sharding-policy settings and would be "
+                             "lost here; use shardwise.composable.from_accelerate_config(config).apply(model, mesh) "
+                             "(and its .state_dict_options), which carries them out")
+        return cls(**fields["policy"])
 
 
 def _class_names(model: nn.Module, policy: ShardingPolicy) -> set[str]:

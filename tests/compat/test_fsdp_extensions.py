@@ -191,11 +191,10 @@ def _prepare_float8(rank, world):
 
 
 def test_prepare_float8_module_input_refused_in_one_line():
-    """torchao's PrepareFloat8ModuleInput overrides torch's per-argument conversion and ``_apply``,
-    which cannot run without torch's implementation: refused on every rank, naming the style to
-    use instead."""
+    """torchao's PrepareFloat8ModuleInput overrides torch's per-argument conversion, which cannot
+    run without torch's implementation: refused on every rank, naming the style to use instead."""
     for msg in run_ranks(_prepare_float8, 2, timeout=120):
-        assert msg == ("plan['']: PrepareFloat8ModuleInput overrides _apply, _prepare_input_arg of torch's "
+        assert msg == ("plan['']: PrepareFloat8ModuleInput overrides _prepare_input_arg of torch's "
                        "PrepareModuleInput, which shardwise cannot run without torch's implementation; use "
                        "shardwise.composable.PrepareModuleInput (same arguments) or a shardwise ParallelStyle "
                        "subclass"), msg

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from ..._fsdp import StepOverride, clear_override, override_unit, units_of
+from ..._fsdp import StepOverride, UnitHandle, clear_override, override_unit, units_of
 
 __all__ = ["StageUnits"]
 
@@ -65,8 +65,8 @@ class StageUnits:
             keep_gathered = keep and u.user_reshard_after_forward is None
             override_unit(u, StepOverride(reshard_after_forward=False if keep_gathered else None))
 
-    def _all(self) -> list:
-        seen: list = []
+    def _all(self) -> list[UnitHandle]:
+        seen: list[UnitHandle] = []
         for us in self.units.values():
             seen += [u for u in us if all(u is not o for o in seen)]
         return seen
@@ -93,7 +93,7 @@ class StageUnits:
 
     def after_weight_grad(self, stage: int) -> None:
         """The units' end of backward after a ``W``: reduce (or keep) the gradients it made."""
-        done: list = []
+        done: list[object] = []
         for u in self.units[stage]:
             if u.root is not None and all(u.root is not r for r in done):
                 done.append(u.root)
@@ -107,7 +107,7 @@ class StageUnits:
     def abandon(self) -> None:
         """After a failed step: settings back, parameters resharded, partial gradients dropped."""
         self.restore()
-        done: list = []
+        done: list[object] = []
         for u in self._all():
             if u.root is not None and all(u.root is not r for r in done):
                 done.append(u.root)

@@ -57,6 +57,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ._actions import Action, ActionKind
@@ -130,16 +131,179 @@ def played_lists(keys: list[int] | None, pp: int, m: int, v: int, placement: str
 Fork = tuple[str, bool]
 """A play's ``(prefer, reserve)``."""
 
-State = list[Any]
-"""A play's state between two picks (`_play`'s locals, copied), from which another play that made
-the same decisions so far goes on: [Note: plays that fork]."""
+
+@dataclass(slots=True)
+class _Board:
+    """What a play knows before it starts: the stages' ranks and durations ([Note: greedy
+    zero-bubble lists])."""
+
+    pp: int
+    m: int
+    S: int
+    where: list[int]
+    mine: list[list[int]]  # per rank, its stages, latest first
+    later: list[int]  # per stage, the rank's stages after it
+    caps: list[int]
+    dur_f: list[float]  # per stage, how long an F / I / W takes
+    dur_i: list[float]
+    dur_w: list[float]
+    after_f: list[float]  # F(s-1) -> F(s)
+    after_i: list[float]  # I(s+1) -> I(s)
+    comm_time: float
+    I: int = 0  # the offsets of the I / W keys (F's is 0)
+    W: int = 0
+
+    @classmethod
+    def make(cls, pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
+             costs: Mapping[tuple[str, int], float] | None, comm_time: float) -> _Board:
+        S = pp * v
+        where = [stage_rank(s, pp, placement) for s in range(S)]
+        mine = [sorted((s for s in range(S) if where[s] == r), reverse=True) for r in range(pp)]
+        dur = {k: [1.0 if costs is None else float(costs.get((k, s), 1.0)) for s in range(S)] for k in "FIW"}
+        return cls(pp, m, S, where, mine, [sum(1 for u in mine[where[s]] if u > s) for s in range(S)],
+                   [cap(r) for r in range(pp)], dur["F"], dur["I"], dur["W"],
+                   [comm_time if s and where[s - 1] != where[s] else 0.0 for s in range(S)],
+                   [comm_time if s + 1 < S and where[s + 1] != where[s] else 0.0 for s in range(S)], comm_time,
+                   2 * S * m, 3 * S * m)
+
+
+@dataclass(slots=True)
+class _PlayState:
+    """A play's state between two picks; one that forks is copied (`fork`) and another play that
+    made the same decisions so far goes on from the copy ([Note: plays that fork]). Finish times
+    are kept at ``s * m + i``: ``inf`` not started; ``F`` of "stage -1" (index ``-m + i``) at 0,
+    ``I`` of "stage S" at ``-inf``: what the first / last stage waits for."""
+
+    t: float  # the instant
+    sweep: list[int]  # the ranks still to check at it (a heap)
+    last: int  # the rank checked last
+    done_f: list[float]  # when F(s, i) ends
+    done_i: list[float]  # when I(s, i) ends
+    next_f: list[int]  # per stage, the next microbatch to forward
+    next_i: list[int]  # ... and to I
+    pending_w: list[deque[int]]  # per rank, s * m + i of the I's whose W is due
+    alive: list[int]  # per rank, microbatch-stages held alive
+    free_at: list[float]
+    wake: list[float]
+    in_sweep: list[bool]
+    keys: list[int]  # the keys so far
+    due: list[tuple[float, int]]  # (when rank r is checked next, r): a heap
+    unit_f: list[int]  # at unit times: when F(s, i) ends
+    unit_i: list[int]  # ... I(s, i)
+    unit_clock: list[int]  # ... each rank's clock
+    left: list[int]  # the actions each rank has still to run
+    mattered: bool  # reserve changed a decision
+
+    @classmethod
+    def first(cls, b: _Board) -> _PlayState:
+        inf, n, pp = float("inf"), b.S * b.m, b.pp
+        return cls(0.0, [], -1, [inf] * n + [0.0] * b.m, [inf] * n + [-inf] * b.m, [0] * b.S, [0] * b.S,
+                   [deque() for _ in range(pp)], [0] * pp, [0.0] * pp, [-inf] * pp, [False] * pp, [],
+                   [(0.0, r) for r in range(pp)], [0] * n, [0] * n, [0] * pp,
+                   [3 * len(b.mine[r]) * b.m for r in range(pp)], False)
+
+    def fork(self, t: float, r: int, before: int, mattered: bool) -> _PlayState:
+        """A copy as it is now, before rank ``r`` (just taken from the sweep at ``t``) picks;
+        ``before``: the rank checked before it."""
+        copied: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        copied.update({k: v[:] for k, v in copied.items() if isinstance(v, list)}, t=t, last=before, mattered=mattered,
+                      pending_w=[deque(d) for d in self.pending_w])
+        copied["in_sweep"][r] = True
+        heapq.heappush(copied["sweep"], r)
+        return _PlayState(**copied)
+
+
+def _pick(b: _Board, st: _PlayState, r: int, t: float, order: list[int], reserve: bool) -> tuple[int, int, int, float]:
+    """What rank ``r`` takes at ``t`` ([Note: greedy zero-bubble lists]): ``(kind, stage,
+    microbatch, soonest)``, kind 0 I, 1 F, 2 W, -1 nothing (then ``soonest``: the earliest arrival
+    among the results it waits for that are under way)."""
+    m, soonest, mine, done_f = b.m, float("inf"), b.mine[r], st.done_f
+    for k in order:
+        if k == 0:  # I: the oldest microbatch, then the latest stage
+            bi, bs, next_i, done_i, after_i = m, -1, st.next_i, st.done_i, b.after_i
+            for u in mine:
+                j = next_i[u]
+                if j < bi:
+                    ready = done_f[u * m + j]
+                    x = done_i[(u + 1) * m + j] + after_i[u]  # -inf past the last stage
+                    if x > ready:
+                        ready = x
+                    if ready <= t:
+                        bi, bs = j, u
+                    elif ready < soonest:
+                        soonest = ready
+            if bs >= 0:
+                return 0, bs, bi, soonest
+        elif k == 1:  # F, under the cap: the oldest microbatch, then the latest stage
+            room = b.caps[r] - st.alive[r]
+            if room > 0:
+                bi, bs, next_f, after_f, later = m, -1, st.next_f, b.after_f, b.later
+                for u in mine:
+                    j = next_f[u]
+                    if j < bi and (room > later[u] or not reserve):
+                        ready = done_f[(u - 1) * m + j] + after_f[u]  # 0 before the first stage
+                        if ready <= t:
+                            bi, bs = j, u
+                        elif ready < soonest:
+                            soonest = ready
+                if bs >= 0:
+                    return 1, bs, bi, soonest
+        elif st.pending_w[r]:  # W: the oldest
+            s, i = divmod(st.pending_w[r][0], m)
+            return 2, s, i, soonest
+    return -1, 0, 0, soonest
+
+
+def _run(b: _Board, st: _PlayState, r: int, t: float, kind: int, s: int, i: int, track: bool) -> tuple[float, int]:
+    """Rank ``r`` runs the action it picked at ``t``: ``(when it ends, the one rank that may wait
+    for its result)``; at unit times (``track``) the rank's clock moves on too."""
+    m = b.m
+    at = s * m + i
+    if kind == 1:
+        end = st.done_f[at] = t + b.dur_f[s]
+        st.next_f[s] += 1
+        st.alive[r] += 1
+        st.keys.append(at)
+        q = b.where[s + 1] if s < b.S - 1 else r
+        if track:
+            clock = st.unit_clock[r]
+            if s and st.unit_f[at - m] > clock:
+                clock = st.unit_f[at - m]
+            st.unit_f[at] = clock + 1
+    elif kind == 0:
+        end = st.done_i[at] = t + b.dur_i[s]
+        st.next_i[s] += 1
+        st.pending_w[r].append(at)
+        st.keys.append(b.I + at)
+        q = b.where[s - 1] if s else r
+        if track:
+            clock = st.unit_clock[r]
+            if st.unit_f[at] > clock:
+                clock = st.unit_f[at]
+            if s < b.S - 1 and st.unit_i[at + m] > clock:
+                clock = st.unit_i[at + m]
+            st.unit_i[at] = clock + 1
+    else:
+        end = t + b.dur_w[s]
+        st.pending_w[r].popleft()
+        st.alive[r] -= 1
+        st.keys.append(b.W + at)
+        q = r
+        if track:
+            clock = st.unit_clock[r]
+            if st.unit_i[at] > clock:
+                clock = st.unit_i[at]
+    if track:
+        st.unit_clock[r] = clock + 1
+        st.left[r] -= 1
+    return end, q
 
 
 def _play(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
           costs: Mapping[tuple[str, int], float] | None, comm_time: float, prefer: str,
           reserve: bool, limit: float | None = None, *, forks: Sequence[str] = (),
-          reserve_forks: Sequence[str] = (), start: State | None = None
-          ) -> tuple[list[int] | None, bool, float, dict[Fork, State]]:
+          reserve_forks: Sequence[str] = (), start: _PlayState | None = None
+          ) -> tuple[list[int] | None, bool, float, dict[Fork, _PlayState]]:
     """The play of `greedy_lists` as the keys of its actions in the order it ran them (every
     action after those it waits for: an order `simulate` may run them in, see `played_makespans`
     in ``_simulate.py``); whether ``reserve`` changed one of its decisions (if not, the play with
@@ -150,47 +314,22 @@ def _play(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
     without reserve) and of ``reserve_forks`` (preferences with reserve) first decide otherwise
     ([Note: plays that fork]; ``start``: go on from such a state). Without ``limit``, ValueError
     if the play stalls under the cap."""
-    S = pp * v
-    n = S * m
-    F, I, W = 0, 2 * n, 3 * n  # key offsets of the kinds
-    where = [stage_rank(s, pp, placement) for s in range(S)]
-    mine = [sorted((s for s in range(S) if where[s] == r), reverse=True) for r in range(pp)]  # latest first
-    later = [sum(1 for u in mine[where[s]] if u > s) for s in range(S)]  # the rank's stages after s
-    caps = [cap(r) for r in range(pp)]
-    dur = {k: [1.0 if costs is None else float(costs.get((k, s), 1.0)) for s in range(S)] for k in "FIW"}
-    dur_f, dur_i, dur_w = dur["F"], dur["I"], dur["W"]
+    b = _Board.make(pp, m, v, placement, cap, costs, comm_time)
+    st = _PlayState.first(b) if start is None else start
     inf = float("inf")
-    after_f = [comm_time if s and where[s - 1] != where[s] else 0.0 for s in range(S)]  # F(s-1) -> F(s)
-    after_i = [comm_time if s + 1 < S and where[s + 1] != where[s] else 0.0 for s in range(S)]  # I(s+1) -> I(s)
-    last_stage = S - 1
     codes = {"I": 0, "F": 1, "W": 2}
     order = [codes[k] for k in prefer]
-    if start is None:
-        start = [
-            0.0, [], -1,  # the instant, the ranks still to check at it (a heap), the last one checked
-            # when F(s, i) / I(s, i) ends, at s * m + i (inf: not started); F of "stage -1" (at n + i,
-            # index -m + i) at 0, I of "stage S" at -inf: what the first / last stage waits for
-            [inf] * n + [0.0] * m, [inf] * n + [-inf] * m,
-            [0] * S, [0] * S,  # next microbatch to forward / to I on stage s
-            [deque() for _ in range(pp)],  # per rank, s * m + i of the I's whose W is due
-            [0] * pp, [0.0] * pp, [-inf] * pp, [False] * pp,  # alive, free_at, wake, in the sweep
-            [],  # the keys so far
-            [(0.0, r) for r in range(pp)],  # (when rank r is checked next, r): a heap
-            [0] * n, [0] * n, [0] * pp,  # at unit times: when F(s, i) / I(s, i) ends, each rank's clock
-            [3 * len(mine[r]) * m for r in range(pp)],  # the actions each rank has still to run
-            False]  # reserve mattered
-    (t, sweep, last, done_f, done_i, next_f, next_i, pending_w, alive, free_at, wake, in_sweep, keys, due,
-     unit_f, unit_i, unit_clock, left, mattered) = start
+    t, sweep, last, mattered = st.t, st.sweep, st.last, st.mattered
     track = limit is not None
     bound = inf if limit is None else limit
     watch = [p for p in forks if p != prefer]
     orders = {p: [codes[k] for k in p] for p in watch}
     assert not (watch and reserve), "a play with reserve forks no other preference"
     watch_reserve = list(reserve_forks)
-    forked: dict[Fork, State] = {}
-    total = 3 * n
+    forked: dict[Fork, _PlayState] = {}
+    total = 3 * b.S * m
+    due, in_sweep, free_at, wake, keys = st.due, st.in_sweep, st.free_at, st.wake, st.keys
     heappush, heappop = heapq.heappush, heapq.heappop
-
     while len(keys) < total:
         if not sweep:
             if not due:
@@ -209,55 +348,14 @@ def _play(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
         r = heappop(sweep)
         in_sweep[r] = False
         before, last = last, r
-        # the pick ([Note: greedy zero-bubble lists]): what r takes at t, if anything is ready
-        soonest = inf
-        kind = -1
-        s = i = 0
-        for k in order:
-            if k == 0:  # I: the oldest microbatch, then the latest stage
-                bi, bs = m, -1
-                for u in mine[r]:
-                    j = next_i[u]
-                    if j < bi:
-                        ready = done_f[u * m + j]
-                        x = done_i[(u + 1) * m + j] + after_i[u]  # -inf past the last stage
-                        if x > ready:
-                            ready = x
-                        if ready <= t:
-                            bi, bs = j, u
-                        elif ready < soonest:
-                            soonest = ready
-                if bs >= 0:
-                    kind, s, i = 0, bs, bi
-                    break
-            elif k == 1:  # F, under the cap: the oldest microbatch, then the latest stage
-                room = caps[r] - alive[r]
-                if room > 0:
-                    bi, bs = m, -1
-                    for u in mine[r]:
-                        j = next_f[u]
-                        if j < bi and (room > later[u] or not reserve):
-                            ready = done_f[(u - 1) * m + j] + after_f[u]  # 0 before the first stage
-                            if ready <= t:
-                                bi, bs = j, u
-                            elif ready < soonest:
-                                soonest = ready
-                    if bs >= 0:
-                        kind, s, i = 1, bs, bi
-                        break
-            elif pending_w[r]:  # W: the oldest
-                kind = 2
-                s, i = divmod(pending_w[r][0], m)
-                break
+        kind, s, i, soonest = _pick(b, st, r, t, order, reserve)
         if watch and kind >= 0:  # does another preference decide otherwise ([Note: plays that fork])?
             for p in watch[:]:
                 for k in orders[p]:
                     if k == kind:  # the same kind, so the same action
                         break
-                    if order.index(k) > order.index(kind) and _has_ready(k, t, m, mine[r], last_stage, caps[r] - alive[r],
-                                                                          next_i, next_f, done_i, done_f, after_i,
-                                                                          after_f, pending_w[r]):
-                        forked[p, False] = _state(t, sweep, r, before, in_sweep, mattered, start)
+                    if order.index(k) > order.index(kind) and _has_ready(b, st, k, t, r):
+                        forked[p, False] = st.fork(t, r, before, mattered)
                         watch.remove(p)
                         if p in watch_reserve:  # its own play watches its reserve
                             watch_reserve.remove(p)
@@ -267,57 +365,14 @@ def _play(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
             if soonest < inf:
                 heappush(due, (free_at[r] if free_at[r] > soonest else soonest, r))
             continue
-        at = s * m + i
-        if kind == 1:
-            if caps[r] - alive[r] <= later[s]:  # with reserve, this forward would not have been taken
-                mattered = True
-                if watch_reserve:
-                    for p in watch_reserve:
-                        forked[p, True] = _state(t, sweep, r, before, in_sweep, mattered, start)
-                    watch_reserve.clear()
-            end = t + dur_f[s]
-            done_f[at] = end
-            next_f[s] += 1
-            alive[r] += 1
-            keys.append(F + at)
-            q = where[s + 1] if s < last_stage else r
-            if track:
-                u_end = unit_clock[r]
-                if s and unit_f[at - m] > u_end:
-                    u_end = unit_f[at - m]
-                u_end += 1
-                unit_f[at] = u_end
-        elif kind == 0:
-            end = t + dur_i[s]
-            done_i[at] = end
-            next_i[s] += 1
-            pending_w[r].append(at)
-            keys.append(I + at)
-            q = where[s - 1] if s else r
-            if track:
-                u_end = unit_clock[r]
-                if unit_f[at] > u_end:
-                    u_end = unit_f[at]
-                if s < last_stage and unit_i[at + m] > u_end:
-                    u_end = unit_i[at + m]
-                u_end += 1
-                unit_i[at] = u_end
-        else:
-            end = t + dur_w[s]
-            pending_w[r].popleft()
-            alive[r] -= 1
-            keys.append(W + at)
-            q = r
-            if track:
-                u_end = unit_clock[r]
-                if unit_i[at] > u_end:
-                    u_end = unit_i[at]
-                u_end += 1
-        if track:
-            unit_clock[r] = u_end
-            left[r] -= 1
-            if u_end + left[r] > bound:  # at least that long at unit times: over the limit
-                return None, mattered, inf, forked
+        if kind == 1 and b.caps[r] - st.alive[r] <= b.later[s]:  # with reserve, this forward would not be taken
+            mattered = True
+            for p in watch_reserve:
+                forked[p, True] = st.fork(t, r, before, mattered)
+            watch_reserve.clear()
+        end, q = _run(b, st, r, t, kind, s, i, track)
+        if track and st.unit_clock[r] + st.left[r] > bound:  # at least that long at unit times: over the limit
+            return None, mattered, inf, forked
         free_at[r], wake[r] = end, -inf
         heappush(due, (end, r))
         if q != r:  # the one rank that may wait for this result
@@ -328,38 +383,22 @@ def _play(pp: int, m: int, v: int, placement: str, cap: Callable[[int], int],
                 if ready <= t and free_at[q] <= t and q > last and not in_sweep[q]:
                     in_sweep[q] = True
                     heappush(sweep, q)  # still in this pass of the ranks
-    return keys, mattered, float(max(unit_clock)) if track else inf, forked
+    return keys, mattered, float(max(st.unit_clock)) if track else inf, forked
 
 
-def _state(t: float, sweep: list[int], r: int, before: int, in_sweep: list[bool], mattered: bool,
-           start: State) -> State:
-    """A copy of a play's state ``start`` (its lists as they are now) before rank ``r``, just taken
-    from the ``sweep`` at ``t``, picks; ``before``: the rank checked before it."""
-    again = sweep[:]
-    heapq.heappush(again, r)
-    flags = in_sweep[:]
-    flags[r] = True
-    copied = [x[:] if isinstance(x, list) else x for x in start[3:]]
-    copied[4] = [deque(d) for d in copied[4]]  # pending_w
-    copied[8] = flags
-    copied[15] = mattered
-    return [t, again, before, *copied]
-
-
-def _has_ready(kind: int, t: float, m: int, mine: list[int], last_stage: int, room: int, next_i: list[int],
-               next_f: list[int], done_i: list[float], done_f: list[float], after_i: list[float],
-               after_f: list[float], pending: deque[int]) -> bool:
-    """Whether a rank holding stages ``mine`` has an action of ``kind`` (0 I, 1 F without reserve,
-    2 W) ready at ``t`` ([Note: greedy zero-bubble lists])."""
+def _has_ready(b: _Board, st: _PlayState, kind: int, t: float, r: int) -> bool:
+    """Whether rank ``r`` has an action of ``kind`` (0 I, 1 F without reserve, 2 W) ready at
+    ``t`` ([Note: greedy zero-bubble lists])."""
     if kind == 2:
-        return bool(pending)
-    for u in mine:
+        return bool(st.pending_w[r])
+    m, room = b.m, b.caps[r] - st.alive[r]
+    for u in b.mine[r]:
         if kind == 0:
-            j = next_i[u]
-            if j < m and done_f[u * m + j] <= t and (u == last_stage or done_i[(u + 1) * m + j] + after_i[u] <= t):
+            j = st.next_i[u]
+            if j < m and st.done_f[u * m + j] <= t and (u == b.S - 1 or st.done_i[(u + 1) * m + j] + b.after_i[u] <= t):
                 return True
         elif room > 0:
-            j = next_f[u]
-            if j < m and (not u or done_f[(u - 1) * m + j] + after_f[u] <= t):
+            j = st.next_f[u]
+            if j < m and (not u or st.done_f[(u - 1) * m + j] + b.after_f[u] <= t):
                 return True
     return False

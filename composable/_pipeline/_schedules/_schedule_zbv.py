@@ -38,9 +38,7 @@ that list short enough (each action takes a unit on its rank). The plays of one 
 other preferences and with reserve go on from where they first decide otherwise ([Note: plays
 that fork] in ``_schedule_greedy.py``), so their common beginning is played once; a play is kept
 as integer keys and only the chosen list becomes ``Action`` s; the unit-time play's makespans on
-the models are computed only when another candidate is left to compare with; the cyclic garbage
-collector is paused meanwhile (the build holds ~10^5-10^6 small objects alive and makes no
-cycles: each collection would walk them all). The lists are exactly those of the plain algorithm
+the models are computed only when another candidate is left to compare with. The lists are exactly those of the plain algorithm
 (``tests/test_pipeline_schedule_build.py``). Measured against torch's own build of
 ``ScheduleInterleavedZeroBubble`` (its constructor orders every rank's actions and adds the sends
 and receives) in one process on a shared 2-core machine (``benchmarks/pipeline_zb.py --parts
@@ -51,9 +49,7 @@ before the event-driven play 29-53 s), at p=64, m=128, v=2 2.4 s (torch 3.3 s) a
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from functools import lru_cache
 
 from ._actions import Action
@@ -84,17 +80,16 @@ def _played_on_models(pp: int, m: int, v: int, placement: str, cap: Callable[[in
     S = pp * v
     models = [_model(S, *x) for x in STAGE_MODELS]
     ranks = [stage_rank(s, pp, placement) for s in range(S)]
-    with _gc_paused():
-        unit, _, span, _ = _play(pp, m, v, placement, cap, None, 0.0, "IFW", False, float("inf"))
-        limit = span + 1e-9
-        assert unit is not None
-        best, best_sum = unit, None  # the unit play's sum only once another candidate is there to beat it
-        for keys in _candidates(pp, m, v, placement, cap, models, limit):
-            if best_sum is None:
-                best_sum = sum(played_makespans(unit, ranks, S, m, models))
-            total = sum(played_makespans(keys, ranks, S, m, models))
-            if total < best_sum * (1 - 1e-9):
-                best, best_sum = keys, total
+    unit, _, span, _ = _play(pp, m, v, placement, cap, None, 0.0, "IFW", False, float("inf"))
+    limit = span + 1e-9
+    assert unit is not None
+    best, best_sum = unit, None  # the unit play's sum only once another candidate is there to beat it
+    for keys in _candidates(pp, m, v, placement, cap, models, limit):
+        if best_sum is None:
+            best_sum = sum(played_makespans(unit, ranks, S, m, models))
+        total = sum(played_makespans(keys, ranks, S, m, models))
+        if total < best_sum * (1 - 1e-9):
+            best, best_sum = keys, total
     return played_lists(best, pp, m, v, placement)
 
 
@@ -122,18 +117,6 @@ def _candidates(pp: int, m: int, v: int, placement: str, cap: Callable[[int], in
                 keys = got.get((prefer, reserve))
                 if keys is not None:
                     yield keys
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector ([Note: building the registered lists])."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def zbv_cap(pp: int, m: int, v: int) -> Callable[[int], int]:

@@ -131,7 +131,7 @@ def _sweep(actions: Sequence[Sequence[Action]], num_stages: int, split: set[tupl
 
 
 _KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)  # the kinds of halves, by code
-_Step = tuple[int, list[int], list[int], list[int]]
+_Step = tuple[int, Sequence[int], Sequence[int], Sequence[int]]
 """An action in `_order`: its rank, the keys of its halves, the keys of what they wait for, and
 ``code * num_stages + stage`` of each half (where its duration is looked up)."""
 
@@ -252,13 +252,13 @@ def played_makespans(keys: Sequence[int], ranks: Sequence[int], num_stages: int,
     for key in keys:
         c, at = divmod(key, n)
         s = at // m
-        if c == 0:
-            deps = [key - m] if s else []
+        if c == 0:  # tuples of ints: the collector stops tracking them at once (no list per action)
+            deps: tuple[int, ...] = (key - m,) if s else ()
         elif c == 3:
-            deps = [key - n]
+            deps = (key - n,)
         else:
-            deps = [at, key + m] if s + 1 < S else [at]
-        steps.append((ranks[s], [key], deps, [c * S + s]))
+            deps = (at, key + m) if s + 1 < S else (at,)
+        steps.append((ranks[s], (key,), deps, (c * S + s,)))
     return _spans_of(steps, 4 * n, 1 + max(ranks, default=0), S, costs, 0.0, None)
 
 
