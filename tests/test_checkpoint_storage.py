@@ -74,7 +74,12 @@ def test_a_replace_through_fsspec_keeps_user_files_and_rotation_deletes_only_the
     for step in (1, 2, 3):
         save(_state(float(step)), f"{root}/step-{step}", keep_last=2)
     names = storage.list(base)
-    assert "step-1" not in names and {"step-2", "step-3", "latest"} <= set(names), names
+    assert not storage.atomic_rename or "step-1" not in names, names
+    assert storage.kind(storage.join(base, "step-1", "index.json")) == "missing", "rotated away at once"
+    assert {"step-2", "step-3", "latest"} <= set(names), names
+    save(_state(4.0), f"{root}/step-4", keep_last=2)  # deletes step-1's version folder ([Note: commit by a pointer])
+    names = storage.list(base)
+    assert "step-1" not in names and {"step-3", "step-4", "latest"} <= set(names), names
 
 
 def test_a_storage_can_be_passed_with_a_plain_path():
@@ -91,29 +96,37 @@ def test_a_storage_can_be_passed_with_a_plain_path():
         load(_zeros(), where + "-missing", storage=storage)
 
 
-def test_on_an_object_store_the_commit_copies_the_index_last_and_deletes_it_first():
-    """[Note: commit on an object store]: ``index.json`` is the commit record."""
+def test_on_an_object_store_a_save_writes_its_own_folder_and_commits_by_a_pointer_written_last():
+    """[Note: commit by a pointer]: nothing is copied or renamed; the data, index and marker go
+    to ``ck/.v-<token>`` once, ``ck/index.json`` (the pointer) is the last write of the commit,
+    and the version it replaced is deleted by the next save, not by this one."""
     fs = fsspec.filesystem("memory")
     storage = FsspecStorage(fs)
     assert not storage.atomic_rename
     base = f"/order-{uuid.uuid4().hex[:8]}"
     save(_state(1.0), base + "/ck", storage=storage)
+    first = [n for n in storage.list(base + "/ck") if n.startswith(".v-")]
     events: list[tuple[str, str]] = []
-    real_cp, real_rm = fs.cp_file, fs.rm_file
-    fs.cp_file = lambda a, b, **k: (events.append(("copy", b)), real_cp(a, b, **k))[1]
-    fs.rm_file = lambda p, **k: (events.append(("delete", p)), real_rm(p, **k))[1]
+    real_cp, real_mv, real_pipe, real_open = fs.cp_file, fs.mv, fs.pipe_file, fs.open
+    fs.cp_file = lambda *a, **k: events.append(("copy", a[0]))
+    fs.mv = lambda *a, **k: events.append(("move", a[0]))
+    fs.pipe_file = lambda p, *a, **k: (events.append(("put", p)), real_pipe(p, *a, **k))[1]
+    fs.open = lambda p, mode="rb", *a, **k: (events.append(("put", p)) if "w" in mode else None,
+                                            real_open(p, mode, *a, **k))[1]
     try:
         save(_state(2.0), base + "/ck", storage=storage)
     finally:
-        del fs.cp_file, fs.rm_file
-    copies = [p for k, p in events if k == "copy"]
-    into_place = [p for p in copies if p.startswith(base + "/ck/")]
-    assert into_place and into_place[-1].endswith("/index.json"), into_place
-    away = [p for p in copies if ".replaced-" in p]
-    assert away and away[-1].endswith("/index.json"), "the old copy is complete before the original goes"
-    deletes = [p for k, p in events if k == "delete"]
-    first_delete_of_ck = next(p for p in deletes if p.startswith(base + "/ck/"))
-    assert first_delete_of_ck.endswith("/ck/index.json"), deletes
+        del fs.cp_file, fs.mv, fs.pipe_file, fs.open
+    assert not [e for e in events if e[0] in ("copy", "move")], events
+    in_ck = list(dict.fromkeys(p for _, p in events if p.startswith(base + "/ck/")))  # pipe_file opens too
+    assert in_ck[-1] == base + "/ck/index.json", in_ck
+    assert all(p.startswith(base + "/ck/.v-") for p in in_ck[:-1]), in_ck
+    assert first and first[0] in storage.list(base + "/ck"), "the replaced version stays for its readers"
+    got = _zeros()
+    load(got, base + "/ck", storage=storage)
+    assert _same(got, _state(2.0))
+    save(_state(3.0), base + "/ck", storage=storage)
+    assert first[0] not in storage.list(base + "/ck") and len(storage.list(base + "/ck")) == 3, storage.list(base + "/ck")
 
 
 def _two_ranks(rank, world_size, url):
