@@ -366,3 +366,26 @@ def test_requests_per_save_replace_rotation_and_load(folder):
     assert got["replace"][0] <= 20 and got["replace again"][0] <= 20, got
     assert got["new"][0] <= 20 and got["rotate"][0] <= 30 and got["rotate again"][0] <= 30, got
     assert got["load"][1] == 0 and got["load"][0] <= 8, got
+
+
+# --- a checkpoint written in place by the copying commit (before pointers) -----------------------
+
+def test_a_checkpoint_written_before_pointers_loads_and_a_replace_supersedes_its_files(folder, tmp_path):
+    """The copying commit of earlier releases left ``<name>`` as a directory: ``index.json`` next
+    to its data files (the layout a POSIX save writes, uploaded here object by object). It loads;
+    a save over it writes a pointer, and the next save deletes the old files, never the user's."""
+    save(_state(1.0), str(tmp_path / "old"))
+    storage, path = storage_for(f"{folder}/latest")
+    for name in sorted(os.listdir(tmp_path / "old")):
+        storage.write_atomic(storage.join(path, name), (tmp_path / "old" / name).read_bytes())
+    storage.write_atomic(storage.join(path, "config.json"), b"{}")
+    assert _value(f"{folder}/latest") == 1.0
+    assert main(["verify", f"{folder}/latest"]) == 0
+    save(_state(2.0), f"{folder}/latest")
+    assert _value(f"{folder}/latest") == 2.0
+    assert "rank-00000.safetensors" in _names(f"{folder}/latest"), "kept for readers until the next save"
+    save(_state(3.0), f"{folder}/latest")
+    names = _names(f"{folder}/latest")
+    assert _value(f"{folder}/latest") == 3.0 and "config.json" in names, names
+    assert not [n for n in names if n.endswith(".safetensors") or n == ".metadata"], names
+    assert _leftovers(folder) == [], _leftovers(folder)

@@ -144,3 +144,28 @@ def test_two_ranks_save_and_load_through_a_file_url(tmp_path):
         assert torch.equal(w, torch.arange(40.0).reshape(8, 5)) and step == 7
     assert sorted(os.listdir(tmp_path / "step-1")) == [".metadata", "index.json", "rank-00000.safetensors",
                                                       "rank-00001.safetensors"]
+
+
+def test_a_reader_on_a_version_reads_it_whole_until_the_next_save_after_the_one_that_replaced_it():
+    """The rule of [Note: commit by a pointer]: a load that read the pointer before a replace
+    committed still reads that version, whole, after the commit (its files are never written
+    again); the version folder is deleted only by the next save of the series, and a load still
+    on it then is told to retry, never given a mix."""
+    from shardwise.checkpoint._format import open_checkpoint
+    from shardwise.checkpoint._load._reader import load_from_index
+
+    storage = FsspecStorage(fsspec.filesystem("memory"))
+    where = f"/grace-{uuid.uuid4().hex[:8]}/latest"
+    save(_state(1.0), where, storage=storage)
+    files = open_checkpoint(where, storage)  # a reader has read the pointer
+    save(_state(2.0), where, storage=storage)  # a replace commits
+    got = _zeros()
+    load_from_index(got, files)
+    assert _same(got, _state(1.0)), "the version it started on, whole"
+    files.close()
+    files = open_checkpoint(where, storage)  # now on version 2
+    save(_state(3.0), where, storage=storage)  # supersedes 2; deletes 1
+    save(_state(4.0), where, storage=storage)  # deletes 2: a reader still on it is told to retry
+    with pytest.raises(CheckpointError, match="being replaced.*retry"):
+        load_from_index(_zeros(), files)
+    files.close()
