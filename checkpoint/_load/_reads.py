@@ -4,13 +4,18 @@ Every read goes through the storage, on the data files `CheckpointFiles` opened 
 in step 1. A piece that is one contiguous byte range of its saved box is read straight into
 its destination (adjacent pieces of a file by one request, ``preadv`` on POSIX); other pieces,
 column slices, read the dim-0 rows they span (`read_region`, also used by ``merge`` and
-``reshard``), at most ``max_read_bytes`` of rows at a time.
+``reshard``), at most ``max_read_bytes`` of rows at a time. Where the storage gains from
+requests in flight together (``Storage.read_concurrency`` > 1: an object store, where each
+read is one ranged GET) the reads run on that many threads (`run_bounded`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -18,7 +23,19 @@ from .._format import CheckpointFiles, SavedBox, adjacent_groups, byte_view, con
 from .._geometry import Box, ReadItem, split
 from .._storage import ReadHandle
 
-__all__ = ["Read", "read_all", "read_region"]
+__all__ = ["Read", "read_all", "read_region", "run_bounded"]
+
+T = TypeVar("T")
+
+
+def run_bounded(tasks: list[Callable[[], T]], workers: int) -> list[T]:
+    """The results of ``tasks``, run on at most ``workers`` threads (in this thread when 1); the
+    first error is raised once every task has ended."""
+    if workers <= 1 or len(tasks) <= 1:
+        return [t() for t in tasks]
+    with concurrent.futures.ThreadPoolExecutor(min(workers, len(tasks))) as pool:
+        futures = [pool.submit(t) for t in tasks]
+    return [f.result() for f in futures]
 
 
 @dataclass
@@ -82,32 +99,47 @@ def read_all(files: CheckpointFiles, reads: list[Read], max_read_bytes: int) -> 
     for r in reads:
         by_file[r.saved.file].append(r)
     nbytes = 0
-    with torch.no_grad():
-        for name, items in by_file.items():
-            header = files.header(name)
-            h = files.handle(name)
-            direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
-            for r in items:
-                entry = header.entries[r.saved.key]
-                itemsize = r.local.element_size()
-                for piece in split(r.item, max(1, max_read_bytes // itemsize)):
-                    dst = r.local[piece.dst.slices()]
-                    nbytes += dst.numel() * itemsize
-                    run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
-                    start = header.data_start + entry.begin
-                    if run is None:
-                        _read_rows(h, start, r.saved.box.sizes, piece.src.offsets, piece.src.sizes, dst,
-                                   max_read_bytes)
-                        continue
-                    at = start + run[0] * itemsize
-                    if dst.device.type == "cpu" and dst.is_contiguous():
-                        direct.append((at, dst.numel() * itemsize, dst))
-                    else:
-                        buf = torch.empty(dst.shape, dtype=dst.dtype)
-                        pread_into(h, buf, at, h.name)
-                        dst.copy_(buf)
-            for group in adjacent_groups([(at, at + n) for at, n, _ in direct]):
-                preadv_into(h, [byte_view(direct[i][2]) for i in group], direct[group[0]][0], h.name)
-                for i in group:
-                    torch.autograd.graph.increment_version(direct[i][2])  # as an in-place copy would
+    tasks: list[Callable[[], None]] = []
+    for name, items in by_file.items():
+        header = files.header(name)
+        h = files.handle(name)
+        direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
+        for r in items:
+            entry = header.entries[r.saved.key]
+            itemsize = r.local.element_size()
+            for piece in split(r.item, max(1, max_read_bytes // itemsize)):
+                dst = r.local[piece.dst.slices()]
+                nbytes += dst.numel() * itemsize
+                run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
+                start = header.data_start + entry.begin
+                if run is None:
+                    tasks.append(lambda h=h, start=start, r=r, piece=piece, dst=dst: _read_rows(
+                        h, start, r.saved.box.sizes, piece.src.offsets, piece.src.sizes, dst, max_read_bytes))
+                    continue
+                at = start + run[0] * itemsize
+                if dst.device.type == "cpu" and dst.is_contiguous():
+                    direct.append((at, dst.numel() * itemsize, dst))
+                else:
+                    tasks.append(lambda h=h, at=at, dst=dst: _buffered(h, at, dst))
+        for group in adjacent_groups([(at, at + n) for at, n, _ in direct]):
+            tasks.append(lambda h=h, group=group, direct=direct: _direct(h, [direct[i] for i in group]))
+    run_bounded([lambda t=t: _no_grad(t) for t in tasks], getattr(files.storage, "read_concurrency", 1))
     return nbytes, len(by_file)
+
+
+def _no_grad(task: Callable[[], None]) -> None:
+    with torch.no_grad():  # (per thread)
+        task()
+
+
+def _buffered(h: ReadHandle, at: int, dst: torch.Tensor) -> None:
+    buf = torch.empty(dst.shape, dtype=dst.dtype)
+    pread_into(h, buf, at, h.name)
+    dst.copy_(buf)
+
+
+def _direct(h: ReadHandle, group: list[tuple[int, int, torch.Tensor]]) -> None:
+    """Adjacent byte ranges of a file, by one request, straight into their destinations."""
+    preadv_into(h, [byte_view(dst) for _, _, dst in group], group[0][0], h.name)
+    for _, _, dst in group:
+        torch.autograd.graph.increment_version(dst)  # as an in-place copy would

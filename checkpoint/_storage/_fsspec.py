@@ -163,9 +163,10 @@ class _View:
 
 class FsspecStorage:
     """Any fsspec file system (see the module docstring). ``FsspecStorage.from_url(url)`` gives
-    the storage and the path inside it."""
+    the storage and the path inside it. ``read_concurrency``: the most reads a load keeps in
+    flight at once (default 16 on an object store, 1 elsewhere)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, read_concurrency: int | None = None) -> None:
         self.fs = fs
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.local = "file" in protocols or "local" in protocols
@@ -173,6 +174,8 @@ class FsspecStorage:
         # an object store's folders are key prefixes: one exists while an object lies under it
         # (see [Note: folders on an object store]); fsspec's memory:// and the local disk keep real ones
         self.virtual_dirs = not self.local and "memory" not in protocols
+        # ranged GETs a load keeps in flight at once (each read is one request there; 1 elsewhere)
+        self.read_concurrency = read_concurrency or (16 if self.virtual_dirs else 1)
         self._posix = PosixStorage() if self.local else None
 
     @classmethod

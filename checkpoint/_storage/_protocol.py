@@ -112,6 +112,7 @@ class DirView(Protocol):
 
 class Storage(Protocol):
     atomic_rename: bool
+    read_concurrency: int  # the most reads a load runs at once (threads); 1 where one at a time is best
 
     def url(self, path: str) -> str: ...
 
