@@ -26,6 +26,7 @@ from .._storage import ReadHandle
 __all__ = ["Read", "read_all", "read_region", "run_bounded"]
 
 T = TypeVar("T")
+_PART = 8 << 20  # with concurrent reads, the largest request: a big range goes as several in flight
 
 
 def run_bounded(tasks: list[Callable[[], T]], workers: int) -> list[T]:
@@ -98,12 +99,15 @@ def read_all(files: CheckpointFiles, reads: list[Read], max_read_bytes: int) -> 
     by_file: dict[str, list[Read]] = defaultdict(list)
     for r in reads:
         by_file[r.saved.file].append(r)
+    workers = getattr(files.storage, "read_concurrency", 1)
+    part = _PART if workers > 1 else None  # requests in flight together: none larger than this
     nbytes = 0
     tasks: list[Callable[[], None]] = []
+    direct_dsts: list[torch.Tensor] = []
     for name, items in by_file.items():
         header = files.header(name)
         h = files.handle(name)
-        direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
+        segments: list[tuple[int, memoryview]] = []  # (file offset, destination bytes)
         for r in items:
             entry = header.entries[r.saved.key]
             itemsize = r.local.element_size()
@@ -118,12 +122,22 @@ def read_all(files: CheckpointFiles, reads: list[Read], max_read_bytes: int) -> 
                     continue
                 at = start + run[0] * itemsize
                 if dst.device.type == "cpu" and dst.is_contiguous():
-                    direct.append((at, dst.numel() * itemsize, dst))
+                    view, n = byte_view(dst), dst.numel() * itemsize
+                    segments += [(at + k, view[k:k + (part or n)]) for k in range(0, n, part or max(n, 1))]
+                    direct_dsts.append(dst)
                 else:
                     tasks.append(lambda h=h, at=at, dst=dst: _buffered(h, at, dst))
-        for group in adjacent_groups([(at, at + n) for at, n, _ in direct]):
-            tasks.append(lambda h=h, group=group, direct=direct: _direct(h, [direct[i] for i in group]))
-    run_bounded([lambda t=t: _no_grad(t) for t in tasks], getattr(files.storage, "read_concurrency", 1))
+        for group in adjacent_groups([(at, at + len(v)) for at, v in segments]):
+            run_: list[tuple[int, memoryview]] = []
+            for i in group:
+                if run_ and part and sum(len(v) for _, v in run_) + len(segments[i][1]) > part:
+                    tasks.append(lambda h=h, run_=run_: preadv_into(h, [v for _, v in run_], run_[0][0], h.name))
+                    run_ = []
+                run_.append(segments[i])
+            tasks.append(lambda h=h, run_=run_: preadv_into(h, [v for _, v in run_], run_[0][0], h.name))
+    run_bounded([lambda t=t: _no_grad(t) for t in tasks], workers)
+    for dst in direct_dsts:
+        torch.autograd.graph.increment_version(dst)  # as an in-place copy would
     return nbytes, len(by_file)
 
 
@@ -136,10 +150,3 @@ def _buffered(h: ReadHandle, at: int, dst: torch.Tensor) -> None:
     buf = torch.empty(dst.shape, dtype=dst.dtype)
     pread_into(h, buf, at, h.name)
     dst.copy_(buf)
-
-
-def _direct(h: ReadHandle, group: list[tuple[int, int, torch.Tensor]]) -> None:
-    """Adjacent byte ranges of a file, by one request, straight into their destinations."""
-    preadv_into(h, [byte_view(dst) for _, _, dst in group], group[0][0], h.name)
-    for _, _, dst in group:
-        torch.autograd.graph.increment_version(dst)  # as an in-place copy would
