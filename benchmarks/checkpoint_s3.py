@@ -1,6 +1,7 @@
 """Checkpoints on S3 (a moto server on 127.0.0.1): parallel ranged reads against sequential ones.
 
     python benchmarks/checkpoint_s3.py            # save on 4 gloo ranks, load on 2 and on 3
+    python benchmarks/checkpoint_s3.py --requests # one process: requests and bytes of each step
 
 Starts ``python -m moto.server`` on a free loopback port, saves a state of ``--tensors`` fp32
 tensors of ``[--rows, --cols]`` (``Shard(0)`` over ``--save-world`` ranks) to ``s3://bench/...``,
@@ -12,6 +13,12 @@ and concurrency: rank 0's wall time from a barrier before to a barrier after the
 the reps), and the requests of the busiest rank; ``verify`` as ``--verify`` (default off: the
 data reads alone). Every load is checked against the saved values. Wall times on a loaded
 machine are noise; request counts are exact.
+
+``--requests`` instead runs, in this process, a first save of ``latest``, two replaces, a
+series with ``keep_last=1`` rotating twice, and a load, and prints for each the S3 requests by
+kind and the bytes sent (PUT bodies) and received (GET bodies), plus the bytes the server
+copied (COPY requests: the source object's size). It uses only ``save``/``load``, so it runs
+against an earlier checkout too (``PYTHONPATH=<old checkout's packages>``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ def _free_port() -> int:
 
 
 def _counting() -> collections.Counter:
+    """Counts this process's S3 requests by kind, and bytes under "bytes up", "bytes down",
+    "bytes copied"."""
     import s3fs
 
     counts: collections.Counter = collections.Counter()
@@ -45,9 +54,20 @@ def _counting() -> collections.Counter:
 
     async def call(fs, method, *args, **kwargs):
         counts[method] += 1
-        return await real(fs, method, *args, **kwargs)
+        if method in ("put_object", "upload_part"):
+            counts["bytes up"] += len(kwargs.get("Body") or b"")
+        if method == "copy_object":
+            src = kwargs["CopySource"]
+            counts["bytes copied"] += (await fs._info(f"{src['Bucket']}/{src['Key']}"))["size"]
+        out = await real(fs, method, *args, **kwargs)
+        if method == "get_object":
+            counts["bytes down"] += int(out.get("ContentLength") or 0)
+        return out
+
+    from fsspec.asyn import sync_wrapper
 
     s3fs.S3FileSystem._call_s3 = call
+    s3fs.S3FileSystem.call_s3 = sync_wrapper(call)  # what an open file's uploads call
     return counts
 
 
@@ -102,6 +122,32 @@ def _run(world: int, args, url: str, phase: str) -> dict[int, list]:
     return got
 
 
+def requests(url: str) -> None:
+    """``--requests``: see the module docstring."""
+    from shardwise.checkpoint import load, save
+
+    def state(v: float) -> dict:
+        return {"w": torch.full((256, 256), v), "b": torch.arange(5) + int(v), "step": int(v)}
+
+    steps = [("new", lambda: save(state(1.0), f"{url}/latest")),
+             ("replace", lambda: save(state(2.0), f"{url}/latest")),
+             ("replace again", lambda: save(state(3.0), f"{url}/latest")),
+             ("step-1", lambda: save(state(1.0), f"{url}/step-1", keep_last=1)),
+             ("rotate", lambda: save(state(2.0), f"{url}/step-2", keep_last=1)),
+             ("rotate again", lambda: save(state(3.0), f"{url}/step-3", keep_last=1)),
+             ("load", lambda: load(state(0.0), f"{url}/latest"))]
+    counts = _counting()
+    print("| step | requests | writes (PUT, COPY, DELETE) | COPY | bytes up | bytes down | bytes copied by the server |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for what, fn in steps:
+        counts.clear()
+        fn()
+        n = sum(v for k, v in counts.items() if not k.startswith("bytes"))
+        writes = sum(counts[k] for k in ("put_object", "copy_object", "delete_object", "delete_objects"))
+        print(f"| {what} | {n} | {writes} | {counts['copy_object']} | {counts['bytes up']:,} | {counts['bytes down']:,} "
+              f"| {counts['bytes copied']:,} |")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--save-world", type=int, default=4)
@@ -113,6 +159,7 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--verify", action="store_true")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--requests", action="store_true", help="count the requests and bytes of each step instead")
     args = p.parse_args(argv)
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
@@ -130,6 +177,9 @@ def main(argv=None) -> None:
         import s3fs
 
         s3fs.S3FileSystem().mkdir("bench")
+        if args.requests:
+            requests("s3://bench/requests")
+            return
         url = "s3://bench/run/step-1"
         _run(args.save_world, args, url, "save")
         mib = args.tensors * args.rows * args.cols * 4 / 2**20

@@ -148,8 +148,13 @@ class S3Calls:
             calls.counts[method] += 1
             return await real(fs, method, *args, **kwargs)
 
+        from fsspec.asyn import sync_wrapper
+
+        real_sync = s3fs.S3FileSystem.call_s3  # what an open file's uploads call: the same requests
         s3fs.S3FileSystem._call_s3 = call
-        self._undo = lambda: setattr(s3fs.S3FileSystem, "_call_s3", real)
+        s3fs.S3FileSystem.call_s3 = sync_wrapper(call)
+        self._undo = lambda: (setattr(s3fs.S3FileSystem, "_call_s3", real),
+                              setattr(s3fs.S3FileSystem, "call_s3", real_sync))
         return self
 
     def __exit__(self, *exc: object) -> None:
