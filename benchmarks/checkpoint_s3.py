@@ -101,7 +101,8 @@ def _rank(rank: int, world: int, port: int, args, url: str, phase: str, out) -> 
                 dist.barrier()
                 took = time.perf_counter() - t0
                 ok = all(torch.equal(state[f"t{i}"].full_tensor(), _full(args, i)) for i in range(args.tensors))
-                results.append({"concurrency": conc, "s": took, "requests": sum(counts.values()),
+                results.append({"concurrency": conc, "s": took,
+                                "requests": sum(v for k, v in counts.items() if not k.startswith("bytes")),
                                 "gets": counts["get_object"], "ok": ok})
         out.put((rank, results))
     dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """Issues 36 and 43: checkpoints on a real S3-compatible server (moto on 127.0.0.1, `tests._s3`)
 through fsspec's s3fs: save, load at another world size, rotation, ``latest_checkpoint``, the
 CLI on ``s3://`` URLs; a second process loading ``latest`` while a writer process replaces it
-20 times; a writer killed at every S3 write request of a save, a replace and a rotation (nothing
+12 times; a writer killed at every S3 write request of a save, a replace and a rotation (nothing
 committed is lost, a load right after reads the committed version, the next save cleans up);
 the requests of each, none a COPY. An object store has no atomic rename: a save commits by a
 pointer ([Note: commit by a pointer] in ``checkpoint/_series/_commit.py``).
@@ -164,9 +164,9 @@ def test_the_cli_inspects_verifies_and_merges_s3_urls(folder, capsys, tmp_path):
     assert "checksum" in (err.out + err.err).lower() or "crc" in (err.out + err.err).lower(), err
 
 
-# --- a second process loads latest while a writer process saves it 20 times --------------------
+# --- a second process loads latest while a writer process saves it 12 times --------------------
 
-SAVES = 20
+SAVES = 12
 SHAPES = {"a": (128, 128), "b": (256, 64), "c": (32, 512)}  # 192 KiB per version
 
 WRITER = f"""
@@ -179,7 +179,7 @@ for v in range(1, {SAVES} + 1):
 """
 
 
-def test_a_reader_process_sees_one_whole_version_or_a_retry_while_a_writer_saves_20_times(folder):
+def test_a_reader_process_sees_one_whole_version_or_a_retry_while_a_writer_saves_12_times(folder):
     path = f"{folder}/latest"
     first = subprocess.run([sys.executable, "-c", WRITER.replace(f"{SAVES} + 1", "2"), path], capture_output=True,
                            text=True, timeout=600)
@@ -189,7 +189,7 @@ def test_a_reader_process_sees_one_whole_version_or_a_retry_while_a_writer_saves
     loads, retries, out, err = load_while_writing(writer, path, SHAPES, 900)
     assert writer.returncode == 0, f"the writer failed (a reader got in its way?): {err[-2000:]}"
     assert out.split() == [str(v) for v in range(1, SAVES + 1)], out
-    assert len(loads) >= 10 and len(set(loads)) >= 3, (loads, len(retries))
+    assert len(loads) >= 6 and len(set(loads)) >= 3, (loads, len(retries))
     assert sorted(_names(folder)) == [RECORD_FILE, "latest"], _names(folder)
     assert len(_names(path)) == 3 and _leftovers(folder) == [], _names(path)  # pointer, current, superseded
     assert _value_of(path) == SAVES

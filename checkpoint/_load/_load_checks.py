@@ -10,6 +10,7 @@ problems as one error to agree on.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 from .._base import CheckpointError, gather_json, rank_and_world, scatter_json
@@ -33,7 +34,7 @@ def _check_headers(files: CheckpointFiles, uses: list[tuple[str, SavedBox]],
     checked: set[tuple[str, str]] = set()
     good: set[tuple[str, str]] = set()
     bad_files: set[str] = set()
-    run_bounded([lambda n=n: _try_header(files, n) for n in dict.fromkeys(b.file for _, b in uses)],
+    run_bounded([functools.partial(_try_header, files, n) for n in dict.fromkeys(b.file for _, b in uses)],
                 getattr(files.storage, "read_concurrency", 1))  # the headers read together; errors said below
     for key, box in uses:
         name = box.file
@@ -69,7 +70,7 @@ def _check_share(files: CheckpointFiles, share: list[Unit], good: set[tuple[str,
     by_file: dict[str, list[list[Unit]]] = defaultdict(list)
     for run in contiguous_runs(u for u in share if (u.saved.file, u.saved.key) in good):
         by_file[run[0].saved.file].append(run)
-    results = run_bounded([lambda n=n, r=r: _check_file(files, n, r) for n, r in sorted(by_file.items())],
+    results = run_bounded([functools.partial(_check_file, files, n, r) for n, r in sorted(by_file.items())],
                           getattr(files.storage, "read_concurrency", 1))
     for _, said in results:
         problems += said

@@ -12,6 +12,7 @@ read is one ranged GET) the reads run on that many threads (`run_bounded`).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,8 +118,8 @@ def read_all(files: CheckpointFiles, reads: list[Read], max_read_bytes: int) -> 
                 run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
                 start = header.data_start + entry.begin
                 if run is None:
-                    tasks.append(lambda h=h, start=start, r=r, piece=piece, dst=dst: _read_rows(
-                        h, start, r.saved.box.sizes, piece.src.offsets, piece.src.sizes, dst, max_read_bytes))
+                    tasks.append(functools.partial(_read_rows, h, start, r.saved.box.sizes, piece.src.offsets,
+                                                   piece.src.sizes, dst, max_read_bytes))
                     continue
                 at = start + run[0] * itemsize
                 if dst.device.type == "cpu" and dst.is_contiguous():
@@ -126,16 +127,16 @@ def read_all(files: CheckpointFiles, reads: list[Read], max_read_bytes: int) -> 
                     segments += [(at + k, view[k:k + (part or n)]) for k in range(0, n, part or max(n, 1))]
                     direct_dsts.append(dst)
                 else:
-                    tasks.append(lambda h=h, at=at, dst=dst: _buffered(h, at, dst))
+                    tasks.append(functools.partial(_buffered, h, at, dst))
         for group in adjacent_groups([(at, at + len(v)) for at, v in segments]):
             run_: list[tuple[int, memoryview]] = []
             for i in group:
                 if run_ and part and sum(len(v) for _, v in run_) + len(segments[i][1]) > part:
-                    tasks.append(lambda h=h, run_=run_: preadv_into(h, [v for _, v in run_], run_[0][0], h.name))
+                    tasks.append(functools.partial(_preadv, h, run_))
                     run_ = []
                 run_.append(segments[i])
-            tasks.append(lambda h=h, run_=run_: preadv_into(h, [v for _, v in run_], run_[0][0], h.name))
-    run_bounded([lambda t=t: _no_grad(t) for t in tasks], workers)
+            tasks.append(functools.partial(_preadv, h, run_))
+    run_bounded([functools.partial(_no_grad, t) for t in tasks], workers)
     for dst in direct_dsts:
         torch.autograd.graph.increment_version(dst)  # as an in-place copy would
     return nbytes, len(by_file)
@@ -144,6 +145,11 @@ def read_all(files: CheckpointFiles, reads: list[Read], max_read_bytes: int) -> 
 def _no_grad(task: Callable[[], None]) -> None:
     with torch.no_grad():  # (per thread)
         task()
+
+
+def _preadv(h: ReadHandle, run: list[tuple[int, memoryview]]) -> None:
+    """Adjacent byte ranges of a file by one request, straight into their destinations."""
+    preadv_into(h, [v for _, v in run], run[0][0], h.name)
 
 
 def _buffered(h: ReadHandle, at: int, dst: torch.Tensor) -> None:
