@@ -169,14 +169,10 @@ def agree_version(files: CheckpointFiles, where: str) -> None:
 
 
 def _open_source(storage: Storage, path: str, attempts: int = 5) -> CheckpointFiles:
-    """`open_checkpoint` of ``path``. When ``path`` is missing while an intact
-    ``.<name>.replaced-<hex>`` copy lies next to it (a replace between its two renames, under way
-    or interrupted) that copy is read in place (`stand_in`; nothing renamed); when it vanished,
-    or its index appeared, in between (a writer's rename) it is opened again, up to ``attempts``
-    times, backing off. If it was there at some attempt and vanished every time (a writer
-    replacing it in a tight loop), the error says "being replaced, retry", not that it does not
-    exist. A folder holding only a save's version folder (a first save on an object store, under
-    way or killed before its pointer) is "an interrupted save", never "not a checkpoint"."""
+    """`open_checkpoint` of ``path``, or of the intact ``.replaced-`` copy next to a missing one
+    (`stand_in`); opened again, backing off, when it vanished or its index appeared in between
+    (a writer's rename). Vanished at every attempt: "being replaced, retry"; a folder holding
+    only a save's version folder: "an interrupted save", never "not a checkpoint"."""
     seen, error = False, None
     for attempt in range(attempts):
         try:

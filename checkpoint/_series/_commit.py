@@ -139,7 +139,7 @@ def check_target(storage: Storage, path: str, replaceable: Callable[[Storage, st
                               "or to a new path")
     if kind == "dir" and (replaceable(storage, path) or not storage.list(path)):
         return None
-    if kind == "dir" and not storage.atomic_rename and _saves_only(storage, path):
+    if kind == "dir" and interrupted_save(storage, path):
         return None  # a first save killed before its pointer: the series' cleanup deletes its folder
     raise CheckpointError(
         f"{where} exists and is not a shardwise checkpoint; refusing to replace it. Save to a new path or "
@@ -248,21 +248,15 @@ def stand_in(storage: Storage, path: str) -> str | None:
     return intact_replaced(storage, path) if storage.kind(path) == "missing" else None
 
 
-def _saves_only(storage: Storage, path: str) -> list[str]:
-    """The ``.v-<token>`` folders of saves in the folder ``path`` when it holds nothing else
-    (no pointer: saves not committed), else []."""
-    names = storage.list(path)
-    return names if names and all(n.startswith(VERSION_MARK) for n in names) else []
-
-
 def interrupted_save(storage: Storage, path: str) -> str | None:
     """Where rename is not atomic: the URL of a save's ``.v-<token>`` folder in ``path`` when
     ``path`` holds nothing but such folders (a first save writing, or killed before its
-    pointer), else None. Reads only."""
+    pointer; or a checkpoint rotated away), else None. Reads only."""
     if storage.atomic_rename or storage.kind(path) != "dir":
         return None
-    found = _saves_only(storage, path)
-    return storage.url(storage.join(path, found[0])) if found else None
+    names = storage.list(path)
+    ok = names and all(n.startswith(VERSION_MARK) for n in names)
+    return storage.url(storage.join(path, names[0])) if ok else None
 
 
 def recover_replaced(storage: Storage, path: str, token: str | None = None) -> str | None:

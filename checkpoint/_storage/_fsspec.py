@@ -106,11 +106,10 @@ class _Writer:
 
 
 class _View:
-    """A directory read by path: nothing is pinned. A save through this storage never changes a
-    version's files (it writes a new folder and a pointer: [Note: commit on an object store]),
-    and a reader follows the pointer once (``_format._files``); for a checkpoint written in
-    place by other means the view remembers what it saw (the kind of each name it asked about,
-    the bytes of each small file it read) and `is_current` compares that with what is there now."""
+    """A directory read by path, not pinned: the view remembers what it saw (the kind of each name
+    it asked about, the bytes of each small file it read) and `is_current` compares that with
+    what is there now. (A pointer's version folder needs none of it: [Note: commit on an object
+    store].)"""
 
     pinned = False
 
