@@ -171,6 +171,9 @@ def resume_step(path: str, args: argparse.Namespace) -> int:
         raise _not_a_checkpoint(path, why)
     try:
         raw = json.loads(disk.read_text(index))
+        if isinstance(raw, dict) and raw.get("version") == 3 and isinstance(raw.get("at"), str):
+            # a pointer to the save's own folder (an object store: docs/checkpoint-format.md)
+            raw = json.loads(disk.read_text(os.path.join(path, raw["at"], "index.json")))
     except (OSError, ValueError) as e:
         raise _not_a_checkpoint(path, f"its index.json is unreadable ({type(e).__name__})") from None
     values = raw.get("values", {}) if isinstance(raw, dict) else {}

@@ -1,11 +1,12 @@
 """A local S3-compatible server for the tests: moto in server mode on 127.0.0.1.
 
-`s3_server` starts ``python -m moto.server`` on a free loopback port (its own process, so its
-request handling does not share this process's interpreter lock with the code under test),
-waits until it answers, creates a bucket, and points every S3 client at it through the
-environment (``AWS_ENDPOINT_URL``, fake credentials): this process's and every process it
-starts (rank processes, a second job), which inherit the environment. On exit it stops the
-server and restores the environment. Nothing beyond loopback is reached.
+`s3_server` starts ``python -m moto.server`` on a free loopback port once per test process (its
+own process, so its request handling does not share this process's interpreter lock with the
+code under test; shared by every S3 test module, stopped at exit), creates a bucket, and points
+every S3 client at it through the environment (``AWS_ENDPOINT_URL``, fake credentials): this
+process's and every process it starts (rank processes, a second job), which inherit the
+environment. On exit from the block it restores the environment. Nothing beyond loopback is
+reached.
 
 `S3Calls` counts (and can kill at) the S3 requests of this process: every s3fs request goes
 through ``S3FileSystem._call_s3``.
@@ -13,6 +14,7 @@ through ``S3FileSystem._call_s3``.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import os
@@ -43,35 +45,62 @@ def _forget_clients() -> None:
     s3fs.S3FileSystem.clear_instance_cache()
 
 
-@contextlib.contextmanager
-def s3_server(bucket: str = "ckpt") -> Iterator[dict[str, str]]:
-    """Run a moto S3 server with ``bucket``; yields the environment that reaches it."""
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
+_servers: dict[str, str] = {}  # one moto server per test process, shared by every S3 test module
+
+
+def _endpoint() -> str:
+    """The endpoint of this process's moto server, started on first use and stopped at exit."""
+    if "endpoint" in _servers:
+        return _servers["endpoint"]
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
     log = open(os.devnull, "w")
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=log, stderr=log)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop()
+                raise RuntimeError(f"the moto server did not start on {endpoint} (exit {proc.poll()})")
+            time.sleep(0.1)
+    atexit.register(stop)
+    _servers["endpoint"] = endpoint
+    return endpoint
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str = "ckpt") -> Iterator[dict[str, str]]:
+    """Point every S3 client at this process's moto server (started once, shared by the S3 test
+    modules) with ``bucket`` created; yields the environment that reaches it, restored after."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    endpoint = _endpoint()
     env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
            "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
     saved = {k: os.environ.get(k) for k in env}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the moto server did not start on {endpoint} (exit {proc.poll()})")
-                time.sleep(0.1)
         os.environ.update(env)
         _forget_clients()
         import s3fs
 
-        s3fs.S3FileSystem().mkdir(bucket)
+        fs = s3fs.S3FileSystem()
+        if not fs.exists(bucket):
+            fs.mkdir(bucket)
         yield env
     finally:
         for k, v in saved.items():
@@ -80,13 +109,6 @@ def s3_server(bucket: str = "ckpt") -> Iterator[dict[str, str]]:
             else:
                 os.environ[k] = v
         _forget_clients()
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def fresh_prefix(bucket: str = "ckpt") -> str:
@@ -126,8 +148,13 @@ class S3Calls:
             calls.counts[method] += 1
             return await real(fs, method, *args, **kwargs)
 
+        from fsspec.asyn import sync_wrapper
+
+        real_sync = s3fs.S3FileSystem.call_s3  # what an open file's uploads call: the same requests
         s3fs.S3FileSystem._call_s3 = call
-        self._undo = lambda: setattr(s3fs.S3FileSystem, "_call_s3", real)
+        s3fs.S3FileSystem.call_s3 = sync_wrapper(call)
+        self._undo = lambda: (setattr(s3fs.S3FileSystem, "_call_s3", real),
+                              setattr(s3fs.S3FileSystem, "call_s3", real_sync))
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,7 +10,7 @@ from ._files import CheckpointFiles, open_checkpoint, open_folder
 from ._index import (CHECKSUM_FIELD, DCP_MARKER, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE, Index, MAX_INDEX_BYTES,
                      PART_SUFFIX, SavedBox, TensorEntry, data_file_name, dcp_marker, describe_non_checkpoint, dtype_from_name, dtype_name,
                      format_index, index_checksum, index_to_json, own_names, part_file_name, part_to_json,
-                     plain_file_name, read_index)
+                     plain_file_name, pointer_at, pointer_bytes, read_index, VERSION_MARK)
 from ._safetensors_io import DTYPE_CODES, Entry, Header, StreamingWriter, read_header, tensor_bytes
 
 __all__ = ["CHECKSUM_FIELD", "DCP_MARKER", "CheckpointFiles", "dcp_marker", "adjacent_groups", "byte_view", "contiguous_run", "crcs_of_range",
@@ -18,4 +18,5 @@ __all__ = ["CHECKSUM_FIELD", "DCP_MARKER", "CheckpointFiles", "dcp_marker", "adj
            "DTYPE_CODES", "Entry", "FORMAT_NAME", "FORMAT_VERSION", "Header", "INCOMPLETE_MARK", "INDEX_FILE",
            "MAX_INDEX_BYTES", "PART_SUFFIX", "Index", "SavedBox", "StreamingWriter", "TensorEntry", "data_file_name",
            "describe_non_checkpoint", "dtype_from_name", "dtype_name", "format_index", "index_checksum",
-           "index_to_json", "own_names", "part_file_name", "part_to_json", "plain_file_name", "read_header", "read_index", "tensor_bytes"]
+           "index_to_json", "own_names", "part_file_name", "part_to_json", "plain_file_name", "pointer_at", "pointer_bytes", "read_header", "read_index", "tensor_bytes",
+           "VERSION_MARK"]

@@ -12,7 +12,10 @@ box's key is in its file with the tensor's dtype and the box's shape.
 
 `CheckpointFiles.replaced` says whether the directory's path no longer names the version being
 read: a load that meets a problem then reports "being replaced, retry" instead of a false
-corruption ([Note: readers and a writer] in ``checkpoint/_load/_reader.py``).
+corruption ([Note: readers and a writer] in ``checkpoint/_load/_reader.py``). An ``index.json``
+that is a pointer ([Note: commit by a pointer] in ``checkpoint/_series/_commit.py``) is followed
+once: the files are those of the version folder it names, which no save changes, so such a
+reader is pinned on every storage.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import posixpath
 
 from .._base import CheckpointError
 from .._storage import DirView, ReadHandle, Storage, storage_for
-from ._index import Index, SavedBox, read_index
+from ._index import INDEX_FILE, Index, Pointer, SavedBox, read_index
 from ._safetensors_io import DTYPE_CODES, Header, read_header
 
 __all__ = ["CheckpointFiles", "open_checkpoint", "open_folder"]
@@ -31,8 +34,11 @@ __all__ = ["CheckpointFiles", "open_checkpoint", "open_folder"]
 class CheckpointFiles:
     """The data files of one checkpoint (or Hugging Face folder) ``path`` of ``storage``."""
 
-    def __init__(self, storage: Storage, path: str, view: DirView, index: Index, follow_links: bool) -> None:
+    def __init__(self, storage: Storage, path: str, view: DirView, index: Index, follow_links: bool,
+                 pointer: bytes | None = None) -> None:
         self.storage, self.path, self.view, self.index, self.follow_links = storage, path, view, index, follow_links
+        self.pointer = pointer  # the bytes of the pointer followed to ``view`` (a version folder), if any
+        self.pinned = view.pinned or pointer is not None
         self._handles: dict[str, ReadHandle] = {}
         self._headers: dict[str, Header] = {}
 
@@ -84,7 +90,7 @@ class CheckpointFiles:
 
     def replaced(self) -> bool:
         """Whether the path no longer names the version this reader pinned (a writer replaced it)."""
-        return not self.view.is_current()
+        return not self.view.is_current() if self.pointer is None else _repointed(self.storage, self.path, self.pointer)
 
     def close(self) -> None:
         for h in self._handles.values():
@@ -99,17 +105,36 @@ class CheckpointFiles:
         self.close()
 
 
+def _repointed(storage: Storage, path: str, pointer: bytes) -> bool:
+    """Whether ``path``'s ``index.json`` is no longer the pointer ``pointer`` (a save committed since)."""
+    try:
+        return storage.read_small(storage.join(path, INDEX_FILE), 1 << 16) != pointer
+    except (OSError, CheckpointError):
+        return True
+
+
 def open_checkpoint(path: str | os.PathLike, storage: Storage | None = None) -> CheckpointFiles:
     """Pin the checkpoint directory ``path`` (a path or URL; ``storage`` to choose one) and read
-    its index (``_format.read_index``: a `CheckpointError` says what the directory is otherwise)."""
+    its index (``_format.read_index``: a `CheckpointError` says what the directory is otherwise),
+    following a pointer to the version folder it names."""
     storage, norm = storage_for(path, storage)
-    view = storage.open_dir(norm)
+    view, pointer = storage.open_dir(norm), None
     try:
-        return CheckpointFiles(storage, norm, view, read_index(view, storage), follow_links=False)
+        try:
+            return CheckpointFiles(storage, norm, view, read_index(view, storage), follow_links=False)
+        except Pointer as p:
+            view.close()
+            pointer = p.raw
+            view = storage.open_dir(storage.join(norm, p.at))
+            return CheckpointFiles(storage, norm, view, read_index(view, storage), follow_links=False, pointer=pointer)
+    except Pointer:
+        view.close()
+        raise CheckpointError(f"{storage.url(norm)}: the folder its index.json points to holds a pointer again; the "
+                              "checkpoint is damaged") from None
     except CheckpointError as e:
-        # the pinned version lost its index because a save replaced it and is deleting the old
-        # copy (index first): the path names another version now, nothing is damaged
-        moved = not view.is_current()
+        # the version read lost its index or files because a save replaced it and deleted the
+        # old one: the path names another version now, nothing is damaged
+        moved = not view.is_current() if pointer is None else _repointed(storage, norm, pointer)
         view.close()
         if moved:
             raise CheckpointError(f"checkpoint {norm} is being replaced by a save (its path now names another "

@@ -49,14 +49,25 @@ from .._base import CheckpointError, DuplicateKey, IndexMissing, box_rows, chunk
 from ._file_io import pread_exact
 from .._storage import DirView, Storage, storage_for
 from ._index_model import (CHECKSUM_FIELD, DCP_MARKER, FORMAT_NAME, FORMAT_VERSION, INCOMPLETE_MARK, INDEX_FILE,
-                           PART_SUFFIX, PARTS_VERSION, READ_VERSIONS, Index, SavedBox, TensorEntry, data_file_name, dcp_marker,
-                           dtype_from_name, dtype_name, part_file_name, plain_file_name)
+                           PART_SUFFIX, PARTS_VERSION, POINTER_VERSION, READ_VERSIONS, VERSION_MARK, Index, SavedBox,
+                           TensorEntry, data_file_name, dcp_marker, dtype_from_name, dtype_name, part_file_name,
+                           plain_file_name, pointer_at, pointer_bytes)
 
 __all__ = [
     "DCP_MARKER", "dcp_marker", "FORMAT_NAME", "FORMAT_VERSION", "INDEX_FILE", "Index", "SavedBox", "TensorEntry",
     "dtype_name", "dtype_from_name", "read_index", "index_to_json", "format_index", "data_file_name",
     "describe_non_checkpoint", "MAX_INDEX_BYTES", "PART_SUFFIX", "PARTS_VERSION", "own_names", "part_file_name", "part_to_json",
+    "POINTER_VERSION", "VERSION_MARK", "Pointer", "pointer_at", "pointer_bytes",
 ]
+
+
+class Pointer(CheckpointError):
+    """`read_index` found a pointer ([Note: commit by a pointer] in ``checkpoint/_series/_commit.py``):
+    the index is in the folder ``at`` inside the directory; ``raw`` is the pointer's bytes."""
+
+    def __init__(self, at: str, raw: bytes) -> None:
+        super().__init__(f"index.json names the folder {at} holding the index")
+        self.at, self.raw = at, raw
 
 def _box_to_json(b: SavedBox) -> dict:
     out: dict[str, Any] = {"offsets": list(b.box.offsets), "sizes": list(b.box.sizes), "file": b.file, "key": b.key,
@@ -250,7 +261,16 @@ def read_index(view: DirView | str | os.PathLike, storage: Storage | None = None
     file = posixpath.join(storage.url(path), INDEX_FILE)
     if INCOMPLETE_MARK in storage.name(path):
         raise CheckpointError(describe_non_checkpoint(storage, path))
-    kind = view.kind(INDEX_FILE)
+    text = None
+    if not view.pinned:  # fsspec: read_small checks the kind itself (one ranged GET on an object store)
+        try:
+            text = view.read_small(INDEX_FILE, MAX_INDEX_BYTES)
+        except OSError:
+            pass  # said below
+        except CheckpointError:
+            if view.kind(INDEX_FILE) not in ("missing", "link", "other"):
+                raise
+    kind = view.kind(INDEX_FILE) if text is None else "file"
     if kind == "missing":
         raise IndexMissing(describe_non_checkpoint(storage, path))
     if kind == "link":
@@ -258,7 +278,9 @@ def read_index(view: DirView | str | os.PathLike, storage: Storage | None = None
     if kind != "file":
         raise CheckpointError(f"{file} is not a regular file")
     try:
-        text = _read_index_bytes(view, file)
+        text = _read_index_bytes(view, file) if text is None else text
+        if not text.lstrip(b" \t\r\n").startswith(b"{"):
+            raise CheckpointError(f"{file} is not valid UTF-8 JSON; the index is damaged")
     except PermissionError:
         raise CheckpointError(f"{file}: permission denied (cannot read the index)") from None
     except OSError as e:
@@ -272,6 +294,9 @@ def read_index(view: DirView | str | os.PathLike, storage: Storage | None = None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{file} is not a {FORMAT_NAME} index (its 'format' is {_short(raw.get('format'))})"
                               if isinstance(raw, dict) else f"{file} is not a {FORMAT_NAME} index")
+    at = pointer_at(raw)
+    if at is not None:
+        raise Pointer(at, text)
     version = raw.get("version")
     if version not in READ_VERSIONS or isinstance(version, bool):
         raise CheckpointError(f"{file} has format version {_short(version)}; this shardwise reads versions "

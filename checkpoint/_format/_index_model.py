@@ -5,6 +5,7 @@ records hold."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from .._geometry import Box
 from ._safetensors_io import DTYPE_CODES
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "PARTS_VERSION", "PART_SUFFIX", "READ_VERSIONS", "INDEX_FILE", "INCOMPLETE_MARK", "CHECKSUM_FIELD", "DCP_MARKER", "Index",
+           "POINTER_VERSION", "VERSION_MARK", "pointer_bytes", "pointer_at",
            "SavedBox", "TensorEntry", "dcp_marker", "data_file_name", "part_file_name", "dtype_name", "dtype_from_name", "plain_file_name"]
 
 FORMAT_NAME = "shardwise.checkpoint"
@@ -24,6 +26,8 @@ READ_VERSIONS = (FORMAT_VERSION, PARTS_VERSION)
 PART_SUFFIX = ".boxes.json"  # the end of an index part's name (`part_file_name`)
 INDEX_FILE = "index.json"
 INCOMPLETE_MARK = ".incomplete-"
+POINTER_VERSION = 3  # an index.json that names the folder holding the index: [Note: commit by a pointer]
+VERSION_MARK = ".v-"  # a save's own folder inside the checkpoint, on a store without rename: ``.v-<token>``
 CHECKSUM_FIELD = "index_sha256"
 DCP_MARKER = ".metadata"  # [Note: the .metadata marker]
 _DCP_REFUSAL = ("this is a shardwise checkpoint (index.json and safetensors files), not a torch DCP one; its .metadata "
@@ -43,6 +47,23 @@ def dcp_marker() -> bytes:
     ``index.json`` first)."""
     text = _DCP_REFUSAL.encode()
     return b"\x80\x02cbuiltins\nint\nX" + len(text).to_bytes(4, "little") + text + b"\x85R."
+
+
+def pointer_bytes(token: str) -> bytes:
+    """The ``index.json`` that makes a checkpoint the save ``token`` whose files are in its folder
+    ``.v-<token>`` ([Note: commit by a pointer] in ``checkpoint/_series/_commit.py``)."""
+    return json.dumps({"format": FORMAT_NAME, "version": POINTER_VERSION, "at": VERSION_MARK + token,
+                       "save_id": token}).encode() + b"\n"
+
+
+def pointer_at(raw: object) -> str | None:
+    """The version folder an ``index.json`` that is a pointer names (a plain ``.v-<hex>`` name),
+    else None."""
+    if not isinstance(raw, dict) or raw.get("version") != POINTER_VERSION or raw.get("format") != FORMAT_NAME:
+        return None
+    at = raw.get("at")
+    ok = isinstance(at, str) and at.startswith(VERSION_MARK) and plain_file_name(at[1:])
+    return at if ok else None
 
 
 def data_file_name(rank: int) -> str:

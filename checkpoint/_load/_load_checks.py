@@ -10,11 +10,13 @@ problems as one error to agree on.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 from .._base import CheckpointError, gather_json, rank_and_world, scatter_json
 from .._format import CheckpointFiles, SavedBox, crcs_of_ranges
 from .._geometry import Box
+from ._reads import run_bounded
 from ._verify_shares import (Unit, all_shares, box_ids, contiguous_runs, id_boxes, keys_to_mask, mask_to_keys, needs_of,
                              pack_ints, units_of, unpack_ints)
 
@@ -32,6 +34,8 @@ def _check_headers(files: CheckpointFiles, uses: list[tuple[str, SavedBox]],
     checked: set[tuple[str, str]] = set()
     good: set[tuple[str, str]] = set()
     bad_files: set[str] = set()
+    run_bounded([functools.partial(_try_header, files, n) for n in dict.fromkeys(b.file for _, b in uses)],
+                getattr(files.storage, "read_concurrency", 1))  # the headers read together; errors said below
     for key, box in uses:
         name = box.file
         if name in bad_files or (name, box.key) in checked:
@@ -51,6 +55,13 @@ def _check_headers(files: CheckpointFiles, uses: list[tuple[str, SavedBox]],
     return good
 
 
+def _try_header(files: CheckpointFiles, name: str) -> None:
+    try:
+        files.header(name)
+    except CheckpointError:
+        pass
+
+
 def _check_share(files: CheckpointFiles, share: list[Unit], good: set[tuple[str, str]], problems: list[str]) -> int:
     """Check the CRC-32 of every unit of ``share`` whose box passed `_check_headers` (is in
     ``good``); returns the bytes checksummed. Each data file is opened once (and stays open for
@@ -59,28 +70,36 @@ def _check_share(files: CheckpointFiles, share: list[Unit], good: set[tuple[str,
     by_file: dict[str, list[list[Unit]]] = defaultdict(list)
     for run in contiguous_runs(u for u in share if (u.saved.file, u.saved.key) in good):
         by_file[run[0].saved.file].append(run)
-    verified = 0
-    for name, runs in sorted(by_file.items()):
-        header = files.header(name)
-        h = files.handle(name)
-        try:
-            spans = []
-            for run in runs:
-                first, last = run[0], run[-1]
-                start = header.data_start + header.entries[first.saved.key].begin
-                # a run starts at a chunk boundary, so its first chunk is full-sized (only a
-                # box's last chunk can be shorter): first.nbytes is the run's chunk size
-                spans.append((start + first.lo * first.row_bytes, start + last.hi * first.row_bytes, first.nbytes))
-            for run, crc in zip(runs, crcs_of_ranges(h, spans, h.name)):
-                verified += crc.total
-                for u, got in zip(run, crc.chunks()):
-                    if got != u.crc32:
-                        problems.append(f"checksum mismatch in data file {h.name}, key '{u.saved.key}' (tensor "
-                                        f"'{u.tensor}', {u.where()}): the file is corrupted; restore it or load "
-                                        "another checkpoint")
-        except CheckpointError as e:
-            problems.append(str(e))
-    return verified
+    results = run_bounded([functools.partial(_check_file, files, n, r) for n, r in sorted(by_file.items())],
+                          getattr(files.storage, "read_concurrency", 1))
+    for _, said in results:
+        problems += said
+    return sum(n for n, _ in results)
+
+
+def _check_file(files: CheckpointFiles, name: str, runs: list[list[Unit]]) -> tuple[int, list[str]]:
+    """`_check_share` for the runs of one data file: (bytes checksummed, problems)."""
+    header = files.header(name)
+    h = files.handle(name)
+    verified, problems = 0, []
+    try:
+        spans = []
+        for run in runs:
+            first, last = run[0], run[-1]
+            start = header.data_start + header.entries[first.saved.key].begin
+            # a run starts at a chunk boundary, so its first chunk is full-sized (only a
+            # box's last chunk can be shorter): first.nbytes is the run's chunk size
+            spans.append((start + first.lo * first.row_bytes, start + last.hi * first.row_bytes, first.nbytes))
+        for run, crc in zip(runs, crcs_of_ranges(h, spans, h.name)):
+            verified += crc.total
+            for u, got in zip(run, crc.chunks()):
+                if got != u.crc32:
+                    problems.append(f"checksum mismatch in data file {h.name}, key '{u.saved.key}' (tensor "
+                                    f"'{u.tensor}', {u.where()}): the file is corrupted; restore it or load "
+                                    "another checkpoint")
+    except CheckpointError as e:
+        problems.append(str(e))
+    return verified, problems
 
 
 def check_files(files: CheckpointFiles, keys: list[str], reads: list[tuple[str, SavedBox, Box, int]], verify: bool,

@@ -50,17 +50,18 @@ changes the folder (a writer's in-progress state is the writer's to finish). How
 * a problem found while the path no longer names the pinned version (a data file gone because
   the writer deleted the old copy before this rank opened it) is reported as "being replaced,
   retry", not as damage;
-* where the storage cannot pin (an object store: ``DirView.is_current`` re-reads the index) a
-  load that finds the index changed after reading raises "being replaced, retry" (the target
-  may then hold part of the new data: load again);
+* on an object store the index is a pointer to the save's own folder ([Note: commit by a
+  pointer] in ``checkpoint/_series/_commit.py``), read once: the load reads that folder, whose
+  files no save changes, so it is pinned too; a version folder is deleted only a save after it
+  stopped being current, and a load slower than that is told to retry. A checkpoint written in
+  place without a pointer (by an earlier release) cannot be pinned there: ``DirView.is_current``
+  re-reads its index after the reads, and a change means "being replaced, retry" (the target may
+  then hold part of the new data: load again);
 * a path that is missing while an intact ``.<name>.replaced-<hex>`` checkpoint exists (a replace
   between its two renames, or one that crashed there) is read from that copy, without renaming
   anything (so this works on a read-only mount too); the next save of the series restores it.
-  On an object store a replace also passes through a ``<name>`` without ``index.json`` (the old
-  index deleted, the new one not copied in yet); when that stays so (the writer was killed) it
-  is read from the same copy (`stand_in` in ``checkpoint/_series/_commit.py``), and a first save
-  of ``<name>`` stopped while copying in is "an interrupted save; retry or run the next save",
-  never "not a checkpoint".
+  A first save on an object store, under way or killed before its pointer, is "an interrupted
+  save; retry or run the next save", never "not a checkpoint".
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ def load_from_index(state: dict, files: CheckpointFiles, *, strict: bool = True,
                     leaf.parent[leaf.slot] = t.numpy().tobytes()
         except Exception as e:
             error = _retry(files) if files.replaced() else e
-        if error is None and not files.view.pinned and files.replaced():
+        if error is None and not files.pinned and files.replaced():
             error = _retry(files)  # an object store: the bytes read may be of the next version
         agree(error, what)
     needed = sum(r.item.dst.numel * r.local.element_size() for r in reads)
@@ -167,61 +168,51 @@ def agree_version(files: CheckpointFiles, where: str) -> None:
         raise CheckpointError(f"{where}: {_retry(files)}")
 
 
-def _source(storage: Storage, path: str, indexless: bool = False) -> tuple[str, str | None]:
-    """The directory a load of ``path`` reads: ``path`` itself, or, when it is missing (or was
-    found to be a folder without index, ``indexless``), the intact old copy a replace left
-    (`stand_in`: read in place, nothing renamed; see [Note: readers and a writer])."""
-    if not indexless and storage.kind(path) != "missing":
-        return path, None
-    old = stand_in(storage, path)
-    if old is None:
-        return path, None
-    state = "is missing" if storage.kind(path) == "missing" else "has no index.json"
-    return old, (f"{storage.url(path)} {state}; reading {storage.url(old)}, the intact copy a replace of it left "
-                 "(under way, or interrupted: the next save of the series restores it)")
-
-
 def _open_source(storage: Storage, path: str, attempts: int = 5) -> CheckpointFiles:
-    """`open_checkpoint` of what `_source` names; when that vanished in between (a writer's
-    rename), resolved again, up to ``attempts`` times, backing off: a replace under way is not an
-    error. If it was there at some attempt and vanished every time (a writer replacing it in a
-    tight loop), the error says "being replaced, retry", not that it does not exist. A ``path``
-    without index next to a save's copy (a commit that stopped half way on an object store) is
-    read from the intact old copy, or else said to be an interrupted save, never "not a
-    checkpoint"."""
-    seen, indexless = False, False
+    """`open_checkpoint` of ``path``, or of the intact ``.replaced-`` copy next to a missing one
+    (`stand_in`); opened again, backing off, when it vanished or its index appeared in between
+    (a writer's rename). Vanished at every attempt: "being replaced, retry"; a folder holding
+    only a save's version folder: "an interrupted save", never "not a checkpoint"."""
+    seen, error = False, None
     for attempt in range(attempts):
-        source, said = _source(storage, path, indexless)
-        seen = seen or storage.kind(source) == "dir"
         try:
-            files = open_checkpoint(source, storage)
+            return open_checkpoint(path, storage)
         except CheckpointError as e:
-            if (isinstance(e, IndexMissing) and attempt + 1 < attempts
-                    and storage.kind(storage.join(source, INDEX_FILE)) == "file"):
-                continue  # renamed into place since it was opened (a replace on an object store: its two renames)
-            moved = storage.kind(source) != "dir" or _source(storage, path, indexless)[0] != source
-            if (not moved and source == path and not indexless and attempt + 1 < attempts
-                    and stand_in(storage, path) is not None):
-                indexless = True  # read the old copy in its place
-                continue
-            if moved and attempt + 1 < attempts:
-                time.sleep(0.005 * 2 ** attempt)
-                continue
-            if moved and seen:
-                raise CheckpointError(f"checkpoint {storage.url(path)} is being replaced by a save (it vanished "
-                                      f"between {attempts} attempts to open it); nothing is damaged: retry the load"
-                                      ) from e
-            other = interrupted_save(storage, path) if source == path else None
+            error = e
+        kind = storage.kind(path)
+        seen = seen or kind == "dir"
+        if kind == "missing":
+            old = stand_in(storage, path)
+            if old is None and not seen:
+                raise error
+            if old is not None:
+                try:
+                    files = open_checkpoint(old, storage)
+                except CheckpointError:
+                    pass  # renamed back, or finished, since: look again
+                else:
+                    _log.warning("%s is missing; reading %s, the intact copy a replace of it left (under way, or "
+                                 "interrupted: the next save of the series restores it)", storage.url(path),
+                                 storage.url(old))
+                    return files
+        elif not isinstance(error, IndexMissing) or kind != "dir":
+            raise error
+        elif storage.kind(storage.join(path, INDEX_FILE)) != "file":
+            other = interrupted_save(storage, path)
             if other is not None:
                 raise CheckpointError(
-                    f"checkpoint {storage.url(path)} has no index.json: a save is copying it into place or was "
-                    f"interrupted while committing it ({other} is that save's); nothing committed is damaged: retry "
-                    "the load, or run the next save of the series, which cleans it up") from e
-            raise
-        if said:
-            _log.warning("%s", said)
-        return files
-    raise AssertionError("unreachable")
+                    f"checkpoint {storage.url(path)} has no index.json: a save of it is under way or was interrupted "
+                    f"before committing, or it was rotated away (keep_last) ({other} is what is left, deleted by the "
+                    "next save of the series); nothing committed is lost: retry the load, or load the series' "
+                    "latest_checkpoint") from error
+            raise error
+        if attempt + 1 < attempts:
+            time.sleep(0.005 * 2 ** attempt)
+    if seen:
+        raise CheckpointError(f"checkpoint {storage.url(path)} is being replaced by a save (it vanished between "
+                              f"{attempts} attempts to open it); nothing is damaged: retry the load") from error
+    assert error is not None
+    raise error
 
 
 def load(state_dict: dict, path: str | os.PathLike | None = None, *, strict: bool = True, verify: bool = True,

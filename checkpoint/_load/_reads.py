@@ -4,13 +4,19 @@ Every read goes through the storage, on the data files `CheckpointFiles` opened 
 in step 1. A piece that is one contiguous byte range of its saved box is read straight into
 its destination (adjacent pieces of a file by one request, ``preadv`` on POSIX); other pieces,
 column slices, read the dim-0 rows they span (`read_region`, also used by ``merge`` and
-``reshard``), at most ``max_read_bytes`` of rows at a time.
+``reshard``), at most ``max_read_bytes`` of rows at a time. Where the storage gains from
+requests in flight together (``Storage.read_concurrency`` > 1: an object store, where each
+read is one ranged GET) the reads run on that many threads (`run_bounded`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -18,7 +24,20 @@ from .._format import CheckpointFiles, SavedBox, adjacent_groups, byte_view, con
 from .._geometry import Box, ReadItem, split
 from .._storage import ReadHandle
 
-__all__ = ["Read", "read_all", "read_region"]
+__all__ = ["Read", "read_all", "read_region", "run_bounded"]
+
+T = TypeVar("T")
+_PART = 8 << 20  # with concurrent reads, the largest request: a big range goes as several in flight
+
+
+def run_bounded(tasks: list[Callable[[], T]], workers: int) -> list[T]:
+    """The results of ``tasks``, run on at most ``workers`` threads (in this thread when 1); the
+    first error is raised once every task has ended."""
+    if workers <= 1 or len(tasks) <= 1:
+        return [t() for t in tasks]
+    with concurrent.futures.ThreadPoolExecutor(min(workers, len(tasks))) as pool:
+        futures = [pool.submit(t) for t in tasks]
+    return [f.result() for f in futures]
 
 
 @dataclass
@@ -81,33 +100,59 @@ def read_all(files: CheckpointFiles, reads: list[Read], max_read_bytes: int) -> 
     by_file: dict[str, list[Read]] = defaultdict(list)
     for r in reads:
         by_file[r.saved.file].append(r)
+    workers = getattr(files.storage, "read_concurrency", 1)
+    part = _PART if workers > 1 else None  # requests in flight together: none larger than this
     nbytes = 0
-    with torch.no_grad():
-        for name, items in by_file.items():
-            header = files.header(name)
-            h = files.handle(name)
-            direct: list[tuple[int, int, torch.Tensor]] = []  # (file offset, bytes, destination)
-            for r in items:
-                entry = header.entries[r.saved.key]
-                itemsize = r.local.element_size()
-                for piece in split(r.item, max(1, max_read_bytes // itemsize)):
-                    dst = r.local[piece.dst.slices()]
-                    nbytes += dst.numel() * itemsize
-                    run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
-                    start = header.data_start + entry.begin
-                    if run is None:
-                        _read_rows(h, start, r.saved.box.sizes, piece.src.offsets, piece.src.sizes, dst,
-                                   max_read_bytes)
-                        continue
-                    at = start + run[0] * itemsize
-                    if dst.device.type == "cpu" and dst.is_contiguous():
-                        direct.append((at, dst.numel() * itemsize, dst))
-                    else:
-                        buf = torch.empty(dst.shape, dtype=dst.dtype)
-                        pread_into(h, buf, at, h.name)
-                        dst.copy_(buf)
-            for group in adjacent_groups([(at, at + n) for at, n, _ in direct]):
-                preadv_into(h, [byte_view(direct[i][2]) for i in group], direct[group[0]][0], h.name)
-                for i in group:
-                    torch.autograd.graph.increment_version(direct[i][2])  # as an in-place copy would
+    tasks: list[Callable[[], None]] = []
+    direct_dsts: list[torch.Tensor] = []
+    for name, items in by_file.items():
+        header = files.header(name)
+        h = files.handle(name)
+        segments: list[tuple[int, memoryview]] = []  # (file offset, destination bytes)
+        for r in items:
+            entry = header.entries[r.saved.key]
+            itemsize = r.local.element_size()
+            for piece in split(r.item, max(1, max_read_bytes // itemsize)):
+                dst = r.local[piece.dst.slices()]
+                nbytes += dst.numel() * itemsize
+                run = contiguous_run(piece.src.offsets, piece.src.sizes, r.saved.box.sizes)
+                start = header.data_start + entry.begin
+                if run is None:
+                    tasks.append(functools.partial(_read_rows, h, start, r.saved.box.sizes, piece.src.offsets,
+                                                   piece.src.sizes, dst, max_read_bytes))
+                    continue
+                at = start + run[0] * itemsize
+                if dst.device.type == "cpu" and dst.is_contiguous():
+                    view, n = byte_view(dst), dst.numel() * itemsize
+                    segments += [(at + k, view[k:k + (part or n)]) for k in range(0, n, part or max(n, 1))]
+                    direct_dsts.append(dst)
+                else:
+                    tasks.append(functools.partial(_buffered, h, at, dst))
+        for group in adjacent_groups([(at, at + len(v)) for at, v in segments]):
+            run_: list[tuple[int, memoryview]] = []
+            for i in group:
+                if run_ and part and sum(len(v) for _, v in run_) + len(segments[i][1]) > part:
+                    tasks.append(functools.partial(_preadv, h, run_))
+                    run_ = []
+                run_.append(segments[i])
+            tasks.append(functools.partial(_preadv, h, run_))
+    run_bounded([functools.partial(_no_grad, t) for t in tasks], workers)
+    for dst in direct_dsts:
+        torch.autograd.graph.increment_version(dst)  # as an in-place copy would
     return nbytes, len(by_file)
+
+
+def _no_grad(task: Callable[[], None]) -> None:
+    with torch.no_grad():  # (per thread)
+        task()
+
+
+def _preadv(h: ReadHandle, run: list[tuple[int, memoryview]]) -> None:
+    """Adjacent byte ranges of a file by one request, straight into their destinations."""
+    preadv_into(h, [v for _, v in run], run[0][0], h.name)
+
+
+def _buffered(h: ReadHandle, at: int, dst: torch.Tensor) -> None:
+    buf = torch.empty(dst.shape, dtype=dst.dtype)
+    pread_into(h, buf, at, h.name)
+    dst.copy_(buf)

@@ -42,9 +42,9 @@ def prepare(storage: Storage, path: str, series: str, rank: int) -> dict:
     setup: dict[str, Any] = {"token": token, "error": None, "said": []}
     if rank == 0:
         try:
-            check_target(storage, path)
-            setup["said"] = begin_save(storage, path, series, token)
-            storage.mkdir(temp_dir_for(storage, path, token))
+            current = check_target(storage, path)
+            setup["said"] = begin_save(storage, path, series, token, current)
+            storage.mkdir(temp_dir_for(storage, path, token), parents=not storage.atomic_rename)
         except Exception as e:
             setup["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
             try:  # begin_save may have recorded it: forget it (else the next save of the series does)

@@ -9,9 +9,8 @@ does not exist or is complete; a job killed at any point leaves earlier checkpoi
 and at worst a directory whose name says ``incomplete`` and which has no ``index.json``
 (every reader refuses it with a message saying so). ``tests/test_checkpoint_commit_order.py``
 checks this order of calls. Every call goes through a storage ([Note: storage semantics] in
-``_storage/_protocol.py``); where rename is not atomic (an object store) the storage copies
-with ``index.json`` last, which keeps the commit atomic for readers ([Note: commit on an object
-store] in ``_storage/_fsspec.py``).
+``_storage/_protocol.py``); where rename is not atomic (an object store) nothing is renamed:
+[Note: commit by a pointer].
 
 If ``<name>`` already is a checkpoint it is replaced: it is renamed away to
 ``.<name>.replaced-<token>`` first, the new one is renamed into place, then the files of the
@@ -20,9 +19,7 @@ user put there) are moved into the new one, and only then the rest of the old on
 (index first). A crash between the two renames leaves ``<name>`` missing and the intact old
 checkpoint in ``.<name>.replaced-<token>``: readers read that copy in place
 (`stand_in`; also `latest_checkpoint`, which names ``<name>``), and the next save of the series
-renames it back (`recover_replaced`, through the series record). Where rename copies (an object
-store) the same holds for a ``<name>`` left without ``index.json`` by a commit killed between
-deleting the old index and copying in the new one. A crash while the old copy is deleted leaves a
+renames it back (`recover_replaced`, through the series record). A crash while the old copy is deleted leaves a
 ``.replaced-<token>`` directory without an index: the next save of the series, which knows the
 token from its record, deletes what is left of it (only data files; anything else is kept and
 reported). A ``<name>`` that exists but is not a checkpoint (and not an empty directory), or is
@@ -31,25 +28,53 @@ a symbolic link, is never touched.
 A checkpoint's *own files* (`own_files`) are ``index.json``, ``.metadata`` ([Note: the .metadata
 marker] in ``checkpoint/_format/_index_model.py``) and the data files its index lists; `delete_own_files` deletes those (index first, so the directory stops being a
 checkpoint at once) and the directory only if nothing else is left in it.
+
+[Note: commit by a pointer]
+Where the storage cannot rename atomically (``atomic_rename`` False: an object store, fsspec's
+``memory://``) nothing is renamed or copied. A save writes its data files, index parts,
+``.metadata`` and ``index.json`` once, in place, into its own folder ``<name>/.v-<token>``
+(`temp_dir_for`), and commits by one PUT of ``<name>/index.json``: a *pointer*
+(``{"format": ..., "version": 3, "at": ".v-<token>", "save_id": <token>}``, ``_format.pointer_bytes``).
+A single PUT is atomic, so a reader that reads ``<name>/index.json`` sees the old version or
+the new one, whole; it follows the pointer once and reads only that version's folder, whose
+files no save ever changes (``_format._files``): no settle time, no guess.
+A version stops being current when a later save of ``<name>`` commits (its folder is then
+*superseded*) or when ``keep_last`` rotates ``<name>`` away (its pointer is deleted at once,
+so no new reader starts on it). **The rule**: a version folder is deleted no earlier than the
+start of the next save of the series after the one that superseded or rotated it (listed in
+the series record's ``deleting`` with ``"old"`` until then, [Note: deleting through the
+record] in ``_series.py``): a reader that read the pointer before the commit has at least one
+whole save interval to finish; one slower than that finds its files gone and is told to retry
+(never a mix: a version's files are never rewritten). A save killed at any request leaves the
+last committed pointer, hence a whole version; its own ``.v-<token>`` folder is deleted by the
+next save of the series (its pending entry names the token). A checkpoint written before
+pointers (``index.json`` a full index, data files next to it) loads as ever; a save replacing
+it supersedes those files (`superseded`) the same way. POSIX keeps its atomic rename.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from .._base import CheckpointError, parse_json_strict
-from .._format import (DCP_MARKER, FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, PART_SUFFIX, own_names,
-                       plain_file_name)
+from .._format import (DCP_MARKER, FORMAT_NAME, INCOMPLETE_MARK, INDEX_FILE, MAX_INDEX_BYTES, PART_SUFFIX, VERSION_MARK,
+                       own_names, pointer_at, pointer_bytes)
 from .._storage import Storage
 
 __all__ = ["temp_dir_for", "replaced_dir_for", "check_target", "commit", "own_files", "delete_own_files",
            "recover_replaced", "intact_replaced", "stand_in", "interrupted_save", "is_checkpoint", "index_of",
-           "remove_temp", "REPLACED_MARK"]
+           "remove_temp", "superseded", "REPLACED_MARK"]
 
 REPLACED_MARK = ".replaced-"
 
 
 def temp_dir_for(storage: Storage, path: str, token: str) -> str:
+    """Where the save ``token`` of ``path`` writes: a sibling ``.<name>.incomplete-<token>``
+    renamed into place, or where rename is not atomic its own folder ``<name>/.v-<token>``
+    ([Note: commit by a pointer])."""
+    if not storage.atomic_rename:
+        return storage.join(path, VERSION_MARK + token)
     return storage.join(storage.parent(path), f".{storage.name(path)}{INCOMPLETE_MARK}{token}")
 
 
@@ -61,8 +86,8 @@ def index_of(storage: Storage, path: str) -> dict | None:
     """The parsed index of the checkpoint directory ``path`` (a real directory, not a symlink,
     holding a regular ``index.json`` of this format), or None. Never opens a FIFO or a device."""
     file = storage.join(path, INDEX_FILE)
-    if storage.kind(path) != "dir" or storage.kind(file) != "file":
-        return None
+    if storage.atomic_rename and (storage.kind(path) != "dir" or storage.kind(file) != "file"):
+        return None  # (elsewhere read_small itself refuses what is not a regular file)
     try:
         raw = parse_json_strict(storage.read_small(file, MAX_INDEX_BYTES).decode("utf-8"))
     except (OSError, ValueError, RecursionError, UnicodeDecodeError, CheckpointError):
@@ -74,17 +99,31 @@ def is_checkpoint(storage: Storage, path: str) -> bool:
     return index_of(storage, path) is not None
 
 
+def superseded(raw: dict | None) -> list[str]:
+    """What a pointer commit over the index ``raw`` leaves behind in the checkpoint's folder: the
+    version folder a pointer names, or the own files of an index written in place (before
+    pointers), the index itself excepted ([Note: commit by a pointer])."""
+    if raw is None:
+        return []
+    at = pointer_at(raw)
+    return [at] if at is not None else sorted(own_names(raw) - {INDEX_FILE})
+
+
 def own_files(storage: Storage, path: str) -> set[str]:
     """The names inside checkpoint ``path`` that the format wrote (``_format.own_names``: the
     index and its temporary name, the ``.metadata`` marker, the data files and index parts it lists)."""
     return own_names(index_of(storage, path))
 
 
-def check_target(storage: Storage, path: str, replaceable: Callable[[Storage, str], bool] | None = None) -> None:
+def check_target(storage: Storage, path: str, replaceable: Callable[[Storage, str], bool] | None = None) -> dict | None:
     """Raise if ``path`` exists and is neither a checkpoint (``replaceable``, default
     `is_checkpoint`) nor an empty directory; also when it cannot be a directory at all (it lies
-    under a file)."""
-    replaceable = replaceable or is_checkpoint
+    under a file). Returns the checkpoint's index (a pointer, or in place) when it is one."""
+    if replaceable is None:
+        raw = index_of(storage, path)  # one request on an object store: asked first
+        if raw is not None:
+            return raw
+        replaceable = is_checkpoint
     where = storage.url(path)
     kind = storage.kind(path)
     if kind == "missing":
@@ -94,14 +133,14 @@ def check_target(storage: Storage, path: str, replaceable: Callable[[Storage, st
         if storage.kind(parent) not in ("dir", "missing"):
             raise CheckpointError(f"{where} cannot be created: {storage.url(parent)} is a file, not a folder. Save to "
                                   "a path inside a folder")
-        return
+        return None
     if kind == "link":
         raise CheckpointError(f"{where} is a symbolic link; refusing to replace it. Save to the directory it points to, "
                               "or to a new path")
     if kind == "dir" and (replaceable(storage, path) or not storage.list(path)):
-        return
-    if kind == "dir" and not storage.atomic_rename and _leftover_next_to_copy(storage, path):
-        return  # a copying rename killed half way: the save's cleanup (or `commit`) clears it
+        return None
+    if kind == "dir" and interrupted_save(storage, path):
+        return None  # a first save killed before its pointer: the series' cleanup deletes its folder
     raise CheckpointError(
         f"{where} exists and is not a shardwise checkpoint; refusing to replace it. Save to a new path or "
         "remove it first"
@@ -131,8 +170,9 @@ def delete_own_files(storage: Storage, path: str, own: Callable[[Storage, str], 
     ours = names if names is not None else (own or own_files)(storage, path)
     for name in [n for n in ours if n == INDEX_FILE] + sorted(ours - {INDEX_FILE}):
         file = storage.join(path, name)
-        if storage.kind(file) in ("file", "link"):
-            storage.delete(file)
+        if not storage.atomic_rename or storage.kind(file) in ("file", "link"):
+            with contextlib.suppress(FileNotFoundError):
+                storage.delete(file)
     left = storage.list(path)
     if not left:
         storage.rmdir(path)
@@ -155,16 +195,16 @@ def commit(storage: Storage, tmp: str, path: str, token: str,
            own: Callable[[Storage, str], set[str]] | None = None) -> list[str]:
     """Move the finished ``tmp`` directory to ``path`` (see [Note: atomic commit]). Returns
     entries of a replaced checkpoint that could not be moved over (left in its
-    ``.replaced-`` directory)."""
+    ``.replaced-`` directory). Where rename is not atomic, ``tmp`` is ``<path>/.v-<token>`` and
+    the commit is one write of the pointer ([Note: commit by a pointer])."""
+    if not storage.atomic_rename:
+        storage.write_atomic(storage.join(path, INDEX_FILE), pointer_bytes(token))
+        return []
     parent = storage.parent(path)
     storage.fsync_dir(tmp)
     check_target(storage, path, replaceable)
     old = None
     kind = storage.kind(path)
-    if kind == "dir" and not storage.atomic_rename and storage.kind(storage.join(path, INDEX_FILE)) != "file":
-        for name in _leftover_next_to_copy(storage, path) or []:
-            storage.delete(storage.join(path, name))
-        kind = storage.kind(path)
     if kind == "dir" and not storage.list(path):
         storage.rmdir(path)
     elif kind == "dir":
@@ -202,40 +242,21 @@ _LEFTOVER_SUFFIXES = (".safetensors", PART_SUFFIX, INDEX_FILE + ".tmp")
 
 
 def stand_in(storage: Storage, path: str) -> str | None:
-    """The intact ``.<name>.replaced-<token>`` copy that a reader of ``path`` reads in its place
-    (the last committed version of ``path``), or None. Reads only. That is the case when
-    ``path`` is missing (a replace between its two renames, under way or interrupted) and,
-    where rename copies (an object store, [Note: commit on an object store] in
-    ``_storage/_fsspec.py``), when ``path`` is a folder without ``index.json`` holding only what
-    a copying rename leaves there (the format's data files and names of the old copy): a
-    replace stopped after deleting the old ``index.json`` and before copying in the new one.
-    The caller knows ``path`` is not a checkpoint (this does not read its index)."""
-    kind = storage.kind(path)
-    if kind == "missing":
-        return intact_replaced(storage, path)
-    if kind != "dir" or storage.atomic_rename or storage.kind(storage.join(path, INDEX_FILE)) != "missing":
-        return None
-    old = intact_replaced(storage, path)
-    if old is None:
-        return None
-    theirs = set(storage.list(old))
-    ok = all(n in theirs or n.endswith(_LEFTOVER_SUFFIXES) or n == DCP_MARKER for n in storage.list(path))
-    return old if ok else None
+    """The intact ``.<name>.replaced-<token>`` copy that a reader of the missing ``path`` reads
+    in its place (a replace between its two renames, under way or interrupted: the last
+    committed version of ``path``), or None. Reads only."""
+    return intact_replaced(storage, path) if storage.kind(path) == "missing" else None
 
 
 def interrupted_save(storage: Storage, path: str) -> str | None:
-    """Where rename copies: the URL of a save's ``.<name>.incomplete-`` or ``.replaced-`` folder
-    next to ``path`` when ``path`` is a folder without ``index.json`` (a commit copying into it,
-    under way or killed), else None. Reads only."""
-    if storage.atomic_rename or storage.kind(path) != "dir" or storage.kind(storage.join(path, INDEX_FILE)) != "missing":
+    """Where rename is not atomic: the URL of a save's ``.v-<token>`` folder in ``path`` when
+    ``path`` holds nothing but such folders (a first save writing, or killed before its
+    pointer; or a checkpoint rotated away), else None. Reads only."""
+    if storage.atomic_rename or storage.kind(path) != "dir":
         return None
-    parent, prefix = storage.parent(path), f".{storage.name(path)}"
-    try:
-        names = storage.list(parent)
-    except OSError:
-        return None
-    found = [n for n in names if n.startswith(prefix + INCOMPLETE_MARK) or n.startswith(prefix + REPLACED_MARK)]
-    return storage.url(storage.join(parent, sorted(found)[0])) if found else None
+    names = storage.list(path)
+    ok = names and all(n.startswith(VERSION_MARK) for n in names)
+    return storage.url(storage.join(path, names[0])) if ok else None
 
 
 def recover_replaced(storage: Storage, path: str, token: str | None = None) -> str | None:
@@ -248,9 +269,8 @@ def recover_replaced(storage: Storage, path: str, token: str | None = None) -> s
     files (``*.safetensors``, ``index.json.tmp``, ``.metadata``; anything else is kept and named). Returns a
     sentence saying what was done, or None when there was nothing to do.
     """
-    if token is not None and not storage.atomic_rename:
-        first = _replaced_copies(storage, path, token)
-        _clear_copy_leftovers(storage, path, first[0] if first else None)
+    if not storage.atomic_rename:
+        return None  # nothing is renamed there ([Note: commit by a pointer])
     copies = _replaced_copies(storage, path, token)
     intact = [p for p in copies if is_checkpoint(storage, p)]
     if storage.kind(path) == "missing":
@@ -274,70 +294,16 @@ def recover_replaced(storage: Storage, path: str, token: str | None = None) -> s
             + (f" (kept {left})" if left else ""))
 
 
-def _twin(storage: Storage, a: str, b: str) -> bool:
-    """Whether files ``a`` and ``b`` hold the same bytes (one a copy of the other)."""
-    try:
-        if storage.kind(a) != "file" or storage.kind(b) != "file" or storage.size(a, False) != storage.size(b, False):
-            return False
-        n = storage.size(a, False)
-        return storage.read_small(a, n) == storage.read_small(b, n)
-    except (OSError, CheckpointError):
-        return False
-
-
-def _copy_leftover(storage: Storage, path: str, old: str | None) -> list[str] | None:
-    """The names in the folder ``path`` (not a checkpoint) when each is a data file of the
-    format or a copy of the same name in ``old`` (a ``.replaced-`` copy): what a copying rename
-    killed half way leaves at ``path``; else None (``path`` holds something else: keep it)."""
-    names = storage.list(path)
-    ok = all(storage.kind(storage.join(path, n)) == "file" and (
-        n.endswith(_LEFTOVER_SUFFIXES) or n == DCP_MARKER
-        or (old is not None and _twin(storage, storage.join(path, n), storage.join(old, n)))) for n in names)
-    return names if names and ok else None
-
-
-def _leftover_next_to_copy(storage: Storage, path: str) -> list[str] | None:
-    """`_copy_leftover` of ``path`` against the intact ``.replaced-`` copy next to it; None
-    without one (a folder of safetensors files alone may be a user's: never touched)."""
-    old = intact_replaced(storage, path)
-    return None if old is None else _copy_leftover(storage, path, old)
-
-
-def _clear_copy_leftovers(storage: Storage, path: str, old: str | None) -> None:
-    """Undo what a copying rename (a storage without atomic rename: [Note: commit on an object
-    store] in ``_storage/_fsspec.py``) left half done when its process was killed, so that the
-    POSIX recovery of `recover_replaced` applies:
-
-    * ``path`` a folder without index (killed while ``path`` was deleted after being copied to
-      ``old``, or while the new checkpoint was copied into ``path``; ``path`` was missing, empty
-      or a checkpoint when the save began, `check_target`): when each of its files is a data
-      file of the format or a copy of ``old``'s, delete them, so ``path`` is missing and an
-      intact ``old`` is renamed back;
-    * ``path`` a checkpoint and ``old`` the same one (same ``save_id``: killed after copying
-      ``path`` to ``old``, before deleting ``path``), or ``old`` a partial copy without index
-      (killed while copying): delete the files of ``old`` that ``path`` holds too;
-    * ``path`` the new checkpoint and ``old`` intact: a user file whose move was killed after
-      the copy is in both; delete ``old``'s copy (the move then finishes as usual).
-
-    Files found in only one place, other than the format's data files, are never deleted."""
-    if storage.kind(path) == "dir" and not is_checkpoint(storage, path):
-        for n in _copy_leftover(storage, path, old) or []:
-            storage.delete(storage.join(path, n))
-        return
-    here = index_of(storage, path)
-    if here is None or old is None:
-        return
-    there = index_of(storage, old)
-    same = there is not None and there.get("save_id") == here.get("save_id")
-    keep = set() if same or there is None else own_files(storage, old)
-    for n in sorted(storage.list(old), key=lambda n: n != INDEX_FILE):  # the index first: old stops being one
-        if n not in keep and _twin(storage, storage.join(old, n), storage.join(path, n)) and (n != INDEX_FILE or same):
-            storage.delete(storage.join(old, n))
-
-
 def remove_temp(storage: Storage, tmp: str) -> bool:
-    """Delete a temporary ``.incomplete-`` directory this process created; True if it existed."""
-    if INCOMPLETE_MARK not in storage.name(tmp) or storage.kind(tmp) != "dir":
+    """Delete a save's temporary ``.incomplete-`` directory, or its ``.v-<token>`` folder unless
+    a pointer names it (committed); True if it existed."""
+    name = storage.name(tmp)
+    if name.startswith(VERSION_MARK):
+        if pointer_at(index_of(storage, storage.parent(tmp))) == name:
+            return False
+    elif INCOMPLETE_MARK not in name or storage.kind(tmp) != "dir":
+        return False
+    if storage.kind(tmp) != "dir":
         return False
     try:
         storage.rmtree(tmp)

@@ -32,7 +32,12 @@ names of its own files) *before* any file is deleted, and leaves ``deleting`` on
 gone. A kill in the middle (after the index is deleted, say) therefore never loses track of it:
 every later save of the series, and every rotation, finishes the deletions listed there. A
 deletion that fails (permissions, a read-only mount) is reported as such ("could not remove"),
-never as done, and stays listed, to be retried.
+never as done, and stays listed, to be retried. Where a save commits by a pointer ([Note: commit
+by a pointer] in ``_commit.py``) what it supersedes (the version folder the old pointer named,
+or the files of a checkpoint written in place before pointers) and the version folders of what
+it rotates away are listed with ``"old"`` after its commit, and deleted by the next save of the
+series, never by the one that superseded them: that is the readers' grace. A version folder
+that a pointer names again is never deleted.
 
 [Note: rotation order]
 "Newest" is the order of commits, not of clocks: each recorded checkpoint carries ``seq``, one
@@ -52,9 +57,9 @@ import json
 import re
 import threading
 
-from ._commit import delete_own_files, index_of, recover_replaced, remove_temp, temp_dir_for
+from ._commit import delete_own_files, index_of, recover_replaced, remove_temp, superseded, temp_dir_for
 from .._base import CheckpointError, parse_json_strict
-from .._format import DCP_MARKER, own_names, plain_file_name
+from .._format import DCP_MARKER, INDEX_FILE, VERSION_MARK, own_names, plain_file_name, pointer_at
 from .._storage import Storage
 
 __all__ = ["RECORD_FILE", "default_series", "begin_save", "finish_save", "abort_save", "saving"]
@@ -79,13 +84,14 @@ def default_series(name: str) -> str:
 
 def _load(storage: Storage, parent: str) -> dict:
     file = storage.join(parent, RECORD_FILE)
-    kind = storage.kind(file)
-    if kind == "missing":
-        return {"format": "shardwise.series", "version": 1, "series": {}}
     try:
-        if kind != "file":
-            raise ValueError("not a regular file")
-        raw = parse_json_strict(storage.read_small(file, _MAX_RECORD_BYTES).decode("utf-8"))
+        try:
+            data = storage.read_small(file, _MAX_RECORD_BYTES)  # refuses what is not a regular file
+        except (OSError, CheckpointError):
+            if storage.kind(file) == "missing":
+                return {"format": "shardwise.series", "version": 1, "series": {}}
+            raise ValueError("not a regular file") from None
+        raw = parse_json_strict(data.decode("utf-8"))
         if not isinstance(raw, dict) or not isinstance(raw.get("series"), dict):
             raise ValueError("not a series record")
     except (OSError, ValueError, RecursionError, UnicodeDecodeError, CheckpointError):
@@ -157,6 +163,8 @@ def _clean_pending(storage: Storage, parent: str, entry: dict) -> list[str]:
         if done:
             said.append(done)
         raw = index_of(storage, path)
+        if raw is not None and raw.get("save_id") == token and isinstance(p.get("old"), list):
+            entry["deleting"].append({"name": name, "save_id": token, "old": p["old"]})
         if raw is not None and raw.get("save_id") == token and not any(
                 isinstance(c, dict) and c.get("name") == name and c.get("save_id") == token for c in entry["checkpoints"]):
             seq = max((_seq(c) for c in entry["checkpoints"] if isinstance(c, dict)), default=-1) + 1
@@ -174,15 +182,23 @@ def _delete_listed(storage: Storage, parent: str, entry: dict) -> list[str]:
     said, still = [], []
     for d in entry["deleting"]:
         name = d.get("name") if isinstance(d, dict) else None
+        if isinstance(d.get("old"), list) and isinstance(name, str) and _entry_name(name):
+            try:
+                said += _delete_old(storage, storage.join(parent, name), d["old"])
+            except OSError as e:
+                still.append(d)
+                said.append(f"could not remove what a save superseded in {storage.url(storage.join(parent, name))} "
+                            f"({e.strerror or type(e).__name__}); retried at the next save")
+            continue
         files = d.get("files") if isinstance(d, dict) else None
         if not _entry_name(name) or not isinstance(files, list) or not isinstance(name, str):
             continue
         full = storage.join(parent, name)
-        kind = storage.kind(full)
+        raw = index_of(storage, full)
+        kind = storage.kind(full) if raw is None else "dir"
         if kind == "missing":
             said.append(f"removed {storage.url(full)}")
             continue
-        raw = index_of(storage, full)
         if kind != "dir" or (raw is not None and raw.get("save_id") != d.get("save_id")):
             said.append(f"left {storage.url(full)} alone: it is no longer the checkpoint this series wrote there")
             continue
@@ -193,15 +209,38 @@ def _delete_listed(storage: Storage, parent: str, entry: dict) -> list[str]:
             said.append(f"could not remove {storage.url(full)} ({e.strerror or type(e).__name__}); it stays in the "
                         "series record and is retried at the next save")
             continue
+        left = [n for n in left if not n.startswith(VERSION_MARK)]  # listed with "old": the next save's
         said.append(f"removed the checkpoint files of {storage.url(full)} (kept the other entries there: {left})"
                     if left else f"removed {storage.url(full)}")
     entry["deleting"] = still
     return said
 
 
-def begin_save(storage: Storage, path: str, series: str, token: str) -> list[str]:
+def _delete_old(storage: Storage, path: str, old: list) -> list[str]:
+    """Delete the superseded entries ``old`` of checkpoint ``path`` ([Note: commit by a pointer]
+    in ``_commit.py``): version folders and files of an index written in place, never one that
+    the index there now names."""
+    raw = index_of(storage, path)
+    keep = {pointer_at(raw)} if pointer_at(raw) else own_names(raw) if raw else set()
+    gone = []
+    for n in old:
+        if not isinstance(n, str) or n in keep or not _entry_name(n) or n == INDEX_FILE:
+            continue
+        full = storage.join(path, n)
+        if n.startswith(VERSION_MARK):
+            storage.rmtree(full)
+        elif storage.kind(full) == "file":
+            storage.delete(full)
+        gone.append(n)
+    if raw is None and not storage.list(path):
+        storage.rmdir(path)  # rotated away: the folder goes with its last version
+    return [f"removed {gone} of {storage.url(path)}, superseded by a later save"] if gone else []
+
+
+def begin_save(storage: Storage, path: str, series: str, token: str, current: dict | None = None) -> list[str]:
     """Rank 0, before creating the temporary directory: clean up the series' unfinished saves
-    and deletions, then record this one as pending."""
+    and deletions, then record this one as pending (where it commits by a pointer, with what it
+    will supersede of ``current``, the index at ``path`` now)."""
     parent = storage.parent(path)
     storage.mkdir(parent, parents=True)
     with storage.lock(parent):
@@ -209,7 +248,10 @@ def begin_save(storage: Storage, path: str, series: str, token: str) -> list[str
         entry = _entry(record, series)
         said = _clean_pending(storage, parent, entry)
         said += _delete_listed(storage, parent, entry)
-        entry["pending"].append({"name": storage.name(path), "token": token, **storage.holder()})
+        mine = {"name": storage.name(path), "token": token, **storage.holder()}
+        if not storage.atomic_rename and current is not None:
+            mine["old"] = superseded(current)
+        entry["pending"].append(mine)
         _store(storage, parent, record)
     saving(token, True)
     return said
@@ -240,6 +282,8 @@ def finish_save(storage: Storage, path: str, series: str, token: str, created: i
     with storage.lock(parent):
         record = _load(storage, parent)
         entry = _entry(record, series)
+        later = [{"name": name, "save_id": token, "old": p["old"]} for p in entry["pending"]
+                 if isinstance(p, dict) and p.get("token") == token and isinstance(p.get("old"), list) and p["old"]]
         entry["pending"] = [p for p in entry["pending"] if not (isinstance(p, dict) and p.get("token") == token)]
         older = [c for c in entry["checkpoints"] if isinstance(c, dict) and c.get("name") != name]
         older.sort(key=_seq, reverse=True)  # stable: unnumbered (older) records keep their order, last
@@ -251,19 +295,27 @@ def finish_save(storage: Storage, path: str, series: str, token: str, created: i
             for c in doomed:
                 cname = c.get("name")
                 full = storage.join(parent, cname) if isinstance(cname, str) and _entry_name(cname) else None
-                if full is None or storage.kind(full) == "missing":
+                raw = index_of(storage, full) if full is not None else None
+                if full is None or (raw is None and storage.kind(full) == "missing"):
                     said.append(f"forgot {cname!r} of the series record (already gone)")
                     continue
-                raw = index_of(storage, full)
-                if storage.kind(full) != "dir" or raw is None or raw.get("save_id") != c.get("save_id"):
+                if raw is None or raw.get("save_id") != c.get("save_id"):
                     said.append(f"left {storage.url(full)} alone: it is no longer the checkpoint this series wrote "
                                 "there")
                     continue
-                entry["deleting"].append({"name": cname, "save_id": c.get("save_id"), "files": sorted(own_names(raw))})
+                at = pointer_at(raw)
+                entry["deleting"].append({"name": cname, "save_id": c.get("save_id"),
+                                          "files": [INDEX_FILE] if at else sorted(own_names(raw))})
+                if at:  # its version folder: readers that followed the pointer still read it
+                    later.append({"name": cname, "save_id": c.get("save_id"), "old": [at]})
         entry["checkpoints"] = kept
+        now = entry["deleting"]
+        entry["deleting"] = now + later  # ``later``: deleted by the next save ([Note: commit by a pointer])
         _store(storage, parent, record)  # the doomed are listed as deleting before any file goes
-        if entry["deleting"]:
+        if now:
+            entry["deleting"] = now
             said += _delete_listed(storage, parent, entry)
+            entry["deleting"] += later
             storage.fsync_dir(parent)
             _store(storage, parent, record)
     return said

@@ -5,18 +5,13 @@ On the local file system (``file://``) rename is ``os.rename`` (atomic) and the 
 ``flock``, as `PosixStorage`. Elsewhere (object stores, ``memory://``):
 
 [Note: commit on an object store]
-An object store has no atomic rename of a prefix: ``mv`` copies objects one by one. The commit
-stays atomic because a directory is a checkpoint exactly when its ``index.json`` exists and
-every reader reads the index first: `FsspecStorage.rename` copies every other object first and
-``index.json`` last (``dst`` becomes a checkpoint only when complete), then deletes ``src``'s
-``index.json`` first (``src`` stops being one at once) and the rest after (one batch delete).
-A single object PUT is atomic on the stores fsspec serves, so ``write_atomic`` is one
-``pipe_file``. A kill at any point leaves at least one complete copy (the old one until the new
-one is complete); the half-done copies a kill can leave (a folder without index at ``<name>``,
-a partial ``.replaced-`` copy, a user file in two places) are undone by the next save of the
-series (``_clear_copy_leftovers`` in ``checkpoint/_series/_commit.py``). There is no
-cross-process lock: one job saves a series at a time (the lock here only orders the threads of
-this process). docs/checkpoint.md, "On an object store", lists the requests of a save.
+An object store has no rename, so a save there never renames (``atomic_rename`` is False):
+it writes its files once, in place, into its own folder ``<name>/.v-<token>``, and commits by
+one PUT of ``<name>/index.json``, a pointer to that folder ([Note: commit by a pointer] in
+``checkpoint/_series/_commit.py``). A single PUT is atomic on the stores fsspec serves, so
+``write_atomic`` is one ``pipe_file``. ``rename`` is refused there. There is no cross-process
+lock: one job saves a series at a time (the lock here only orders the threads of this process).
+docs/checkpoint.md, "On an object store", lists the requests of a save.
 
 [Note: folders on an object store]
 On an object store (``virtual_dirs``: every fsspec file system but the local one and
@@ -25,20 +20,8 @@ creates nothing, a folder whose last object is deleted is gone (``list`` answers
 ``rmdir`` does nothing, as for an emptied folder), and ``kind`` says ``"missing"`` for an empty
 one. s3fs caches listings and answers ``info`` from them forever; another process changes the
 store behind that cache, so every ``kind``/``list`` first drops what is cached for the path.
-
-[Note: readers on an object store]
-A reader cannot pin a version (no directory descriptors). The `_View` remembers what it saw:
-the kind of each name it asked about (the folder's own included) and the bytes of each small
-file it read (``index.json``); `_View.is_current` compares them with what is there now, which
-is how a load detects a replace that happened while it read and says "being replaced, retry"
-(docs/checkpoint.md, "Readers and a writer"). A rename passes ``<name>`` through two states a
-POSIX rename never shows: a folder without ``index.json`` (being copied in, or the rest being
-deleted after the index) and, on an object store, no folder at all between the two renames of
-a replace. A view that saw either is current only if nothing comes into or leaves the folder
-for ``settle_s`` (1 s, or 20 times as long as one listing took when the store or the host is
-slow; only on this error path): otherwise a rename is under way and the load says "retry",
-not "not a checkpoint". This is a bound on time, not a proof: a writer stalled longer than
-that between the two renames of a replace makes the load say "does not exist" once.
+Every object is a regular file there, so ``read_small`` is one ranged GET (a file past its
+limit is refused from the bytes past it, which are never more than one).
 """
 
 from __future__ import annotations
@@ -48,7 +31,6 @@ import hashlib
 import os
 import posixpath
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -60,16 +42,29 @@ from ._protocol import Kind
 
 __all__ = ["FsspecStorage"]
 
-_INDEX = "index.json"
 _locks: dict[tuple[int, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
 class _Reader:
-    def __init__(self, f: Any, name: str, size: int) -> None:
-        self._f, self.name, self.size = f, name, size
+    """An open file (``f``), or on an object store (``f`` None) an object read by one ranged GET
+    per call, never more bytes than asked for."""
+
+    def __init__(self, f: Any, name: str, size: int, fs: Any = None, path: str = "") -> None:
+        self._f, self.name, self.size, self._fs, self._path = f, name, size, fs, path
 
     def readinto(self, views: Sequence[memoryview], offset: int) -> int:
+        if self._f is None:
+            end = min(self.size, offset + sum(len(v) for v in views))
+            data = memoryview(self._fs.cat_file(self._path, start=offset, end=end)) if end > offset else memoryview(b"")
+            done = 0
+            for v in views:
+                n = min(len(v), len(data) - done)
+                v[:n] = data[done:done + n]
+                done += n
+                if n < len(v):
+                    break
+            return done
         self._f.seek(offset)
         done = 0
         for v in views:
@@ -80,11 +75,15 @@ class _Reader:
         return done
 
     def read(self, n: int, offset: int) -> bytes:
+        if self._f is None:
+            end = min(self.size, offset + n)
+            return bytes(self._fs.cat_file(self._path, start=offset, end=end)) if end > offset else b""
         self._f.seek(offset)
         return bytes(self._f.read(n))
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 class _Writer:
@@ -107,20 +106,20 @@ class _Writer:
 
 
 class _View:
-    """A directory read by path: nothing is pinned, so the view remembers what it saw (the kind of
-    each name it asked about, the bytes of each small file it read) and `is_current` compares
-    that with what is there now (see [Note: readers on an object store])."""
+    """A directory read by path, not pinned: the view remembers what it saw (the kind of each name
+    it asked about, the bytes of each small file it read) and `is_current` compares that with
+    what is there now. (A pointer's version folder needs none of it: [Note: commit on an object
+    store].)"""
 
     pinned = False
-    settle_s = 1.0  # how long a folder without index.json must stay unchanged to be taken as such
 
     def __init__(self, storage: FsspecStorage, path: str) -> None:
         self.path, self._s = path, storage
         self._seen: dict[str, tuple[int, str | None]] = {}
         self._kinds: dict[str, Kind] = {}
+        if storage.virtual_dirs:
+            return  # a prefix: whether it holds an index is the one question, asked by reading it
         kind = self._kinds[""] = storage.kind(path)
-        if kind == "missing" and storage.virtual_dirs:
-            return  # perhaps between the two renames of a replace: the index check says which
         if kind != "dir":
             raise CheckpointError(f"{storage.url(path)} does not exist" if kind == "missing" else
                                   f"{storage.url(path)} is a file, not a checkpoint directory")
@@ -153,29 +152,9 @@ class _View:
         except (CheckpointError, OSError):
             return None
 
-    def _moving(self) -> bool:
-        """Whether objects come into or leave this folder, which has no ``index.json``, within
-        `settle_s`: a rename under way (copying in, or deleting the rest after the index)."""
-        start = time.monotonic()
-        listing = self._s.list(self.path)
-        took = time.monotonic() - start  # a slow store (or a busy host) has longer gaps between a rename's steps
-        deadline = time.monotonic() + max(self.settle_s, 20 * took)
-        while time.monotonic() < deadline:
-            time.sleep(max(0.05, took))
-            if self._s.list(self.path) != listing:
-                return True
-        return False
-
     def is_current(self) -> bool:
-        for name, kind in self._kinds.items():
-            if self._s.kind(self._s.join(self.path, name) if name else self.path) != kind:
-                return False
-        for name, (limit, digest) in self._seen.items():
-            if self._digest(name, limit) != digest:
-                return False
-        if self._s.virtual_dirs and (self._kinds.get(_INDEX) == "missing" or self._kinds[""] == "missing"):
-            return not self._moving()
-        return True
+        return (all(self._s.kind(self._s.join(self.path, n) if n else self.path) == k for n, k in self._kinds.items())
+                and all(self._digest(n, limit) == d for n, (limit, d) in self._seen.items()))
 
     def close(self) -> None:
         pass
@@ -183,9 +162,10 @@ class _View:
 
 class FsspecStorage:
     """Any fsspec file system (see the module docstring). ``FsspecStorage.from_url(url)`` gives
-    the storage and the path inside it."""
+    the storage and the path inside it. ``read_concurrency``: the most reads a load keeps in
+    flight at once (default 16 on an object store, 1 elsewhere)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, read_concurrency: int | None = None) -> None:
         self.fs = fs
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.local = "file" in protocols or "local" in protocols
@@ -193,6 +173,8 @@ class FsspecStorage:
         # an object store's folders are key prefixes: one exists while an object lies under it
         # (see [Note: folders on an object store]); fsspec's memory:// and the local disk keep real ones
         self.virtual_dirs = not self.local and "memory" not in protocols
+        # ranged GETs a load keeps in flight at once (each read is one request there; 1 elsewhere)
+        self.read_concurrency = read_concurrency or (16 if self.virtual_dirs else 1)
         self._posix = PosixStorage() if self.local else None
 
     @classmethod
@@ -255,12 +237,23 @@ class FsspecStorage:
 
     def open_read(self, path: str, follow: bool = True) -> _Reader:
         size = self._regular(path, follow)
+        if self.virtual_dirs:
+            return _Reader(None, self.url(path), size, self.fs, path)
         try:
             return _Reader(self.fs.open(path, "rb"), self.url(path), size)
         except FileNotFoundError:
             raise CheckpointError(f"{self.url(path)} is missing") from None
 
     def read_small(self, path: str, limit: int, follow: bool = False) -> bytes:
+        if self.virtual_dirs:  # one ranged GET: see [Note: folders on an object store]
+            try:
+                data = bytes(self.fs.cat_file(path, start=0, end=limit + 1))
+            except FileNotFoundError:
+                raise CheckpointError(f"{self.url(path)} is missing") from None
+            if len(data) > limit:
+                raise CheckpointError(f"{self.url(path)} has more than {limit} bytes, more than such a file can have; "
+                                      "refusing to read it")
+            return data
         size = self._regular(path, follow)
         if size > limit:
             raise CheckpointError(f"{self.url(path)} has {size} bytes, more than such a file can have ({limit}); "
@@ -291,36 +284,21 @@ class FsspecStorage:
             raise
 
     def mkdir(self, path: str, parents: bool = False) -> None:
-        if self.kind(path) != "missing" and not parents:
-            raise FileExistsError(path)
         if self.virtual_dirs:
             return  # a prefix needs no creating: it exists once an object is written under it
+        if not parents and self.kind(path) != "missing":
+            raise FileExistsError(path)
         if not parents and self.kind(self.parent(path)) == "missing":
             raise FileNotFoundError(self.parent(path))
         self.fs.makedirs(path, exist_ok=True)
 
     def rename(self, src: str, dst: str) -> None:
+        if not self.local:
+            raise OSError(f"{self.url(src)}: this storage cannot rename atomically (see [Note: commit on an object "
+                          "store])")
         if self.kind(dst) != "missing":
             raise FileExistsError(f"{self.url(dst)} exists")
-        if self.local:
-            os.rename(src, dst)
-            return
-        if self.kind(src) != "dir":
-            self.fs.mv(src, dst)
-            return
-        self._fresh(src)
-        found = self.fs.find(src, detail=True)
-        files = sorted(p for p, info in found.items() if info.get("type") == "file")
-        rel = [posixpath.relpath(p, src) for p in files]
-        if not self.virtual_dirs:
-            self.fs.makedirs(dst, exist_ok=True)
-        for p, r in sorted(zip(files, rel), key=lambda pr: pr[1] == _INDEX):  # the index last: see the note
-            if not self.virtual_dirs:
-                self.fs.makedirs(posixpath.dirname(posixpath.join(dst, r)), exist_ok=True)
-            self.fs.cp_file(p, posixpath.join(dst, r))
-        if _INDEX in rel:
-            self.fs.rm_file(posixpath.join(src, _INDEX))  # src stops being a checkpoint first
-        self.fs.rm(src, recursive=True)
+        os.rename(src, dst)
 
     def fsync_dir(self, path: str) -> None:
         if self._posix is not None:
@@ -337,20 +315,26 @@ class FsspecStorage:
         return sorted(n for n in (self.name(p) for p in names) if n not in ("", ".", ".."))
 
     def delete(self, path: str) -> None:
+        if self.virtual_dirs:
+            self.fs.rm_file(path)  # (deleting a missing object is no error there)
+            return
         if self.kind(path) == "missing":
             raise FileNotFoundError(path)
         self.fs.rm_file(path)
 
     def rmdir(self, path: str) -> None:
+        if self.virtual_dirs:
+            return  # the prefix goes with its last object
         if self.list(path):
             raise OSError(f"{self.url(path)} is not empty")
-        if self.virtual_dirs:
-            return  # the prefix went with its last object
         self.fs.rmdir(path)
 
     def rmtree(self, path: str) -> None:
         self._fresh(path)
-        self.fs.rm(path, recursive=True)
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            return
         if not self.virtual_dirs and self.kind(path) == "dir":
             with contextlib.suppress(OSError, FileNotFoundError):
                 self.fs.rmdir(path)

@@ -209,6 +209,7 @@ class PosixStorage:
     """The local file system, through ``os`` (see the module docstring)."""
 
     atomic_rename = True
+    read_concurrency = 1
 
     def url(self, path: str) -> str:
         return path

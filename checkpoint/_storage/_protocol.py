@@ -19,12 +19,10 @@ What the commit protocol ([Note: atomic commit] in ``checkpoint/_series/_commit.
   durable (fsync on POSIX; a completed upload on an object store, which happens at close).
 * ``write_atomic(path, data)``: readers see the old content or the new, whole; a failure leaves
   no temporary file behind.
-* ``rename(src, dst)`` of a directory: ``dst`` must not exist. Where ``atomic_rename`` is True
-  (POSIX, the local file system through fsspec) it is one atomic step. Where it is False (object
-  stores, fsspec's ``memory://``) it copies: every entry but ``index.json`` first, ``index.json``
-  last (so ``dst`` is a checkpoint only once complete), then deletes ``src`` with its
-  ``index.json`` first (so ``src`` stops being one at once). At every moment one complete copy
-  exists.
+* ``rename(src, dst)`` of a directory: ``dst`` must not exist; one atomic step. Called only
+  where ``atomic_rename`` is True (POSIX, the local file system through fsspec); where it is
+  False (object stores, fsspec's ``memory://``) a save commits by a pointer instead ([Note:
+  commit by a pointer] in ``checkpoint/_series/_commit.py``) and ``rename`` may refuse.
 * ``fsync_dir(path)`` makes the entries of a folder (creations, renames, deletions) durable;
   a no-op where the storage has no such notion.
 * ``list(path)`` the entry names of a folder (no ``.``/``..``); ``delete`` one file; ``rmdir``
@@ -114,6 +112,7 @@ class DirView(Protocol):
 
 class Storage(Protocol):
     atomic_rename: bool
+    read_concurrency: int  # the most reads a load runs at once (threads); 1 where one at a time is best
 
     def url(self, path: str) -> str: ...
 
