@@ -4,7 +4,9 @@ prints them (a file, or ``file::test`` for every parametrization of one test), c
 durations of a full run (``pytest --durations=0``) so that the rest takes under 4 minutes of
 pytest time on a 2-core machine. An entry that names no file, or no test of its file, fails
 the collection: the list cannot rot when a test is renamed or moved. The full run (README's
-command) still runs everything."""
+command) still runs everything. The tier keeps its own budget (tests/_fast_tier.py): new
+multi-rank tests are slow unless marked fast, and a fast-tier session fails when its tests'
+durations, in quiet seconds, exceed the budget."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import ast
 import pathlib
 
 import pytest
+
+from tests._fast_tier import RECORD, BudgetPlugin, RecordFile, is_fast_tier, launches_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -159,6 +163,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stale = _stale(SLOW)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")
+    recorded = RecordFile.read().durations if RECORD.is_file() else None
     for item in items:
         if any(_matches(item.nodeid, entry) for entry in SLOW):
             item.add_marker(pytest.mark.slow)
+        elif (recorded is not None and item.nodeid not in recorded and not item.get_closest_marker("fast")
+              and launches_ranks(item)):
+            item.add_marker(pytest.mark.slow)  # a new multi-rank test: slow unless marked fast
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast-tier-record", action="store_true", default=False,
+                     help="with -m 'not slow' over tests/: write each test's duration, in quiet seconds, "
+                          "to tests/fast_tier.json (tests/_fast_tier.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if is_fast_tier(config) or config.getoption("fast_tier_record"):
+        record = RecordFile.read() if RECORD.is_file() else None
+        config.pluginmanager.register(BudgetPlugin(config, record), "fast-tier-budget")
