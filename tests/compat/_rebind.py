@@ -96,12 +96,24 @@ def _torch_fsdp_module_class() -> type:
     return getattr(fsdp, TORCH, fsdp).FSDPModule
 
 
-def _hook_origin(hook) -> str:
-    """The module that defines a forward hook (a function, a closure, a bound method or a
-    ``functools.partial`` of one)."""
+def _hook_origins(hook, depth: int = 3) -> set[str]:
+    """The modules that define a forward hook and what it calls through its closure: a function,
+    a closure, a bound method or a ``functools.partial`` of one (torch's ``distribute_module``
+    registers a lambda of its own around the style's ``_prepare_input_fn``)."""
+    out: set[str] = set()
     while hasattr(hook, "func"):  # functools.partial
         hook = hook.func
-    return getattr(getattr(hook, "__func__", hook), "__module__", "") or ""
+    hook = getattr(hook, "__func__", hook)  # a bound method
+    out.add(getattr(hook, "__module__", "") or "")
+    if depth > 0:
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(value) and not isinstance(value, type):
+                out |= _hook_origins(value, depth - 1)
+    return out
 
 
 def implementations(model) -> dict[str, set[str]]:
@@ -120,11 +132,11 @@ def implementations(model) -> dict[str, set[str]]:
         elif isinstance(m, torch_unit):
             out["fsdp"].add("torch")
         for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]:
-            origin = _hook_origin(hook)
-            if origin.startswith("torch.distributed.tensor.parallel"):
-                out["tp"].add("torch")
-            elif origin.startswith("shardwise.composable._tp"):
-                out["tp"].add("shardwise")
+            for origin in _hook_origins(hook):
+                if origin.startswith("torch.distributed.tensor.parallel"):
+                    out["tp"].add("torch")
+                elif origin.startswith("shardwise.composable._tp"):
+                    out["tp"].add("shardwise")
     return out
 
 

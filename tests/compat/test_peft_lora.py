@@ -19,8 +19,7 @@ from tests._compare import rel_errs
 from tests._dist import run_on_workers
 from tests._lora import LR, batch, peft_model, rel_err, shard
 from tests.compat._adapter import IMPLS, impl
-
-pytest.importorskip("peft")
+from tests.compat._rebind import assert_ran
 
 WORLD = 2
 TOL = 1e-6  # fp32: losses and first-step gradients, sums of two half-batches against one whole batch
@@ -62,6 +61,7 @@ def _lora_steps(rank, world_size, name):
     frozen0 = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable), f"{name}: trainable {sorted(trainable)}"
     shard(model, i.fully_shard, init_device_mesh("cpu", (world_size,)))
+    assert_ran(name, model)  # in the rank: PEFT's model sharded by `name`'s units
     for n, p in model.named_parameters():  # every parameter sharded, frozen ones included
         assert isinstance(p, DTensor) and p.requires_grad == (n in trainable), f"{name}: {n} {type(p)}"
     # the usual PEFT loop hands the optimizer every parameter: the frozen ones never get a gradient
