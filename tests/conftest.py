@@ -26,6 +26,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/compat/test_fsdp_module_api.py::test_gradient_divide_factor_and_all_reduce_hook',  # 6 s
     'tests/compat/test_fsdp_extensions.py',  # 15 min on a loaded 2-core machine (load 70); torchao, 2-4 ranks a run
     'tests/compat/test_fully_shard_relaxations.py',  # 313 s at load average 30-80 (4 ranks; a few seconds quiet)
+    'tests/compat/test_goldens.py::test_regenerating_a_golden_gives_its_file',  # 2 short runs of 4 ranks (torch.compile)
     'tests/compat/test_hsdp_grads.py',  # 2 s
     'tests/compat/test_init_and_apply.py',  # 8 s
     'tests/compat/test_lightning.py',  # 98 s (FSDP) + 99 s (TP), torch + shardwise, load average above 50
