@@ -6,10 +6,11 @@ Wall-clock time on a shared machine says little (the same tier took 90 s quiet a
 minutes under load), so the budget is kept on durations in *quiet seconds*: `RECORD`
 (tests/fast_tier.json) holds each fast test's duration (setup + call + teardown), measured by a
 fast-tier run with ``--fast-tier-record`` and divided by the machine's slowdown at that time.
-The slowdown is a calibration: a fixed single-thread loop (`calibrate`) timed at the start and
-the end of the session, against its quiet time stored in the record. A fast-tier session (``-m
-"not slow"`` over the whole of tests/) then sums, over the tests that ran, the recorded duration
-of a known test, or the measured one (divided by the session's slowdown) of a test that is new
+The slowdown is measured, not stored (`slowdown`): a fixed single-thread loop's wall-clock time
+over its CPU time, which is what a runnable process's share of the cores is; taken before the
+first test and every `EVERY` tests, each test's duration divided by the latest. A fast-tier
+session (``-m "not slow"`` over the whole of tests/) then sums, over the tests that ran, the
+recorded duration of a known test, or the measured one (in quiet seconds) of a test that is new
 or has grown past twice its record plus a second; over `RecordFile.budget_s` (the budget less
 the collection's time) the session fails, naming the new and grown tests. So a new test that
 pushes the tier over fails it, on a loaded machine as on a quiet one, while noise in the known
@@ -43,17 +44,16 @@ GROWN = (2.0, 1.0)  # a known test counts at its measured duration past 2 x its 
 @dataclasses.dataclass(frozen=True)
 class RecordFile:
     """tests/fast_tier.json: ``budget_s`` for the tests' summed durations (the collection's time
-    taken off `BUDGET_S`), the calibration loop's quiet seconds, each fast test's quiet seconds."""
+    taken off `BUDGET_S`), the collection's quiet seconds, each fast test's quiet seconds."""
 
     budget_s: float
-    calibration_s: float
     collection_s: float
     durations: dict[str, float]
 
     @classmethod
     def read(cls, path: pathlib.Path = RECORD) -> RecordFile:
         raw = json.loads(path.read_text())
-        return cls(raw["budget_s"], raw["calibration_s"], raw["collection_s"], raw["durations"])
+        return cls(raw["budget_s"], raw["collection_s"], raw["durations"])
 
     def write(self, path: pathlib.Path = RECORD) -> None:
         raw = dataclasses.asdict(self)
@@ -64,16 +64,18 @@ class RecordFile:
         return sum(self.durations.values())
 
 
-def calibrate(n: int = 400_000) -> float:
-    """Seconds of a fixed single-thread loop (the best of three): the machine's speed now."""
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        x = 0
-        for i in range(n):
-            x += i * i % 7
-        best = min(best, time.perf_counter() - t0)
-    return best
+EVERY = 20  # tests between two measurements of the slowdown
+
+
+def slowdown(n: int = 200_000) -> float:
+    """How many times slower than on an idle machine a process runs now: a fixed single-thread
+    loop's wall-clock time over its CPU time (at least 1)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    x = 0
+    for i in range(n):
+        x += i * i % 7
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return max(1.0, wall / max(cpu, 1e-6))
 
 
 def _calls(node: ast.AST) -> set[str]:
@@ -128,15 +130,13 @@ def whole_tier(config: pytest.Config) -> bool:
         [ROOT / "tests"], [ROOT])
 
 
-def problems(record: RecordFile, durations: dict[str, float], slowdown: float, launched: set[str],
-             whole: bool) -> list[str]:
-    """What a fast-tier session broke: ``durations`` the measured seconds by test, ``slowdown``
-    the machine's (calibration now / quiet), ``launched`` the tests that launched ranks and are
-    not marked fast, ``whole`` whether the session ran the whole tier (only then is the sum
-    checked). Empty when within budget."""
+def problems(record: RecordFile, durations: dict[str, float], launched: set[str], whole: bool) -> list[str]:
+    """What a fast-tier session broke: ``durations`` the measured quiet seconds by test (wall
+    time over the slowdown), ``launched`` the tests that launched ranks and are not marked fast,
+    ``whole`` whether the session ran the whole tier (only then is the sum checked). Empty when
+    within budget."""
     known, counted, new = record.durations, 0.0, {}
-    for nodeid, took in durations.items():
-        quiet = took / slowdown
+    for nodeid, quiet in durations.items():
         rec = known.get(nodeid)
         if rec is not None and quiet <= GROWN[0] * rec + GROWN[1]:
             counted += rec
@@ -152,7 +152,7 @@ def problems(record: RecordFile, durations: dict[str, float], slowdown: float, l
         worst = sorted(new.items(), key=lambda kv: -kv[1])[:8]
         listed = ", ".join(f"{n} ({s:.1f} s)" for n, s in worst) or "none"
         out.append(f"the fast tier's tests take {counted:.0f} quiet s, over its budget of {record.budget_s:.0f} s "
-                   f"(machine slowdown {slowdown:.1f}x); new or grown tests: {listed}. Mark the slowest slow "
+                   f"(durations divided by the machine's slowdown); new or grown tests: {listed}. Mark the slowest slow "
                    "(tests/conftest.py SLOW), or if the tier got faster re-record: "
                    "python -m pytest -q -m 'not slow' tests --fast-tier-record")
     return out
@@ -163,41 +163,42 @@ class BudgetPlugin:
 
     def __init__(self, config: pytest.Config, record: RecordFile | None) -> None:
         self.config, self.record = config, record
-        self.durations: dict[str, float] = {}
+        self.durations: dict[str, float] = {}  # quiet seconds
         self.launched: set[str] = set()
-        self.calibration = [calibrate()]
+        self.factor, self.factors, self.seen = slowdown(), [], 0
+        self.factors.append(self.factor)
         self.t_start = time.perf_counter()
         self.t_collected: float | None = None
         self.failure: str | None = None
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.t_collected = time.perf_counter()
+        self.collection_s = (self.t_collected - self.t_start) / ((self.factor + slowdown()) / 2)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
         from tests._dist import launches
 
+        if self.seen % EVERY == 0:
+            self.factor = slowdown()
+            self.factors.append(self.factor)
+        self.seen += 1
         before = launches()
         yield
         if launches() > before:
             self.launched.add(item.nodeid)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
-
-    def slowdown(self) -> float:
-        assert self.record is not None
-        return max(1.0, (sum(self.calibration) / len(self.calibration)) / self.record.calibration_s)
+        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration / self.factor
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus) -> None:
-        self.calibration.append(calibrate())
         if self.config.getoption("fast_tier_record"):
             self._write()
             return
         if self.record is None:
             return
         unmarked = {n for n in self.launched if not self._marked_fast(session, n)}
-        found = problems(self.record, self.durations, self.slowdown(), unmarked, whole_tier(self.config))
+        found = problems(self.record, self.durations, unmarked, whole_tier(self.config))
         if found:
             self.failure = "\n".join(found)
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -208,12 +209,9 @@ class BudgetPlugin:
     def _write(self) -> None:
         if not whole_tier(self.config):
             raise pytest.UsageError("--fast-tier-record needs the whole fast tier: pytest -m 'not slow' tests")
-        calibration = min(self.calibration)  # a recording is made on a quiet machine
-        factor = max(1.0, (sum(self.calibration) / len(self.calibration)) / calibration)
-        collection = ((self.t_collected or self.t_start) - self.t_start) / factor
-        durations = {n: d / factor for n, d in self.durations.items()}
+        collection = getattr(self, "collection_s", 0.0)
         budget = round(BUDGET_S - max(collection, 10.0), 1)
-        RecordFile(budget, calibration, round(collection, 1), durations).write()
+        RecordFile(budget, round(collection, 1), self.durations).write()
         self.failure = None
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus, config) -> None:
