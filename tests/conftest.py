@@ -29,13 +29,13 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/compat/test_goldens.py::test_regenerating_a_golden_gives_its_file',  # 2 short runs of 4 ranks (torch.compile)
     'tests/compat/test_hsdp_grads.py',  # 2 s
     'tests/compat/test_init_and_apply.py',  # 8 s
-    'tests/compat/test_lightning.py',  # 98 s (FSDP) + 99 s (TP), torch + shardwise, load average above 50
-    'tests/compat/test_lightning_trainer.py',  # FSDP 476 s, TP 811 s (torch + shardwise each) at load average 20-80
+    'tests/compat/test_lightning.py',  # shardwise's FSDP and TP flows (torch's: golden data); 27 s for both sides before, load 10
+    'tests/compat/test_lightning_trainer.py',  # shardwise's FSDP and TP flows (torch's: golden data); 21 s for both sides before, load 10
     'tests/compat/test_meshes.py',  # 5 s
     'tests/compat/test_peft_lora.py',  # 100 s loaded (transformers + peft imported in 2 workers; torch and shardwise)
     'tests/compat/test_setters.py::test_setters_before_and_after_the_first_step',  # 3 s
-    'tests/compat/test_torch_compile.py',  # 13 s
-    'tests/compat/test_torchtitan.py',  # 2 runs of 2 ranks per implementation; 111 s for both on the loaded machine; FSDP x TP (4 ranks): 141 s at load 8, 1668 s at load 30-80
+    'tests/compat/test_torch_compile.py',  # shardwise's three ways (torch's: golden data); 21 s for both sides before, load 10
+    'tests/compat/test_torchtitan.py',  # shardwise's FSDP (2 ranks) and FSDP x TP (4) flows (torch's: golden data); 121 s for both sides before, load 10
     'tests/compat/test_tp_api.py',  # 2 s
     'tests/compat/test_tp_styles.py::test_loss_parallel_reductions_weights_and_a_wrongly_sharded_input',  # 2 s
     'tests/compat/test_torchtitan_forms.py',  # 55 s (16 scenarios on 4 workers)
