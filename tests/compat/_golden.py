@@ -8,7 +8,8 @@ every test run: a test module registers the function that produces it,
     def _torch_fabric_fsdp(tmp: pathlib.Path):
         return flow("torch", str(tmp / "torch.ckpt"), 2, 1)
 
-and the test reads what it returned with ``golden("lightning_fabric_fsdp")``. The function runs
+and the test reads what it returned with ``golden("lightning_fabric_fsdp")`` (`record_each`
+registers one per scenario of a table). The function runs
 only in ``python -m tests.compat.regen_goldens [NAME ...]`` (all names when none are given),
 which writes ``tests/compat/goldens/NAME.json``: the data and the releases it was made with
 (torch and each client of ``clients``). `tests/compat/test_goldens.py` checks that every golden
@@ -60,6 +61,17 @@ def recorder(name: str, clients: tuple[str, ...] = ()) -> Callable[[Callable], C
         return fn
 
     return register
+
+
+def record_each(scenarios: dict[str, tuple], run: Callable[..., Any], clients: tuple[str, ...] = ()) -> None:
+    """One recorder per scenario: golden ``name`` is what ``run(scratch_dir, *args)`` returns,
+    for each ``name: args`` of ``scenarios``."""
+    for name, args in scenarios.items():
+        def torch_side(tmp: pathlib.Path, args: tuple = args) -> Any:
+            return run(tmp, *args)
+
+        torch_side.__module__, torch_side.__qualname__ = run.__module__, f"{run.__qualname__}{args!r}"
+        recorder(name, clients)(torch_side)
 
 
 def releases(clients: tuple[str, ...] = ()) -> dict[str, str]:

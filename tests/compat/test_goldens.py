@@ -70,6 +70,7 @@ def test_values_round_trip_bit_exactly():
 
 
 def test_a_recorder_name_is_taken_once():
+    load_recorders()
     with pytest.raises(ValueError, match="recorded by"):
         _golden.recorder(CHEAP)(lambda tmp: None)
 

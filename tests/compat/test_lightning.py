@@ -31,7 +31,7 @@ import pytest
 from tests._compare import rel_errs
 from tests._dist import run_ranks
 from tests.compat._adapter import BATCH, TinyLM, loss_of
-from tests.compat._golden import golden, recorder
+from tests.compat._golden import golden, record_each
 from tests.compat._rebind import assert_ran, use
 
 STEPS, SAVE_AT = 4, 2
@@ -142,14 +142,11 @@ def check(impl: str, got, want, tp: int) -> None:
 SCENARIOS = {"lightning_fabric_fsdp": (2, 1), "lightning_fabric_tp": (2, 2)}  # golden name: (world, tp)
 
 
-@recorder("lightning_fabric_fsdp", clients=("lightning",))
-def _torch_fsdp(tmp):
-    return flow("torch", str(tmp / "torch.ckpt"), *SCENARIOS["lightning_fabric_fsdp"])
+def _torch_side(tmp, world: int, tp: int):
+    return flow("torch", str(tmp / "torch.ckpt"), world, tp)
 
 
-@recorder("lightning_fabric_tp", clients=("lightning",))
-def _torch_tp(tmp):
-    return flow("torch", str(tmp / "torch.ckpt"), *SCENARIOS["lightning_fabric_tp"])
+record_each(SCENARIOS, _torch_side, clients=("lightning",))
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -33,7 +33,7 @@ import pytest
 from tests._compare import rel_errs
 from tests._dist import run_ranks
 from tests.compat._adapter import BATCH, SEQ, VOCAB, TinyLM, loss_of
-from tests.compat._golden import golden, recorder
+from tests.compat._golden import golden, record_each
 from tests.compat._rebind import assert_ran, use
 from tests.compat.test_lightning import _parallelize
 
@@ -138,14 +138,11 @@ def check(impl: str, got, want, tp: int) -> None:
 SCENARIOS = {"lightning_trainer_fsdp": (2, 1), "lightning_trainer_tp": (2, 2)}  # golden name: (world, tp)
 
 
-@recorder("lightning_trainer_fsdp", clients=("lightning",))
-def _torch_fsdp(tmp):
-    return flow("torch", str(tmp), *SCENARIOS["lightning_trainer_fsdp"])
+def _torch_side(tmp, world: int, tp: int):
+    return flow("torch", str(tmp), world, tp)
 
 
-@recorder("lightning_trainer_tp", clients=("lightning",))
-def _torch_tp(tmp):
-    return flow("torch", str(tmp), *SCENARIOS["lightning_trainer_tp"])
+record_each(SCENARIOS, _torch_side, clients=("lightning",))
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

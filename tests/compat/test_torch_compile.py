@@ -17,7 +17,7 @@ from tests._dist import run_on_workers
 from tests.compat._adapter import (
     assert_close, assert_losses, batches, build, full_params, impl, reference, shard, train,
 )
-from tests.compat._golden import golden, recorder
+from tests.compat._golden import golden, record_each
 
 TOL = 1e-6
 WORLD = 4
@@ -49,16 +49,11 @@ HOWS = {"torch.compile(block)": "torch_compile_module", "block.compile()": "torc
         "forward only": "torch_compile_forward_only"}  # how: golden name
 
 
-def _recorder(how: str):
-    @recorder(HOWS[how])
-    def torch_side(tmp):
-        return run_on_workers(_compiled, WORLD, "torch", how, timeout=180)[0]
-
-    return torch_side
+def _torch_side(tmp, how: str):
+    return run_on_workers(_compiled, WORLD, "torch", how, timeout=180)[0]
 
 
-for _how in HOWS:
-    _recorder(_how)
+record_each({name: (how,) for how, name in HOWS.items()}, _torch_side)
 
 
 @pytest.mark.parametrize("how", HOWS)

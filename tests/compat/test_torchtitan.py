@@ -36,7 +36,7 @@ import pytest
 
 from tests._compare import rel_errs
 from tests._dist import run_ranks
-from tests.compat._golden import golden, recorder
+from tests.compat._golden import golden, record_each
 from tests.compat._rebind import assert_ran, use
 
 # ranks import torchtitan after `use`; this process never imports it
@@ -230,14 +230,11 @@ def check(impl: str, got, want, tp: int) -> None:
 SCENARIOS = {"torchtitan_fsdp": (2, 1), "torchtitan_fsdp_tp": (4, 2)}  # golden name: (world, tp)
 
 
-@recorder("torchtitan_fsdp", clients=("torchtitan",))
-def _torch_fsdp(tmp):
-    return flow("torch", str(tmp), *SCENARIOS["torchtitan_fsdp"])
+def _torch_side(tmp, world: int, tp: int):
+    return flow("torch", str(tmp), world, tp)
 
 
-@recorder("torchtitan_fsdp_tp", clients=("torchtitan",))
-def _torch_fsdp_tp(tmp):
-    return flow("torch", str(tmp), *SCENARIOS["torchtitan_fsdp_tp"])
+record_each(SCENARIOS, _torch_side, clients=("torchtitan",))
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
