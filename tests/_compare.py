@@ -16,12 +16,15 @@ from typing import Any
 
 def maxerr(*values: Any) -> float:
     """The largest of ``values`` (numbers, or one iterable of numbers or 0-d tensors), ``inf``
-    when any is NaN; ``0.0`` when there are none."""
+    when any is NaN. Errors are not negative: the result is at least 0. Nothing to compare is
+    an error (``ValueError``, as for ``max``), not a pass."""
     items: list[Any] = list(values)
     if len(values) == 1 and hasattr(values[0], "dim"):  # a tensor: its elements
         items = values[0].detach().reshape(-1).tolist()
     elif len(values) == 1 and isinstance(values[0], Iterable):
         items = list(values[0])
+    if not items:
+        raise ValueError("maxerr() of no values: nothing was compared")
     out = 0.0
     for v in items:
         v = float(v)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests._compare import maxerr, rel_err, rel_errs
@@ -15,7 +16,9 @@ NAN, INF = math.nan, math.inf
 def test_python_max_skips_a_nan_and_maxerr_does_not():
     assert max([0.1, NAN]) == 0.1 and max(0.0, NAN) == 0.0  # the trap
     assert maxerr([0.1, NAN]) == INF and maxerr(0.0, NAN) == INF and maxerr(NAN, 0.0) == INF
-    assert maxerr([0.1, 0.3, 0.2]) == 0.3 and maxerr([]) == 0.0 and maxerr(torch.tensor(0.5)) == 0.5
+    assert maxerr([0.1, 0.3, 0.2]) == 0.3 and maxerr(torch.tensor(0.5)) == 0.5
+    with pytest.raises(ValueError, match="nothing was compared"):
+        maxerr([])
 
 
 def test_losses_with_a_nan_after_the_first_step_fail():
