@@ -29,6 +29,7 @@ import importlib
 import importlib.metadata
 import json
 import pathlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -134,8 +135,15 @@ def write(name: str, data: Any, clients: tuple[str, ...]) -> pathlib.Path:
     GOLDENS.mkdir(exist_ok=True)
     path = path_of(name)
     record = {"name": name, "releases": releases(clients), "data": encode(data)}
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    path.write_text(dumps(record))
     return path
+
+
+def dumps(record: dict[str, Any]) -> str:
+    """The file's text: indented, each list of plain values (a tensor's, a run's losses) on one line."""
+    text = json.dumps(record, indent=1, sort_keys=True)
+    return re.sub(r"\[([^\[\]{}\"]*)\]", lambda m: "[" + ", ".join(v.strip() for v in m.group(1).split(",")
+                                                          if v.strip()) + "]", text) + "\n"
 
 
 def load_recorders() -> dict[str, Recorder]:
