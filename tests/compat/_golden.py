@@ -75,6 +75,20 @@ def record_each(scenarios: dict[str, tuple], run: Callable[..., Any], clients: t
         recorder(name, clients)(torch_side)
 
 
+def recorded_run_test(scenarios: dict[str, tuple], check: Callable[..., None]) -> Callable[[str], None]:
+    """The test that torch's recorded runs of a table (as `record_each` registered them) pass the
+    checks shardwise's run passes: ``check("torch", data, data, *args)`` for each golden; assign it
+    to a module-level ``test_...`` name."""
+    import pytest
+
+    @pytest.mark.parametrize("name", sorted(scenarios))
+    def test(name: str) -> None:
+        torch_side = golden(name)
+        check("torch", torch_side, torch_side, *scenarios[name])
+
+    return test
+
+
 def releases(clients: tuple[str, ...] = ()) -> dict[str, str]:
     """The installed releases a golden depends on: torch's and each client's."""
     import torch

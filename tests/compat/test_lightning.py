@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
-
 from tests._compare import rel_errs
 from tests._dist import run_ranks
 from tests.compat._adapter import BATCH, TinyLM, loss_of
-from tests.compat._golden import golden, record_each
+from tests.compat._golden import golden, record_each, recorded_run_test
 from tests.compat._rebind import assert_ran, use
 
 STEPS, SAVE_AT = 4, 2
@@ -125,7 +123,7 @@ def flow(impl: str, path: str, world: int, tp: int) -> tuple[dict, dict]:
     return first, second
 
 
-def check(impl: str, got, want, tp: int) -> None:
+def check(impl: str, got, want, world: int, tp: int) -> None:
     """``got``: (uninterrupted, resumed) rank-0 results of ``impl``; ``want``: torch's."""
     first, second = got
     t_first = want[0]
@@ -149,15 +147,12 @@ def _torch_side(tmp, world: int, tp: int):
 record_each(SCENARIOS, _torch_side, clients=("lightning",))
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_torchs_recorded_run_passes_the_same_checks(name):
-    torch_side = golden(name)
-    check("torch", torch_side, torch_side, SCENARIOS[name][1])
+test_torchs_recorded_run_passes_the_same_checks = recorded_run_test(SCENARIOS, check)
 
 
 def test_fabric_fsdp_meta_init_save_resume(tmp_path):
-    check("shardwise", flow("shardwise", str(tmp_path / "shardwise.ckpt"), 2, 1), golden("lightning_fabric_fsdp"), 1)
+    check("shardwise", flow("shardwise", str(tmp_path / "shardwise.ckpt"), 2, 1), golden("lightning_fabric_fsdp"), 2, 1)
 
 
 def test_fabric_tp_meta_init_save_resume(tmp_path):
-    check("shardwise", flow("shardwise", str(tmp_path / "shardwise.ckpt"), 2, 2), golden("lightning_fabric_tp"), 2)
+    check("shardwise", flow("shardwise", str(tmp_path / "shardwise.ckpt"), 2, 2), golden("lightning_fabric_tp"), 2, 2)

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
-
 from tests._compare import rel_errs
 from tests._dist import run_ranks
 from tests.compat._adapter import BATCH, SEQ, VOCAB, TinyLM, loss_of
-from tests.compat._golden import golden, record_each
+from tests.compat._golden import golden, record_each, recorded_run_test
 from tests.compat._rebind import assert_ran, use
 from tests.compat.test_lightning import _parallelize
 
@@ -118,7 +116,7 @@ def flow(impl: str, folder: str, world: int, tp: int) -> tuple[list[dict], list[
     return first, second
 
 
-def check(impl: str, got, want, tp: int) -> None:
+def check(impl: str, got, want, world: int, tp: int) -> None:
     """``got``: (uninterrupted, resumed) per-rank results of ``impl``; ``want``: torch's."""
     first, second = got
     micro = STEPS * ACCUMULATE
@@ -145,15 +143,12 @@ def _torch_side(tmp, world: int, tp: int):
 record_each(SCENARIOS, _torch_side, clients=("lightning",))
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_torchs_recorded_run_passes_the_same_checks(name):
-    torch_side = golden(name)
-    check("torch", torch_side, torch_side, SCENARIOS[name][1])
+test_torchs_recorded_run_passes_the_same_checks = recorded_run_test(SCENARIOS, check)
 
 
 def test_trainer_fsdp_accumulation_clipping_save_resume(tmp_path):
-    check("shardwise", flow("shardwise", str(tmp_path), 2, 1), golden("lightning_trainer_fsdp"), 1)
+    check("shardwise", flow("shardwise", str(tmp_path), 2, 1), golden("lightning_trainer_fsdp"), 2, 1)
 
 
 def test_trainer_tp_loss_parallel_accumulation_clipping_save_resume(tmp_path):
-    check("shardwise", flow("shardwise", str(tmp_path), 2, 2), golden("lightning_trainer_tp"), 2)
+    check("shardwise", flow("shardwise", str(tmp_path), 2, 2), golden("lightning_trainer_tp"), 2, 2)

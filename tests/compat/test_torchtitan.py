@@ -32,11 +32,9 @@ import shutil
 import sys
 import types
 
-import pytest
-
 from tests._compare import rel_errs
 from tests._dist import run_ranks
-from tests.compat._golden import golden, record_each
+from tests.compat._golden import golden, record_each, recorded_run_test
 from tests.compat._rebind import assert_ran, use
 
 # ranks import torchtitan after `use`; this process never imports it
@@ -208,7 +206,7 @@ def flow(impl: str, folder: str, world: int, tp: int) -> tuple[dict, dict]:
     return first, second
 
 
-def check(impl: str, got, want, tp: int) -> None:
+def check(impl: str, got, want, world: int, tp: int) -> None:
     """``got``: (uninterrupted, resumed) rank-0 results of ``impl``; ``want``: torch's."""
     first, second = got
     t_first, _ = want
@@ -237,14 +235,11 @@ def _torch_side(tmp, world: int, tp: int):
 record_each(SCENARIOS, _torch_side, clients=("torchtitan",))
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_torchs_recorded_run_passes_the_same_checks(name):
-    torch_side = golden(name)
-    check("torch", torch_side, torch_side, SCENARIOS[name][1])
+test_torchs_recorded_run_passes_the_same_checks = recorded_run_test(SCENARIOS, check)
 
 
 def test_fsdp2_meta_init_list_units_checkpoint_resume(tmp_path):
-    check("shardwise", flow("shardwise", str(tmp_path), 2, 1), golden("torchtitan_fsdp"), 1)
+    check("shardwise", flow("shardwise", str(tmp_path), 2, 1), golden("torchtitan_fsdp"), 2, 1)
 
 
 def test_fsdp2_x_tp2_loss_parallel_checkpoint_resume(tmp_path):
@@ -253,4 +248,4 @@ def test_fsdp2_x_tp2_loss_parallel_checkpoint_resume(tmp_path):
     projections, the output's logits sharded by vocabulary) before `fully_shard` on the 2-D
     mesh's dp axis; the loss is computed inside its ``loss_parallel`` train context, the
     gradient norm clipped by its `clip_grad_norm_` over parameters on the 2-D mesh."""
-    check("shardwise", flow("shardwise", str(tmp_path), 4, 2), golden("torchtitan_fsdp_tp"), 2)
+    check("shardwise", flow("shardwise", str(tmp_path), 4, 2), golden("torchtitan_fsdp_tp"), 4, 2)
