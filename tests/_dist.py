@@ -80,6 +80,20 @@ class RankFailure(AssertionError):
         self.hung = hung
 
 
+_LAUNCHES = 0
+
+
+def launches() -> int:
+    """How many times this process has launched ranks (`run_ranks` or `run_on_workers` calls):
+    the fast tier's budget plugin tells multi-rank tests by it (tests/_fast_tier.py)."""
+    return _LAUNCHES
+
+
+def note_launch() -> None:
+    global _LAUNCHES
+    _LAUNCHES += 1
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
               env: Mapping[str, Any] | None = None, init_group: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
@@ -109,6 +123,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         raise ValueError(f"run_ranks: world_size={world_size!r}; use 1..{MAX_WORLD_SIZE}")
     if timeout <= 0:
         raise ValueError(f"run_ranks: timeout={timeout!r}; use a positive number of seconds")
+    note_launch()
     payload = _pickle_body(fn, args)
     ctx = _forkserver_context(fn)
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

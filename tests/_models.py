@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from tests._compare import maxerr
 
 
 class Block(nn.Module):
@@ -79,7 +80,7 @@ def train_pair(ref, model, rank: int, dp_size: int, steps: int = 3, batch: int =
         if target_dtype is not None:
             target = target.to(target_dtype)
         sl = slice(dp_rank * per, (dp_rank + 1) * per)
-        worst = max(worst, step_pair(ref, ropt, model, opt, tokens, target, sl))
+        worst = maxerr(worst, step_pair(ref, ropt, model, opt, tokens, target, sl))
     return worst
 
 

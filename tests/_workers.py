@@ -56,6 +56,7 @@ from tests._dist import (
     _Rank,
     _rank_env,
     _stop,
+    note_launch,
     send_outcome,
     set_up_process,
 )
@@ -96,6 +97,7 @@ def run_on_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout:
         raise ValueError(f"run_on_workers: world_size={world_size!r}; use 1..{MAX_WORKERS}")
     if timeout <= 0:
         raise ValueError(f"run_on_workers: timeout={timeout!r}; use a positive number of seconds")
+    note_launch()
     payload = pickle.dumps((_pickle_body(fn, args), bool(new_group)))
     pool = _pool_for(world_size, fn)
     name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

@@ -4,7 +4,9 @@ prints them (a file, or ``file::test`` for every parametrization of one test), c
 durations of a full run (``pytest --durations=0``) so that the rest takes under 4 minutes of
 pytest time on a 2-core machine. An entry that names no file, or no test of its file, fails
 the collection: the list cannot rot when a test is renamed or moved. The full run (README's
-command) still runs everything."""
+command) still runs everything. The tier keeps its own budget (tests/_fast_tier.py): new
+multi-rank tests are slow unless marked fast, and a fast-tier session fails when its tests'
+durations, in quiet seconds, exceed the budget."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import ast
 import pathlib
 
 import pytest
+
+from tests._fast_tier import RECORD, BudgetPlugin, RecordFile, is_fast_tier, launches_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -22,15 +26,16 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/compat/test_fsdp_module_api.py::test_gradient_divide_factor_and_all_reduce_hook',  # 6 s
     'tests/compat/test_fsdp_extensions.py',  # 15 min on a loaded 2-core machine (load 70); torchao, 2-4 ranks a run
     'tests/compat/test_fully_shard_relaxations.py',  # 313 s at load average 30-80 (4 ranks; a few seconds quiet)
+    'tests/compat/test_goldens.py::test_regenerating_a_golden_gives_its_file',  # 2 short runs of 4 ranks (torch.compile)
     'tests/compat/test_hsdp_grads.py',  # 2 s
     'tests/compat/test_init_and_apply.py',  # 8 s
-    'tests/compat/test_lightning.py',  # 98 s (FSDP) + 99 s (TP), torch + shardwise, load average above 50
-    'tests/compat/test_lightning_trainer.py',  # FSDP 476 s, TP 811 s (torch + shardwise each) at load average 20-80
+    'tests/compat/test_lightning.py',  # shardwise's FSDP and TP flows (torch's: golden data); 27 s for both sides before, load 10
+    'tests/compat/test_lightning_trainer.py',  # shardwise's FSDP and TP flows (torch's: golden data); 21 s for both sides before, load 10
     'tests/compat/test_meshes.py',  # 5 s
     'tests/compat/test_peft_lora.py',  # 100 s loaded (transformers + peft imported in 2 workers; torch and shardwise)
     'tests/compat/test_setters.py::test_setters_before_and_after_the_first_step',  # 3 s
-    'tests/compat/test_torch_compile.py',  # 13 s
-    'tests/compat/test_torchtitan.py',  # 2 runs of 2 ranks per implementation; 111 s for both on the loaded machine; FSDP x TP (4 ranks): 141 s at load 8, 1668 s at load 30-80
+    'tests/compat/test_torch_compile.py',  # shardwise's three ways (torch's: golden data); 21 s for both sides before, load 10
+    'tests/compat/test_torchtitan.py',  # shardwise's FSDP (2 ranks) and FSDP x TP (4) flows (torch's: golden data); 121 s for both sides before, load 10
     'tests/compat/test_tp_api.py',  # 2 s
     'tests/compat/test_tp_styles.py::test_loss_parallel_reductions_weights_and_a_wrongly_sharded_input',  # 2 s
     'tests/compat/test_torchtitan_forms.py',  # 55 s (16 scenarios on 4 workers)
@@ -102,7 +107,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_pipeline.py::test_pp2_x_fsdp_reshard_between_microbatches_and_explicit_setting',  # 4 s
     'tests/test_pipeline.py::test_pp2_x_fsdp_with_activation_checkpointing',  # 2 s
     'tests/test_pipeline.py::test_pp2_x_tp2',  # 2 s
-    'tests/test_pipeline_build_time.py',  # 30 s: a fresh interpreter imports torch (the build: 1 s)
+    'tests/test_pipeline_build_time.py',  # one rank forked from the forkserver (the build: 0.15 s of CPU)
     'tests/test_pipeline_checkpoint.py::test_pp2_checkpoint_loads_at_pp1_and_resumes',  # 5 s
     'tests/test_pipeline_hf.py',  # 25 s
     'tests/test_pipeline_mesh_order.py',  # 19 s
@@ -126,6 +131,16 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_types.py',  # 71 s
     'tests/test_workers.py::test_hung_call_fails_within_its_timeout_with_stacks',  # 3 s
     'tests/test_wrap.py::test_each_strategy_trains_like_one_process',  # 8 s
+    # moved out to fit the fast tier's budget (tests/fast_tier.json, quiet seconds, Dec 2026)
+    'tests/compat/test_clip_grad_torch.py::test_clip_grad_norm_returns_torchs_dtensor',  # 8.5 s
+    'tests/test_checkpoint_index_parts.py::test_the_cli_inspects_and_verifies_a_parted_checkpoint',  # 7.0 s
+    'tests/test_dropin_setters.py::test_every_setter_takes_effect',  # 4.5 s
+    'tests/test_checkpoint_errors.py::test_kill_during_save_keeps_previous_checkpoint_and_marks_partial',  # 3.5 s
+    'tests/test_deferred_init.py::test_broadcast_from_rank0_fills_every_shard',  # 3.3 s
+    'tests/test_checkpoint_dcp_api.py::test_process_group_and_no_dist',  # 2.2 s
+    'tests/test_cp_layout.py::test_unshard_gives_the_global_sequence',  # 2.0 s
+    'tests/test_deferred_init.py::test_a_bad_source_state_dict_is_one_error_on_every_rank',  # 1.9 s
+    'tests/test_checkpoint_index_parts.py::test_an_index_in_parts_lists_each_writer_s_part_and_loads_at_every_world_size',  # 1.9 s
 ]
 
 
@@ -159,6 +174,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stale = _stale(SLOW)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py SLOW names tests that do not exist: {stale}")
+    recording = config.getoption("fast_tier_record")  # the tier as SLOW leaves it, multi-rank tests included
+    recorded = RecordFile.read().durations if RECORD.is_file() and not recording else None
     for item in items:
         if any(_matches(item.nodeid, entry) for entry in SLOW):
             item.add_marker(pytest.mark.slow)
+        elif (recorded is not None and item.nodeid not in recorded and not item.get_closest_marker("fast")
+              and launches_ranks(item)):
+            item.add_marker(pytest.mark.slow)  # a new multi-rank test: slow unless marked fast
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast-tier-record", action="store_true", default=False,
+                     help="with -m 'not slow' over tests/: write each test's duration, in quiet seconds, "
+                          "to tests/fast_tier.json (tests/_fast_tier.py)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if is_fast_tier(config) or config.getoption("fast_tier_record"):
+        record = RecordFile.read() if RECORD.is_file() else None
+        config.pluginmanager.register(BudgetPlugin(config, record), "fast-tier-budget")

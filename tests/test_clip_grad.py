@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from shardwise.composable import clip_grad_norm_, fully_shard
+from tests._compare import maxerr
 from tests._dist import run_ranks
 from tests._models import batches, loss_fn, make_mesh, reference_and_copy
 
@@ -65,7 +66,7 @@ def _compare_clipping(ref_params, params) -> dict:
         assert norm.to_local().item() == norm.full_tensor().item() == norm.item(), norm
         out[norm_type] = dict(
             norm=abs(norm.item() - ref_norm.item()) / ref_norm.item(),
-            grads=max(_rel(_full(p.grad), r.grad) for p, r in zip(params, ref_params)),
+            grads=maxerr(_rel(_full(p.grad), r.grad) for p, r in zip(params, ref_params)),
             value=norm.item(),
             collectives=counter.calls,
         )

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardwise.composable import fully_shard
+from tests._compare import maxerr
 from tests._dist import run_ranks
 from tests._models import Net, make_mesh, train_pair
 
@@ -51,7 +52,7 @@ def _train(rank, world, how, backend, impl, steps=3):
         model = torch.compile(model, backend=backend)
     worst = train_pair(ref, model, rank, world, steps=steps)
     want = dict(ref.named_parameters())
-    perr = max(((p.full_tensor() - want[n.replace("_orig_mod.", "")]).abs().max()
+    perr = maxerr(((p.full_tensor() - want[n.replace("_orig_mod.", "")]).abs().max()
                 / want[n.replace("_orig_mod.", "")].abs().max()).item() for n, p in model.named_parameters())
     return worst, perr
 

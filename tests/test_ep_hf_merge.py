@@ -18,8 +18,8 @@ from shardwise.composable import expert_parallel_plan, parallelize_module, swap_
 from tests._dist import run_ranks
 from tests.test_ep_hf import _model
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional)")
-safetensors = pytest.importorskip("safetensors")
+import safetensors  # noqa: E402
+import transformers  # noqa: E402  (the clients extra; the README's test command installs it)
 
 TOKENS = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(5))
 ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}

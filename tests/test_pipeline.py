@@ -17,6 +17,7 @@ from examples.model import Llama, LlamaConfig
 from examples.parallel import block_tp_plan
 from shardwise.composable import PipelineError, PipelineSchedule, pipeline_split
 from shardwise.mesh import data_parallel_mesh, init_mesh, pipeline_mesh
+from tests._compare import maxerr
 from tests._dist import run_ranks
 
 TOL = 1e-6
@@ -177,7 +178,7 @@ def _run(rank, world_size, opts):
     for n, p in split.module.named_parameters():
         g = _full(p.grad)
         r = ref_grads[n]
-        worst = max(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+        worst = maxerr(worst, ((g - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
         names.append(n)
     return {"loss_err": abs(float(loss) - ref_loss.item()) / ref_loss.item(), "grad_err": worst, "names": names,
             "bounds": split.plan.bounds, "reduce_scatters": calls[0], "units": units, "replica_all_reduces": rep_calls[0],
@@ -357,7 +358,7 @@ def _accumulate_over_steps(rank, world_size, schedule):
     finally:
         pg.reduce_scatter_single = real
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-    worst = max(((_full(p.grad) - 2 * ref_grads[n]).abs().max() / ref_grads[n].abs().max()).item()
+    worst = maxerr(((_full(p.grad) - 2 * ref_grads[n]).abs().max() / ref_grads[n].abs().max()).item()
                 for n, p in split.module.named_parameters())
     return first, len(calls) - first, unsharded, worst
 
@@ -443,7 +444,7 @@ def _failure_then_new_schedule(rank, world_size):
     PipelineSchedule(split, schedule="1f1b", microbatches=4, loss_fn=_ce).step(inputs[sl], targets[sl])
     _ce(ref(inputs), targets).backward()
     ref_grads = dict(ref.named_parameters())
-    worst = max(((_full(p.grad) - ref_grads[n].grad).abs().max() / ref_grads[n].grad.abs().max()).item()
+    worst = maxerr(((_full(p.grad) - ref_grads[n].grad).abs().max() / ref_grads[n].grad.abs().max()).item()
                 for n, p in split.module.named_parameters())
     return left, worst
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.composable import PipelineError, PipelineSchedule, pipeline_split
+from tests._compare import maxerr
 from tests._dist import run_ranks
 
 TOL = 1e-6
@@ -74,11 +75,11 @@ def _varying(rank, world_size, schedule):
         before = sends[0]
         losses = sched.step(x, y)
         mine = dict(split.module.named_parameters())
-        err = max(((p.grad - mine[k].grad).abs().max() / p.grad.abs().max()).item()
+        err = maxerr(((p.grad - mine[k].grad).abs().max() / p.grad.abs().max()).item()
                   for k, p in ref.named_parameters() if k in mine)
         ref_losses = [F.mse_loss(ref(a), b).item() for a, b in zip(x.chunk(world_size), y.chunk(world_size))]
         out.append({"sends": sends[0] - before, "grad_err": err,
-                    "loss_err": max(abs(a - b) for a, b in zip(losses.tolist(), ref_losses))})
+                    "loss_err": maxerr(abs(a - b) for a, b in zip(losses.tolist(), ref_losses))})
     transfers = len(sched._sends_of(split.pp_rank))
     return out, transfers
 
@@ -143,7 +144,7 @@ def _rebuild_after_failure(rank, world_size, boom_stage_block):
     F.mse_loss(ref(x), y).backward()
     losses = fresh.step(x, y)
     mine = dict(split.module.named_parameters())
-    err = max(((p.grad - mine[k].grad).abs().max() / p.grad.abs().max()).item()
+    err = maxerr(((p.grad - mine[k].grad).abs().max() / p.grad.abs().max()).item()
               for k, p in ref.named_parameters() if k in mine)
     return first, err, losses.tolist()
 

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from shardwise.composable import (WholeMatrixOptimizer, fully_shard, needs_whole_matrices, plan_owners,
                                   register_whole_matrix_optimizer, split_matrix_params)
 from shardwise.mesh import data_parallel_mesh, init_mesh
+from tests._compare import maxerr
 from tests._dist import run_ranks
 
 TRAINED_FP32_TOL = 1e-5
@@ -143,7 +144,7 @@ def _train(ref, model, cls, dp_rank, dp_size, steps=4, **kw):
         ref_params = dict(ref.named_parameters())
         for n, p in model.named_parameters():
             k = 0 if id(p) in matrices else 1
-            worst[k] = max(worst[k], _rel(_full(p), ref_params[n].detach()))
+            worst[k] = maxerr(worst[k], _rel(_full(p), ref_params[n].detach()))
     return worst
 
 
@@ -195,7 +196,7 @@ def _same_grads(rank, world_size, steps, cls_name):
 def test_same_gradients_bit_equal_to_one_process(world_size, ns):
     out = run_ranks(_same_grads, world_size, 3, ns)
     for diff, mom, _, _ in out:
-        assert max(diff) == 0.0 and max(mom) == 0.0, (diff, mom)
+        assert maxerr(diff) == 0.0 and maxerr(mom) == 0.0, (diff, mom)
     owned = [o for _, _, o, _ in out]
     assert sum(owned) == out[0][3], f"state on the owners only: {owned}"
     assert world_size == 1 or max(owned) < out[0][3], f"the owners are spread over the ranks: {owned}"
@@ -214,12 +215,12 @@ def _trained(rank, world_size, cls_name, hsdp):
 @pytest.mark.parametrize("world_size,hsdp", [(2, False), (4, False), (4, True)])
 def test_trained_fp32_newton_schulz(world_size, hsdp):
     errs = run_ranks(_trained, world_size, "fp32", hsdp)
-    assert max(e[0] for e in errs) <= TRAINED_FP32_TOL and max(e[1] for e in errs) <= ELEMENTWISE_TOL, errs
+    assert maxerr(e[0] for e in errs) <= TRAINED_FP32_TOL and maxerr(e[1] for e in errs) <= ELEMENTWISE_TOL, errs
 
 
 def test_trained_torch_muon_bf16_within_stated_tolerance():
     errs = run_ranks(_trained, 2, "bf16", False)
-    assert max(e[0] for e in errs) <= BF16_TOL and max(e[1] for e in errs) <= ELEMENTWISE_TOL, errs
+    assert maxerr(e[0] for e in errs) <= BF16_TOL and maxerr(e[1] for e in errs) <= ELEMENTWISE_TOL, errs
 
 
 def _fp32_muon_is_torch_muon(rank, world_size):
@@ -258,7 +259,7 @@ def _fsdp_tp(rank, world_size):
 
 def test_fsdp_x_tp_gathers_over_both_axes():
     errs = run_ranks(_fsdp_tp, 4)
-    assert max(e[0] for e in errs) <= TRAINED_FP32_TOL and max(e[1] for e in errs) <= ELEMENTWISE_TOL, errs
+    assert maxerr(e[0] for e in errs) <= TRAINED_FP32_TOL and maxerr(e[1] for e in errs) <= ELEMENTWISE_TOL, errs
 
 
 class StepCounting(Fp32Muon):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from tests._compare import rel_errs
 
 IMPLS = ("torch", "shardwise")
 
@@ -228,8 +229,7 @@ def assert_close(got: dict, want: dict, tol: float, where: str) -> None:
 
 
 def assert_losses(got: list[float], want: list[float], tol: float, where: str) -> None:
-    errs = [abs(a - b) / abs(b) for a, b in zip(got, want)]
-    assert len(got) == len(want) and max(errs) <= tol, f"{where}: losses {got} vs reference {want}"
+    assert rel_errs(got, want) <= tol, f"{where}: losses {got} vs reference {want}"
 
 
 def reference(data, seed: int = 0, lr: float = 1e-2, optim=torch.optim.AdamW) -> tuple[nn.Module, list[float]]:

@@ -13,6 +13,7 @@ bytes per step (`benchmarks._comm_count.CommCounter`) and the local tensor types
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -23,6 +24,17 @@ import torchao.float8  # noqa: F401  (imported here so that the rank forkserver 
 import torchao.prototype.quantized_training  # noqa: F401
 
 DIM, HIDDEN, LAYERS, BATCH, STEPS, RANK = 32, 64, 3, 8, 4, 4
+# what `Bf16GatherWeight.fsdp_post_all_gather` was given and built (the all-gather outputs, the
+# unsharded weight), weakly: FSDP frees them at reshard (`held_bytes`), whichever way it does it
+GATHERED: list[weakref.ref] = []
+
+
+def held_bytes() -> int:
+    """Bytes still held by the all-gather outputs and unsharded weights of `Bf16GatherWeight`
+    parameters: 0 once every unit has resharded (their storage resized to 0, or the tensors
+    dropped). A leak (numbers unchanged) shows here."""
+    alive = {id(t): t for t in (r() for r in GATHERED) if t is not None}
+    return sum(t.untyped_storage().nbytes() for t in alive.values())
 
 
 class Bf16GatherWeight(torch.Tensor):
@@ -66,10 +78,12 @@ class Bf16GatherWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (data,) = outputs
+        GATHERED.append(weakref.ref(data if data._base is None else data._base))  # the output buffer, not a view
         if out is not None:
             out.data.copy_(data)  # .data: the in-place refill does not bump what autograd saved
             return None
         full = data.to(param_dtype)
+        GATHERED.append(weakref.ref(full))
         return full, (full,)
 
 
@@ -208,7 +222,7 @@ def train(impl: str, recipe: str, rank: int, world: int, precompute: bool = Fals
         fully_shard(model, mesh=mesh, **kw)
     types = local_types(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    losses, gathered, kinds = [], [], []
+    losses, gathered, kinds, held = [], [], [], []
     share = BATCH // world
     for step in range(STEPS):
         x, y = data(step)
@@ -232,7 +246,8 @@ def train(impl: str, recipe: str, rank: int, world: int, precompute: bool = Fals
         losses.append(full.item())
         gathered.append(sum(c.size_bytes for c in counter.calls if c.kind == "all_gather"))
         kinds.append(counter.by_kind())
-    return {"losses": losses, "all_gather_bytes": gathered, "kinds": kinds, "types": types,
+        held.append(held_bytes())  # every unit resharded after the step
+    return {"losses": losses, "all_gather_bytes": gathered, "kinds": kinds, "types": types, "held_bytes": held,
             "scales": precomputed_scales(model) if precompute and impl != "local" else []}
 
 

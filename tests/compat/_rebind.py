@@ -40,6 +40,7 @@ REBIND: dict[str, str] = {
 }
 
 MARK = "__shardwise_rebound__"
+TORCH = "__shardwise_torch_module__"  # on a rebound module: torch's own module it stands in for
 
 
 def rebind_to_shardwise(clients: tuple[str, ...] = ("torchtitan", "lightning", "pytorch_lightning")
@@ -65,6 +66,7 @@ def rebind_to_shardwise(clients: tuple[str, ...] = ("torchtitan", "lightning", "
         for n in names:
             setattr(shim, n, getattr(sw, n))
         setattr(shim, MARK, names)
+        setattr(shim, TORCH, current)
         sys.modules[name] = shim
         parent, _, child = name.rpartition(".")
         setattr(sys.modules[parent], child, shim)
@@ -86,3 +88,65 @@ def use(impl: str) -> None:
         assert not rebound(), "torch's names were rebound in this process"
     else:
         raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _torch_fsdp_module_class() -> type:
+    """torch's own ``FSDPModule``, also after the rebind (the rebound module keeps torch's)."""
+    fsdp = importlib.import_module("torch.distributed.fsdp")
+    return getattr(fsdp, TORCH, fsdp).FSDPModule
+
+
+def _hook_origins(hook, depth: int = 3) -> set[str]:
+    """The modules that define a forward hook and what it calls through its closure: a function,
+    a closure, a bound method or a ``functools.partial`` of one (torch's ``distribute_module``
+    registers a lambda of its own around the style's ``_prepare_input_fn``)."""
+    out: set[str] = set()
+    while hasattr(hook, "func"):  # functools.partial
+        hook = hook.func
+    hook = getattr(hook, "__func__", hook)  # a bound method
+    out.add(getattr(hook, "__module__", "") or "")
+    if depth > 0:
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(value) and not isinstance(value, type):
+                out |= _hook_origins(value, depth - 1)
+    return out
+
+
+def implementations(model) -> dict[str, set[str]]:
+    """What sharded ``model``, seen from inside the rank: ``{"fsdp": {...}, "tp": {...}}`` with
+    ``"torch"`` / ``"shardwise"`` for each kind of unit found. FSDP: the class of every module that
+    `fully_shard` turned into a unit (shardwise's ``FSDPModule`` or torch's own). TP: the module
+    that defines each forward hook a parallel style registered (torch's
+    ``torch.distributed.tensor.parallel`` or shardwise's)."""
+    from shardwise.composable import FSDPModule as SWUnit
+
+    torch_unit = _torch_fsdp_module_class()
+    out: dict[str, set[str]] = {"fsdp": set(), "tp": set()}
+    for m in model.modules():
+        if isinstance(m, SWUnit):
+            out["fsdp"].add("shardwise")
+        elif isinstance(m, torch_unit):
+            out["fsdp"].add("torch")
+        for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]:
+            for origin in _hook_origins(hook):
+                if origin.startswith("torch.distributed.tensor.parallel"):
+                    out["tp"].add("torch")
+                elif origin.startswith("shardwise.composable._tp"):
+                    out["tp"].add("shardwise")
+    return out
+
+
+def assert_ran(impl: str, model, tp: bool = False) -> dict[str, list[str]]:
+    """In a rank body, after the client sharded ``model``: every FSDP unit (and, with ``tp``,
+    every TP hook) is ``impl``'s, and there is at least one of each. A rebind that silently
+    failed (torch's names still bound in the client) fails here instead of comparing torch with
+    torch. Returns what was seen (for the caller's record)."""
+    seen = implementations(model)
+    want = {"fsdp": {impl}, "tp": {impl} if tp else set()}
+    assert seen == want, (f"the client sharded the model with {seen} (want {want}): "
+                          f"{'the rebind to shardwise did not reach it' if impl == 'shardwise' else 'torch run rebound'}")
+    return {k: sorted(v) for k, v in seen.items()}

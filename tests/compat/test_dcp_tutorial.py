@@ -10,7 +10,9 @@ import re
 
 import pytest
 
+from tests._compare import rel_errs
 from tests._dist import run_on_workers
+from tests.compat._rebind import assert_ran
 
 SCRIPT = pathlib.Path(__file__).with_name("_dcp_tutorial.py")
 WORLD = 2
@@ -30,7 +32,12 @@ def source(name: str) -> str:
 def _run(rank, world_size, name, ckpt_dir):
     namespace: dict = {"__name__": f"dcp_tutorial_{name}"}
     exec(compile(source(name), f"<dcp tutorial, {name}>", "exec"), namespace)
-    return namespace["main"](ckpt_dir)
+    built, build = [], namespace["build"]
+    namespace["build"] = lambda seed: built.append(build(seed)) or built[-1]  # main looks it up at call time
+    out = namespace["main"](ckpt_dir)
+    # in the rank: every model the script built was sharded by `name`'s fully_shard
+    out["ran"] = [assert_ran(name, model) for model, _ in built]
+    return out
 
 
 def test_only_the_imports_differ():
@@ -56,6 +63,7 @@ def runs(tmp_path_factory):
 def test_resume_continues_with_identical_losses(runs, name):
     for rank, r in enumerate(runs[name]):
         losses, save_at = r["losses"], 2
+        assert r["ran"] == [{"fsdp": [name], "tp": []}] * 3, f"{name} rank {rank}: the models were sharded by {r['ran']}"
         assert r["resumed"] == losses[save_at:], f"{name} rank {rank}: resumed {r['resumed']} vs {losses[save_at:]}"
         assert r["resumed_async"] == losses[save_at + 2:], f"{name} rank {rank}: from the async checkpoint"
         assert r["async_params_equal"], f"{name} rank {rank}: the async checkpoint did not load back bit-exact"
@@ -63,5 +71,4 @@ def test_resume_continues_with_identical_losses(runs, name):
 
 def test_shardwise_gives_torchs_losses(runs):
     want, got = runs["torch"][0]["losses"], runs["shardwise"][0]["losses"]
-    errs = [abs(a - b) / abs(b) for a, b in zip(got, want)]
-    assert len(got) == len(want) and max(errs) <= 1e-6, f"shardwise {got} vs torch {want}"
+    assert rel_errs(got, want) <= 1e-6, f"shardwise {got} vs torch {want}"

@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from tests._compare import rel_errs
 from tests._dist import run_ranks
+from tests.compat import _lowp as L  # imports torchao
 from tests.compat._adapter import IMPLS
-
-pytest.importorskip("torchao")
-from tests.compat import _lowp as L  # noqa: E402  (imports torchao)
 
 WORLD = 2
 # fp32 and exact gathers (toy: bf16 rounding happens the same way in the reference; QLoRA: int8
@@ -44,7 +43,7 @@ def _run(impl: str, recipe: str, world: int = WORLD, **kw) -> dict:
 
 
 def _rel(a: list[float], b: list[float]) -> float:
-    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    worst = rel_errs(a, b)  # inf for a NaN anywhere (Python's max skipped one after the first)
     print(f" [max relative loss difference {worst:.1e}]", end="")
     return worst
 
@@ -86,6 +85,7 @@ def test_toy_subclass_gathers_bf16(name, local_runs):
     assert got["types"]["layers.0.0.weight"] == "Bf16GatherWeight", got["types"]
     assert got["types"]["layers.0.0.bias"] == "Tensor", got["types"]  # a mixed unit
     assert got["all_gather_bytes"] == [_theory("toy")] * L.STEPS, (got["all_gather_bytes"], _theory("toy"))
+    assert got["held_bytes"] == [0] * L.STEPS, f"all-gather outputs kept after reshard: {got['held_bytes']} bytes"
 
 
 @pytest.mark.parametrize("name", IMPLS)
@@ -97,6 +97,8 @@ def test_toy_subclass_hsdp_and_mixed_precision(name, local_runs):
     mp = _run(name, "toy", bf16=True)
     assert _rel(mp["losses"], local_runs["toy"]["losses"]) <= BF16, (mp["losses"], local_runs["toy"]["losses"])
     assert mp["all_gather_bytes"] == [_theory("toy", bf16=True)] * L.STEPS
+    assert got["held_bytes"] == mp["held_bytes"] == [0] * L.STEPS, \
+        f"all-gather outputs kept after reshard: {got['held_bytes']}, {mp['held_bytes']} bytes"
 
 
 @pytest.mark.parametrize("name", IMPLS)

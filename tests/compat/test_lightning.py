@@ -17,20 +17,20 @@ for the model and the optimizer, ``meta.pt`` for the rest). The model is the sui
 logits stay sharded by class, the loss computed and backpropagated inside ``loss_parallel()``. Scenario: 4 steps, saved after step 2 and training on; then, in
 fresh processes, a new Fabric loads the step-2 checkpoint and trains steps 3-4: they must equal
 the uninterrupted run's exactly, and shardwise's losses torch's within 1e-6 relative (fp32).
+Each rank asserts which implementation sharded the model (`tests/compat/_rebind.py`
+``assert_ran``). torch's side is golden data (`tests/compat/_golden.py`), checked by the same
+assertions as shardwise's run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
-import pytest
-
+from tests._compare import rel_errs
 from tests._dist import run_ranks
 from tests.compat._adapter import BATCH, TinyLM, loss_of
-from tests.compat._rebind import use
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
+from tests.compat._golden import golden, record_each, recorded_run_test
+from tests.compat._rebind import assert_ran, use
 
 STEPS, SAVE_AT = 4, 2
 
@@ -82,6 +82,7 @@ def _fabric_run(rank, world_size, impl, path, tp, resume):
         model = TinyLM()
     assert all(p.is_meta for p in model.parameters()), "init_module(empty_init=True) did not build on meta"
     model = fabric.setup(model)
+    ran = assert_ran(impl, model, tp=tp > 1)  # the units (and TP hooks) are impl's, in this rank
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     mesh = fabric.strategy.device_mesh
     dp_rank, dp_size = mesh["data_parallel"].get_local_rank(), mesh["data_parallel"].size()
@@ -89,7 +90,7 @@ def _fabric_run(rank, world_size, impl, path, tp, resume):
     state = {"model": model, "optimizer": optimizer, "step": 0}
     if resume:
         fabric.load(path, state)
-    out = {"start": state["step"], "losses": [], "grads_inside_no_sync": None}
+    out = {"ran": ran, "start": state["step"], "losses": [], "grads_inside_no_sync": None}
     while state["step"] < STEPS:
         tokens = data[state["step"]]
         half = tokens.shape[0] // 2
@@ -122,16 +123,13 @@ def flow(impl: str, path: str, world: int, tp: int) -> tuple[dict, dict]:
     return first, second
 
 
-_REF: dict[str, dict] = {}
-
-
-def check(impl: str, tmp_path, world: int, tp: int, ref: dict) -> None:
-    if "torch" not in ref:
-        ref["torch"] = flow("torch", str(tmp_path / "torch.ckpt"), world, tp)
-    first, second = ref["torch"] if impl == "torch" else flow(impl, str(tmp_path / f"{impl}.ckpt"), world, tp)
-    t_first = ref["torch"][0]
-    errs = [abs(a - b) / abs(b) for a, b in zip(first["losses"], t_first["losses"])]
-    assert len(first["losses"]) == STEPS and max(errs) <= 1e-6, \
+def check(impl: str, got, want, world: int, tp: int) -> None:
+    """``got``: (uninterrupted, resumed) rank-0 results of ``impl``; ``want``: torch's."""
+    first, second = got
+    t_first = want[0]
+    ran = {"fsdp": [impl], "tp": [impl] if tp > 1 else []}
+    assert first["ran"] == second["ran"] == ran, f"{impl}: the ranks saw {first['ran']} / {second['ran']}, want {ran}"
+    assert len(first["losses"]) == STEPS and rel_errs(first["losses"], t_first["losses"]) <= 1e-6, \
         f"{impl}: losses {first['losses']} vs torch's {t_first['losses']}"
     assert first["grads_inside_no_sync"] == [], \
         f"{impl}: gradients set after a backward inside no_backward_sync: {first['grads_inside_no_sync']}"
@@ -139,11 +137,22 @@ def check(impl: str, tmp_path, world: int, tp: int, ref: dict) -> None:
         f"{impl}: resumed at {second['start']} with {second['losses']} vs uninterrupted {first['losses'][SAVE_AT:]}"
 
 
-@pytest.mark.parametrize("impl", ["torch", "shardwise"])
-def test_fabric_fsdp_meta_init_save_resume(impl, tmp_path_factory):
-    check(impl, tmp_path_factory.mktemp(f"fabric-fsdp-{impl}"), 2, 1, _REF.setdefault("fsdp", {}))
+SCENARIOS = {"lightning_fabric_fsdp": (2, 1), "lightning_fabric_tp": (2, 2)}  # golden name: (world, tp)
 
 
-@pytest.mark.parametrize("impl", ["torch", "shardwise"])
-def test_fabric_tp_meta_init_save_resume(impl, tmp_path_factory):
-    check(impl, tmp_path_factory.mktemp(f"fabric-tp-{impl}"), 2, 2, _REF.setdefault("tp", {}))
+def _torch_side(tmp, world: int, tp: int):
+    return flow("torch", str(tmp / "torch.ckpt"), world, tp)
+
+
+record_each(SCENARIOS, _torch_side, clients=("lightning",))
+
+
+test_torchs_recorded_run_passes_the_same_checks = recorded_run_test(SCENARIOS, check)
+
+
+def test_fabric_fsdp_meta_init_save_resume(tmp_path):
+    check("shardwise", flow("shardwise", str(tmp_path / "shardwise.ckpt"), 2, 1), golden("lightning_fabric_fsdp"), 2, 1)
+
+
+def test_fabric_tp_meta_init_save_resume(tmp_path):
+    check("shardwise", flow("shardwise", str(tmp_path / "shardwise.ckpt"), 2, 2), golden("lightning_fabric_tp"), 2, 2)

@@ -19,22 +19,21 @@ TP the logits stay sharded by class, the loss is computed in ``loss_parallel()``
 state), saved after the first epoch's last batch (2 optimizer steps); then, in fresh processes,
 ``trainer.fit(model, ckpt_path=...)`` resumes at step 2 and trains steps 3-4: their losses must
 equal the uninterrupted run's exactly, and shardwise's losses torch's within 1e-6 relative
-(fp32).
+(fp32). Each rank asserts which implementation sharded the model (`tests/compat/_rebind.py`
+``assert_ran``). torch's side is golden data (`tests/compat/_golden.py`), checked by the same
+assertions as shardwise's run.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
-import pytest
-
+from tests._compare import rel_errs
 from tests._dist import run_ranks
 from tests.compat._adapter import BATCH, SEQ, VOCAB, TinyLM, loss_of
-from tests.compat._rebind import use
+from tests.compat._golden import golden, record_each, recorded_run_test
+from tests.compat._rebind import assert_ran, use
 from tests.compat.test_lightning import _parallelize
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
 
 ACCUMULATE, STEPS_PER_EPOCH, STEPS = 2, 2, 4
 
@@ -107,7 +106,8 @@ def _trainer_run(rank, world_size, impl, folder, tp, resume):
     loader = DataLoader(TensorDataset(tokens), batch_size=BATCH // dp, shuffle=False)
     trainer.fit(module, loader, ckpt_path=f"{folder}/epoch0.ckpt" if resume else None)
     not_dtensor = [n for n, p in module.named_parameters() if type(p).__name__ != "DTensor"]
-    return {"start": module.start_step, "end": trainer.global_step, "losses": module.losses, "not_dtensor": not_dtensor}
+    ran = assert_ran(impl, module, tp=tp > 1)  # the units (and TP hooks) are impl's, in this rank
+    return {"ran": ran, "start": module.start_step, "end": trainer.global_step, "losses": module.losses, "not_dtensor": not_dtensor}
 
 
 def flow(impl: str, folder: str, world: int, tp: int) -> tuple[list[dict], list[dict]]:
@@ -116,31 +116,39 @@ def flow(impl: str, folder: str, world: int, tp: int) -> tuple[list[dict], list[
     return first, second
 
 
-_REF: dict[str, dict] = {}
-
-
-def check(impl: str, tmp_path, world: int, tp: int, ref: dict) -> None:
-    if "torch" not in ref:
-        ref["torch"] = flow("torch", str(tmp_path / "torch"), world, tp)
-    first, second = ref["torch"] if impl == "torch" else flow(impl, str(tmp_path / impl), world, tp)
+def check(impl: str, got, want, world: int, tp: int) -> None:
+    """``got``: (uninterrupted, resumed) per-rank results of ``impl``; ``want``: torch's."""
+    first, second = got
     micro = STEPS * ACCUMULATE
-    for rank, (f, s, t) in enumerate(zip(first, second, ref["torch"][0])):
+    ran = {"fsdp": [impl], "tp": [impl] if tp > 1 else []}
+    for rank, (f, s, t) in enumerate(zip(first, second, want[0], strict=True)):
         where = f"{impl} rank {rank}"
+        assert f["ran"] == s["ran"] == ran, f"{where}: the rank saw {f['ran']} / {s['ran']}, want {ran}"
         assert f["not_dtensor"] == [], f"{where}: parameters not sharded: {f['not_dtensor']}"
         assert f["start"] == 0 and f["end"] == STEPS and len(f["losses"]) == micro, \
             f"{where}: steps {f['start']}..{f['end']}, {len(f['losses'])} microbatches (want 0..{STEPS}, {micro})"
-        errs = [abs(a - b) / abs(b) for a, b in zip(f["losses"], t["losses"])]
-        assert max(errs) <= 1e-6, f"{where}: losses {f['losses']} vs torch's {t['losses']}"
+        assert rel_errs(f["losses"], t["losses"]) <= 1e-6, f"{where}: losses {f['losses']} vs torch's {t['losses']}"
         saved = STEPS_PER_EPOCH * ACCUMULATE
         assert s["start"] == STEPS_PER_EPOCH and s["end"] == STEPS and s["losses"] == f["losses"][saved:], \
             f"{where}: resumed at step {s['start']} with {s['losses']} vs uninterrupted {f['losses'][saved:]}"
 
 
-@pytest.mark.parametrize("impl", ["torch", "shardwise"])
-def test_trainer_fsdp_accumulation_clipping_save_resume(impl, tmp_path_factory):
-    check(impl, tmp_path_factory.mktemp(f"trainer-fsdp-{impl}"), 2, 1, _REF.setdefault("fsdp", {}))
+SCENARIOS = {"lightning_trainer_fsdp": (2, 1), "lightning_trainer_tp": (2, 2)}  # golden name: (world, tp)
 
 
-@pytest.mark.parametrize("impl", ["torch", "shardwise"])
-def test_trainer_tp_loss_parallel_accumulation_clipping_save_resume(impl, tmp_path_factory):
-    check(impl, tmp_path_factory.mktemp(f"trainer-tp-{impl}"), 2, 2, _REF.setdefault("tp", {}))
+def _torch_side(tmp, world: int, tp: int):
+    return flow("torch", str(tmp), world, tp)
+
+
+record_each(SCENARIOS, _torch_side, clients=("lightning",))
+
+
+test_torchs_recorded_run_passes_the_same_checks = recorded_run_test(SCENARIOS, check)
+
+
+def test_trainer_fsdp_accumulation_clipping_save_resume(tmp_path):
+    check("shardwise", flow("shardwise", str(tmp_path), 2, 1), golden("lightning_trainer_fsdp"), 2, 1)
+
+
+def test_trainer_tp_loss_parallel_accumulation_clipping_save_resume(tmp_path):
+    check("shardwise", flow("shardwise", str(tmp_path), 2, 2), golden("lightning_trainer_tp"), 2, 2)

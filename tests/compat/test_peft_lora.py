@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from tests._compare import rel_errs
 from tests._dist import run_on_workers
 from tests._lora import LR, batch, peft_model, rel_err, shard
 from tests.compat._adapter import IMPLS, impl
-
-pytest.importorskip("peft")
+from tests.compat._rebind import assert_ran
 
 WORLD = 2
 TOL = 1e-6  # fp32: losses and first-step gradients, sums of two half-batches against one whole batch
@@ -61,6 +61,7 @@ def _lora_steps(rank, world_size, name):
     frozen0 = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable), f"{name}: trainable {sorted(trainable)}"
     shard(model, i.fully_shard, init_device_mesh("cpu", (world_size,)))
+    assert_ran(name, model)  # in the rank: PEFT's model sharded by `name`'s units
     for n, p in model.named_parameters():  # every parameter sharded, frozen ones included
         assert isinstance(p, DTensor) and p.requires_grad == (n in trainable), f"{name}: {n} {type(p)}"
     # the usual PEFT loop hands the optimizer every parameter: the frozen ones never get a gradient
@@ -121,6 +122,6 @@ def test_lora_fine_tune_matches_one_process(runs, name):
 def test_shardwise_equals_torch(runs):
     (tl, tp, _, _), _ = runs["torch"]
     (sl, sp, _, _), _ = runs["shardwise"]
-    assert max(abs(a - b) / abs(b) for a, b in zip(sl, tl)) <= TOL, (sl, tl)
+    assert rel_errs(sl, tl) <= TOL, (sl, tl)
     bad = {n: e for n in tp if not (e := rel_err(sp[n], tp[n])) <= PARAM_TOL}
     assert sp.keys() == tp.keys() and not bad, bad

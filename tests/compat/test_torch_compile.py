@@ -3,7 +3,8 @@
 (``block.forward = torch.compile(block.forward)``). Backend ``aot_eager``: dynamo and
 AOTAutograd trace the block forward and backward as they do for inductor, but the graphs run
 as eager aten ops, so no C++ compilation (CPU time) and numbers equal to eager within fp32
-rounding."""
+rounding. torch's side is golden data (`tests/compat/_golden.py`: its losses and parameters,
+checked here against the one-process run like shardwise's)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from tests._dist import run_on_workers
 from tests.compat._adapter import (
-    IMPLS, assert_close, assert_losses, batches, build, full_params, impl, reference, shard, train,
+    assert_close, assert_losses, batches, build, full_params, impl, reference, shard, train,
 )
+from tests.compat._golden import golden, record_each
 
 TOL = 1e-6
 WORLD = 4
@@ -38,11 +40,31 @@ def _compiled(rank, world_size, name, how):
     ref, want = reference(data, optim=torch.optim.SGD, lr=0.1)
     got = train(model, torch.optim.SGD(model.parameters(), lr=0.1), data, rank, world_size)
     assert_losses(got, want, TOL, f"{name} {how}")
-    assert_close(full_params(model), full_params(ref), TOL, f"{name} {how}: parameters")
-    return got
+    params = full_params(model)
+    assert_close(params, full_params(ref), TOL, f"{name} {how}: parameters")
+    return {"losses": got, "params": params}
 
 
-@pytest.mark.parametrize("name", IMPLS)
-@pytest.mark.parametrize("how", ["torch.compile(block)", "block.compile()", "forward only"])
-def test_compiled_blocks_train_like_one_process(name, how):
-    run_on_workers(_compiled, WORLD, name, how, timeout=180)
+HOWS = {"torch.compile(block)": "torch_compile_module", "block.compile()": "torch_compile_in_place",
+        "forward only": "torch_compile_forward_only"}  # how: golden name
+
+
+def _torch_side(tmp, how: str):
+    return run_on_workers(_compiled, WORLD, "torch", how, timeout=180)[0]
+
+
+record_each({name: (how,) for how, name in HOWS.items()}, _torch_side)
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_torchs_recorded_run_trains_like_one_process(how):
+    ref, want = reference(batches(3), optim=torch.optim.SGD, lr=0.1)
+    torch_side = golden(HOWS[how])
+    assert_losses(torch_side["losses"], want, TOL, f"torch {how}")
+    assert_close(torch_side["params"], full_params(ref), TOL, f"torch {how}: parameters")
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_compiled_blocks_train_like_one_process(how):
+    got = run_on_workers(_compiled, WORLD, "shardwise", how, timeout=180)[0]
+    assert_losses(got["losses"], golden(HOWS[how])["losses"], TOL, f"shardwise {how} vs torch's")

@@ -20,23 +20,24 @@ Scenario: train 4 steps (checkpoint interval 2, so step 2 and step 4 are saved);
 processes, remove step 4 (a job that died after step 2's save) and resume the way
 ``Trainer.train`` does (``checkpointer.load()`` finds the newest checkpoint itself): it must
 start at step 2 and train steps 3-4 with the uninterrupted run's losses. fp32; torch's losses
-and shardwise's must agree within 1e-6 relative, each resume exactly.
+and shardwise's must agree within 1e-6 relative, each resume exactly. Each rank asserts which
+implementation sharded the model (`tests/compat/_rebind.py` ``assert_ran``). torch's side is
+golden data (`tests/compat/_golden.py`: ``python -m tests.compat.regen_goldens torchtitan_fsdp
+torchtitan_fsdp_tp`` reruns it), checked by the same assertions as shardwise's run.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 import types
 
-import pytest
-
+from tests._compare import rel_errs
 from tests._dist import run_ranks
-from tests.compat._rebind import use
+from tests.compat._golden import golden, record_each, recorded_run_test
+from tests.compat._rebind import assert_ran, use
 
 # ranks import torchtitan after `use`; this process never imports it
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
 
 STEPS, SAVE_AT, SEQ, BATCH, VOCAB = 4, 2, 32, 2, 2048
 
@@ -137,6 +138,7 @@ def _train(rank, world_size, impl, folder, tp, resume, meta=True):
     for m in model.modules():  # gloo has no PREMUL_SUM: see the module docstring
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
+    ran = assert_ran(impl, model, tp=tp > 1)  # the units (and TP hooks) are impl's, in this rank
     if meta:
         model.to_empty(device="cpu")
     with torch.no_grad():
@@ -167,7 +169,7 @@ def _train(rank, world_size, impl, folder, tp, resume, meta=True):
         shutil.rmtree(f"{checkpointer.folder}/step-{STEPS}")  # the job died after step SAVE_AT's save
     torch.distributed.barrier()
     loaded = checkpointer.load(step=job.checkpoint.load_step)
-    out = {"loaded": loaded, "start": state.step, "losses": [], "grad_norms": [],
+    out = {"ran": ran, "loaded": loaded, "start": state.step, "losses": [], "grad_norms": [],
            "mesh_ndims": sorted({p.device_mesh.ndim for p in model.parameters()})}
     data = iter(dataloader)
     while state.step < job.training.steps:
@@ -204,37 +206,46 @@ def flow(impl: str, folder: str, world: int, tp: int) -> tuple[dict, dict]:
     return first, second
 
 
-def check(impl: str, tmp_path, world: int, tp: int, ref_cache: dict) -> None:
-    if "torch" not in ref_cache:
-        ref_cache["torch"] = flow("torch", str(tmp_path / "torch"), world, tp)
-    first, second = ref_cache["torch"] if impl == "torch" else flow(impl, str(tmp_path / impl), world, tp)
-    t_first, _ = ref_cache["torch"]
+def check(impl: str, got, want, world: int, tp: int) -> None:
+    """``got``: (uninterrupted, resumed) rank-0 results of ``impl``; ``want``: torch's."""
+    first, second = got
+    t_first, _ = want
     ndims = [2] if tp > 1 else [1]  # with TP every parameter is on the 2-D (dp, tp) mesh
+    ran = {"fsdp": [impl], "tp": [impl] if tp > 1 else []}
+    assert first["ran"] == second["ran"] == ran, f"{impl}: the ranks saw {first['ran']} / {second['ran']}, want {ran}"
     assert first["mesh_ndims"] == ndims and first["loss_type"] == ("DTensor" if tp > 1 else "Tensor"), \
         f"{impl}: parameters on {first['mesh_ndims']}-D meshes (want {ndims}), the loss a {first['loss_type']}"
     assert not first["loaded"] and first["start"] == 0, f"{impl}: the first run found a checkpoint: {first}"
     assert len(first["losses"]) == STEPS
-    errs = [abs(a - b) / abs(b) for a, b in zip(first["losses"], t_first["losses"])]
-    assert max(errs) <= 1e-6, f"{impl}: losses {first['losses']} vs torch's {t_first['losses']}"
+    assert rel_errs(first["losses"], t_first["losses"]) <= 1e-6, \
+        f"{impl}: losses {first['losses']} vs torch's {t_first['losses']}"
     assert second["loaded"] and second["start"] == SAVE_AT, \
         f"{impl}: resume did not start at the saved step {SAVE_AT}: loaded={second['loaded']} start={second['start']}"
     assert second["losses"] == first["losses"][SAVE_AT:], \
         f"{impl}: resumed losses {second['losses']} vs uninterrupted {first['losses'][SAVE_AT:]}"
 
 
-_REF: dict[str, dict] = {}
+SCENARIOS = {"torchtitan_fsdp": (2, 1), "torchtitan_fsdp_tp": (4, 2)}  # golden name: (world, tp)
 
 
-@pytest.mark.parametrize("impl", ["torch", "shardwise"])
-def test_fsdp2_meta_init_list_units_checkpoint_resume(impl, tmp_path_factory):
-    check(impl, tmp_path_factory.mktemp(f"titan-fsdp-{impl}"), 2, 1, _REF.setdefault("fsdp", {}))
+def _torch_side(tmp, world: int, tp: int):
+    return flow("torch", str(tmp), world, tp)
 
 
-@pytest.mark.parametrize("impl", ["torch", "shardwise"])
-def test_fsdp2_x_tp2_loss_parallel_checkpoint_resume(impl, tmp_path_factory):
+record_each(SCENARIOS, _torch_side, clients=("torchtitan",))
+
+
+test_torchs_recorded_run_passes_the_same_checks = recorded_run_test(SCENARIOS, check)
+
+
+def test_fsdp2_meta_init_list_units_checkpoint_resume(tmp_path):
+    check("shardwise", flow("shardwise", str(tmp_path), 2, 1), golden("torchtitan_fsdp"), 2, 1)
+
+
+def test_fsdp2_x_tp2_loss_parallel_checkpoint_resume(tmp_path):
     """4 ranks, ``dp_shard=2 x tp=2`` (``ParallelDims`` unflattens the world mesh into both):
     `parallelize_llama` applies its TP plan (sequence-parallel norms, colwise/rowwise
     projections, the output's logits sharded by vocabulary) before `fully_shard` on the 2-D
     mesh's dp axis; the loss is computed inside its ``loss_parallel`` train context, the
     gradient norm clipped by its `clip_grad_norm_` over parameters on the 2-D mesh."""
-    check(impl, tmp_path_factory.mktemp(f"titan-fsdp-tp-{impl}"), 4, 2, _REF.setdefault("fsdp-tp", {}))
+    check("shardwise", flow("shardwise", str(tmp_path), 4, 2), golden("torchtitan_fsdp_tp"), 4, 2)

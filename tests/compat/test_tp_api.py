@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
+from tests._compare import maxerr
 from tests._dist import run_on_workers
 from tests.compat._adapter import IMPLS, Impl, impl, rel_err
 
@@ -165,7 +166,7 @@ def _src_data_rank(rank, world_size, name):
             torch.manual_seed(100 + src)
             want = dict(MLP().named_parameters())
             got = {n: p.full_tensor() for n, p in tp.named_parameters()}
-        out[str(src)] = (max(rel_err(got[n], want[n].detach()) for n in want), comm.get_total_counts())
+        out[str(src)] = (maxerr(rel_err(got[n], want[n].detach()) for n in want), comm.get_total_counts())
     return out
 
 

@@ -5,7 +5,8 @@ Not a pytest module (pytest collects ``test_*.py`` only) and not in the suite: t
 are not in the installed wheel and are not in this repository (no copied code). Get them from
 the pytorch/pytorch repository (``test/distributed/_composable/fsdp/test_fully_shard_*.py``,
 ``test/distributed/tensor/parallel/test_tp_*.py``, ``test_parallelize_api.py``, keeping the
-``test/distributed/...`` layout under one folder), then::
+``test/distributed/...`` layout under one folder), install what torch's test files import
+(``pip install -e '.[torch-suite]'``: expecttest, not in the suite's extras), then::
 
     python -m tests.compat.torch_suite /path/to/pytorch [--only SUBSTRING] [-k EXPR] [--timeout 900]
 
