@@ -1,0 +1,158 @@
+"""``torch.compile(model, fullgraph=True)`` on a model sharded per block and at the root: the
+traced unit ([Note: the traced unit] in ``composable/_fsdp/_traced.py``).
+
+One rank body per configuration compiles once (``aot_eager`` through a backend that keeps the
+forward and backward graphs AOTAutograd partitioned) and checks, against eager shardwise on the
+same ranks and data: zero graph breaks (``torch._dynamo.explain``), losses and parameters over
+three AdamW steps within 1e-6, and, from the graphs, the collectives (count and bytes) and what
+the forward saves for the backward."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from shardwise.composable import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from tests._dist import run_on_workers
+from tests._models import Net, batches, loss_fn, make_mesh
+
+TOL = 1e-6  # fp32, relative: the graph computes the eager unit's ops (sum of the same gradients, same division)
+AG = "all_gather_into_tensor"
+RS = "reduce_scatter_tensor"
+AR = "all_reduce"
+
+
+def _capturing_backend(graphs: dict):
+    """aot_eager (the same partitioner) that keeps each forward / backward graph."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(kind):
+        def compiler(gm, example_inputs):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+    return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"),
+                        partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
+
+
+def _collectives(gm) -> list[tuple[str, int]]:
+    """(collective, bytes moved per rank: output of an all-gather, input of a reduce-scatter)."""
+    out = []
+    for n in gm.graph.nodes:
+        name = getattr(n.target, "__name__", "")
+        if n.op == "call_function" and any(name.startswith(c) for c in (AG, RS, AR)):
+            t = n.meta["val"] if name.startswith(AG) else n.args[0].meta["val"]
+            out.append((name.split(".")[0], t.numel() * t.element_size()))
+    return out
+
+
+def _saved_bytes(gm) -> int:
+    """Bytes of the forward graph's outputs after the first (the model output, or the root's
+    gathered parameters for its pre-hook's graph, counted alike with either setting): what it saves."""
+    (outs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    return sum(o.meta["val"].numel() * o.meta["val"].element_size() for o in outs[1:]
+               if hasattr(o, "meta") and isinstance(o.meta.get("val"), torch.Tensor))
+
+
+def _saved_shapes(gm) -> list:
+    (outs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+    return [(tuple(o.meta["val"].shape), str(o.meta["val"].dtype)) for o in outs[1:]
+            if hasattr(o, "meta") and isinstance(o.meta.get("val"), torch.Tensor)]
+
+
+def _build(base, world, mesh_shape, **kw):
+    model = copy.deepcopy(base)
+    mesh = make_mesh(mesh_shape)
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, **kw)
+    root_kw = {k: v for k, v in kw.items() if k != "reshard_after_forward"}
+    fully_shard(model, mesh=mesh, **root_kw)
+    return model
+
+
+def _train(model, run, rank, dp, steps=3, batch=8):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    per = batch // dp
+    for tokens, target in batches(steps, batch):
+        sl = slice(rank * per, (rank + 1) * per)
+        loss = loss_fn(run(tokens[sl]), target[sl])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _compiled_vs_eager(rank, world, mesh_shape=None, backend="capture", explain=True, **kw):
+    """Eager shardwise and the compiled model from the same start; what the test checks."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mesh_shape = mesh_shape or (world,)
+    base = Net(n_blocks=2)
+    eager = _build(base, world, mesh_shape, **kw)
+    e_losses, e_params = _train(eager, eager, rank, world)
+    model = _build(base, world, mesh_shape, **kw)
+    out = {}
+    if explain:
+        ex = torch._dynamo.explain(lambda t: model(t))(torch.zeros(4, 5, dtype=torch.long))  # the call, hooks and all
+        out["breaks"], out["graphs"] = ex.graph_break_count, ex.graph_count
+        torch._dynamo.reset()
+    graphs: dict = {"fw": [], "bw": []}
+    be = _capturing_backend(graphs) if backend == "capture" else backend
+    c_losses, c_params = _train(model, torch.compile(model, fullgraph=True, backend=be), rank, world)
+    out["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(c_losses, e_losses))
+    out["param_err"] = max(_rel(c_params[n], e_params[n]) for n in e_params)
+    out["grad_types"] = sorted({type(p).__name__ for p in model.parameters()})
+    if graphs["fw"]:
+        out["fw"] = sorted(c for gm in graphs["fw"] for c in _collectives(gm))
+        out["bw"] = sorted(c for gm in graphs["bw"] for c in _collectives(gm))
+        out["saved"] = sum(_saved_bytes(gm) for gm in graphs["fw"])
+        out["saved_shapes"] = [_saved_shapes(gm) for gm in graphs["fw"]]
+        out["n_graphs"] = (len(graphs["fw"]), len(graphs["bw"]))
+    units = [b for b in model.blocks] + [model]
+    out["ag_bytes"] = [world * fully_shard.state(u).group.ag_bytes for u in units]
+    out["rs_bytes"] = [world * sum(p.layout.padded_numel for p in fully_shard.state(u).group.params) * 4
+                       for u in units]
+    return out
+
+
+def _fsdp(rank, world):
+    """FSDP on 2 ranks: default (blocks reshard, root keeps) and reshard_after_forward=False."""
+    return {raf: _compiled_vs_eager(rank, world, explain=raf is None, **({} if raf is None else
+                                                                           {"reshard_after_forward": raf}))
+            for raf in (None, False)}
+
+
+def test_fsdp_whole_model_fullgraph_trains_as_eager_with_the_eager_collectives():
+    for rank, res in enumerate(run_on_workers(_fsdp, 2, timeout=900)):
+        d, keep = res[None], res[False]
+        assert (d["breaks"], d["graphs"]) == (0, 1), d
+        for r in (d, keep):
+            assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (rank, r)
+            # torch.compile(module) traces the root's hooks and its forward as frames of their own: the
+            # root's gather, then the rest (the blocks' hooks inlined); no recompilation over three steps
+            assert r["n_graphs"] == (2, 2), r
+        # forward: one all-gather per unit (2 blocks + root), of the unit's flat buffer
+        assert d["fw"] == sorted(("all_gather_into_tensor", b) for b in d["ag_bytes"]), d
+        # backward: the two resharded blocks gathered again (recomputed, not saved), the root
+        # not; one reduce-scatter per unit, of W * the padded shard elements (fp32)
+        ags = sorted(b for c, b in d["bw"] if c == AG)
+        rss = sorted(b for c, b in d["bw"] if c == RS)
+        assert ags == sorted(d["ag_bytes"][:2]) and rss == sorted(d["rs_bytes"]), d
+        assert sorted(b for c, b in keep["bw"] if c == RS) == rss and not [c for c, _ in keep["bw"] if c == AG], keep
+        # what the forward keeps for the backward: with reshard_after_forward=True each block's flat
+        # shard (1/W of its gathered bytes) and none of its gathered weights (FULL_SHARD); with
+        # False the gathered weights (ZeRO-2), as the eager unit keeps them
+        weights = {((6, 7), "torch.float32"), ((7, 6), "torch.float32")}
+        saved, kept = [t for g in d["saved_shapes"] for t in g], [t for g in keep["saved_shapes"] for t in g]
+        assert not weights & set(saved) and saved.count(((d["ag_bytes"][0] // 2,), "torch.uint8")) == 2, saved
+        assert sum(kept.count(w) for w in weights) == 4 and d["saved"] < keep["saved"], kept
