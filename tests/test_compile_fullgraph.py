@@ -156,3 +156,64 @@ def test_fsdp_whole_model_fullgraph_trains_as_eager_with_the_eager_collectives()
         saved, kept = [t for g in d["saved_shapes"] for t in g], [t for g in keep["saved_shapes"] for t in g]
         assert not weights & set(saved) and saved.count(((d["ag_bytes"][0] // 2,), "torch.uint8")) == 2, saved
         assert sum(kept.count(w) for w in weights) == 4 and d["saved"] < keep["saved"], kept
+
+
+def _hsdp_mixed_precision(rank, world):
+    """HSDP on a (2, 2) mesh with bf16 parameters and fp32 reduction."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return _compiled_vs_eager(rank, world, mesh_shape=(2, 2), explain=False, mp_policy=mp)
+
+
+def test_hsdp_with_mixed_precision_trains_as_eager():
+    for rank, r in enumerate(run_on_workers(_hsdp_mixed_precision, 4, timeout=900)):
+        # the graph runs the eager unit's casts and sums in the same order: equal to the bit
+        assert r["loss_err"] == 0.0 and r["param_err"] == 0.0, (rank, r)
+        # per unit: a bf16 all-gather over the shard axis (2 ranks), an fp32 reduce-scatter
+        # there and an fp32 all-reduce of the reduced shard over the replicas
+        assert r["fw"] == sorted(("all_gather_into_tensor", b) for b in r["ag_bytes"]), r
+        assert sorted(b for c, b in r["bw"] if c == RS) == sorted(r["rs_bytes"]), r
+        assert sorted(b for c, b in r["bw"] if c == AR) == sorted(b // 2 for b in r["rs_bytes"]), r
+
+
+def _inductor(rank, world):
+    return _compiled_vs_eager(rank, world, backend="inductor", explain=False)
+
+
+def test_inductor_trains_as_eager():
+    """The one inductor case (CPU C++ code generation: slow to compile)."""
+    for rank, r in enumerate(run_on_workers(_inductor, 2, timeout=1500)):
+        assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (rank, r)
+
+
+def _refused(rank, world, case):
+    import torch._dynamo
+    from tests.compat._lowp import Bf16GatherWeight
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, mesh, kw = Net(n_blocks=2), make_mesh((world,)), {}
+    if case == "offload":
+        kw["offload_policy"] = CPUOffloadPolicy()
+    if case == "extension":
+        model.blocks[1].down.weight = torch.nn.Parameter(Bf16GatherWeight(model.blocks[1].down.weight.detach()))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh)
+    if case == "no_sync":
+        model.set_requires_gradient_sync(False)
+    try:
+        torch.compile(model, fullgraph=True, backend="aot_eager")(torch.zeros(4, 5, dtype=torch.long))
+    except Exception as e:  # dynamo's Unsupported, carrying the refusal raised while tracing
+        return str(e)
+    return "compiled"
+
+
+def test_what_cannot_be_traced_is_refused_naming_it():
+    """Refused while tracing, with the unit and the parameter or setting named: no eager
+    fallback inside a compiled step."""
+    want = {"offload": "fully_shard(Block): CPU offload (offload_policy=CPUOffloadPolicy)",
+            "extension": "fully_shard(Block): 'down.weight' is a tensor subclass with fsdp_pre_all_gather",
+            "no_sync": "fully_shard(Net): set_requires_gradient_sync(False)"}
+    for case, line in want.items():
+        for msg in run_on_workers(_refused, 2, case, timeout=300):
+            assert f"torch.compile of {line}" in msg, (case, msg[:2000])
