@@ -90,14 +90,26 @@ def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def _compiled_vs_eager(rank, world, mesh_shape=None, backend="capture", explain=True, **kw):
+class CheckpointedNet(Net):
+    """`Net` with each block under activation checkpointing (``checkpoint(block, x)``)."""
+
+    def forward(self, tokens):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False)
+        return self.head(x) * self.scale.sum()
+
+
+def _compiled_vs_eager(rank, world, mesh_shape=None, backend="capture", explain=True, net=Net, **kw):
     """Eager shardwise and the compiled model from the same start; what the test checks."""
     import torch._dynamo
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     mesh_shape = mesh_shape or (world,)
-    base = Net(n_blocks=2)
+    base = net(n_blocks=2)
     eager = _build(base, world, mesh_shape, **kw)
     e_losses, e_params = _train(eager, eager, rank, world)
     model = _build(base, world, mesh_shape, **kw)
@@ -119,9 +131,9 @@ def _compiled_vs_eager(rank, world, mesh_shape=None, backend="capture", explain=
         out["saved_shapes"] = [_saved_shapes(gm) for gm in graphs["fw"]]
         out["n_graphs"] = (len(graphs["fw"]), len(graphs["bw"]))
     units = [b for b in model.blocks] + [model]
-    out["ag_bytes"] = [world * fully_shard.state(u).group.ag_bytes for u in units]
-    out["rs_bytes"] = [world * sum(p.layout.padded_numel for p in fully_shard.state(u).group.params) * 4
-                       for u in units]
+    groups = [fully_shard.state(u).group for u in units]  # W: the shard axis
+    out["ag_bytes"] = [g.world * g.ag_bytes for g in groups]
+    out["rs_bytes"] = [g.world * sum(p.layout.padded_numel for p in g.params) * 4 for g in groups]
     return out
 
 
@@ -175,6 +187,19 @@ def test_hsdp_with_mixed_precision_trains_as_eager():
         assert sorted(b for c, b in r["bw"] if c == AR) == sorted(b // 2 for b in r["rs_bytes"]), r
 
 
+def _checkpointed(rank, world):
+    return _compiled_vs_eager(rank, world, explain=False, net=CheckpointedNet)
+
+
+def test_activation_checkpointed_blocks_train_as_eager():
+    """``checkpoint(block, x)`` around each unit: its gather (itself recomputed) runs inside the
+    user's checkpointed region; the backward re-gathers each block once."""
+    for rank, r in enumerate(run_on_workers(_checkpointed, 2, timeout=900)):
+        assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (rank, r)
+        assert sorted(b for c, b in r["bw"] if c == AG) == sorted(r["ag_bytes"][:2]), r
+        assert sorted(b for c, b in r["bw"] if c == RS) == sorted(r["rs_bytes"]), r
+
+
 def _inductor(rank, world):
     return _compiled_vs_eager(rank, world, backend="inductor", explain=False)
 
@@ -217,3 +242,21 @@ def test_what_cannot_be_traced_is_refused_naming_it():
     for case, line in want.items():
         for msg in run_on_workers(_refused, 2, case, timeout=300):
             assert f"torch.compile of {line}" in msg, (case, msg[:2000])
+
+
+def _collectives_eagerly(rank, world):
+    from shardwise.composable._compat import traced_collective
+
+    g = torch.distributed.group.WORLD
+    t = torch.arange(4.0) + 10 * rank
+    return (traced_collective("all_gather", t, g).tolist(), traced_collective("reduce_scatter", t, g).tolist(),
+            traced_collective("all_reduce", t, g).tolist())
+
+
+def test_traced_collective_outside_a_trace():
+    """``_compat.traced_collective`` (torch's functional collectives): rank-major all-gather on
+    dim 0, summing reduce-scatter on dim 0, summing all-reduce; finished tensors in eager."""
+    out = run_on_workers(_collectives_eagerly, 2, timeout=120)
+    for rank, (ag, rs, ar) in enumerate(out):
+        assert ag == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0], ag
+        assert rs == [[10.0, 12.0], [14.0, 16.0]][rank] and ar == [10.0, 12.0, 14.0, 16.0], (rs, ar)

@@ -38,7 +38,6 @@ import functools
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .._compat import traced_collective
@@ -68,6 +67,9 @@ def refusal(state: Any) -> str | None:
     elif any(g.extended):
         fqn = next(p.fqn for p, e in zip(g.params, g.extended) if e)
         why = f"'{fqn}' is a tensor subclass with fsdp_pre_all_gather, whose hooks run outside the graph"
+    elif any(p.tp_mesh is not None for p in g.params):
+        fqn = next(p.fqn for p in g.params if p.tp_mesh is not None)
+        why = f"'{fqn}' is a tensor-parallel DTensor; FSDP x TP is not traced yet (compile the blocks instead)"
     elif not state.requires_gradient_sync or not state.requires_all_reduce:
         why = ("set_requires_gradient_sync(False) / set_requires_all_reduce(False) accumulate gradients outside "
                "the graph; compile the synchronised step only")
@@ -147,11 +149,7 @@ def _pad(lay: Any, grad: torch.Tensor | None, dtype: torch.dtype, device: torch.
 
 
 def _gather(g: Any) -> tuple[torch.Tensor, ...]:
-    locals_ = [p.sharded.to_local() for p in g.params]
-    fulls = _GatherUnit.apply(g, g.sharded_bytes, *locals_)
-    return tuple(f if p.tp_mesh is None else DTensor.from_local(
-        f, p.tp_mesh, p.tp_placements, run_check=False, shape=torch.Size(p.global_shape), stride=p.global_stride)
-        for p, f in zip(g.params, fulls))
+    return _GatherUnit.apply(g, g.sharded_bytes, *[p.sharded.to_local() for p in g.params])
 
 
 def _recompute_all(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
