@@ -265,3 +265,42 @@ def test_traced_collective_outside_a_trace():
     for rank, (ag, rs, ar) in enumerate(out):
         assert ag == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0], ag
         assert rs == [[10.0, 12.0], [14.0, 16.0]][rank] and ar == [10.0, 12.0, 14.0, 16.0], (rs, ar)
+
+
+def _hf_llama(rank, world):
+    """A tiny Hugging Face Llama, each decoder layer a unit and the model the root."""
+    import torch._dynamo
+    import transformers as tf
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32, vocab_size=48)
+    base = tf.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 48, (4, 8), generator=g)
+    runs = []
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        mesh = make_mesh((world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        run = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(2):
+            mine = ids[rank * 2: rank * 2 + 2]
+            loss = run(input_ids=mine, labels=mine).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, {n: p.full_tensor() for n, p in model.named_parameters()}))
+    (el, ep), (cl, cp) = runs
+    return max(abs(a - b) / abs(b) for a, b in zip(cl, el)), max(_rel(cp[n], ep[n]) for n in ep)
+
+
+def test_hugging_face_llama_trains_as_eager():
+    for rank, (loss_err, param_err) in enumerate(run_on_workers(_hf_llama, 2, timeout=900)):
+        assert loss_err <= TOL and param_err <= TOL, (rank, loss_err, param_err)

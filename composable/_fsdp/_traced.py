@@ -82,15 +82,6 @@ def refusal(state: Any) -> str | None:
     return None if why is None else f"torch.compile of fully_shard({g.label}): {why}"
 
 
-def _reduce_dtypes(g: Any) -> list[torch.dtype]:
-    out: list[torch.dtype] = []
-    for p in g.params:
-        d = g.mp.reduce_dtype or p.compute_dtype
-        if p.requires_grad and d not in out:
-            out.append(d)
-    return out
-
-
 class _GatherUnit(torch.autograd.Function):
     """The unit's parameters, all-gathered from its flat buffer (forward), and the
     reduce-scattered gradients of its sharded local tensors (backward)."""
@@ -115,20 +106,16 @@ class _GatherUnit(torch.autograd.Function):
         g = ctx.g
         W = g.world
         divisor = g.comm.gradient_divide_factor or W * g.replicate_world
+        pos = {id(p): i for i, p in enumerate(g.params)}
         out: list[torch.Tensor | None] = [None] * len(g.params)
-        for d in _reduce_dtypes(g):  # one reduce-scatter per reduce dtype, as the eager buckets
-            idx = [i for i, p in enumerate(g.params) if p.requires_grad and (g.mp.reduce_dtype or p.compute_dtype) == d]
-            blocks = [_pad(g.params[i].layout, grads[i], d, g.compute_device) for i in idx]
-            send = torch.cat(blocks, dim=1)
+        for b in g.buckets:  # the eager unit's buckets: one reduce-scatter per reduce dtype
+            send = torch.cat([_pad(p.layout, grads[pos[id(p)]], b.dtype, g.compute_device) for p in b.params], dim=1)
             red = traced_collective("reduce_scatter", send.view(-1), g.shard_group) if W > 1 else send.view(-1)
             red = red / divisor
             if g.replicate_group is not None:
                 red = traced_collective("all_reduce", red, g.replicate_group)
-            o = 0
-            for i in idx:
-                p = g.params[i]
-                out[i] = p.layout.local_view(red[o : o + p.layout.padded_numel], g.rank).to(p.orig_dtype)
-                o += p.layout.padded_numel
+            for p, o in zip(b.params, b.offsets):
+                out[pos[id(p)]] = p.layout.local_view(red[o : o + p.layout.padded_numel], g.rank).to(p.orig_dtype)
         return (None, None, *out)
 
 
