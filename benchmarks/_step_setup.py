@@ -24,6 +24,7 @@ class Layout:
     baseline: str = "torch FSDP2"
     no_shard: bool = False  # the (W, 1) mesh of NO_SHARD: every rank a replica, shard axis of 1
     float8: bool = False  # torchao float8 training with the float8 all-gather (module docstring)
+    compile: bool = False  # shardwise: torch.compile(model, fullgraph=True); baseline: FSDP2 + per-block compile
 
     def applies(self, world: int) -> bool:
         if self.name == "HSDP" or self.tp > 1:
@@ -39,7 +40,9 @@ LAYOUTS = {
     "DDP": Layout("DDP", reshard_after_forward=False, baseline="torch DDP", no_shard=True),
     "NO_SHARD": Layout("NO_SHARD", reshard_after_forward=False, no_shard=True),  # not run by default
     "FSDP_FLOAT8": Layout("FSDP_FLOAT8", float8=True),  # not run by default (torchao)
+    "FSDP_COMPILE": Layout("FSDP_COMPILE", baseline="torch FSDP2 + per-block compile", compile=True),  # opt-in
 }
+COMPILE_BACKEND = "inductor"  # FSDP_COMPILE's torch.compile backend (step.py --compile-backend)
 DEFAULT_LAYOUTS = ("FSDP", "HSDP", "SHARD_GRAD_OP", "FSDPxTP", "DDP")
 
 
@@ -120,7 +123,11 @@ def build(cfg: LlamaConfig, layout: Layout, impl: str, mesh):
     raf = layout.reshard_after_forward
     for block in model.layers:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=raf)
+        if layout.compile and impl == "baseline":  # the FSDP2 recipe: compile each block, hooks eager
+            block.compile(backend=COMPILE_BACKEND)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=None if raf else False)
+    if layout.compile and impl == "shardwise":  # the whole model, one graph ([Note: the traced unit])
+        return torch.compile(model, fullgraph=True, backend=COMPILE_BACKEND)
     return model
 
 

@@ -14,6 +14,8 @@ one copy with shardwise and the other with the torch baseline using the same mes
     FSDPxTP         parallelize_module (tp 2) + fully_shard     torch's parallelize_module + fully_shard
     DDP             apply_fully_shard NO_SHARD (replicate)      DistributedDataParallel
     NO_SHARD        fully_shard NO_SHARD, (W, 1) mesh           torch fully_shard, same mesh (opt-in)
+    FSDP_COMPILE    FSDP + torch.compile(model, fullgraph=True) torch fully_shard + block.compile() (opt-in;
+                    (the traced unit: docs/compile.md)          --compile-backend, default inductor)
     FSDP_FLOAT8     torchao float8 + fully_shard, 1-D mesh      torch fully_shard, same (opt-in, torchao)
 
 After two warm-up steps each, one step per implementation runs under
@@ -182,10 +184,17 @@ def run_layout(cfg: LlamaConfig, layout: Layout, args, world: int) -> dict:
     optims = {i: torch.optim.AdamW(models[i].parameters(), lr=1e-3) for i in impls}
     losses = {i: [] for i in impls}
     comm = {}
+    first = {}
     for i in impls:
         for b in batches[:2]:
+            t0 = _barrier_time()
             losses[i].append(_step(models[i], optims[i], b, layout))
+            first.setdefault(i, _barrier_time() - t0)  # the first step: compiles under FSDP_COMPILE
         counter = CommCounter()
+        if layout.compile and i == "shardwise":  # dynamo compiles nothing under a dispatch mode: the
+            losses[i].append(_step(models[i], optims[i], batches[2], layout))  # graphs' collectives are
+            comm[i] = {}  # counted in tests/test_compile_fullgraph.py instead
+            continue
         with counter:
             losses[i].append(_step(models[i], optims[i], batches[2], layout))
         comm[i] = counter.by_kind()
@@ -210,11 +219,14 @@ def run_layout(cfg: LlamaConfig, layout: Layout, args, world: int) -> dict:
                 cpu={i: cpu[n].tolist() for n, i in enumerate(impls)}, phases=phases,
                 theory=theory(layout, blocks, root, world, tokens, cfg.dim, gathered, n_float8), loss_rel_diff=diff,
                 mesh=f"({world}, 1)" if layout.no_shard else str(tuple(mesh.shape)), P=sum(blocks) + root,
-                dp=dp_size, rows=len(batches[0][0]))
+                dp=dp_size, rows=len(batches[0][0]), first=first)
 
 
 def rank_main(rank: int, world: int, cfg: LlamaConfig, layouts: list[str], args) -> list[dict]:
     import torch._dynamo  # noqa: F401  DTensor imports it lazily; load it before timing
+
+    from benchmarks import _step_setup
+    _step_setup.COMPILE_BACKEND = args.compile_backend
 
     out = []
     for name in layouts:
@@ -236,11 +248,11 @@ def table(results: list[dict]) -> str:
         t_sw, t_b = r["times"]["shardwise"], r["times"]["baseline"]
         ratios = [a / b for a, b in zip(t_sw, t_b)]
         c_sw, c_b = r["cpu"]["shardwise"], r["cpu"]["baseline"]
-        sent = {i: sum(b for _, b in r["comm"][i].values()) / MB for i in r["comm"]}
+        sent = {i: f"{sum(b for _, b in r['comm'][i].values()) / MB:.2f}" if r["comm"][i] else "n/a" for i in r["comm"]}
         rows.append(f"| {r['world']} | {r['layout']} {r['mesh']} | {r['baseline']} | {med(t_sw) * 1e3:.0f} | "
                     f"{med(t_b) * 1e3:.0f} | **{med(ratios):.3f}** [{min(ratios):.2f}, {max(ratios):.2f}] | "
                     f"{med(c_sw):.2f} / {med(c_b):.2f} = {med([a / b for a, b in zip(c_sw, c_b)]):.3f} | "
-                    f"{sent['shardwise']:.2f} | {sent['baseline']:.2f} | {sum(r['theory'].values()) / MB:.2f} | "
+                    f"{sent['shardwise']} | {sent['baseline']} | {sum(r['theory'].values()) / MB:.2f} | "
                     f"{r['loss_rel_diff']:.1e} |")
     rows += ["", "collectives per step (calls, MiB sent per rank) by kind:"]
     for r in results:
@@ -250,6 +262,9 @@ def table(results: list[dict]) -> str:
             parts.append(f"{i}: {kinds}")
         th = ", ".join(f"{k} {b / MB:.2f}" for k, b in r["theory"].items())
         rows.append(f"  {r['world']} ranks {r['layout']:13s} " + " | ".join(parts) + f" | theory: {th}")
+    rows += ["", "first step (compile under FSDP_COMPILE), s: " + "; ".join(
+        f"{r['world']} ranks {r['layout']} shardwise {r['first']['shardwise']:.1f} / baseline {r['first']['baseline']:.1f}"
+        for r in results)]
     if any(r["phases"] for r in results):
         rows += ["", "CPU ms per step on rank 0 by phase (forward + loss / backward / optimizer step):"]
         for r in (r for r in results if r["phases"]):
@@ -272,6 +287,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=8, help="global batch, split over the dp ranks")
     p.add_argument("--phases", type=int, default=0, help="also time N steps by phase (CPU time, rank 0)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per launch")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of FSDP_COMPILE")
     return p.parse_args(argv)
 
 

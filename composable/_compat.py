@@ -168,3 +168,22 @@ def run_eagerly(fn):
     Relies on: ``torch.compiler.disable`` (public) making dynamo skip the function and
     everything it calls; outside compilation the wrapper only calls ``fn``."""
     return torch.compiler.disable(fn, recursive=True)
+
+
+def traced_collective(kind: str, t: torch.Tensor, group) -> torch.Tensor:
+    """One collective over ``group`` that ``torch.compile`` traces into its graph (the traced
+    unit, [Note: the traced unit] in ``_fsdp/_traced.py``): ``"all_gather"`` (rank-major
+    along dim 0), ``"reduce_scatter"`` (sum, dim 0) or ``"all_reduce"`` (sum). Outside a trace
+    it runs eagerly and returns the finished result.
+
+    Relies on: ``torch.distributed._functional_collectives`` (``all_gather_tensor``,
+    ``reduce_scatter_tensor``, ``all_reduce``, each taking a process group)."""
+    import torch.distributed._functional_collectives as fc
+
+    if kind == "all_gather":
+        out = fc.all_gather_tensor(t, 0, group)
+    elif kind == "reduce_scatter":
+        out = fc.reduce_scatter_tensor(t, "sum", 0, group)
+    else:
+        out = fc.all_reduce(t, "sum", group)
+    return out.wait() if isinstance(out, fc.AsyncCollectiveTensor) else out

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=0, help="MoE feed-forward with N experts (0: dense; examples/moe.py)")
     p.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, carved out of --dp-shard (with --experts)")
+    p.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                   help="torch.compile(model, fullgraph=True) the sharded model, the whole step one graph "
+                        "(docs/compile.md); BACKEND defaults to inductor")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (CPU runs only)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw (every parameter), or muon: torch.optim.Muon on the hidden matrices, each updated "
@@ -251,10 +254,18 @@ def main(argv: list[str] | None = None) -> list[float]:
         f"{args.seq_len} tokens, {args.batch_size // dp_size} rows per dp rank; "
         f"loss floor ln(branching) = {loss_floor():.3f}")
     t1 = time.perf_counter()
+    # --compile: the whole model in one graph (docs/compile.md); the first step compiles it
+    run, first = (torch.compile(model, fullgraph=True, backend=args.compile) if args.compile else model), []
+
+    def log(step: int, loss: float) -> None:
+        if args.compile and not first:
+            first.append(step)
+            say(f"compile: the first step (torch.compile fullgraph, {args.compile}) took {time.perf_counter() - t1:.1f}s")
+        say(f"step {step:4d}  loss {loss:.4f}")
     losses = train(
-        model, dp_mesh, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        run, dp_mesh, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         vocab=args.vocab, lr=args.lr, seed=args.seed, log_every=args.log_every,
-        log=lambda step, loss: say(f"step {step:4d}  loss {loss:.4f}"), optim=optim, start_step=start,
+        log=log, optim=optim, start_step=start,
     )
     say_summary(say, losses, t0, t1, time.perf_counter())
     if args.save:

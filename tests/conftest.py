@@ -36,6 +36,12 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/compat/test_setters.py::test_setters_before_and_after_the_first_step',  # 3 s
     'tests/compat/test_torch_compile.py',  # shardwise's three ways (torch's: golden data); 21 s for both sides before, load 10
     'tests/compat/test_torchtitan.py',  # shardwise's FSDP (2 ranks) and FSDP x TP (4) flows (torch's: golden data); 121 s for both sides before, load 10
+    'tests/test_compile_fullgraph.py::test_fsdp_whole_model_fullgraph_trains_as_eager_with_the_eager_collectives',  # 193 s at load 25 (explain + 2 compiles, 2 ranks)
+    'tests/test_compile_fullgraph.py::test_hsdp_with_mixed_precision_trains_as_eager',  # 102 s at load 25 (4 ranks)
+    'tests/test_compile_fullgraph.py::test_inductor_trains_as_eager',  # 167 s at load 25 (inductor's C++ compile)
+    'tests/test_compile_fullgraph.py::test_activation_checkpointed_blocks_train_as_eager',  # 49 s at load 25
+    'tests/test_compile_fullgraph.py::test_hugging_face_llama_trains_as_eager',  # 224 s at load 25 (transformers)
+    'tests/test_compile_fullgraph.py::test_what_cannot_be_traced_is_refused_naming_it',  # 48 s at load 25 (3 traces)
     'tests/compat/test_tp_api.py',  # 2 s
     'tests/compat/test_tp_styles.py::test_loss_parallel_reductions_weights_and_a_wrongly_sharded_input',  # 2 s
     'tests/compat/test_torchtitan_forms.py',  # 55 s (16 scenarios on 4 workers)

@@ -23,7 +23,7 @@ from ._unit_inputs import collect_params as _collect_params
 from ._unit_inputs import default_mesh as _default_mesh
 from ._unit_inputs import move_buffers as _move_buffers
 from ._unit_inputs import shard_placement as _shard_placement
-from ._state import FSDPState, get_state
+from ._state import FSDPState, get_state, units_under
 from ._fsdp_class import fsdp_class as _fsdp_class
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx",
@@ -158,7 +158,10 @@ def fully_shard(
     _move_buffers(modules, mesh, mp_policy.buffer_dtype)
     group = ParamGroup(entries, mesh, mp=mp_policy, offload=offload_policy, label=label,
                        placements=placements) if entries else None
-    FSDPState(modules, group, mesh, reshard_after_forward, mp_policy)  # registers itself on the modules
+    state = FSDPState(modules, group, mesh, reshard_after_forward, mp_policy)  # registers itself on the modules
+    for s in units_under(modules):  # the units below: this one is their parent ([Note: the traced unit])
+        if s is not state and s.parent is None:
+            s.parent = state
     if group is not None:
         for (fqn, p, _), sp in zip(originals, group.params):
             sp.owner = f"'{fqn}' of the unit fully_shard({label})"

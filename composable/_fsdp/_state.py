@@ -70,6 +70,7 @@ from ._common import OWNER_ATTR, TRAINING_NEXT, TraceNames, TrainingState, unit_
 from ._param_group import ParamGroup
 from ._policies import MixedPrecisionPolicy
 from ._root import DEFAULT_UNSHARD_LIMIT, RootContext
+from ._traced import top_is_traced, traced_post_forward, traced_pre_forward
 
 __all__ = ["FSDPState", "get_state", "units_under"]
 
@@ -153,12 +154,26 @@ class FSDPState:
         # ``block.compile()``) makes dynamo trace ``_call_impl`` and with it these hooks; they
         # unshard / reshard by storage resizes and parameter swaps that must not be captured in
         # a graph. They run eagerly: dynamo breaks the graph around them and compiles the
-        # module's forward alone, as torch's FSDP2 does.
-        pre, post = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
+        # module's forward alone, as torch's FSDP2 does -- unless the whole model is traced:
+        # then the traced path runs instead ([Note: the traced unit] in _traced.py).
+        self._eager_hooks = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
+        self.parent: FSDPState | None = None  # the unit whose fully_shard took this one's modules in
+        self.traced_forward = False  # a top unit: its forward is being traced
+        self.traced_live, self.traced_seen = False, 0  # the traced path's gathered parameters are on the modules
         for m in modules:
             m.__dict__[_STATE_ATTR] = self
-            self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(post))
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook, prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post_hook))
+
+    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if torch.compiler.is_compiling() and top_is_traced(self):
+            return traced_pre_forward(self, module, args, kwargs)
+        return self._eager_hooks[0](module, args, kwargs)
+
+    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if torch.compiler.is_compiling() and top_is_traced(self):
+            return traced_post_forward(self, module, args, output)
+        return self._eager_hooks[1](module, args, output)
 
     @property
     def root(self) -> FSDPState | None:
