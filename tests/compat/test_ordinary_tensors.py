@@ -15,25 +15,20 @@ step (``step``), after a no-grad forward and ``reshard()`` (``reshard``), after 
 (``unshard``). After the battery, which moved storages into shared memory, the model trains two
 more steps: their losses prove the all-gathers read what the optimizer wrote.
 
-torch's side is recorded once in ``goldens/ordinary_tensors.json`` (with the torch version);
+torch's side is golden data recorded once (``goldens/ordinary_tensors.json``, `tests/compat/_golden.py`);
 the test runs shardwise's and requires every case that is ``ok`` on torch to be ``ok`` here,
 with the same values (a digest per collection) and the same losses. Regenerate the golden with
-
-    python -m tests.compat.test_ordinary_tensors [LAYOUT ...]
-
-from the repository root (torch's side in fresh gloo processes, [Note: recording torch's side];
-only the layouts named, the others kept, when some are named).
+``python -m tests.compat.regen_goldens ordinary_tensors`` (torch's side in fresh gloo processes,
+[Note: recording torch's side]).
 """
 
 from __future__ import annotations
 
 import copy
 import io
-import json
 import math
 import pickle
-import sys
-from pathlib import Path
+import pathlib
 from typing import Any
 
 import pytest
@@ -41,8 +36,8 @@ import torch
 import torch.nn as nn
 
 from tests._dist import run_on_workers
+from tests.compat._golden import golden as read_golden, recorder
 
-GOLDEN = Path(__file__).parent / "goldens" / "ordinary_tensors.json"
 LAYOUTS = {"fsdp": 2, "offload": 2, "float8": 2, "hsdp": 4, "fsdp_tp": 4}
 STATES = ("step", "reshard", "unshard")
 KINDS = ("param", "local", "grad", "optim", "sd", "full")
@@ -231,7 +226,7 @@ def _run(impl_name: str, layout: str, skip: frozenset[str] = frozenset()) -> lis
 # -- the test -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def golden() -> dict[str, Any]:
-    return json.loads(GOLDEN.read_text())
+    return read_golden("ordinary_tensors")
 
 
 def _close(a: float, b: float) -> bool:
@@ -258,7 +253,7 @@ def test_every_case_that_works_on_fsdp2_works_here(layout, golden):
 
 
 def test_golden_records_the_torch_it_came_from(golden):
-    assert golden["torch"] and set(golden["layouts"]) == set(LAYOUTS), "regenerate: python -m tests.compat.test_ordinary_tensors"
+    assert golden["torch"] and set(golden["layouts"]) == set(LAYOUTS), "regenerate: python -m tests.compat.regen_goldens ordinary_tensors"
     ok = sum(v == "ok" for lay in golden["layouts"].values() for r in lay for s in r.values() for v in s["cases"].values())
     assert ok > 100, f"the golden has only {ok} cases that work on torch FSDP2: was it recorded against a broken torch?"
 
@@ -294,14 +289,6 @@ def _torch_layout(layout: str) -> list[dict[str, Any]]:
     return merged
 
 
-def _regenerate(layouts: list[str]) -> None:
-    """Record torch's side of ``layouts`` (all when empty) into the golden, keeping the others."""
-    old = json.loads(GOLDEN.read_text())["layouts"] if GOLDEN.exists() else {}
-    got = {**old, **{lay: _torch_layout(lay) for lay in layouts or LAYOUTS}}
-    GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps({"torch": torch.__version__, "layouts": got}, sort_keys=True) + "\n")
-    print(f"wrote {GOLDEN} (torch {torch.__version__})", file=sys.stderr)
-
-
-if __name__ == "__main__":
-    _regenerate(sys.argv[1:])
+@recorder("ordinary_tensors", clients=("torchao",))
+def _torch_side(tmp: pathlib.Path) -> dict[str, Any]:
+    return {"torch": torch.__version__, "layouts": {lay: _torch_layout(lay) for lay in LAYOUTS}}
