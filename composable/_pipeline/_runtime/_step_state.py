@@ -1,10 +1,4 @@
-"""What the actions of one pipeline step share, and the small helpers of `PipelineSchedule`.
-
-The microbatches cut from the batch (`split_batch`), the hooks that put a stage's received
-activation into its first block and take its last block's output (`inject_hook`, `capture_hook`), the state of one step (`StepState`: saved
-activations, local hand-offs between stages of one rank, per-action times), the tensor a block
-hands on (`first_tensor`), and the setup of a new schedule's message tag and device.
-"""
+"""What the actions of one pipeline step share (`StepState`), and `PipelineSchedule`'s small helpers."""
 
 from __future__ import annotations
 

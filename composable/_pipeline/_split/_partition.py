@@ -1,16 +1,11 @@
 """Balanced contiguous partitioning of a chain of blocks into pipeline stages (pure, no torch).
 
 [Note: the partition problem]
-A model is ``pre -> block_0 -> ... -> block_{n-1} -> post``. Stage ``k`` takes the contiguous
-blocks ``bounds[k] .. bounds[k+1]-1``; stage 0 also runs ``pre`` (embedding) and the last stage
-``post`` (final norm, output head, loss), so their costs are added there instead of being taken
-as free. The step time of a pipeline is set by its slowest stage, so we minimise
-``max_k cost(stage k)`` under "every stage has at least one block". For a chain this is exact
-with dynamic programming over prefix sums: ``best[k][j]`` is the smallest possible slowest
-stage when the first ``j`` blocks form ``k`` stages; ``best[k][j] = min_i max(best[k-1][i],
-sum(i..j-1))``. That is O(S n^2) additions, nothing for the few hundred blocks of a real
-model. Ties are broken towards the split whose stage costs, read from the last stage backwards,
-are lexicographically smallest, so the result is deterministic (the same on every rank).
+Stage ``k`` takes blocks ``bounds[k] .. bounds[k+1]-1``; stage 0 also costs ``pre``, the last
+``post``. We minimise ``max_k cost(stage k)`` with at least one block per stage, exactly, by
+dynamic programming over prefix sums: ``best[k][j] = min_i max(best[k-1][i], sum(i..j-1))``
+(O(S n^2)). Ties go to the split whose stage costs, read from the last stage back, are
+lexicographically smallest, so every rank gets the same result.
 """
 
 from __future__ import annotations
