@@ -69,23 +69,15 @@ __all__ = ["plan_memory", "MeshSuggestion", "suggest_mesh"]
 def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 options: PlanOptions | ShardingPolicy | ShardingStrategy | str | None = None,
                 **overrides: Any) -> MemoryPlan:
-    """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
-    devices (the model may be on the meta device). See [Note: the memory model].
+    """Estimate the bytes per rank of ``model`` under ``fully_shard``, from shapes alone (meta
+    device fine) ([Note: the memory model]).
 
-    ``mesh_shape``: ``dp_shard``, ``(dp_replicate, dp_shard)`` or ``(dp_replicate, dp_shard,
-    tp)``; FULL_SHARD / SHARD_GRAD_OP need ``dp_replicate == 1``, HYBRID_* more; NO_SHARD
-    replicates over all ``dp_replicate * dp_shard`` ranks. ``options``: a `PlanOptions`, or
-    (today's form) just its ``policy``; keywords are `PlanOptions` fields and override it, so
-    ``plan_memory(model, 4, "FULL_SHARD", activation_bytes=A)`` still reads as it did.
-
-    With ``pp > 1`` the model is planned as a pipeline (``mesh_shape`` is then one stage's)
-    and the plan is a `PipelineMemoryPlan`: a `MemoryPlan` whose figures are the worst rank's,
-    with every rank's in ``.stages`` (`plan_pipeline_memory` gives the same, typed as such).
-    See [Note: the memory of a pipeline stage] in ``_plan/_pipeline.py``, and for ``cp``,
-    [Note: context parallelism in the plan].
-
-    Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names; TypeError
-    for a keyword that is not an option.
+    ``mesh_shape``: ``dp_shard``, ``(dp_replicate, dp_shard)`` or ``(dp_replicate, dp_shard, tp)``
+    (one stage's with ``pp > 1``). ``options``: a `PlanOptions` or its ``policy``; keywords are its
+    fields and override it. With ``pp > 1`` the result is a `PipelineMemoryPlan` (the worst
+    rank's figures, every rank's in ``.stages``; [Note: the memory of a pipeline stage] in
+    ``_plan/_pipeline.py``). Raises ValueError for a mesh shape the strategy cannot use or unknown
+    unit names, TypeError for an unknown keyword.
     """
     base = options if isinstance(options, PlanOptions) else PlanOptions() if options is None else PlanOptions(options)
     o = with_overrides(base, overrides, "plan_memory")
@@ -137,31 +129,16 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
                  options: MeshOptions | None = None, **overrides: Any) -> MeshSuggestion:
     """The mesh ``(dp_replicate, dp_shard, tp)`` and strategy that fit ``bytes_per_gpu`` with the
     least estimated data-parallel communication time. ``options``: a `MeshOptions`; keywords are
-    its fields and override it (today's form: ``suggest_mesh(model, 8, 8, 80 * 2**30,
-    mp_policy=bf16)``); the names below are its fields.
+    its fields and override it (docs/planner.md).
 
-    Candidates: every ``tp`` dividing ``gpus_per_host`` (TP stays inside a host), every split of
-    the other ranks into ``dp_replicate x dp_shard``, with and without resharding after forward,
-    each planned by `plan_memory` (units: ``policy``'s, default ``_no_split_modules``). One fits
-    when ``peak <= headroom * bytes_per_gpu``. The smallest fitting ``tp`` is used (TP adds
-    activation traffic every layer: only when needed); among its candidates the least time wins
-    (within 1 %: less memory), counting the bytes one rank sends under ring algorithms at
-    ``intra_host_bandwidth``, or ``inter_host_bandwidth`` for a group spanning hosts — which
-    favours sharding inside a host and replicating across hosts. ``activation_bytes`` (per rank
-    at tp 1) is divided by ``tp``, as with sequence parallelism. Raises ValueError naming the
-    smallest candidate when nothing fits.
-
-    ``pp_sizes``: pipeline sizes to consider too (each dividing ``hosts``: whole hosts per
-    stage, so only activations cross hosts); each stage is planned with `plan_memory`'s ``pp``
-    (``microbatches``, ``schedule``, ``kept_grads``, ``tokens``) and the worst stage must fit. The smallest fitting ``pp``
-    is used (a pipeline adds a bubble of ``(pp - 1) / (m + pp - 1)``), then the rule above.
-
-    ``cp_sizes``: context-parallel sizes to consider too (``cp x tp`` dividing ``gpus_per_host``:
-    the ring stays in a host); ``activation_bytes`` is then also divided by ``cp`` and parameters
-    are sharded over ``dp_shard x cp`` ([Note: context parallelism in the plan]). Like ``tp``,
-    cp adds traffic every layer that the planner does not size, so the smallest model-parallel
-    degree ``cp x tp`` that fits is used, at equal degree the smaller ``tp`` (the ring's
-    key/value blocks overlap the attention, TP's activation collectives do not).
+    Candidates: every ``tp`` dividing ``gpus_per_host``, every split of the other ranks into
+    ``dp_replicate x dp_shard``, with and without resharding after forward, each planned by
+    `plan_memory`; one fits when ``peak <= headroom * bytes_per_gpu``. The smallest fitting
+    model-parallel degree wins (``pp``, each dividing ``hosts``, first; then ``cp x tp``, at equal
+    degree the smaller ``tp``; ``activation_bytes`` divided by both, [Note: context parallelism in
+    the plan]); among its candidates the least ring time at ``intra_host_bandwidth`` /
+    ``inter_host_bandwidth`` (within 1 %: less memory). Raises ValueError naming the smallest
+    candidate when nothing fits.
     """
     o = with_overrides(options or MeshOptions(), overrides, "suggest_mesh")
     pp_sizes, cp_sizes, headroom = o.pp_sizes, o.cp_sizes, o.headroom
