@@ -1,21 +1,16 @@
 """`MoE`: a mixture-of-experts feed-forward layer (router, routed experts, optional shared experts).
 
 [Note: the order of the routed rows]
-``T`` tokens choose ``k`` experts each: ``T k`` assignments, flattened token-major
-(``t * k + slot``). A stable sort by expert gives ``order``: expert 0's assignments first, each
-expert's in token order. Row ``i`` of the sorted input is token ``order[i] // k``; the experts
-return rows in that order, ``inverse = argsort(order)`` puts them back token-major, and a token's
-output is the sum over its ``k`` slots of weight x row. Under `ExpertParallel` the same sorted
-rows go to the experts' ranks and come back in the same order, so the layer cannot tell whether
-its experts are local or sharded: dropless, the outputs are the unsharded layer's.
+The ``T k`` assignments, token-major (``t * k + slot``), are stably sorted by expert (``order``):
+row ``i`` is token ``order[i] // k``; ``inverse = argsort(order)`` puts the experts' rows back and
+a token's output is the weighted sum over its slots. `ExpertParallel` sends the same sorted rows
+and returns them in the same order, so the layer cannot tell local from sharded experts.
 
 [Note: capacity]
-With ``capacity_factor=c`` each expert takes at most ``C = ceil(c * T * k / E)`` of this
-forward's assignments, the first ``C`` in token order; the rest are dropped (their slot adds
-nothing, the weights are not renormalized; the shared experts still see every token). With
-expert parallelism ``T`` is the rank's own tokens, so the capacity is per rank and per expert
-and the unsharded layer on the same tokens drops the same ones. ``stats.dropped_fraction`` is
-the dropped share of the ``T k`` assignments. ``None`` (default) is dropless.
+With ``capacity_factor=c`` each expert takes the first ``C = ceil(c * T * k / E)`` of this
+forward's assignments in token order; the rest add nothing (weights not renormalized; shared
+experts still see every token). Under EP ``T`` is the rank's own tokens. ``stats.dropped_fraction``
+is the dropped share; ``None`` (default) is dropless.
 """
 
 from __future__ import annotations
