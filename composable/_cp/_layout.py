@@ -2,13 +2,9 @@
 tokens, targets, position ids and masks into it and gather outputs back.
 
 [Note: the zigzag layout]
-A global sequence of ``T`` tokens is cut into ``2 * cp`` equal chunks ``0 .. 2cp-1``. Rank ``r``
-of the cp ring holds chunks ``r`` and ``2cp - 1 - r``, in that order, as one local sequence of
-``T / cp`` tokens. Under a causal mask chunk ``j`` attends to chunks ``0 .. j``: a rank holding
-only early chunks would do little work and one holding late chunks a lot. With the head-tail
-pair every rank does the same amount, ``(r + 1) + (2cp - r) = 2cp + 1`` chunk pairs'
-worth of query-key blocks (two of them half-masked diagonal blocks), so no rank waits for
-another in the ring. ``T`` must be a multiple of ``2 * cp``.
+A sequence of ``T`` tokens (a multiple of ``2 * cp``) is cut into ``2 * cp`` chunks; rank ``r``
+holds chunks ``r`` and ``2cp - 1 - r``, in that order. Under a causal mask every rank then does
+the same ``2cp + 1`` chunk pairs of work, so no rank waits for another in the ring.
 """
 
 from __future__ import annotations

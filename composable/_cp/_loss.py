@@ -1,14 +1,7 @@
 """`token_mean_loss`: the loss each rank backpropagates so that the gradient averaged over the
-data-parallel ranks is the gradient of the mean over *every token* of the global batch, when
-ranks hold different numbers of counted tokens (an ignore index, padding, a document mask).
-
-``fully_shard`` averages gradients over its mesh of ``N`` ranks (``dp_shard_cp``, and
-``dp_replicate``): rank ``r``'s loss ``L_r`` contributes ``grad L_r / N``. The global mean is
-``sum_r s_r / C`` with ``s_r`` the rank's summed token losses and ``C`` the tokens counted over
-all ranks, so each rank must backpropagate ``L_r = N s_r / C``. With equal counts ``c`` on every
-rank (``C = N c``) that is the plain local mean ``s_r / c``; otherwise the local mean would weigh
-a rank's tokens by ``1 / c_r`` and be wrong. The mean of ``L_r`` over the ranks is the global
-mean, so logging ``mean_over_mesh(L_r)`` prints it.
+``N`` data-parallel ranks is that of the mean over every counted token of the global batch:
+``L_r = N s_r / C`` (``s_r`` the rank's summed token losses, ``C`` the global count), which is the
+local mean only when counts are equal. ``mean_over_mesh(L_r)`` is the global mean.
 """
 
 from __future__ import annotations
