@@ -2,23 +2,16 @@
 
 [Note: the steps of an import]
 1. Read ``.metadata`` without running code from it (``_metadata.read_dcp_metadata``).
-2. Check the source before writing anything: every ``.distcp`` file the metadata names exists
-   and is long enough for every byte range placed in it; every tensor's chunks tile it exactly
-   (``_geometry.tiling_problem``); every chunk's ``torch.save`` record is a tensor of the
-   metadata's dtype and the chunk's shape (``_records.tensor_record``, which reads only the
-   record's ZIP directory and its small pickle); every non-tensor entry is a plain value
-   (``_records.value_record``). The keys become shardwise's (``_keys.shardwise_keys``).
-3. Write, one output file ``rank-<i>.safetensors`` per source file (its chunks, each one saved
-   box), with ``_format.StreamingWriter``: each chunk's bytes are copied straight from the
-   source file in slabs of at most ``chunk_bytes`` (whole dim-0 rows; one row when a row is
-   larger) through one reused buffer, so memory is one slab whatever the model size, and
-   never more than the largest chunk (``ImportStats.largest_buffer_bytes`` counts it). The
-   writer checksums every box and its checksum chunks on the way; where torch recorded the
-   ZIP CRC-32 of a storage that is exactly the chunk (the usual case), the box's CRC must equal
-   it, so damage in the source is caught, not copied under fresh checksums.
-4. ``index.json`` last, then the directory is renamed into place ([Note: atomic commit] in
-   ``checkpoint/_series/_commit.py``, through ``_offline_copy``'s temporary-directory helper: a failed import leaves
-   nothing), and the new checkpoint is verified completely (``verify_checkpoint``).
+2. Check the source before writing: every ``.distcp`` file exists and holds its byte ranges;
+   every tensor's chunks tile it (``_geometry.tiling_problem``); every chunk's record is a tensor
+   of the right dtype and shape (``_records.tensor_record``, reading only the ZIP directory and
+   small pickle); every other entry is a plain value. Keys become shardwise's (``_keys``).
+3. Write one ``rank-<i>.safetensors`` per source file with ``_format.StreamingWriter``, copying
+   each chunk's bytes straight from the source in slabs of at most ``chunk_bytes`` through one
+   buffer (``ImportStats.largest_buffer_bytes``). Where torch recorded the ZIP CRC-32 of a storage
+   that is exactly the chunk, the box's CRC must equal it, so damage is caught, not copied.
+4. ``index.json`` last, the directory committed atomically ([Note: atomic commit] in
+   ``checkpoint/_series/_commit.py``, via ``_offline``'s temporary directory), then verified.
 """
 
 from __future__ import annotations

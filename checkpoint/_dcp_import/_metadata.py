@@ -1,28 +1,16 @@
 """A torch DCP checkpoint's ``.metadata``, read without torch's DCP package and without running
 code from the file.
 
-What torch 2.13's ``FileSystemWriter`` pickles (protocol 4; found by disassembling files it
-wrote, ``pickletools.dis``): one ``Metadata`` object (of DCP's
-``metadata`` module, `DCP_PACKAGE`) whose fields are
-
-* ``state_dict_metadata``: ``{flat key: TensorStorageMetadata | BytesStorageMetadata}``; a
-  tensor's ``TensorStorageMetadata`` holds ``properties`` (a ``TensorProperties``, pickled as the
-  tuple ``(dtype, layout, requires_grad, memory-format enum, pin_memory)``; the layout through
-  ``torch.serialization._get_layout("torch.strided")``, the enum as ``_MEM_FORMAT_ENCODING(0)``),
-  the global ``size`` (a ``torch.Size``) and ``chunks``: one ``ChunkStorageMetadata(offsets,
-  sizes)`` per saved piece, in global coordinates;
-* ``storage_data``: ``{MetadataIndex(fqn, offset): _StorageInfo(relative_path, offset,
-  length[, transform_descriptors])}`` (``_StorageInfo`` from
-  DCP's ``filesystem`` module): where each chunk (``offset`` = the chunk's
-  offsets) or non-tensor entry (no offset) lies: a byte range of a ``__<rank>_<k>.distcp`` file;
-* ``planner_data``: ``{flat key: path}``, the path of each key in the nested state dict that
-  was saved (``("optim", "param_groups", 0, "lr")``), from the default planner's flattening;
-* ``storage_meta`` (a ``StorageMeta``, its ``checkpoint_id`` a ``pathlib.PosixPath``) and
-  ``version`` (``"1.0.0"``).
-
-`read_dcp_metadata` unpickles it with `_unpickle.safe_loads`, mapping each of those names to a
-look-alike of this module or a checking function ([Note: reading a pickle without running
-it]), then checks every field and returns a `DcpCheckpoint` of plain frozen dataclasses.
+torch 2.13's ``FileSystemWriter`` pickles (protocol 4) one ``Metadata`` (of DCP's ``metadata``
+module, `DCP_PACKAGE`): ``state_dict_metadata`` ``{flat key: TensorStorageMetadata |
+BytesStorageMetadata}`` (a tensor's ``properties``, pickled as a tuple with the layout via
+``torch.serialization._get_layout`` and a ``_MEM_FORMAT_ENCODING``; its global ``size``; one
+``ChunkStorageMetadata(offsets, sizes)`` per saved piece); ``storage_data`` ``{MetadataIndex(fqn,
+offset): _StorageInfo(relative_path, offset, length[, transform_descriptors])}``, the byte range
+of each entry in a ``__<rank>_<k>.distcp`` file; ``planner_data`` ``{flat key: path in the nested
+state}``; ``storage_meta`` and ``version``. `read_dcp_metadata` unpickles it with
+`_unpickle.safe_loads`, each name mapped to a look-alike here or a checking function ([Note:
+reading a pickle without running it]), checks every field and returns a `DcpCheckpoint`.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """The ``torch.save`` records inside a ``.distcp`` file, read without ``torch.load``.
 
-torch 2.13's DCP ``FileSystemWriter`` (default ``serialization_format=TORCH_SAVE``) writes each
-entry of a rank as one ``torch.save`` archive, back to back in ``__<rank>_<k>.distcp``; the
-metadata gives each one's byte range. An archive is an uncompressed ZIP with members
-``<name>/data.pkl`` (a protocol-2 pickle), ``<name>/byteorder`` (``little``),
-``<name>/data/<key>`` (the raw bytes of storage ``<key>``, row-major, little-endian) and a few
-version records. For a tensor chunk ``data.pkl`` is
-``torch._utils._rebuild_tensor_v2(<storage pid>, storage_offset, size, stride, False,
-OrderedDict())`` (``_rebuild_tensor_v3(..., dtype)`` with a ``torch.storage.UntypedStorage``
-for dtypes without a legacy storage class: float8, uint16/32/64), where the persistent id is
-``("storage", torch.FloatStorage, "0", "cpu", numel)``; for a non-tensor entry (an optimizer's
-``lr``, a ``params`` list) it is the pickled value itself. DCP clones a chunk whose storage is
-larger than it, so the storage is normally exactly the chunk.
-
-`tensor_record` reads ``data.pkl`` with `_unpickle.safe_loads` (the rebuild functions become
-ours, building a `TensorRecord` that says where the chunk's bytes are); the converter then
-copies those bytes straight from the file, a slab at a time. `value_record` reads a non-tensor
-entry's value, admitting only plain values. The ZIP's own CRC-32 of each member is kept
-(``0``: torch's ``set_crc32_options(False)`` wrote none) so the copy can be checked against it.
+DCP writes each entry of a rank as one ``torch.save`` archive, back to back; the metadata gives
+each one's byte range. An archive is an uncompressed ZIP: ``<name>/data.pkl`` (protocol 2),
+``<name>/byteorder``, ``<name>/data/<key>`` (raw little-endian storage bytes). A tensor chunk's
+pickle is ``torch._utils._rebuild_tensor_v2(<storage pid>, offset, size, stride, False,
+OrderedDict())`` (``_v3(..., dtype)`` with an ``UntypedStorage`` for float8 / uint16-64), the pid
+``("storage", torch.FloatStorage, "0", "cpu", numel)``; a non-tensor entry is the value itself.
+`tensor_record` reads it with `_unpickle.safe_loads` into a `TensorRecord` saying where the bytes
+are; `value_record` admits only plain values. Each member's ZIP CRC-32 is kept (``0``: none
+written) to check the copy against.
 """
 
 from __future__ import annotations
