@@ -1,20 +1,11 @@
 """Complete Hugging Face model folders: what ``save_pretrained`` writes, checked against the config.
 
-A folder that ``from_pretrained(folder)`` reads correctly holds ``config.json`` (the
-architecture and its sizes), the weights as ``model.safetensors`` or as
-``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, and optionally
-``generation_config.json``. Without ``config.json`` transformers builds the class's *default*
-configuration (a 124M GPT-2, a 7B Llama) and loads the tensors into it: shape errors, or
-random weights where names do not match.
-
-The config and the check of the tensors against it ([Note: checking a folder before writing
-it]) are `HFConfig` and `read_config` in ``_hf_config.py``; this module lays the weights out in
-files and writes the folder.
-
-`plan_folder` decides what goes into which weight file and `finish_folder` writes the index and
-the config, for both ways a folder is written: `save_hf_folder` (from a live, possibly sharded,
-model; collective; each tensor gathered by `gather_full`) and ``merge_checkpoint`` (``_offline/``,
-from a checkpoint on disk, a slab at a time; also without a config, as ``tensors-*`` files).
+Without ``config.json``, ``from_pretrained`` builds the class's default config and loads into it
+(shape errors or random weights), so a folder holds the config, the weights (one file or
+``model-0000i-of-0000n`` with an index) and optionally ``generation_config.json``. The check is
+`HFConfig` ([Note: checking a folder before writing it] in ``_config.py``). `plan_folder` decides
+which tensor goes into which file and `finish_folder` writes index and config, for `save_hf_folder`
+(a live model, collective) and ``merge_checkpoint`` (from disk, also as ``tensors-*`` files).
 """
 
 from __future__ import annotations
