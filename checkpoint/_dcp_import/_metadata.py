@@ -57,29 +57,16 @@ class _LookAlike:
                 setattr(self, k, state[k])
 
 
-class _Metadata(_LookAlike):
-    FIELDS = {"state_dict_metadata": None, "planner_data": None, "storage_data": None, "storage_meta": None,
-              "version": None}
+def _look_alike(name: str, *fields: str) -> type[_LookAlike]:
+    return type(name, (_LookAlike,), {"FIELDS": dict.fromkeys(fields)})
 
 
-class _TensorStorageMetadata(_LookAlike):
-    FIELDS = {"properties": None, "size": None, "chunks": None}
-
-
-class _BytesStorageMetadata(_LookAlike):
-    FIELDS = {}
-
-
-class _ChunkStorageMetadata(_LookAlike):
-    FIELDS = {"offsets": None, "sizes": None}
-
-
-class _StorageMeta(_LookAlike):
-    FIELDS = {"checkpoint_id": None, "save_id": None, "load_id": None, "modules": None}
-
-
-class _StorageInfo(_LookAlike):
-    FIELDS = {"relative_path": None, "offset": None, "length": None, "transform_descriptors": None}
+_Metadata = _look_alike("_Metadata", "state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+_TensorStorageMetadata = _look_alike("_TensorStorageMetadata", "properties", "size", "chunks")
+_BytesStorageMetadata = _look_alike("_BytesStorageMetadata")
+_ChunkStorageMetadata = _look_alike("_ChunkStorageMetadata", "offsets", "sizes")
+_StorageMeta = _look_alike("_StorageMeta", "checkpoint_id", "save_id", "load_id", "modules")
+_StorageInfo = _look_alike("_StorageInfo", "relative_path", "offset", "length", "transform_descriptors")
 
 
 class _TensorProperties(_LookAlike):
@@ -216,7 +203,7 @@ def _storage(info: Any, what: str) -> tuple[str, int, int]:
     return name, offset, length
 
 
-def _tensor(key: str, md: _TensorStorageMetadata, storage: dict, where: str) -> DcpTensor:
+def _tensor(key: str, md: _LookAlike, storage: dict, where: str) -> DcpTensor:
     what = f"{where}: tensor '{key}'"
     props = md.properties
     dtype = getattr(props, "dtype", None)
