@@ -14,6 +14,7 @@ written) to check the copy against.
 from __future__ import annotations
 
 import io
+import math
 import struct
 import zipfile
 import zlib
@@ -197,6 +198,11 @@ _TENSOR_ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
+def _past_end(size: tuple, stride: tuple, offset: int, numel: int) -> bool:
+    """Whether a non-empty strided view reaches past ``numel`` elements of its storage."""
+    return math.prod(size) > 0 and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= numel
+
+
 def _check_byteorder(h: ReadHandle, found: dict[str, Member], where: str) -> None:
     if "byteorder" in found and _read_member(h, found["byteorder"], where, 16) != b"little":
         raise CheckpointError(f"{where}: saved on a big-endian machine, which import-dcp does not convert")
@@ -218,11 +224,7 @@ def tensor_record(h: ReadHandle, offset: int, length: int, where: str) -> Tensor
     nbytes = storage.numel * (1 if storage.dtype is None else itemsize)
     if data.size != nbytes or nbytes % itemsize or len(stride) != len(size):
         raise CheckpointError(f"{where}: the record's storage size or strides do not match its data")
-    numel = 1
-    for s in size:
-        numel *= s
-    last = storage_offset + sum((s - 1) * st for s, st in zip(size, stride))
-    if numel and last >= nbytes // itemsize:
+    if _past_end(size, stride, storage_offset, nbytes // itemsize):
         raise CheckpointError(f"{where}: the record's tensor reaches past the end of its storage")
     return TensorRecord(dtype, size, stride, storage_offset, data)
 
@@ -256,12 +258,9 @@ def _embedded_loaders(h: ReadHandle, found: dict[str, Member], where: str) -> tu
         if data.numel() % dtype.itemsize:
             raise CheckpointError(f"{where}: a tensor's storage is not a whole number of {dtype} elements")
         typed = data.view(dtype) if data.numel() else torch.empty(0, dtype=dtype)
-        numel = 1
-        for n in size:
-            numel *= n
-        if numel and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= typed.numel():
+        if _past_end(size, stride, offset, typed.numel()):
             raise CheckpointError(f"{where}: a tensor reaches past the end of its storage")
-        return torch.as_strided(typed, size, stride, offset).clone() if numel else torch.empty(size, dtype=dtype)
+        return torch.as_strided(typed, size, stride, offset).clone() if math.prod(size) else torch.empty(size, dtype=dtype)
 
     allowed = {**_TENSOR_ALLOWED, **_VALUE_ALLOWED, ("torch._utils", "_rebuild_tensor_v2"): Call(rebuild),
                ("torch._utils", "_rebuild_tensor_v3"): Call(rebuild)}
