@@ -131,16 +131,12 @@ def _check_chunk(key: str, c: DcpChunk, rec: TensorRecord, dtype: torch.dtype, w
 
 def import_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, replace: bool = False, chunk_bytes: int = 64 << 20,
                progress: bool = False) -> ImportStats:
-    """Convert the torch DCP checkpoint directory ``src`` into a new shardwise checkpoint
-    ``dst`` (see [Note: the steps of an import]); returns what it did. One process, no
-    torch.distributed; ``src`` may be a local path or an fsspec URL, ``dst`` is local.
+    """Convert the torch DCP checkpoint ``src`` (local or fsspec) into a new local shardwise
+    checkpoint ``dst`` ([Note: the steps of an import]); one process. Returns what it did.
 
-    Model and optimizer state alike: every tensor (sharded by FSDP, TP or HSDP at any world
-    size, or whole) keeps its dtype and global shape, each DCP chunk becoming one saved box;
-    non-tensor entries (``param_groups``, a plain ``step``) become plain values, under the
-    keys shardwise's ``save`` would give the same state (``_keys``). ``dst`` must not exist
-    (or be an empty folder) unless ``replace=True``, which replaces a shardwise checkpoint.
-    Raises `CheckpointError` (one line) on any problem, and then nothing is written."""
+    Every tensor keeps its dtype and global shape, each chunk one saved box; other entries become
+    plain values, under the keys ``save`` would give. ``dst`` must not exist (or be empty) unless
+    ``replace=True``. Raises a one-line `CheckpointError`, and then nothing is written."""
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
     storage, path = storage_for(src)

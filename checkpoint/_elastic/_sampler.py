@@ -108,20 +108,14 @@ def _dp_coordinate(mesh: Any) -> tuple[int, int]:
 
 
 class ElasticSampler(Sampler[list[int]]):
-    """Yields this data-parallel rank's micro-batches (lists of dataset indices) from the
-    current position to the end of the epoch; a batch sampler (``DataLoader(ds,
-    batch_sampler=s)``) whose `state_dict` loads at any data-parallel size.
+    """A batch sampler (``DataLoader(ds, batch_sampler=s)``) of this data-parallel rank's
+    micro-batches (lists of indices) whose `state_dict` loads at any data-parallel size.
 
-    ``data``: a sized dataset, an iterable one with ``__len__`` (read in its own order:
-    ``shuffle=False``; `ElasticLoader` seeks it), or the number of samples. ``global_batch``:
-    samples per optimizer step over all data-parallel ranks, kept across resizes. The rank comes
-    from ``mesh`` (its data-parallel axes) or ``dp_rank`` / ``dp_size`` (default: one rank).
-    ``micro_batch``: samples per rank per forward (accumulation recomputed, `plan_batches`).
-    ``shuffle``, ``seed``, ``drop_last`` as in ``DistributedSampler``. See [Note: one global
-    order, cut into global batches]. After the last micro-batch of an epoch the position moves to
-    the next epoch; `set_epoch` with another epoch starts that one from its beginning, with the
-    current one keeps the position (so a resumed loop ``for e in range(s.epoch, E): s.set_epoch(e)``
-    continues where it stopped)."""
+    ``data``: a sized dataset, an iterable one with ``__len__`` (``shuffle=False``), or a count.
+    ``global_batch``: samples per optimizer step over all ranks. The rank comes from ``mesh`` or
+    ``dp_rank`` / ``dp_size``. ``micro_batch``: samples per rank per forward. ``shuffle``,
+    ``seed``, ``drop_last`` as ``DistributedSampler``'s ([Note: one global order, cut into global
+    batches]). `set_epoch` with another epoch starts it; with the current one keeps the position."""
 
     def __init__(self, data: Sized | int, global_batch: int, *, mesh: Any = None, dp_rank: int | None = None,
                  dp_size: int | None = None, micro_batch: int | None = None, shuffle: bool = True, seed: int = 0,

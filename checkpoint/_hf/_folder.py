@@ -109,17 +109,13 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
                    max_shard_bytes: int = 5 << 30, extra_files: dict[str, bytes] | None = None,
                    replaceable: Callable[[Any, str], bool] | None = None,
                    own: Callable[[Any, str], set[str]] | None = None) -> list[str]:
-    """Write ``model`` (a module, sharded or not, or its state dict) as a complete
-    ``save_pretrained``-style folder ``out``; collective. Returns the weight file names.
+    """Write ``model`` (sharded or not, or its state dict) as a complete ``save_pretrained``-style
+    folder ``out``; collective. Returns the weight file names.
 
-    ``config``: as `read_config`; default ``model.config`` of a transformers model. Checked
-    as in [Note: checking a folder before writing it] before anything is written. Full
-    tensors are gathered one at a time (`gather_full`) into rank 0's CPU memory and written by
-    rank 0, which never holds more than a few full tensors beyond its shards; ``out`` appears
-    complete or not at all. ``extra_files`` (name -> bytes) are written next to ``config.json``;
-    ``replaceable`` / ``own``: which existing folder at ``out`` may be replaced and which of its
-    files are the model's (the others are moved into the new folder), as ``_series/_commit.commit``
-    (default: only a shardwise checkpoint or an empty folder; `save_pretrained` passes its own).
+    ``config``: as `read_config` (default ``model.config``), checked first ([Note: checking a
+    folder before writing it]). Tensors are gathered one at a time (`gather_full`) and written by
+    rank 0; ``out`` appears complete or not at all. ``extra_files``: name -> bytes beside
+    ``config.json``; ``replaceable`` / ``own``: as ``_series/_commit.commit``.
     """
     rank, _ = rank_and_world()
     state = model.state_dict() if isinstance(model, nn.Module) else model

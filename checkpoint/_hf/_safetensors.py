@@ -124,14 +124,10 @@ def load_safetensors(state: dict, source: str | os.PathLike, *, prefix: str = ""
                      max_read_bytes: int = 64 << 20) -> LoadStats:
     """Fill ``state``'s tensors in place from full tensors in safetensors files; collective.
 
-    ``source`` is a ``.safetensors`` file or a folder (Hugging Face layout, see the module
-    docstring). The tensor named ``n`` in the files fills the key ``prefix + n`` of ``state``
-    (e.g. ``load_safetensors({"model": sd}, folder, prefix="model/")``, or ``prefix=""`` for a
-    flat model state dict). Each rank reads only the slices its shards need. Errors as in `load`.
-
-    ``strict`` understands tied weights: a key of ``state`` missing from the files is not an
-    error when it is the same tensor as a key that is there (``save_pretrained`` keeps one name
-    per tied tensor; see [Note: tied weights]). Any other missing key is, as in `load`.
+    ``source``: a ``.safetensors`` file or a Hugging Face folder. File tensor ``n`` fills key
+    ``prefix + n`` (``prefix=""`` for a flat model state dict); each rank reads only what its
+    shards need. Errors as in `load`; ``strict`` counts a tied partner as loaded ([Note: tied
+    weights]).
     """
     files, error = None, None
     try:

@@ -57,15 +57,10 @@ def _hf_own_files(storage: Storage, path: str) -> set[str]:
 def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix: str | None = None,
                      config=None, max_shard_bytes: int = 5 << 30, chunk_bytes: int = 64 << 20,
                      progress: bool = False, replace: bool = False) -> list[str]:
-    """Write the full tensors of the checkpoint at ``path`` into the new folder ``out`` (see the
-    module docstring); returns the file names written. ``prefix`` None: the ``model/`` tensors
-    (`model_prefix` in ``_hf/_folder.py``). With ``config`` (see `read_config` there) ``out`` is a
-    checked, complete ``save_pretrained`` folder; without, bare ``tensors-*`` files.
-
-    The source is verified completely first (`verify_checkpoint`); any problem raises
-    `CheckpointError` and nothing is written. ``out`` must not exist (or be an empty folder)
-    unless ``replace=True``, which replaces an earlier merge output (files a user added to it
-    are kept); the source itself is never a valid ``out``."""
+    """Write the full tensors of the checkpoint at ``path`` into the new folder ``out`` (module
+    docstring); returns the file names. ``prefix`` None: the ``model/`` tensors. With ``config``
+    a checked ``save_pretrained`` folder; without, ``tensors-*`` files. Raises `CheckpointError`
+    before writing anything; ``replace=True`` replaces an earlier merge output."""
     with _verified(path) as files:
         return _merge(files, out, prefix, config, max_shard_bytes, chunk_bytes, progress, replace)
 

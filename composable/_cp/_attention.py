@@ -125,20 +125,16 @@ class _CPAttention(torch.autograd.Function):
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                group: dist.ProcessGroup | None = None, *, is_causal: bool = False,
                                scale: float | None = None, method: str = "ring") -> torch.Tensor:
-    """Attention of this cp rank's queries against the whole (cp-sharded) sequence.
+    """Attention of this cp rank's queries against the whole (cp-sharded) sequence; a collective.
 
     Args:
-        q: ``[B, H, T_local, D]``, this rank's zigzag shard of the queries (``T_local =
-            T / cp``, even: two chunks of ``T / (2 cp)``).
-        k, v: ``[B, Hkv, T_local, D]``, the same rows of keys and values; ``H`` a multiple of
-            ``Hkv`` (grouped-query attention, as SDPA's ``enable_gqa=True``).
-        group: the cp process group (e.g. ``mesh["cp"].get_group()``); None: the default group.
-        is_causal: the causal mask of the *global* sequence (SDPA's ``is_causal``).
-        scale: SDPA's ``scale``; default ``1 / sqrt(D)``.
-        method: ``"ring"`` (default) or ``"allgather"``; see the module docstring.
+        q: ``[B, H, T_local, D]``, this rank's zigzag shard (``T_local = T / cp``, two chunks).
+        k, v: ``[B, Hkv, T_local, D]``; ``H`` a multiple of ``Hkv`` (SDPA's ``enable_gqa``).
+        group: the cp process group; None: the default group.
+        is_causal, scale: SDPA's, for the *global* sequence.
+        method: ``"ring"`` (default) or ``"allgather"``.
 
-    Returns ``[B, H, T_local, D]`` in ``q``'s dtype (computed in float32), differentiable in
-    ``q``, ``k`` and ``v``. A collective: every rank of ``group`` calls it with the same shapes.
+    Returns ``[B, H, T_local, D]`` in ``q``'s dtype (computed in float32), differentiable.
     """
     if method not in METHODS:
         raise ValueError(f"context_parallel_attention: method={method!r}; use one of {METHODS}")

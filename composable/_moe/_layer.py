@@ -61,22 +61,15 @@ class MoE(nn.Module):
     """Mixture-of-experts feed-forward: ``y = sum_{e in topk(x)} w_e expert_e(x) [+ shared(x)]``.
 
     Args:
-        dim: model width; ``hidden``: each routed expert's hidden width.
-        num_experts, top_k: ``E`` routed experts, ``k`` per token.
-        score_func, norm_topk_prob, route_scale: the router's (`TopKRouter`).
-        shared_hidden: hidden width of the shared experts (`SharedExperts`); 0 (default): none.
-        shared_gate: scale the shared experts' output by ``sigmoid(g x)`` per token, ``g`` an
-            ``nn.Linear(dim, 1, bias=False)`` named ``shared_expert_gate`` (Qwen2-MoE).
-        capacity_factor: None (default) dropless; else a positive float, see [Note: capacity].
+        dim, hidden: model width, each routed expert's hidden width.
+        num_experts, top_k, score_func, norm_topk_prob, route_scale: the router's (`TopKRouter`).
+        shared_hidden: the shared experts' hidden width (`SharedExperts`); 0: none.
+        shared_gate: scale the shared output by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
+        capacity_factor: None (dropless) or a positive float ([Note: capacity]).
 
-    ``forward(x)`` takes ``[..., dim]`` and returns the same shape. After each forward:
-    ``aux_loss`` (load balancing) and ``z_loss`` (router z-loss) hold this forward's losses as
-    tensors with gradients ([Note: the router's losses] in `_router.py`; add
-    ``coef * moe.aux_loss`` to the training loss to use them), ``seq_aux_loss`` the
-    sequence-wise load-balancing loss of each sequence (shape ``x.shape[:-2]``, dim -2 the
-    sequence; None for a 2-D ``x``), ``stats`` a `MoEStats`.
-    Submodules: ``router`` (`TopKRouter`), ``experts`` (`GroupedExperts`, what `ExpertParallel`
-    shards), ``shared_experts`` (or None).
+    ``forward(x)``: ``[..., dim]`` to the same shape; then ``aux_loss``, ``z_loss`` (tensors with
+    gradients: [Note: the router's losses] in `_router.py`), ``seq_aux_loss`` (per sequence; None
+    for 2-D ``x``) and ``stats`` (`MoEStats`). Submodules ``router``, ``experts``, ``shared_experts``.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, score_func: str = "softmax",

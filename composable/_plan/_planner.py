@@ -3,52 +3,38 @@
     with torch.device("meta"):
         model = Llama(cfg)                                    # no memory, no devices
     print(plan_memory(model, (1, 64, 1), "FULL_SHARD"))      # (dp_replicate, dp_shard, tp)
-    print(suggest_mesh(model, hosts=8, gpus_per_host=8, bytes_per_gpu=80 * 2**30))
 
 [Note: the memory model]
-Units are those of ``apply_fully_shard`` (`select_units`, children first); the root takes every
-other parameter, each counted once. With ``S`` ranks on the shard axis (1 for NO_SHARD), a
-parameter of TP-local shape ``(n, *rest)`` takes ``ceil(n / S)`` rows on every rank: the padded
-slot of ``fully_shard``'s flat buffer (``_layout.py``), uneven sizes included. Per rank:
+Units are those of ``apply_fully_shard`` (`select_units`); the root takes every other parameter.
+With ``S`` ranks on the shard axis (1 for NO_SHARD) a parameter of TP-local shape ``(n, *rest)``
+takes ``ceil(n / S)`` rows per rank (``fully_shard``'s padded slot). Per rank:
 
-    params, optimizer   sharded parameters (their own dtype: fp32 master weights) and
-                        ``optimizer_states`` tensors like each trainable shard (AdamW: 2)
+    params, optimizer   sharded parameters (own dtype) and ``optimizer_states`` tensors like each
+                        trainable shard (AdamW: 2)
     grads               sharded gradients of the trainable parameters
-    unsharded_forward   gathered parameters (``param_dtype``) kept from forward into backward:
-                        the root's; plus every unit's if units keep them (SHARD_GRAD_OP, NO_SHARD),
-                        or ``1/k`` of every unit's for ``reshard_after_forward=k``
-    unsharded_backward  gathered in backward: that, plus ``prefetch`` times the largest other unit
-                        when units reshard (the one computing, the one prefetched)
-    root_grads          the root's unsharded gradients, kept to the end of backward (its inputs are
-                        token ids, so it reduces last)
-    grad_buffers        root_grads + the largest unit's unsharded gradients and its reduce-scatter
-                        input (padded, ``reduce_dtype``)
-    activations         as given: e.g. the peak of one forward + loss of the unsharded model on
-                        one rank's batch, minus its parameters (``benchmarks/plan_check.py``)
+    unsharded_forward   gathered parameters (``param_dtype``) kept into backward: the root's, plus
+                        every unit's (SHARD_GRAD_OP, NO_SHARD) or ``1/k`` of them (``reshard_after_forward=k``)
+    unsharded_backward  that, plus ``prefetch`` times the largest other unit when units reshard
+    root_grads          the root's unsharded gradients (it reduces last)
+    grad_buffers        root_grads + the largest unit's unsharded gradients and reduce-scatter input
+    activations         as given (``benchmarks/plan_check.py`` measures them)
 
-Through backward the saved activations are freed unit by unit while the sharded gradients
-grow, so the peak sits at one of its two ends:
+Backward frees activations unit by unit while sharded gradients grow, so the peak is at an end:
 
     start of backward   params + optimizer + unsharded_forward + activations + root_grads
     end of backward     params + optimizer + grads + unsharded_backward + grad_buffers
     peak = max(start, end); upper_bound = everything at once
 
-(``root_grads`` at the start stands for the first gradient of backward; for a language model
-that is the logits' gradient, ``tokens x vocab``.) A shard axis of one rank without a cast gathers nothing
-(the unsharded parameter aliases the shard). Tensor parallelism is approximated: parameters of
-2+ dimensions split ``ceil(n / tp)`` on dim 0, 1-D ones replicate. Not modelled: AdamW's scalar
-``step`` tensors, buffers, allocator caching, communication library buffers, CPU offload.
+(``root_grads`` at the start stands for backward's first gradient, the logits' ``tokens x
+vocab``.) A one-rank shard axis without a cast gathers nothing. TP is approximated: 2+-D
+parameters split ``ceil(n / tp)`` on dim 0, 1-D ones replicate. Not modelled: AdamW's ``step``
+tensors, buffers, allocator caching, communication buffers, CPU offload.
 
 [Note: context parallelism in the plan]
-With ``cp > 1`` the ``fully_shard`` mesh is ``dp_shard_cp`` (``dp_shard`` x ``cp`` flattened,
-`data_parallel_mesh`): the shard axis has ``S * cp`` ranks, so every sharded term above is
-planned with ``S * cp`` (the strategy's mesh rule too: ``dp_shard = 1, cp = 2`` shards over 2).
-Each cp rank holds ``T / cp`` tokens of every sample, and every activation of a block is per
-token (attention's too: each block of the ring runs on the fused kernel, which never holds a
-``T x T`` matrix), so ``activation_bytes``, given as at ``cp = 1`` (the same rows, whole
-sequences), is divided by ``cp`` (rounded up). Not modelled: the ring's key/value block in
-flight and the backward's float32 gradient accumulators (a few ``T / cp`` x kv-width tensors
-of one layer at a time), and the cp communication.
+With ``cp > 1`` the shard axis is ``dp_shard x cp`` (`data_parallel_mesh`), so every sharded term
+uses ``S * cp``, and ``activation_bytes`` (given as at ``cp = 1``) is divided by ``cp``: every
+activation of a block is per token (the fused kernel holds no ``T x T`` matrix). Not modelled: the
+ring's key/value block in flight, its float32 gradient accumulators, the cp communication.
 """
 
 from __future__ import annotations

@@ -83,17 +83,14 @@ class PipelineSchedule:
         microbatches: ``m``; the batch size must be a multiple of it.
         loss_fn: ``loss_fn(output, targets) -> scalar``, mean over the microbatch, on the last stage.
         loss_context: a context manager factory around the loss and its backward (``loss_parallel``).
-        reduce_every_microbatch: reduce gradients after every microbatch's backward, not once per step.
-        reshard_between_microbatches: free gathered ``fully_shard`` parameters after every
-            microbatch's forward and backward ([Note: fully_shard units in a pipeline step]).
+        reduce_every_microbatch, reshard_between_microbatches: [Note: fully_shard units in a
+            pipeline step].
         overlap: ``overlap(pair)`` runs each ``FB`` pair ([Note: forward/backward pairs]).
 
-    ``step`` returns the ``m`` losses (float64 CPU, the same on every rank). Then ``last_timing``
-    holds ``compute_s`` / ``compute_cpu_s`` (wall / thread CPU time in forward and backward),
-    ``send_s`` (issuing sends), ``wait_s`` (waiting for messages and the closing all-reduce) and
-    ``step_s``; ``last_action_times[(kind, stage)]`` mean (wall, CPU) seconds per action (for
-    `simulate`'s ``costs``); ``last_kept_grad_bytes[stage]`` the most bytes one ``I`` kept for
-    its ``W``; ``last_pair_order`` the halves of each pair in the order they ran.
+    ``step`` returns the ``m`` losses (float64 CPU, on every rank); then ``last_timing`` (seconds:
+    ``compute_s``, ``compute_cpu_s``, ``send_s``, ``wait_s``, ``step_s``), ``last_action_times[(kind,
+    stage)]`` (mean wall and CPU seconds, for `simulate`'s ``costs``), ``last_kept_grad_bytes[stage]``
+    and ``last_pair_order``.
     """
 
     def __init__(self, split: PipelineSplit, *, schedule: str | ScheduleSpec = "1f1b", microbatches: int,

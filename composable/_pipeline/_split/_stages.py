@@ -27,15 +27,11 @@ __all__ = ["PipelineSplit", "pipeline_split", "plan_stages"]
 class PipelineSplit:
     """This rank's part of a pipelined model.
 
-    ``module``: the rank model (the object passed in, now holding only this rank's blocks and,
-    on the first/last stage, the pre/post-modules; names as in the unsplit model): build the
-    optimizer on ``module.parameters()``, checkpoint ``module``. ``stages``: this rank's
-    `StageShell`s (one, or ``virtual_stages`` for interleaved schedules), to tensor-parallelise
-    and ``fully_shard`` (each ``stage.blocks``, then ``stage.module``). ``plan``: the
-    `StagePlan` of all stages. ``pp_group``/``pp_rank``/``pp_size``: the pipeline group.
-    ``stage_ranks``: the global ranks that hold this rank's stages (this rank's coordinate on
-    the ``pp`` axis, every other axis of the mesh), from the mesh; None when the mesh cannot
-    tell (a 1-D mesh over part of the world, not sliced from a mesh with that axis).
+    ``module``: the rank model (only this rank's blocks, pre/post-modules on the first/last stage,
+    unsplit names): build the optimizer on it and checkpoint it. ``stages``: this rank's
+    `StageShell`s, to TP and ``fully_shard`` (each ``stage.blocks``, then ``stage.module``).
+    ``plan``: the `StagePlan`. ``stage_ranks``: the global ranks holding this rank's stages (None
+    when the mesh cannot tell).
     """
 
     module: nn.Module
