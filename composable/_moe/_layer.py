@@ -30,14 +30,8 @@ __all__ = ["MoE", "MoEStats", "SharedExperts"]
 
 @dataclass(frozen=True)
 class MoEStats:
-    """What one forward of a `MoE` did.
-
-    Attributes:
-        tokens_per_expert: int64 ``[E]``, the assignments each expert was chosen for (before
-            capacity drops), over this rank's tokens.
-        dropped_fraction: the share of the ``T k`` assignments dropped by the capacity (0.0
-            when dropless).
-    """
+    """What one forward of a `MoE` did: ``tokens_per_expert`` (int64 ``[E]``, assignments before
+    capacity drops, this rank's tokens) and ``dropped_fraction`` (of the ``T k`` assignments)."""
 
     tokens_per_expert: torch.Tensor
     dropped_fraction: float

@@ -40,17 +40,11 @@ class Routing:
 
 
 class TopKRouter(nn.Module):
-    """``z = x W^T`` (``gate``: an ``nn.Linear(dim, num_experts, bias=False)``), scores by
-    ``score_func``, each token's ``top_k`` highest-scoring experts.
-
-    Args:
-        dim, num_experts, top_k: sizes; ``1 <= top_k <= num_experts``.
-        score_func: ``"softmax"`` (scores ``softmax(z)``, Mixtral / Qwen-MoE) or ``"sigmoid"``
-            (scores ``sigmoid(z)``, DeepSeek-V3).
-        norm_topk_prob: divide the ``k`` chosen scores by their sum, so a token's weights sum
-            to 1 (default True, as Mixtral; Qwen2-MoE uses False).
-        route_scale: a constant multiplying the combine weights (DeepSeek-V3's
-            ``routed_scaling_factor``), default 1.
+    """``z = gate(x)`` (``nn.Linear(dim, num_experts, bias=False)``), each token's ``top_k``
+    (``1 <= top_k <= num_experts``) highest-scoring experts. ``score_func``: ``"softmax"``
+    (Mixtral, Qwen-MoE) or ``"sigmoid"`` (DeepSeek-V3); ``norm_topk_prob``: divide the chosen
+    scores by their sum (default True; Qwen2-MoE False); ``route_scale``: multiplies the weights
+    (DeepSeek-V3's ``routed_scaling_factor``).
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, *, score_func: str = "softmax",

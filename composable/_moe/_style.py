@@ -29,13 +29,8 @@ __all__ = ["ExpertParallel", "DispatchStats"]
 
 @dataclass(frozen=True)
 class DispatchStats:
-    """One expert-parallel forward on this rank (``experts.dispatch_stats``).
-
-    Attributes:
-        sent: rows this rank sent to each ep rank (its own included), ``[ep]``.
-        received: rows this rank received from each ep rank, ``[ep]``.
-        per_local_expert: rows each of this rank's ``E / ep`` experts computed.
-    """
+    """One expert-parallel forward on this rank (``experts.dispatch_stats``): rows ``sent`` to and
+    ``received`` from each ep rank (``[ep]``), and rows computed ``per_local_expert``."""
 
     sent: tuple[int, ...]
     received: tuple[int, ...]

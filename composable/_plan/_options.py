@@ -50,13 +50,10 @@ class PlanOptions:
 
 @dataclass(frozen=True)
 class MeshOptions:
-    """What `suggest_mesh` searches with, besides the cluster. ``policy`` (None: units are the
-    ``_no_split_modules`` classes; its strategy is varied), ``mp_policy``, ``activation_bytes``
-    (per rank at tp 1), ``optimizer_states``, ``microbatches``, ``schedule``, ``kept_grads``,
-    ``tokens``: as `PlanOptions`'s (``microbatches`` defaults to 8 here); ``headroom``: the
-    fraction of ``bytes_per_gpu`` a plan may use; ``intra_host_bandwidth``,
-    ``inter_host_bandwidth``: bytes/s per GPU; ``pp_sizes``, ``cp_sizes``: the pipeline and
-    context-parallel sizes to try."""
+    """What `suggest_mesh` searches with, besides the cluster: ``policy`` (None: the
+    ``_no_split_modules`` units; its strategy is varied) and the planning fields as `PlanOptions`'s
+    (``microbatches`` 8 here); ``headroom``: the share of ``bytes_per_gpu`` a plan may use; the
+    bandwidths in bytes/s per GPU; ``pp_sizes``, ``cp_sizes``: the sizes to try."""
 
     policy: ShardingPolicy | None = None
     mp_policy: MixedPrecisionPolicy | None = None

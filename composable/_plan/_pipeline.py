@@ -61,12 +61,9 @@ memory``), see [Note: the memory of a pipeline stage]."""
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineMemoryPlan(MemoryPlan):
-    """A `MemoryPlan` whose own figures are the worst pp rank's (``peak``: what each GPU must
-    hold), with every rank's: ``stages[r]``: the `MemoryPlan` of pp rank ``r`` (its stage, or its
-    ``virtual_stages`` stages); ``bounds``: the blocks of all ``pp * virtual_stages`` stages;
-    ``in_flight[r]``: the microbatch-units of activations rank ``r`` holds at its peak;
-    ``head_activations``, ``embedding_activations``: the parts of ``activation_bytes`` planned on
-    the last and the first stage (estimated from ``tokens``; 0 without)."""
+    """A `MemoryPlan` whose figures are the worst pp rank's, with ``stages[r]`` (pp rank ``r``'s
+    plan), ``bounds`` (the blocks of every stage), ``in_flight[r]`` (microbatch-units of
+    activations at ``r``'s peak) and the head's / embedding's planned activations."""
 
     pp: int
     schedule: str

@@ -221,10 +221,8 @@ class P2P:
         self._post_ahead(peer)
 
     def arrived(self, peer: int, key: tuple) -> bool:
-        """Whether taking ``key`` from ``peer`` would not wait: it is buffered, or it and every
-        message before it have arrived in receives posted ahead ([Note: receiving ahead]), which
-        this takes into the buffer. False for a message not taken yet where nothing is posted
-        ahead (NCCL)."""
+        """Whether taking ``key`` from ``peer`` would not wait (it and every message before it
+        have arrived in receives posted ahead, which this buffers); False with nothing posted."""
         while key not in self._buffer:
             posted = self._posted.get(peer)
             if posted is None or not (posted[2].is_completed() or self._watchers.done(peer, posted[2])):

@@ -19,11 +19,9 @@ __all__ = ["retune"]
 
 def retune(schedule: PipelineSchedule, *, costs: Mapping[tuple[str, int], float] | None = None,
            comm_time: float = 0.0, clock: str = "wall") -> PipelineSchedule:
-    """A `PipelineSchedule` like ``schedule`` (same split, microbatches, loss and settings, its
-    overlap function too) whose action lists fit ``costs`` (default: ``schedule``'s last step,
-    gathered from every pp rank; ``clock`` ``"wall"`` or ``"cpu"`` picks which of
-    `PipelineSchedule.last_action_times`); ``comm_time``: seconds per message between ranks. ``schedule`` is closed. See
-    [Note: schedules tuned to measured costs]."""
+    """A `PipelineSchedule` like ``schedule`` (same split and settings) whose lists fit ``costs``
+    (default: its last step's `PipelineSchedule.last_action_times`, ``clock`` ``"wall"`` or
+    ``"cpu"``, from every pp rank); ``comm_time``: seconds per message. ``schedule`` is closed."""
     if clock not in ("wall", "cpu"):
         raise ValueError(f"retune: clock={clock!r}; use 'wall' or 'cpu'")
     split = schedule.split

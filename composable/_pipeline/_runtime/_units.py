@@ -29,12 +29,9 @@ __all__ = ["StageUnits"]
 
 
 class StageUnits:
-    """The units of this rank's stages for one step; see [Note: fully_shard units in a pipeline step].
-
-    ``stages``: stage index -> module; ``keep``: keep parameters gathered between microbatches;
-    ``every_microbatch``: reduce after every backward. The units' settings are changed only
-    through step overrides ([Note: step overrides] in ``_fsdp/_override.py``): the user's
-    stay as they were."""
+    """The units of this rank's stages (stage -> module) for one step ([Note: fully_shard units in
+    a pipeline step]); ``keep``: gathered between microbatches; ``every_microbatch``: reduce after
+    every backward."""
 
     def __init__(self, stages: dict[int, nn.Module], keep: bool, every_microbatch: bool) -> None:
         self.units = {i: units_of(m) for i, m in stages.items()}
