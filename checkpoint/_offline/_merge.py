@@ -96,11 +96,9 @@ def _merge(files: CheckpointFiles, out: str | os.PathLike, prefix: str | None, c
 
 def reshard_checkpoint(path: str | os.PathLike, out: str | os.PathLike, world_size: int, *,
                        chunk_bytes: int = 64 << 20, progress: bool = False, replace: bool = False) -> None:
-    """Rewrite the checkpoint at ``path`` into a new checkpoint ``out`` laid out for
-    ``world_size`` ranks (see the module docstring). Plain values and ``bytes`` values are kept,
-    a per-rank value with its rank. Verification of the source and the rules for ``out`` and
-    ``replace`` are those of `merge_checkpoint` (``replace=True`` replaces an existing shardwise
-    checkpoint)."""
+    """Rewrite the checkpoint at ``path`` into ``out`` laid out for ``world_size`` ranks (module
+    docstring); plain values kept, a per-rank one with its rank; source and ``out`` rules as
+    `merge_checkpoint`'s."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     with _verified(path) as files:

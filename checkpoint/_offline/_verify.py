@@ -23,11 +23,9 @@ __all__ = ["VerifyReport", "file_problems", "verify_checkpoint"]
 
 
 def file_problems(files: CheckpointFiles, checksums: bool) -> tuple[list[str], int, int]:
-    """The problems of ``files``'s data files and boxes, with the shared file checker
-    (``CheckpointFiles.header``, ``box_problem``), plus every tensor's tiling; with
-    ``checksums``, every box's CRC-32s too (what ``verify`` does; ``inspect`` reads no data and
-    instead reports a box without a checksum as a problem). Returns ``(problems, boxes, bytes
-    checksummed)``."""
+    """``(problems, boxes, bytes checksummed)`` of ``files``'s data files, boxes and tilings; with
+    ``checksums`` every box's CRC-32s too (``verify``; ``inspect`` reports a box without a
+    checksum instead)."""
     index, problems = files.index, []
     bad: set[str] = set()
     names = set(index.files) | {b.file for t in index.tensors.values() for b in t.boxes}

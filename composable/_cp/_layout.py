@@ -81,14 +81,10 @@ Selection = int | None
 def block_plan(q_chunks: tuple[int, int], kv_chunks: tuple[int, int],
                causal: bool) -> list[tuple[Selection, Selection, bool]]:
     """The attention blocks between a query shard holding global chunks ``q_chunks`` and a key
-    shard holding ``kv_chunks``: ``(query half, key half, diagonal)`` triples.
-
-    Without a causal mask one block, whole against whole. With it, query chunk ``i`` sees key
-    chunk ``j < i`` fully, ``j == i`` through the triangular mask (``diagonal=True``) and
-    ``j > i`` not at all (no block). Two full blocks that share their keys are one block over
-    both query halves, and two full key halves are the whole key shard, so a ring step does at
-    most three matmul pairs instead of four (e.g. keys from an earlier rank: one block, both
-    query halves against the key shard's first chunk)."""
+    shard holding ``kv_chunks``: ``(query half, key half, diagonal)`` triples. Without a causal
+    mask one block; with it query chunk ``i`` sees key chunk ``j < i`` fully, ``j == i`` masked
+    (``diagonal=True``), ``j > i`` not at all. Full blocks sharing keys, or covering both key
+    halves, merge, so a ring step does at most three matmul pairs instead of four."""
     if not causal:
         return [(None, None, False)]
     full: list[list[int]] = [[], []]

@@ -14,13 +14,10 @@ __all__ = ["token_mean_loss"]
 
 
 def token_mean_loss(loss_sum: torch.Tensor, count: torch.Tensor | int, mesh: DeviceMesh) -> torch.Tensor:
-    """``loss_sum * mesh.size() / C``, with ``C`` the sum of ``count`` over every rank of ``mesh``
-    (the mesh ``fully_shard`` averages gradients over: `data_parallel_mesh`, 1-D or 2-D).
-
-    ``loss_sum``: this rank's summed token losses (e.g. ``cross_entropy(..., reduction="sum")``);
-    ``count``: the tokens it counted (e.g. ``(targets != ignore_index).sum()``). Collective over
-    ``mesh`` (one all-reduce per mesh axis of a one-element tensor, outside autograd). A global
-    count of 0 gives ``0 * loss_sum`` (a zero loss, no NaN)."""
+    """``loss_sum * mesh.size() / C``, ``C`` the sum of ``count`` over ``mesh`` (the mesh
+    ``fully_shard`` averages over). ``loss_sum``: this rank's summed token losses; ``count``: the
+    tokens it counted. Collective (one tiny all-reduce per mesh axis, outside autograd); a global
+    count of 0 gives a zero loss, no NaN."""
     total = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device).detach().clone().reshape(1)
     for dim in range(mesh.ndim):
         dist.all_reduce(total, group=mesh.get_group(dim))

@@ -45,13 +45,9 @@ class PositionsHandle:
 
 def feed_positions(modules: nn.Module | Iterable[nn.Module], position_ids: torch.Tensor, *,
                    keyword: str = "position_ids") -> PositionsHandle:
-    """Pass ``keyword=position_ids`` to every call of ``modules`` (one module or several) that
-    does not pass that keyword itself; see [Note: positions as a keyword added by a pre-hook].
-
-    ``position_ids``: this rank's global positions, e.g. ``zigzag_positions(T, cp_rank, cp)``
-    for the example Llama (``[T / cp]``) or ``zigzag_positions(...)[None]`` for Hugging Face
-    models (``[1, T / cp]``). The module's ``forward`` must accept the keyword. Returns a
-    `PositionsHandle`."""
+    """Pass ``keyword=position_ids`` to every call of ``modules`` that does not pass it ([Note:
+    positions as a keyword added by a pre-hook]); e.g. ``zigzag_positions(T, cp_rank, cp)``, or
+    ``[None]`` of it for Hugging Face models. Returns a `PositionsHandle`."""
     if not isinstance(position_ids, torch.Tensor):
         raise TypeError(f"feed_positions: position_ids must be a tensor (zigzag_positions(...)), got "
                         f"{type(position_ids).__name__}")

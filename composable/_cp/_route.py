@@ -93,11 +93,9 @@ class RouteHandle:
 
 def route_attention(modules: nn.Module | Iterable[nn.Module], group: DeviceMesh | dist.ProcessGroup | None,
                     *, method: str = "ring") -> RouteHandle:
-    """Route the SDPA calls of ``modules`` (one module or several, submodules included) to
-    `context_parallel_attention` over the cp ``group`` (a 1-D cp mesh, a process group, or None
-    for the default group), with ``method`` ``"ring"`` or ``"allgather"``. The inputs those
-    modules see must be this rank's zigzag shards (`shard_sequence`), with rotary embeddings
-    of this rank's positions (`zigzag_positions`). Returns a `RouteHandle`."""
+    """Route the SDPA calls of ``modules`` (submodules included) to `context_parallel_attention`
+    over the cp ``group`` (a 1-D mesh, a process group or None) with ``method``; their inputs must
+    be this rank's zigzag shards with its positions' rotary embeddings. Returns a `RouteHandle`."""
     if method not in METHODS:
         raise ValueError(f"route_attention: method={method!r}; use one of {METHODS}")
     pg = _group(group)
