@@ -35,11 +35,9 @@ class _Remaining:
 
 
 class ElasticLoader:
-    """Iterate ``dataset`` in ``sampler``'s micro-batches (collated by ``collate_fn``, torch's
-    default collation by default); ``state_dict`` / ``load_state_dict`` are the sampler's, so
-    pass the loader or the sampler to ``save_training_state(data=...)``. Other keyword
-    arguments (``num_workers``, ``pin_memory``, ...) go to the ``DataLoader`` of a map-style
-    dataset."""
+    """Iterate ``dataset`` in ``sampler``'s micro-batches (``collate_fn``: torch's default);
+    ``state_dict`` / ``load_state_dict`` are the sampler's. Other keywords go to the
+    ``DataLoader`` of a map-style dataset."""
 
     def __init__(self, dataset: Any, sampler: ElasticSampler, *, collate_fn: Callable[[list], Any] | None = None,
                  **dataloader_kwargs: Any) -> None:

@@ -45,10 +45,8 @@ __all__ = ["TrainingSnapshot", "save_training_state", "async_save_training_state
 
 @dataclass(frozen=True)
 class TrainingSnapshot:
-    """What `load_training_state` restored besides the tensors: the saved ``step`` and
-    ``extra``, the world size it was saved by, and how each generator's state was restored
-    (``{"torch": "per-rank", "python": "wrapped", ...}``, empty with ``rng=False``; see
-    [Note: random states per rank])."""
+    """What `load_training_state` restored besides tensors: ``step``, ``extra``, the saving world
+    size and how each generator was restored ([Note: random states per rank])."""
 
     step: int | None
     extra: Any

@@ -37,12 +37,8 @@ _EXTRA_FILES = ("generation_config.json",)
 
 @dataclass(frozen=True)
 class HFConfig:
-    """A transformers config to write next to the weights, and what its model expects.
-
-    ``text``: the ``config.json`` to write; ``extra``: other files to copy (name -> bytes);
-    ``expected``: state dict name -> shape of the architecture; ``ties``: groups of names that
-    are one parameter in it, the one ``save_pretrained`` keeps first.
-    """
+    """A transformers config to write next to the weights (``text``, ``extra`` files) and what its
+    model expects (``expected`` name -> shape; ``ties``: name groups, the kept one first)."""
 
     architecture: str
     text: str

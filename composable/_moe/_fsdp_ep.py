@@ -23,11 +23,10 @@ __all__ = ["fully_shard_experts"]
 
 
 def fully_shard_experts(module: nn.Module, meshes: ExpertMeshes, **kwargs: Any) -> FSDPModule:
-    """``fully_shard`` the experts of ``module`` (a `MoE`, or its `GroupedExperts`, already under
-    `ExpertParallel` on ``meshes.ep``) over ``meshes.dp``, dividing their gradients by the whole
-    data-parallel degree ([Note: dividing expert gradients]); ``kwargs`` go to ``fully_shard``
-    (``reshard_after_forward``, ``mp_policy``, ...). Returns the experts' unit. Call it before
-    ``fully_shard`` of the enclosing block or model, which then leaves the experts to this unit."""
+    """``fully_shard`` the experts of ``module`` (a `MoE` or its `GroupedExperts`, under
+    `ExpertParallel`) over ``meshes.dp`` with the whole data-parallel divide factor ([Note:
+    dividing expert gradients]); ``kwargs`` go to ``fully_shard``. Returns the unit; call it
+    before ``fully_shard`` of the enclosing block."""
     if not isinstance(meshes, ExpertMeshes):
         raise TypeError(f"fully_shard_experts: meshes must be shardwise.mesh.ExpertMeshes (expert_meshes(mesh)), "
                         f"got {type(meshes).__name__}")

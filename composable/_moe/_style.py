@@ -38,12 +38,9 @@ class DispatchStats:
 
 
 class ExpertParallel(ParallelStyle):
-    """Split the experts of a `GroupedExperts` (or of a `MoE`'s ``experts``) over a 1-D ep mesh.
-
-    ``num_experts`` must be a multiple of the mesh size (``ValueError`` otherwise, before the
-    module is changed). ``src_data_rank`` of `parallelize_module` applies: by default rank 0's
-    weights are scattered, with None every rank keeps its own slice.
-    """
+    """Split the experts of a `GroupedExperts` (or a `MoE`'s) over a 1-D ep mesh; ``num_experts``
+    must be a multiple of its size (``ValueError`` before anything changes). ``src_data_rank``
+    applies as in `parallelize_module`."""
 
     def _target(self, module: nn.Module, ctx: ApplyContext) -> GroupedExperts:
         target = module.experts if isinstance(module, MoE) else module

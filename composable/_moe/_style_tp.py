@@ -71,13 +71,9 @@ def _tp_ffn(group, x: torch.Tensor, counts: list, w1: torch.Tensor, w2: torch.Te
 
 
 class ExpertTensorParallel(ExpertParallel):
-    """`ExpertParallel` over ``ep_tp["ep"]`` plus each expert's weights split over ``ep_tp["tp"]``
-    (see the module docstring). ``ep_tp``: the 2-D ``(ep, tp)`` mesh, ``expert_meshes(mesh).ep_tp``;
-    `parallelize_module` is given its ``ep`` slice (``expert_meshes(mesh).ep``).
-
-    ``num_experts`` must be a multiple of ``ep`` and the experts' ``hidden`` of ``tp``
-    (``ValueError`` otherwise, before the module is changed).
-    """
+    """`ExpertParallel` over ``ep_tp["ep"]`` plus each expert's weights over ``ep_tp["tp"]``
+    (``expert_meshes(mesh).ep_tp``; `parallelize_module` gets its ``ep`` slice). ``num_experts``
+    must divide by ``ep`` and ``hidden`` by ``tp`` (``ValueError`` before anything changes)."""
 
     def __init__(self, ep_tp: DeviceMesh) -> None:
         if not isinstance(ep_tp, DeviceMesh) or ep_tp.mesh_dim_names != ("ep", "tp"):

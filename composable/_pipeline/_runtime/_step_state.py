@@ -96,10 +96,9 @@ class StepState:
 
 
 def agree_on_tag(group: Any, device: torch.device) -> int:
-    """A random message tag for a new schedule, drawn by the group's first rank and broadcast
-    (see [Note: messages between stages]). The broadcast is also the group's first collective:
-    NCCL needs every rank of a group in its first batched point-to-point call, and a collective
-    first sets up the group's communicator on all of them."""
+    """A random message tag for a new schedule, broadcast from the group's first rank ([Note:
+    messages between stages]); also the group's first collective, which NCCL needs before its
+    first batched point-to-point call."""
     tag = torch.tensor([int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1], dtype=torch.int64)
     tag = tag.to(device)
     dist.broadcast(tag, group=group, group_src=0)

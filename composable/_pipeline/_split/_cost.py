@@ -109,10 +109,8 @@ def _one_pass(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[], t
 
 def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[], torch.Tensor], kind: str,
                   repeats: int = 3, average: bool = True) -> Costs:
-    """``(pre, per block, post)`` measured on ``run()`` (forward + loss of a sample batch, returning the
-    loss) as described in [Note: measuring block costs]. With ``average``, costs are averaged over
-    all ranks of the default group when it is initialized (`average_costs`), so every rank plans
-    the same split."""
+    """``(pre, per block, post)`` measured on ``run()`` ([Note: measuring block costs]); with
+    ``average``, averaged over the default group (`average_costs`) so every rank plans alike."""
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     clock = time.perf_counter if dev.type == "cuda" else time.process_time

@@ -20,13 +20,9 @@ __all__ = ["StagePlan", "balanced_bounds", "plan_from_bounds", "uniform_bounds"]
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Which blocks each pipeline stage runs, and what it costs.
-
-    ``bounds``: ``len(bounds) == stages + 1``; stage ``k`` runs blocks ``bounds[k]`` to
-    ``bounds[k+1] - 1``. ``costs``: per stage, its blocks plus ``pre`` on stage 0 and ``post``
-    on the last. ``cost_kind``: what the numbers measure (``"time"`` seconds, ``"params"`` bytes,
-    ``"activations"`` bytes, ``"given"``).
-    """
+    """Which blocks each stage runs and what it costs: stage ``k`` runs blocks ``bounds[k]`` to
+    ``bounds[k+1] - 1``; ``costs`` per stage (``pre`` on the first, ``post`` on the last), in
+    ``cost_kind`` (``"time"`` seconds, ``"params"`` / ``"activations"`` bytes, ``"given"``)."""
 
     bounds: tuple[int, ...]
     costs: tuple[float, ...]
@@ -135,11 +131,8 @@ def uniform_bounds(n: int, stages: int) -> tuple[int, ...]:
 
 def plan_from_bounds(costs: Sequence[float], bounds: Sequence[int], *, pre: float = 0.0, post: float = 0.0,
                      cost_kind: str = "given") -> StagePlan:
-    """Check explicit ``bounds`` (or split points) and attach the stage costs.
-
-    ``bounds`` may be the full ``(0, b_1, ..., n)`` or only the inner split points
-    ``(b_1, ..., b_{S-1})``: block indices where a new stage starts.
-    """
+    """Check explicit ``bounds`` (the full ``(0, b_1, ..., n)`` or the inner split points) and
+    attach the stage costs."""
     n = len(costs)
     b = [int(x) for x in bounds]
     if not b or b[0] != 0 or b[-1] != n:
