@@ -32,9 +32,8 @@ MAX_METADATA_BYTES = 4 << 30
 
 
 class _LookAlike:
-    """A stand-in for one of DCP's metadata classes: ``BUILD`` fills only the known ``FIELDS``
-    (other keys, which a later torch may add, are ignored); fields absent from the pickle
-    keep their defaults, as DCP's dataclasses do."""
+    """A stand-in for a DCP metadata class: ``BUILD`` fills only the known ``FIELDS`` (later
+    torch's extra keys ignored; absent ones keep their defaults, as DCP's dataclasses do)."""
 
     FIELDS: dict[str, Any] = {}
 

@@ -236,9 +236,8 @@ _VALUE_ALLOWED: dict[tuple[str, str], Any] = {
 
 
 def _embedded_loaders(h: ReadHandle, found: dict[str, Member], where: str) -> tuple[dict, Any]:
-    """The allowlist and storage loader of a value record that holds tensors (a tuple of
-    tensors: DCP saves it whole, as one non-tensor entry): each becomes a real CPU tensor,
-    read from the record (which is in memory anyway)."""
+    """The allowlist and storage loader of a value record holding tensors (DCP saves a tuple of
+    tensors as one entry): each becomes a real CPU tensor read from the in-memory record."""
     storages: dict[str, torch.Tensor] = {}
 
     def load_storage(pid: Any) -> _StorageRef:

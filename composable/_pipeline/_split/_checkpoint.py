@@ -25,9 +25,8 @@ __all__ = ["pipeline_state_dict", "pipeline_optimizer_state_dict", "set_pipeline
 
 
 def _stage_ranks(split: PipelineSplit) -> list[int]:
-    """The global ranks holding this rank's stage: from the ``pp`` mesh (``split.stage_ranks``,
-    wherever the ``pp`` axis sits in it), or, for a 1-D mesh that cannot tell, the ranks of the
-    world on this rank's pipeline position (one all-gather, every rank saves together)."""
+    """The global ranks holding this rank's stage: ``split.stage_ranks``, or for a 1-D mesh that
+    cannot tell, the world's ranks at this pipeline position (one all-gather)."""
     if split.stage_ranks is not None:
         return list(split.stage_ranks)
     positions: list = [None] * dist.get_world_size()
