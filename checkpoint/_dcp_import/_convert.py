@@ -2,23 +2,16 @@
 
 [Note: the steps of an import]
 1. Read ``.metadata`` without running code from it (``_metadata.read_dcp_metadata``).
-2. Check the source before writing anything: every ``.distcp`` file the metadata names exists
-   and is long enough for every byte range placed in it; every tensor's chunks tile it exactly
-   (``_geometry.tiling_problem``); every chunk's ``torch.save`` record is a tensor of the
-   metadata's dtype and the chunk's shape (``_records.tensor_record``, which reads only the
-   record's ZIP directory and its small pickle); every non-tensor entry is a plain value
-   (``_records.value_record``). The keys become shardwise's (``_keys.shardwise_keys``).
-3. Write, one output file ``rank-<i>.safetensors`` per source file (its chunks, each one saved
-   box), with ``_format.StreamingWriter``: each chunk's bytes are copied straight from the
-   source file in slabs of at most ``chunk_bytes`` (whole dim-0 rows; one row when a row is
-   larger) through one reused buffer, so memory is one slab whatever the model size, and
-   never more than the largest chunk (``ImportStats.largest_buffer_bytes`` counts it). The
-   writer checksums every box and its checksum chunks on the way; where torch recorded the
-   ZIP CRC-32 of a storage that is exactly the chunk (the usual case), the box's CRC must equal
-   it, so damage in the source is caught, not copied under fresh checksums.
-4. ``index.json`` last, then the directory is renamed into place ([Note: atomic commit] in
-   ``checkpoint/_series/_commit.py``, through ``_offline_copy``'s temporary-directory helper: a failed import leaves
-   nothing), and the new checkpoint is verified completely (``verify_checkpoint``).
+2. Check the source before writing: every ``.distcp`` file exists and holds its byte ranges;
+   every tensor's chunks tile it (``_geometry.tiling_problem``); every chunk's record is a tensor
+   of the right dtype and shape (``_records.tensor_record``, reading only the ZIP directory and
+   small pickle); every other entry is a plain value. Keys become shardwise's (``_keys``).
+3. Write one ``rank-<i>.safetensors`` per source file with ``_format.StreamingWriter``, copying
+   each chunk's bytes straight from the source in slabs of at most ``chunk_bytes`` through one
+   buffer (``ImportStats.largest_buffer_bytes``). Where torch recorded the ZIP CRC-32 of a storage
+   that is exactly the chunk, the box's CRC must equal it, so damage is caught, not copied.
+4. ``index.json`` last, the directory committed atomically ([Note: atomic commit] in
+   ``checkpoint/_series/_commit.py``, via ``_offline``'s temporary directory), then verified.
 """
 
 from __future__ import annotations
@@ -138,16 +131,12 @@ def _check_chunk(key: str, c: DcpChunk, rec: TensorRecord, dtype: torch.dtype, w
 
 def import_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, replace: bool = False, chunk_bytes: int = 64 << 20,
                progress: bool = False) -> ImportStats:
-    """Convert the torch DCP checkpoint directory ``src`` into a new shardwise checkpoint
-    ``dst`` (see [Note: the steps of an import]); returns what it did. One process, no
-    torch.distributed; ``src`` may be a local path or an fsspec URL, ``dst`` is local.
+    """Convert the torch DCP checkpoint ``src`` (local or fsspec) into a new local shardwise
+    checkpoint ``dst`` ([Note: the steps of an import]); one process. Returns what it did.
 
-    Model and optimizer state alike: every tensor (sharded by FSDP, TP or HSDP at any world
-    size, or whole) keeps its dtype and global shape, each DCP chunk becoming one saved box;
-    non-tensor entries (``param_groups``, a plain ``step``) become plain values, under the
-    keys shardwise's ``save`` would give the same state (``_keys``). ``dst`` must not exist
-    (or be an empty folder) unless ``replace=True``, which replaces a shardwise checkpoint.
-    Raises `CheckpointError` (one line) on any problem, and then nothing is written."""
+    Every tensor keeps its dtype and global shape, each chunk one saved box; other entries become
+    plain values, under the keys ``save`` would give. ``dst`` must not exist (or be empty) unless
+    ``replace=True``. Raises a one-line `CheckpointError`, and then nothing is written."""
     if not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be an int >= 1, got {chunk_bytes!r}")
     storage, path = storage_for(src)

@@ -1,18 +1,10 @@
 """DCP's flat keys to shardwise's flat keys, through the nested state dict that was saved.
 
-DCP's default planner flattens the state dict it is given: a tensor or value at
-``state["optim"]["param_groups"][0]["lr"]`` is stored under ``optim.param_groups.0.lr`` and the
-metadata's ``planner_data`` records its path ``("optim", "param_groups", 0, "lr")`` (a ``str``
-for a mapping key, an ``int`` for a list or tuple index). DCP walks into every mapping and into
-a list only when it holds a tensor or a mapping, so one group's ``lr`` and its ``params`` list
-are separate entries.
-
-shardwise flattens differently (``_flatten.py``): a list with no tensor in it is one plain
-value, so ``optim/param_groups`` is one value, the list of group dicts. `shardwise_keys`
-therefore rebuilds the nested state from the paths (tensors as ``meta`` tensors of their
-dtype and shape, which hold no memory) and flattens it with shardwise's own `flatten`: the keys
-are then exactly the ones ``save`` would give the same state, so ``load`` into
-``{"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}`` finds them.
+DCP stores ``state["optim"]["param_groups"][0]["lr"]`` as ``optim.param_groups.0.lr`` with its
+path in ``planner_data``, walking into a list only when it holds a tensor or a mapping; shardwise
+keeps a list without tensors as one value (``_flatten.py``). `shardwise_keys` rebuilds the nested
+state from the paths (tensors as ``meta`` tensors) and flattens it with shardwise's `flatten`, so
+the keys are exactly those ``save`` would give.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """A torch DCP checkpoint's ``.metadata``, read without torch's DCP package and without running
 code from the file.
 
-What torch 2.13's ``FileSystemWriter`` pickles (protocol 4; found by disassembling files it
-wrote, ``pickletools.dis``): one ``Metadata`` object (of DCP's
-``metadata`` module, `DCP_PACKAGE`) whose fields are
-
-* ``state_dict_metadata``: ``{flat key: TensorStorageMetadata | BytesStorageMetadata}``; a
-  tensor's ``TensorStorageMetadata`` holds ``properties`` (a ``TensorProperties``, pickled as the
-  tuple ``(dtype, layout, requires_grad, memory-format enum, pin_memory)``; the layout through
-  ``torch.serialization._get_layout("torch.strided")``, the enum as ``_MEM_FORMAT_ENCODING(0)``),
-  the global ``size`` (a ``torch.Size``) and ``chunks``: one ``ChunkStorageMetadata(offsets,
-  sizes)`` per saved piece, in global coordinates;
-* ``storage_data``: ``{MetadataIndex(fqn, offset): _StorageInfo(relative_path, offset,
-  length[, transform_descriptors])}`` (``_StorageInfo`` from
-  DCP's ``filesystem`` module): where each chunk (``offset`` = the chunk's
-  offsets) or non-tensor entry (no offset) lies: a byte range of a ``__<rank>_<k>.distcp`` file;
-* ``planner_data``: ``{flat key: path}``, the path of each key in the nested state dict that
-  was saved (``("optim", "param_groups", 0, "lr")``), from the default planner's flattening;
-* ``storage_meta`` (a ``StorageMeta``, its ``checkpoint_id`` a ``pathlib.PosixPath``) and
-  ``version`` (``"1.0.0"``).
-
-`read_dcp_metadata` unpickles it with `_unpickle.safe_loads`, mapping each of those names to a
-look-alike of this module or a checking function ([Note: reading a pickle without running
-it]), then checks every field and returns a `DcpCheckpoint` of plain frozen dataclasses.
+torch 2.13's ``FileSystemWriter`` pickles (protocol 4) one ``Metadata`` (of DCP's ``metadata``
+module, `DCP_PACKAGE`): ``state_dict_metadata`` ``{flat key: TensorStorageMetadata |
+BytesStorageMetadata}`` (a tensor's ``properties``, pickled as a tuple with the layout via
+``torch.serialization._get_layout`` and a ``_MEM_FORMAT_ENCODING``; its global ``size``; one
+``ChunkStorageMetadata(offsets, sizes)`` per saved piece); ``storage_data`` ``{MetadataIndex(fqn,
+offset): _StorageInfo(relative_path, offset, length[, transform_descriptors])}``, the byte range
+of each entry in a ``__<rank>_<k>.distcp`` file; ``planner_data`` ``{flat key: path in the nested
+state}``; ``storage_meta`` and ``version``. `read_dcp_metadata` unpickles it with
+`_unpickle.safe_loads`, each name mapped to a look-alike here or a checking function ([Note:
+reading a pickle without running it]), checks every field and returns a `DcpCheckpoint`.
 """
 
 from __future__ import annotations
@@ -44,9 +32,8 @@ MAX_METADATA_BYTES = 4 << 30
 
 
 class _LookAlike:
-    """A stand-in for one of DCP's metadata classes: ``BUILD`` fills only the known ``FIELDS``
-    (other keys, which a later torch may add, are ignored); fields absent from the pickle
-    keep their defaults, as DCP's dataclasses do."""
+    """A stand-in for a DCP metadata class: ``BUILD`` fills only the known ``FIELDS`` (later
+    torch's extra keys ignored; absent ones keep their defaults, as DCP's dataclasses do)."""
 
     FIELDS: dict[str, Any] = {}
 
@@ -69,29 +56,16 @@ class _LookAlike:
                 setattr(self, k, state[k])
 
 
-class _Metadata(_LookAlike):
-    FIELDS = {"state_dict_metadata": None, "planner_data": None, "storage_data": None, "storage_meta": None,
-              "version": None}
+def _look_alike(name: str, *fields: str) -> type[_LookAlike]:
+    return type(name, (_LookAlike,), {"FIELDS": dict.fromkeys(fields)})
 
 
-class _TensorStorageMetadata(_LookAlike):
-    FIELDS = {"properties": None, "size": None, "chunks": None}
-
-
-class _BytesStorageMetadata(_LookAlike):
-    FIELDS = {}
-
-
-class _ChunkStorageMetadata(_LookAlike):
-    FIELDS = {"offsets": None, "sizes": None}
-
-
-class _StorageMeta(_LookAlike):
-    FIELDS = {"checkpoint_id": None, "save_id": None, "load_id": None, "modules": None}
-
-
-class _StorageInfo(_LookAlike):
-    FIELDS = {"relative_path": None, "offset": None, "length": None, "transform_descriptors": None}
+_Metadata = _look_alike("_Metadata", "state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+_TensorStorageMetadata = _look_alike("_TensorStorageMetadata", "properties", "size", "chunks")
+_BytesStorageMetadata = _look_alike("_BytesStorageMetadata")
+_ChunkStorageMetadata = _look_alike("_ChunkStorageMetadata", "offsets", "sizes")
+_StorageMeta = _look_alike("_StorageMeta", "checkpoint_id", "save_id", "load_id", "modules")
+_StorageInfo = _look_alike("_StorageInfo", "relative_path", "offset", "length", "transform_descriptors")
 
 
 class _TensorProperties(_LookAlike):
@@ -228,7 +202,7 @@ def _storage(info: Any, what: str) -> tuple[str, int, int]:
     return name, offset, length
 
 
-def _tensor(key: str, md: _TensorStorageMetadata, storage: dict, where: str) -> DcpTensor:
+def _tensor(key: str, md: _LookAlike, storage: dict, where: str) -> DcpTensor:
     what = f"{where}: tensor '{key}'"
     props = md.properties
     dtype = getattr(props, "dtype", None)

@@ -1,28 +1,20 @@
 """The ``torch.save`` records inside a ``.distcp`` file, read without ``torch.load``.
 
-torch 2.13's DCP ``FileSystemWriter`` (default ``serialization_format=TORCH_SAVE``) writes each
-entry of a rank as one ``torch.save`` archive, back to back in ``__<rank>_<k>.distcp``; the
-metadata gives each one's byte range. An archive is an uncompressed ZIP with members
-``<name>/data.pkl`` (a protocol-2 pickle), ``<name>/byteorder`` (``little``),
-``<name>/data/<key>`` (the raw bytes of storage ``<key>``, row-major, little-endian) and a few
-version records. For a tensor chunk ``data.pkl`` is
-``torch._utils._rebuild_tensor_v2(<storage pid>, storage_offset, size, stride, False,
-OrderedDict())`` (``_rebuild_tensor_v3(..., dtype)`` with a ``torch.storage.UntypedStorage``
-for dtypes without a legacy storage class: float8, uint16/32/64), where the persistent id is
-``("storage", torch.FloatStorage, "0", "cpu", numel)``; for a non-tensor entry (an optimizer's
-``lr``, a ``params`` list) it is the pickled value itself. DCP clones a chunk whose storage is
-larger than it, so the storage is normally exactly the chunk.
-
-`tensor_record` reads ``data.pkl`` with `_unpickle.safe_loads` (the rebuild functions become
-ours, building a `TensorRecord` that says where the chunk's bytes are); the converter then
-copies those bytes straight from the file, a slab at a time. `value_record` reads a non-tensor
-entry's value, admitting only plain values. The ZIP's own CRC-32 of each member is kept
-(``0``: torch's ``set_crc32_options(False)`` wrote none) so the copy can be checked against it.
+DCP writes each entry of a rank as one ``torch.save`` archive, back to back; the metadata gives
+each one's byte range. An archive is an uncompressed ZIP: ``<name>/data.pkl`` (protocol 2),
+``<name>/byteorder``, ``<name>/data/<key>`` (raw little-endian storage bytes). A tensor chunk's
+pickle is ``torch._utils._rebuild_tensor_v2(<storage pid>, offset, size, stride, False,
+OrderedDict())`` (``_v3(..., dtype)`` with an ``UntypedStorage`` for float8 / uint16-64), the pid
+``("storage", torch.FloatStorage, "0", "cpu", numel)``; a non-tensor entry is the value itself.
+`tensor_record` reads it with `_unpickle.safe_loads` into a `TensorRecord` saying where the bytes
+are; `value_record` admits only plain values. Each member's ZIP CRC-32 is kept (``0``: none
+written) to check the copy against.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import struct
 import zipfile
 import zlib
@@ -206,6 +198,11 @@ _TENSOR_ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
+def _past_end(size: tuple, stride: tuple, offset: int, numel: int) -> bool:
+    """Whether a non-empty strided view reaches past ``numel`` elements of its storage."""
+    return math.prod(size) > 0 and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= numel
+
+
 def _check_byteorder(h: ReadHandle, found: dict[str, Member], where: str) -> None:
     if "byteorder" in found and _read_member(h, found["byteorder"], where, 16) != b"little":
         raise CheckpointError(f"{where}: saved on a big-endian machine, which import-dcp does not convert")
@@ -227,11 +224,7 @@ def tensor_record(h: ReadHandle, offset: int, length: int, where: str) -> Tensor
     nbytes = storage.numel * (1 if storage.dtype is None else itemsize)
     if data.size != nbytes or nbytes % itemsize or len(stride) != len(size):
         raise CheckpointError(f"{where}: the record's storage size or strides do not match its data")
-    numel = 1
-    for s in size:
-        numel *= s
-    last = storage_offset + sum((s - 1) * st for s, st in zip(size, stride))
-    if numel and last >= nbytes // itemsize:
+    if _past_end(size, stride, storage_offset, nbytes // itemsize):
         raise CheckpointError(f"{where}: the record's tensor reaches past the end of its storage")
     return TensorRecord(dtype, size, stride, storage_offset, data)
 
@@ -243,9 +236,8 @@ _VALUE_ALLOWED: dict[tuple[str, str], Any] = {
 
 
 def _embedded_loaders(h: ReadHandle, found: dict[str, Member], where: str) -> tuple[dict, Any]:
-    """The allowlist and storage loader of a value record that holds tensors (a tuple of
-    tensors: DCP saves it whole, as one non-tensor entry): each becomes a real CPU tensor,
-    read from the record (which is in memory anyway)."""
+    """The allowlist and storage loader of a value record holding tensors (DCP saves a tuple of
+    tensors as one entry): each becomes a real CPU tensor read from the in-memory record."""
     storages: dict[str, torch.Tensor] = {}
 
     def load_storage(pid: Any) -> _StorageRef:
@@ -265,12 +257,9 @@ def _embedded_loaders(h: ReadHandle, found: dict[str, Member], where: str) -> tu
         if data.numel() % dtype.itemsize:
             raise CheckpointError(f"{where}: a tensor's storage is not a whole number of {dtype} elements")
         typed = data.view(dtype) if data.numel() else torch.empty(0, dtype=dtype)
-        numel = 1
-        for n in size:
-            numel *= n
-        if numel and offset + sum((n - 1) * st for n, st in zip(size, stride)) >= typed.numel():
+        if _past_end(size, stride, offset, typed.numel()):
             raise CheckpointError(f"{where}: a tensor reaches past the end of its storage")
-        return torch.as_strided(typed, size, stride, offset).clone() if numel else torch.empty(size, dtype=dtype)
+        return torch.as_strided(typed, size, stride, offset).clone() if math.prod(size) else torch.empty(size, dtype=dtype)
 
     allowed = {**_TENSOR_ALLOWED, **_VALUE_ALLOWED, ("torch._utils", "_rebuild_tensor_v2"): Call(rebuild),
                ("torch._utils", "_rebuild_tensor_v3"): Call(rebuild)}

@@ -2,17 +2,12 @@
 allowlist of *our own* objects.
 
 [Note: reading a pickle without running it]
-``pickle.load`` executes the file: a ``GLOBAL``/``STACK_GLOBAL`` opcode imports any attribute
-of any module, and ``REDUCE``/``NEWOBJ``/``BUILD`` call it (``os.system`` with an argument, a
-class's ``__setstate__``). Every one of those paths goes through ``Unpickler.find_class``
-(``EXT`` codes and ``INST``/``OBJ`` too), and the only other hook that creates objects is
-``persistent_load``. `SafeUnpickler` overrides both: ``find_class(module, name)`` returns
-``allowed[(module, name)]``, an object of this package (a look-alike dataclass, a function that
-checks its arguments and builds a plain value, a ``torch.dtype``), and refuses anything else
-with a `RefusedGlobal` naming ``module.name``; ``persistent_load`` refuses unless the caller
-gave a handler (torch.save records use one for storages). So whatever the file says, the only
-code that runs is the allowlisted code of this package, and the result is made of plain
-containers and those objects. Nothing of torch's DCP package is imported.
+Every way ``pickle`` imports or calls something goes through ``Unpickler.find_class`` (``GLOBAL``,
+``STACK_GLOBAL``, ``EXT``, ``INST``/``OBJ``), and the only other object-creating hook is
+``persistent_load``. `SafeUnpickler` overrides both: ``find_class`` returns ``allowed[(module,
+name)]`` (a look-alike dataclass, a checking function, a ``torch.dtype``) or raises
+`RefusedGlobal` naming it; ``persistent_load`` refuses unless the caller gave a handler. So only
+this package's allowlisted code runs, and nothing of torch's DCP package is imported.
 """
 
 from __future__ import annotations

@@ -1,30 +1,19 @@
 """`start_heartbeat`: turn a dead or frozen peer into a prompt nonzero exit that a launcher restarts.
 
-    init_distributed(timeout_s=120)                        # the collective timeout (a hang inside one)
     hb = start_heartbeat(HeartbeatPolicy(interval_s=1, timeout_s=10))
     ... train ...
     hb.stop()                                              # before the last barrier
 
 [Note: heartbeats over the store]
-A peer whose process dies usually breaks its TCP connections, and gloo's next collective on a
-survivor fails with "Connection closed by peer". A peer whose host vanishes (power, network,
-a frozen VM) closes nothing: survivors wait in their collective until the process group's
-timeout (600 s by default). A daemon thread on every rank therefore bumps a counter key
-``<prefix>/<rank>`` in a c10d store every ``interval_s`` and watches one peer, the next rank
-(``rank + 1 mod W``; O(1) store operations per rank per beat at any world size). When the peer's
-counter has not moved for ``timeout_s``, the watcher sets ``<prefix>/dead`` and exits; every
-rank reads that key each beat and exits too, so the whole job stops within about ``timeout_s +
-2 interval_s`` of the peer's last beat. A store that cannot be reached (its host is the one that
-died) counts the same. The exit is ``os._exit(policy.exit_code)`` from the thread (the main
-thread may be blocked inside a collective): torchrun's agent sees a failed worker, stops the
-others and restarts the group within ``--max-restarts``, on the nodes still alive.
-
-``prefix`` is unique per process group (rank 0 draws it, broadcast at start), so the keys of a
-restarted group never meet those of the one before. `Heartbeat.stop` marks the rank finished
-(the counter jumps past ``FINISHED``), so a rank that finishes first is not taken for dead.
-Not detected: a peer that is alive but stuck (a hang inside a collective, a deadlock): its
-thread keeps beating; the process group's timeout (``init_distributed(timeout_s=...)``) is
-the bound there.
+A peer whose host vanishes closes no connection, so survivors would wait in a collective until
+the group's timeout. A daemon thread on every rank bumps ``<prefix>/<rank>`` in the c10d store
+every ``interval_s`` and watches rank ``rank + 1 mod W`` (O(1) store operations per beat). When
+that counter stalls for ``timeout_s`` (or the store is unreachable) it sets ``<prefix>/dead``;
+every rank reads it each beat and calls ``os._exit(policy.exit_code)`` from the thread, so the job
+stops within about ``timeout_s + 2 interval_s`` and torchrun restarts it. ``prefix`` is drawn per
+group, so a restart never meets old keys; `Heartbeat.stop` jumps the counter past ``FINISHED`` so
+a rank done first is not taken for dead. A peer alive but stuck in a collective is bounded only
+by the group's timeout (``init_distributed(timeout_s=...)``).
 """
 
 from __future__ import annotations

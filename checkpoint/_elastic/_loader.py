@@ -1,21 +1,12 @@
 """`ElasticLoader`: a thin data loader over an `ElasticSampler` that counts what it delivered.
 
     loader = ElasticLoader(dataset, sampler, num_workers=2)        # map-style: a torch DataLoader inside
-    for epoch in range(sampler.epoch, epochs):
-        sampler.set_epoch(epoch)
-        for micro_batch in loader: ...
     save_training_state(path, model, optim, step=step, data=loader)
 
-A torch ``DataLoader`` with workers fetches batches ahead of the training loop, so a batch
-sampler's own count runs ahead of what training consumed. The loader builds its ``DataLoader``
-over the sampler's remaining indices without moving the sampler, and moves the sampler by one
-micro-batch only when it hands one to the caller: a state saved after a step names exactly the
-next global batch.
-
-An iterable dataset is read in its own order through ``iter_from(position)``, which must yield
-the samples from ``position`` on (0-based, the same stream every time) and ``__len__``; each rank
-reads only its share of every global batch (one ``iter_from`` per contiguous run, in the main
-process; ``num_workers`` must be 0).
+Workers fetch ahead, so the loader's ``DataLoader`` reads the sampler's remaining indices without
+moving it and moves it one micro-batch per batch handed out: a saved state names exactly the next
+global batch. An iterable dataset needs ``iter_from(position)`` (the same stream from
+``position`` on) and ``__len__``; each rank reads only its share, in the main process.
 """
 
 from __future__ import annotations
@@ -44,11 +35,9 @@ class _Remaining:
 
 
 class ElasticLoader:
-    """Iterate ``dataset`` in ``sampler``'s micro-batches (collated by ``collate_fn``, torch's
-    default collation by default); ``state_dict`` / ``load_state_dict`` are the sampler's, so
-    pass the loader or the sampler to ``save_training_state(data=...)``. Other keyword
-    arguments (``num_workers``, ``pin_memory``, ...) go to the ``DataLoader`` of a map-style
-    dataset."""
+    """Iterate ``dataset`` in ``sampler``'s micro-batches (``collate_fn``: torch's default);
+    ``state_dict`` / ``load_state_dict`` are the sampler's. Other keywords go to the
+    ``DataLoader`` of a map-style dataset."""
 
     def __init__(self, dataset: Any, sampler: ElasticSampler, *, collate_fn: Callable[[list], Any] | None = None,
                  **dataloader_kwargs: Any) -> None:

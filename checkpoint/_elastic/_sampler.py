@@ -1,35 +1,21 @@
 """`ElasticSampler`: a data position that survives a change of the data-parallel size.
 
     sampler = ElasticSampler(dataset, global_batch=32, mesh=mesh, seed=0)      # or dp_rank=, dp_size=
-    save_training_state(path, model, optim, step=step, data=sampler)           # the position is saved
     ts = load_training_state(path, model, optim, data=sampler)                 # at any dp size
 
 [Note: one global order, cut into global batches]
-An epoch's order is fixed by ``seed`` and ``epoch`` alone (``torch.randperm(n)`` from a
-generator seeded with ``seed + epoch``, as torch's ``DistributedSampler`` draws it; the identity
-with ``shuffle=False``), never by the world size. It is cut into *global batches* of
-``global_batch`` consecutive positions. Data-parallel rank ``r`` of ``W`` reads the contiguous
-positions ``[k B + r b, k B + (r + 1) b)`` of global batch ``k`` (``b = B / W``), as
-``accumulation`` micro-batches of ``micro_batch`` samples. Every global batch is therefore the same
-set of samples at every data-parallel size, and the state of the position is only which global
-batch comes next: ``(epoch, consumed)`` with ``consumed`` a multiple of ``B``. Resuming at
-another size reads exactly the samples an uninterrupted run would have read, none repeated
-and none skipped; only which rank reads which sample changes.
+An epoch's order depends only on ``seed + epoch`` (``torch.randperm(n)`` as ``DistributedSampler``
+draws it; the identity with ``shuffle=False``), cut into *global batches* of ``B`` positions. Rank
+``r`` of ``W`` reads ``[k B + r b, k B + (r + 1) b)`` of batch ``k`` (``b = B / W``) as
+``accumulation`` micro-batches. So every global batch is the same samples at every size, the
+position is ``(epoch, consumed)`` with ``consumed`` a multiple of ``B``, and resuming at another
+size reads exactly what an uninterrupted run would have. The tail is padded to ``B`` (not to the
+world size): ``drop_last=True`` drops ``n mod B`` samples, ``False`` repeats the order's first.
 
-The tail, as ``DistributedSampler`` handles it, but padded to the global batch instead of the
-world size (which would make the order depend on the world size): ``drop_last=True`` drops the
-last ``n mod B`` samples of the order; ``drop_last=False`` fills the last global batch with the
-order's first samples again (repeated as often as needed when ``n < B``).
-
-Ranks that differ only in other mesh axes (``tp``, ``pp``, ``cp``) have the same data-parallel
-coordinate and read the same samples: with ``mesh=``, the coordinate is the row-major index on
-the mesh's ``dp_replicate`` and ``dp_shard`` axes (or a user's ``dp`` axis; every axis of an
-unnamed mesh; a named mesh without any of them is refused).
-
-A micro-batch handed out counts as consumed (iterate in the main process, or use
-`ElasticLoader`, which counts only batches it has delivered even when workers prefetch). A
-position inside a global batch (some of its micro-batches handed out) can be saved, but it loads
-only at the same data-parallel size and micro-batch; elsewhere load raises.
+With ``mesh=`` the coordinate is the row-major index on ``dp_replicate`` x ``dp_shard`` (or a
+``dp`` axis; every axis of an unnamed mesh), so ``tp`` / ``pp`` / ``cp`` peers read the same
+samples. A micro-batch handed out counts as consumed (`ElasticLoader` counts only delivered ones);
+a position inside a global batch loads only at the same size and micro-batch.
 """
 
 from __future__ import annotations
@@ -122,20 +108,14 @@ def _dp_coordinate(mesh: Any) -> tuple[int, int]:
 
 
 class ElasticSampler(Sampler[list[int]]):
-    """Yields this data-parallel rank's micro-batches (lists of dataset indices) from the
-    current position to the end of the epoch; a batch sampler (``DataLoader(ds,
-    batch_sampler=s)``) whose `state_dict` loads at any data-parallel size.
+    """A batch sampler (``DataLoader(ds, batch_sampler=s)``) of this data-parallel rank's
+    micro-batches (lists of indices) whose `state_dict` loads at any data-parallel size.
 
-    ``data``: a sized dataset, an iterable one with ``__len__`` (read in its own order:
-    ``shuffle=False``; `ElasticLoader` seeks it), or the number of samples. ``global_batch``:
-    samples per optimizer step over all data-parallel ranks, kept across resizes. The rank comes
-    from ``mesh`` (its data-parallel axes) or ``dp_rank`` / ``dp_size`` (default: one rank).
-    ``micro_batch``: samples per rank per forward (accumulation recomputed, `plan_batches`).
-    ``shuffle``, ``seed``, ``drop_last`` as in ``DistributedSampler``. See [Note: one global
-    order, cut into global batches]. After the last micro-batch of an epoch the position moves to
-    the next epoch; `set_epoch` with another epoch starts that one from its beginning, with the
-    current one keeps the position (so a resumed loop ``for e in range(s.epoch, E): s.set_epoch(e)``
-    continues where it stopped)."""
+    ``data``: a sized dataset, an iterable one with ``__len__`` (``shuffle=False``), or a count.
+    ``global_batch``: samples per optimizer step over all ranks. The rank comes from ``mesh`` or
+    ``dp_rank`` / ``dp_size``. ``micro_batch``: samples per rank per forward. ``shuffle``,
+    ``seed``, ``drop_last`` as ``DistributedSampler``'s ([Note: one global order, cut into global
+    batches]). `set_epoch` with another epoch starts it; with the current one keeps the position."""
 
     def __init__(self, data: Sized | int, global_batch: int, *, mesh: Any = None, dp_rank: int | None = None,
                  dp_size: int | None = None, micro_batch: int | None = None, shuffle: bool = True, seed: int = 0,

@@ -1,41 +1,24 @@
 """Training-state checkpoints: what Accelerate's ``save_state`` / ``load_state`` keep, resharded.
 
     save_training_state("ckpt/step-100", model, optim, scheduler=sched, step=100, extra={"epoch": 3})
-    ...
     ts = load_training_state("ckpt/step-100", model, optim, scheduler=sched)   # any world size
-    for step in range(ts.step, total_steps): ...
 
-One ordinary shardwise checkpoint (`save` / `load`, so atomic, verified and reshardable)
-holding ``{"model", "optim", "scheduler", "step", "extra", "rng"}``: the model and optimizer
-by parameter name (`get_model_state_dict` / `get_optimizer_state_dict`), the LR scheduler's
-``state_dict()`` and ``extra`` as JSON text, and every rank's random number generator states.
+One ordinary checkpoint (`save` / `load`: atomic, verified, reshardable) holding ``{"model",
+"optim", "scheduler", "step", "extra", "rng"}``: model and optimizer by parameter name, the
+scheduler's ``state_dict()`` and ``extra`` as JSON text, every rank's random states.
 
 [Note: random states per rank]
-Each rank draws its own random numbers (dropout masks on its own micro-batch, data
-shuffling), so the states are saved per rank: ``rng/torch`` is a ``[W, n]`` uint8 tensor
-whose row ``r`` is rank ``r``'s ``torch.get_rng_state()``; likewise ``rng/cuda`` (the current
-device's generator), ``rng/python`` (``random``'s Mersenne Twister words; its cached Gaussian
-goes in ``rng/python_gauss``) and, when the saving job had imported numpy, ``rng/numpy``.
-On load:
-
-* the same world size: rank ``r`` gets row ``r`` back, so training continues exactly as if
-  it had not stopped (dropout masks included);
-* another world size, all rows of a generator equal (e.g. torch's, when every rank was
-  seeded alike and drew alike): every rank gets that state, as if the job had run at the
-  new size from the start;
-* another world size, rows differ (python's ``random`` is seeded from the OS in each
-  process unless you seed it): rank ``r`` gets row ``r mod W``. The data each rank sees
-  changes with the world size anyway, so no per-rank stream can continue exactly; this
-  keeps the streams the saved job had (ranks ``>= W`` repeat those of ranks ``r mod W``;
-  reseed them, e.g. ``torch.manual_seed(seed + rank)``, if they must differ).
-
-`TrainingSnapshot.rng` says, per generator, which happened (``"per-rank"``, ``"shared"``,
+Each rank draws its own random numbers, so ``rng/torch`` is a ``[W, n]`` uint8 tensor whose row
+``r`` is rank ``r``'s ``torch.get_rng_state()``; likewise ``rng/cuda``, ``rng/python`` (plus
+``rng/python_gauss``) and, if numpy was imported, ``rng/numpy``. On load at the same world size
+rank ``r`` gets row ``r`` (training continues exactly); at another size with all rows equal every
+rank gets that state; with rows that differ rank ``r`` gets row ``r mod W`` (reseed if they must
+differ). `TrainingSnapshot.rng` says which happened (``"per-rank"``, ``"shared"``,
 ``"wrapped"``).
 
-``data=`` (an `ElasticSampler` or `ElasticLoader`, or anything with a JSON ``state_dict()`` and
-``load_state_dict``) keeps the data position as the plain value ``data``: it must be the same on
-every rank (checked on save), and the sampler loads it at any data-parallel size
-([Note: one global order, cut into global batches] in ``_sampler.py``).
+``data=`` (an `ElasticSampler` / `ElasticLoader`, or anything with a JSON ``state_dict()``) is
+saved as the plain value ``data``, checked equal on every rank, loadable at any data-parallel
+size ([Note: one global order, cut into global batches] in ``_sampler.py``).
 """
 
 from __future__ import annotations
@@ -62,10 +45,8 @@ __all__ = ["TrainingSnapshot", "save_training_state", "async_save_training_state
 
 @dataclass(frozen=True)
 class TrainingSnapshot:
-    """What `load_training_state` restored besides the tensors: the saved ``step`` and
-    ``extra``, the world size it was saved by, and how each generator's state was restored
-    (``{"torch": "per-rank", "python": "wrapped", ...}``, empty with ``rng=False``; see
-    [Note: random states per rank])."""
+    """What `load_training_state` restored besides tensors: ``step``, ``extra``, the saving world
+    size and how each generator was restored ([Note: random states per rank])."""
 
     step: int | None
     extra: Any

@@ -2,16 +2,10 @@
 ``from_pretrained`` will read those weights as the config's model.
 
 [Note: checking a folder before writing it]
-`HFConfig.select` builds the config's architecture (``config["architectures"][0]``, a
-transformers class) on the meta device and compares its state dict with the tensors to be
-written: every name the model expects must be there with the same shape (any dtype; transformers
-casts), no other name may be there, and of a group of names the model ties (one ``Parameter``
-reached by two names, e.g. GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``) only the
-first is written, as ``save_pretrained`` does, after checking that the others hold the same
-values (a head trained untied under a config that ties it would otherwise be silently
-replaced by the embedding). Anything else raises `CheckpointError` listing the differences,
-before a file is written. This needs ``transformers`` (``pip install transformers``) where
-the folder is written.
+`HFConfig.select` builds the config's architecture on the meta device and compares its state
+dict with the tensors to write: every expected name with its shape (any dtype), no other name,
+and of a tied group only the first written, after checking the others hold the same values. Any
+difference raises `CheckpointError` before a file is written. Needs ``transformers``.
 """
 
 from __future__ import annotations
@@ -43,12 +37,8 @@ _EXTRA_FILES = ("generation_config.json",)
 
 @dataclass(frozen=True)
 class HFConfig:
-    """A transformers config to write next to the weights, and what its model expects.
-
-    ``text``: the ``config.json`` to write; ``extra``: other files to copy (name -> bytes);
-    ``expected``: state dict name -> shape of the architecture; ``ties``: groups of names that
-    are one parameter in it, the one ``save_pretrained`` keeps first.
-    """
+    """A transformers config to write next to the weights (``text``, ``extra`` files) and what its
+    model expects (``expected`` name -> shape; ``ties``: name groups, the kept one first)."""
 
     architecture: str
     text: str

@@ -1,20 +1,11 @@
 """Complete Hugging Face model folders: what ``save_pretrained`` writes, checked against the config.
 
-A folder that ``from_pretrained(folder)`` reads correctly holds ``config.json`` (the
-architecture and its sizes), the weights as ``model.safetensors`` or as
-``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``, and optionally
-``generation_config.json``. Without ``config.json`` transformers builds the class's *default*
-configuration (a 124M GPT-2, a 7B Llama) and loads the tensors into it: shape errors, or
-random weights where names do not match.
-
-The config and the check of the tensors against it ([Note: checking a folder before writing
-it]) are `HFConfig` and `read_config` in ``_hf_config.py``; this module lays the weights out in
-files and writes the folder.
-
-`plan_folder` decides what goes into which weight file and `finish_folder` writes the index and
-the config, for both ways a folder is written: `save_hf_folder` (from a live, possibly sharded,
-model; collective; each tensor gathered by `gather_full`) and ``merge_checkpoint`` (``_offline/``,
-from a checkpoint on disk, a slab at a time; also without a config, as ``tensors-*`` files).
+Without ``config.json``, ``from_pretrained`` builds the class's default config and loads into it
+(shape errors or random weights), so a folder holds the config, the weights (one file or
+``model-0000i-of-0000n`` with an index) and optionally ``generation_config.json``. The check is
+`HFConfig` ([Note: checking a folder before writing it] in ``_config.py``). `plan_folder` decides
+which tensor goes into which file and `finish_folder` writes index and config, for `save_hf_folder`
+(a live model, collective) and ``merge_checkpoint`` (from disk, also as ``tensors-*`` files).
 """
 
 from __future__ import annotations
@@ -118,17 +109,13 @@ def save_hf_folder(model: nn.Module | dict, out: str | os.PathLike, *, config: A
                    max_shard_bytes: int = 5 << 30, extra_files: dict[str, bytes] | None = None,
                    replaceable: Callable[[Any, str], bool] | None = None,
                    own: Callable[[Any, str], set[str]] | None = None) -> list[str]:
-    """Write ``model`` (a module, sharded or not, or its state dict) as a complete
-    ``save_pretrained``-style folder ``out``; collective. Returns the weight file names.
+    """Write ``model`` (sharded or not, or its state dict) as a complete ``save_pretrained``-style
+    folder ``out``; collective. Returns the weight file names.
 
-    ``config``: as `read_config`; default ``model.config`` of a transformers model. Checked
-    as in [Note: checking a folder before writing it] before anything is written. Full
-    tensors are gathered one at a time (`gather_full`) into rank 0's CPU memory and written by
-    rank 0, which never holds more than a few full tensors beyond its shards; ``out`` appears
-    complete or not at all. ``extra_files`` (name -> bytes) are written next to ``config.json``;
-    ``replaceable`` / ``own``: which existing folder at ``out`` may be replaced and which of its
-    files are the model's (the others are moved into the new folder), as ``_series/_commit.commit``
-    (default: only a shardwise checkpoint or an empty folder; `save_pretrained` passes its own).
+    ``config``: as `read_config` (default ``model.config``), checked first ([Note: checking a
+    folder before writing it]). Tensors are gathered one at a time (`gather_full`) and written by
+    rank 0; ``out`` appears complete or not at all. ``extra_files``: name -> bytes beside
+    ``config.json``; ``replaceable`` / ``own``: as ``_series/_commit.commit``.
     """
     rank, _ = rank_and_world()
     state = model.state_dict() if isinstance(model, nn.Module) else model

@@ -1,25 +1,20 @@
 """Mixture-of-experts tensors under Hugging Face's per-expert file names (merge, HF folders).
 
 [Note: expert names in a Hugging Face folder]
-A shardwise MoE (``shardwise.composable.MoE``, e.g. after ``swap_hf_moe_blocks``) saves each
-block ``P``'s experts as stacked tensors ``P.experts.w1`` / ``w3`` ``[E, hidden, dim]`` and
-``P.experts.w2`` ``[E, dim, hidden]`` and its router as ``P.router.gate.weight``; an unswapped
-transformers (5.x) model holds them fused, ``P.experts.gate_up_proj`` ``[E, 2 hidden, dim]``
-(gate rows first) and ``P.experts.down_proj``. Hugging Face's files (what ``save_pretrained``
-writes and every hub checkpoint holds) have one tensor per expert and projection:
+A shardwise MoE saves block ``P``'s experts stacked (``P.experts.w1`` / ``w3`` ``[E, hidden,
+dim]``, ``w2`` ``[E, dim, hidden]``, router ``P.router.gate.weight``); transformers 5.x holds
+them fused (``gate_up_proj``, gate rows first, and ``down_proj``). HF's files have one tensor
+per expert and projection:
 
 | architecture | expert ``e`` of block ``P = model.layers.N.mlp`` | router |
 | --- | --- | --- |
 | Mixtral | ``model.layers.N.block_sparse_moe.experts.e.{w1,w3,w2}.weight`` | ``...block_sparse_moe.gate.weight`` |
 | Qwen2-MoE, Qwen3-MoE | ``P.experts.e.{gate_proj,up_proj,down_proj}.weight`` | ``P.gate.weight`` |
 
-with ``w1``/``gate_proj`` = ``w1[e]`` (= ``gate_up_proj[e, :hidden]``), ``w3``/``up_proj`` =
-``w3[e]`` (= ``gate_up_proj[e, hidden:]``), ``w2``/``down_proj`` = ``w2[e]``; Qwen2-MoE's
-``P.shared_experts.*`` are ``P.shared_expert.*``. `expert_view` maps a state's names and shapes
-to those the transformers model holds (fused, for `HFConfig.select`'s check) and lists, for each
-of those, the `Part` s to write: an HF name, the source tensor and the region of it. Other
-tensors are written as they are. For an architecture without a mapping here, stacked expert
-tensors raise `CheckpointError` (fused ones are written fused, as before).
+(``w1``/``gate_proj`` = ``w1[e]``, ``w3``/``up_proj`` = ``w3[e]``, ``w2``/``down_proj`` = ``w2[e]``;
+Qwen2-MoE's ``shared_experts`` are ``shared_expert``). `expert_view` maps names and shapes to the
+transformers model's (for `HFConfig.select`) and lists the `Part` s to write. Stacked experts of
+an unmapped architecture raise `CheckpointError`.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Hugging Face style safetensors: load them into (sharded) state without holding them whole.
 
-A Hugging Face model folder holds either one ``model.safetensors`` or several
-``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` (``{"metadata":
-{...}, "weight_map": {name: file}}``); each file holds full tensors by name. `hf_index`
-describes such files as an `Index` in which every tensor is one saved box covering all of it
-(no checksums), so the ordinary load path (``_reader.load_from_index``) applies: each rank
-reads only the slices of each tensor that its shards need, and no rank holds the full state.
-
-``merge_checkpoint`` (``_offline.py``) writes this layout (``_hf_folder.py`` adds the config).
+`hf_index` describes ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` with its
+``weight_map`` index) as an `Index` whose boxes are whole tensors (no checksums), so the ordinary
+load path applies: each rank reads only the slices its shards need.
 
 [Note: tied weights]
-``save_pretrained`` writes a tensor shared by two names once: GPT-2's ``lm_head.weight`` is
-the same ``Parameter`` as ``transformer.wte.weight`` and only the latter is in the file. The
-target's state dict still has both names, as the same tensor. `load_safetensors` therefore
-groups the target's tensors that *are* one tensor (the same object, or views of the same
-storage with the same offset, shape and strides; for a DTensor, of its local shard) and
-counts a name missing from the files as loaded when another name of its group is in them:
-filling that one fills the shared storage. A name with no loaded partner is still missing
-(a MoE checkpoint whose expert names differ fails on every expert). Ties are found only in
-dicts (a model state dict); a tensor in a list is never treated as tied.
+``save_pretrained`` writes a tensor shared by two names once (GPT-2's ``lm_head.weight`` is
+``transformer.wte.weight``). `load_safetensors` groups the target's tensors that are one tensor
+(same object, or views of one storage with the same offset, shape and strides; a DTensor's local
+shard) and counts a name missing from the files as loaded when a partner is there. Only in dicts;
+a tensor in a list is never treated as tied.
 """
 
 from __future__ import annotations
@@ -133,14 +124,10 @@ def load_safetensors(state: dict, source: str | os.PathLike, *, prefix: str = ""
                      max_read_bytes: int = 64 << 20) -> LoadStats:
     """Fill ``state``'s tensors in place from full tensors in safetensors files; collective.
 
-    ``source`` is a ``.safetensors`` file or a folder (Hugging Face layout, see the module
-    docstring). The tensor named ``n`` in the files fills the key ``prefix + n`` of ``state``
-    (e.g. ``load_safetensors({"model": sd}, folder, prefix="model/")``, or ``prefix=""`` for a
-    flat model state dict). Each rank reads only the slices its shards need. Errors as in `load`.
-
-    ``strict`` understands tied weights: a key of ``state`` missing from the files is not an
-    error when it is the same tensor as a key that is there (``save_pretrained`` keeps one name
-    per tied tensor; see [Note: tied weights]). Any other missing key is, as in `load`.
+    ``source``: a ``.safetensors`` file or a Hugging Face folder. File tensor ``n`` fills key
+    ``prefix + n`` (``prefix=""`` for a flat model state dict); each rank reads only what its
+    shards need. Errors as in `load`; ``strict`` counts a tied partner as loaded ([Note: tied
+    weights]).
     """
     files, error = None, None
     try:

@@ -1,23 +1,13 @@
 """``save_pretrained(model, dir)``: a Hugging Face model folder from a sharded transformers model.
 
-transformers' own ``model.save_pretrained(dir)`` cannot write a sharded model: it finds tied
-weights by storage pointer, and the shards of one ``fully_shard`` unit are views of one
-storage (``The weights trying to be saved contained shared tensors ... not properly defined``);
-torch's FSDP2 fails there too. Two ways that work, both called on every rank:
-
-* ``shardwise.checkpoint.save_pretrained(model, dir, max_shard_size="50GB")`` (this module):
-  streamed, one full tensor at a time (gathered by every rank, written by rank 0, which never
-  holds more than one full tensor beyond its shards): `save_hf_folder` with transformers'
-  arguments and file layout (``config.json``, ``generation_config.json`` when the model can
-  generate, ``model.safetensors`` or ``model-0000i-of-0000n.safetensors`` + index). The folder
-  appears complete or not at all; an existing flat folder there (an earlier save, a tokenizer
-  saved first) is replaced, its files other than the model's (``tokenizer.json``, ``README.md``)
-  are kept.
-* ``model.save_pretrained(dir, state_dict=get_model_state_dict(model, options=
-  StateDictOptions(full_state_dict=True, cpu_offload=True)))``: transformers writes, rank 0
-  holds the whole model in CPU memory (Accelerate's way); tied weights stay one tensor
-  (``share_tied``), so transformers writes them once. Only rank 0 writes; the other ranks pass
-  an empty dict and write nothing (``dist.barrier()`` afterwards before reading the folder).
+transformers' ``model.save_pretrained(dir)`` fails on a sharded model (it finds ties by storage
+pointer, and one unit's shards share a storage; torch's FSDP2 fails too). Two ways work, on
+every rank: ``shardwise.checkpoint.save_pretrained(model, dir, max_shard_size="50GB")`` streams
+one full tensor at a time (rank 0 writes) through `save_hf_folder`, with transformers' layout
+and generation config, appearing complete or not at all and keeping other files of an earlier
+flat folder (tokenizer, README); or ``model.save_pretrained(dir, state_dict=get_model_state_dict(
+model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))`` on rank 0 (others
+pass an empty dict; ``dist.barrier()`` before reading).
 """
 
 from __future__ import annotations

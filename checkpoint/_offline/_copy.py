@@ -95,10 +95,9 @@ def write_file(path: str, source: Source, parts: list[tuple], chunk_bytes: int, 
 
 
 def verified(path: str | os.PathLike) -> CheckpointFiles:
-    """The index of the checkpoint at ``path`` after `verify_checkpoint` found it sound and fully
-    checked (every box's checksum read and matched, every tensor tiled exactly): damage is
-    never passed on into a new file with fresh checksums. An index without its own checksum
-    (an older shardwise) is accepted; a box without a checksum is not."""
+    """The index of the checkpoint at ``path`` once `verify_checkpoint` found it sound and fully
+    checked, so damage is never copied under fresh checksums (an index without its own checksum is
+    accepted, a box without one is not)."""
     path = os.fspath(path)
     path = path if "://" in path else os.path.abspath(path)  # a URL (s3://...) is read through fsspec
     report = verify_checkpoint(path)

@@ -1,31 +1,17 @@
 """Offline tools (one process, no torch.distributed): merge to Hugging Face files, reshard.
 
-Both read a checkpoint's saved boxes through safetensors slices and write new safetensors
-files with ``_safetensors_io.StreamingWriter`` (which checksums every box and its checksum
-chunks as a save does), one *slab* at a time: a slab is a run of
-dim-0 rows of one output box of at most ``chunk_bytes`` (one row when a row is larger), read
-from every saved box it meets and appended to the output file. Memory is one slab, whatever
-the model size. Outputs are written into a temporary directory and renamed into place as in
-[Note: atomic commit] (``_series/_commit.py``); a failed run deletes it. That machinery, shared with
-``import_dcp``, is ``_copy.py``; this module decides what goes into which file.
+Both verify the whole source first (``verify_checkpoint``; a box without a checksum is refused),
+then copy one *slab* (dim-0 rows of one output box, at most ``chunk_bytes``) at a time through
+``_copy.py`` (checksummed writes, a temporary directory committed as in [Note: atomic commit]
+in ``_series/_commit.py``), and refuse an ``out`` that is, holds or lies in the source, or exists
+(unless ``replace=True`` and it is an earlier output of the same kind; user files are kept).
 
-Both first verify the whole source (``verify_checkpoint``: sizes, headers, tiling, every
-checksum; a box without a checksum is refused), so damage is never copied into a new file
-under fresh checksums, and both refuse an ``out`` that is the source, lies inside it or holds
-it, or already exists (unless ``replace=True``, and then only an earlier output of the same
-kind, whose user-added files are kept).
-
-* `merge_checkpoint` writes full tensors in safetensors files of at most ``max_shard_bytes``
-  each (a larger tensor gets a file of its own). ``prefix`` selects the tensors whose flat
-  key starts with it and strips it from their names (default ``"model/"``: a model's own
-  names, never optimizer state). With a ``config`` the folder is a complete, checked
-  ``save_pretrained`` folder (``_hf/_folder.py``: `plan_folder`, `finish_folder`); without, the files are named
-  ``tensors-0000i-of-0000n.safetensors`` + ``tensors.safetensors.index.json``, which
+* `merge_checkpoint` writes full tensors in files of at most ``max_shard_bytes``; ``prefix``
+  (default ``"model/"``) selects and strips keys. With ``config`` a checked ``save_pretrained``
+  folder (``_hf/_folder.py``); without, ``tensors-0000i-of-0000n.safetensors`` + an index that
   ``load_safetensors`` reads and ``from_pretrained`` does not mistake for a model.
-* `reshard_checkpoint` writes a checkpoint laid out for ``world_size`` ranks: every tensor
-  saved from a DTensor becomes dim-0 shards as ``Shard(0)`` over ``world_size`` ranks would
-  hold them (FSDP's layout; HSDP's too, since replicas are saved once), plain and 0-d tensors
-  go to rank 0. Loading it into that layout reads one file per rank.
+* `reshard_checkpoint` lays every DTensor-saved tensor out as ``Shard(0)`` over ``world_size``
+  ranks (FSDP's and HSDP's layout); plain and 0-d tensors go to rank 0.
 """
 
 from __future__ import annotations
@@ -71,15 +57,10 @@ def _hf_own_files(storage: Storage, path: str) -> set[str]:
 def merge_checkpoint(path: str | os.PathLike, out: str | os.PathLike, *, prefix: str | None = None,
                      config=None, max_shard_bytes: int = 5 << 30, chunk_bytes: int = 64 << 20,
                      progress: bool = False, replace: bool = False) -> list[str]:
-    """Write the full tensors of the checkpoint at ``path`` into the new folder ``out`` (see the
-    module docstring); returns the file names written. ``prefix`` None: the ``model/`` tensors
-    (`model_prefix` in ``_hf/_folder.py``). With ``config`` (see `read_config` there) ``out`` is a
-    checked, complete ``save_pretrained`` folder; without, bare ``tensors-*`` files.
-
-    The source is verified completely first (`verify_checkpoint`); any problem raises
-    `CheckpointError` and nothing is written. ``out`` must not exist (or be an empty folder)
-    unless ``replace=True``, which replaces an earlier merge output (files a user added to it
-    are kept); the source itself is never a valid ``out``."""
+    """Write the full tensors of the checkpoint at ``path`` into the new folder ``out`` (module
+    docstring); returns the file names. ``prefix`` None: the ``model/`` tensors. With ``config``
+    a checked ``save_pretrained`` folder; without, ``tensors-*`` files. Raises `CheckpointError`
+    before writing anything; ``replace=True`` replaces an earlier merge output."""
     with _verified(path) as files:
         return _merge(files, out, prefix, config, max_shard_bytes, chunk_bytes, progress, replace)
 
@@ -115,11 +96,9 @@ def _merge(files: CheckpointFiles, out: str | os.PathLike, prefix: str | None, c
 
 def reshard_checkpoint(path: str | os.PathLike, out: str | os.PathLike, world_size: int, *,
                        chunk_bytes: int = 64 << 20, progress: bool = False, replace: bool = False) -> None:
-    """Rewrite the checkpoint at ``path`` into a new checkpoint ``out`` laid out for
-    ``world_size`` ranks (see the module docstring). Plain values and ``bytes`` values are kept,
-    a per-rank value with its rank. Verification of the source and the rules for ``out`` and
-    ``replace`` are those of `merge_checkpoint` (``replace=True`` replaces an existing shardwise
-    checkpoint)."""
+    """Rewrite the checkpoint at ``path`` into ``out`` laid out for ``world_size`` ranks (module
+    docstring); plain values kept, a per-rank one with its rank; source and ``out`` rules as
+    `merge_checkpoint`'s."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     with _verified(path) as files:

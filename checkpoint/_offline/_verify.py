@@ -1,23 +1,12 @@
 """``verify_checkpoint``: check a checkpoint completely, without torch.distributed.
 
-Checks, in order, collecting every problem rather than stopping at the first:
-
-1. the directory is a complete checkpoint of a known version (``_format.read_index``);
-2. every tensor's saved boxes lie inside it, are disjoint and cover it (``_tiling.tiling_problem``;
-   exact duplicates, which saves before the one-writer fix wrote, are accepted and all checked);
-3. every data file the index names exists and has the recorded size, and its safetensors
-   header parses (a truncated file is reported as such);
-4. every saved box's key is in its file with the tensor's dtype and the box's shape, and the
-   CRC-32 of its bytes matches the index (read 4 MiB at a time); for a box with checksum
-   chunks ([Note: checksum chunks] in ``checkpoint/_base/_checksums.py``) the CRC-32 of every chunk matches
-   (a mismatch names the chunk's rows), and the chunk CRCs combine into the box's CRC (else
-   the index is inconsistent). The chunk layout itself (the number of chunk CRCs against the
-   box's rows) is checked when the index is read.
-
-What cannot be checked is listed in ``VerifyReport.unchecked`` rather than passed as OK: a
-box whose index entry has no checksum (``crc32: null``), an index without its own checksum
-(written before indexes had one). ``fully_checked`` is true only when there is neither a
-problem nor anything unchecked.
+Collecting every problem: the index (``_format.read_index``); every tensor's boxes tile it
+(``_tiling.tiling_problem``; exact duplicates accepted); every data file exists with its recorded
+size and a parseable header; every box is in its file with the right dtype and shape, and its
+CRC-32 matches (4 MiB reads; per chunk for boxes with [Note: checksum chunks] in
+``checkpoint/_base/_checksums.py``, whose CRCs must combine into the box's). What cannot be
+checked (a box or an index without a checksum) goes to ``VerifyReport.unchecked``;
+``fully_checked`` means no problem and nothing unchecked.
 """
 
 from __future__ import annotations
@@ -34,11 +23,9 @@ __all__ = ["VerifyReport", "file_problems", "verify_checkpoint"]
 
 
 def file_problems(files: CheckpointFiles, checksums: bool) -> tuple[list[str], int, int]:
-    """The problems of ``files``'s data files and boxes, with the shared file checker
-    (``CheckpointFiles.header``, ``box_problem``), plus every tensor's tiling; with
-    ``checksums``, every box's CRC-32s too (what ``verify`` does; ``inspect`` reads no data and
-    instead reports a box without a checksum as a problem). Returns ``(problems, boxes, bytes
-    checksummed)``."""
+    """``(problems, boxes, bytes checksummed)`` of ``files``'s data files, boxes and tilings; with
+    ``checksums`` every box's CRC-32s too (``verify``; ``inspect`` reports a box without a
+    checksum instead)."""
     index, problems = files.index, []
     bad: set[str] = set()
     names = set(index.files) | {b.file for t in index.tensors.values() for b in t.boxes}

@@ -1,26 +1,13 @@
-"""`context_parallel_attention`: scaled dot-product attention of a sequence sharded over the
-cp ranks in the zigzag layout, by a ring of key/value blocks or by one all-gather of them.
+"""`context_parallel_attention`: scaled dot-product attention of a sequence sharded over the cp
+ranks in the zigzag layout ([Note: the zigzag layout] in ``_layout.py``): each rank gets the
+rows one-process SDPA gives for its own queries.
 
-Each rank holds the queries, keys and values of its two chunks ([Note: the zigzag layout] in
-``_layout.py``) and gets the attention output of its own queries against the whole sequence,
-the same rows the one-process ``scaled_dot_product_attention`` would give for those positions.
-
-``method="ring"``: ``cp`` steps; at step ``i`` the rank attends to the key/value block of cp rank
-``r - i`` while that of ``r - i - 1`` is already on its way (one ``isend``/``irecv`` pair per
-step, posted before the step's compute). Backward runs the same ring: the key/value blocks
-travel again, each with its gradient accumulator, which every rank adds its contribution to
-before passing it on (the receive of the previous rank's accumulator overlaps this rank's
-compute of its own contribution); after ``cp`` steps each block's gradient, summed over every
-rank's queries, is back at its owner. A rank sends ``(cp - 1)`` key/value blocks forward and
-``(cp - 1)`` key/value blocks plus ``cp`` float32 gradient blocks backward.
-
-``method="allgather"``: one all-gather of every rank's keys and values before the compute
-(again in backward: nothing of the gathered size is kept between forward and backward), and
-one reduce-scatter of their float32 gradients; fewer, larger messages, for short rings and
-fast links.
-
-The per-block arithmetic is `block_forward` / `block_backward` in ``_block.py``, merged by
-log-sum-exp; which blocks a pair of shards has under a causal mask is `block_plan`.
+``method="ring"``: ``cp`` steps; at step ``i`` the rank attends to cp rank ``r - i``'s key/value
+block while the next is on its way. Backward runs the same ring, each block travelling with its
+gradient accumulator that every rank adds to, back at its owner after ``cp`` steps.
+``method="allgather"``: one all-gather of the keys and values (again in backward) and one
+reduce-scatter of their float32 gradients: fewer, larger messages. Per block: `block_forward` /
+`block_backward` (``_block.py``); which blocks are needed under a causal mask: `block_plan`.
 """
 
 from __future__ import annotations
@@ -138,20 +125,16 @@ class _CPAttention(torch.autograd.Function):
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                group: dist.ProcessGroup | None = None, *, is_causal: bool = False,
                                scale: float | None = None, method: str = "ring") -> torch.Tensor:
-    """Attention of this cp rank's queries against the whole (cp-sharded) sequence.
+    """Attention of this cp rank's queries against the whole (cp-sharded) sequence; a collective.
 
     Args:
-        q: ``[B, H, T_local, D]``, this rank's zigzag shard of the queries (``T_local =
-            T / cp``, even: two chunks of ``T / (2 cp)``).
-        k, v: ``[B, Hkv, T_local, D]``, the same rows of keys and values; ``H`` a multiple of
-            ``Hkv`` (grouped-query attention, as SDPA's ``enable_gqa=True``).
-        group: the cp process group (e.g. ``mesh["cp"].get_group()``); None: the default group.
-        is_causal: the causal mask of the *global* sequence (SDPA's ``is_causal``).
-        scale: SDPA's ``scale``; default ``1 / sqrt(D)``.
-        method: ``"ring"`` (default) or ``"allgather"``; see the module docstring.
+        q: ``[B, H, T_local, D]``, this rank's zigzag shard (``T_local = T / cp``, two chunks).
+        k, v: ``[B, Hkv, T_local, D]``; ``H`` a multiple of ``Hkv`` (SDPA's ``enable_gqa``).
+        group: the cp process group; None: the default group.
+        is_causal, scale: SDPA's, for the *global* sequence.
+        method: ``"ring"`` (default) or ``"allgather"``.
 
-    Returns ``[B, H, T_local, D]`` in ``q``'s dtype (computed in float32), differentiable in
-    ``q``, ``k`` and ``v``. A collective: every rank of ``group`` calls it with the same shapes.
+    Returns ``[B, H, T_local, D]`` in ``q``'s dtype (computed in float32), differentiable.
     """
     if method not in METHODS:
         raise ValueError(f"context_parallel_attention: method={method!r}; use one of {METHODS}")

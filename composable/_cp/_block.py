@@ -1,26 +1,16 @@
-"""Attention of one block of queries against one block of keys, with its log-sum-exp, and the
-block's backward: the arithmetic both context-parallel variants (ring, all-gather) run per
-block pair.
+"""Attention of one block of queries against one block of keys, with its log-sum-exp, and its
+backward: the per-block arithmetic of both context-parallel variants.
 
 [Note: merging blocks by log-sum-exp]
-For one query row, attention over keys split into blocks ``1 .. n`` is
-``o = sum_j exp(lse_j - lse) o_j`` with ``lse = log(sum_j exp(lse_j))``, where ``o_j`` and
-``lse_j`` are the softmax-weighted values and the log-sum-exp of the scores of block ``j``
-alone. So blocks can be computed in any order, on any rank, and merged pairwise with
-`merge`; a row that has seen no key yet has ``lse = -inf`` and ``o = 0``. The backward needs
-only the final ``o``, ``lse`` and ``do``: ``P = exp(S - lse)`` recomputes block ``j``'s
-probabilities exactly (the flash-attention backward), ``delta = rowsum(do * o)``, then
-``dS = P (dP - delta)`` with ``dP = do V^T``.
+Over key blocks ``1 .. n``, ``o = sum_j exp(lse_j - lse) o_j`` with ``lse = log(sum_j
+exp(lse_j))``, so blocks merge pairwise (`merge`) in any order, on any rank; a row that has seen
+no key has ``lse = -inf``, ``o = 0``. The backward needs only the final ``o``, ``lse`` and ``do``:
+``P = exp(S - lse)``, ``delta = rowsum(do * o)``, ``dS = P (dP - delta)``, ``dP = do V^T``.
 
-Shapes: ``q [B, H, Tq, D]``, ``k``, ``v`` ``[B, Hkv, Tk, D]`` with ``H = G * Hkv`` (grouped-query
-attention: query head ``h`` uses key head ``h // G``, as SDPA's ``enable_gqa``). Outputs are
-float32.
-
-Two kernels compute a block: on CPU torch's fused flash-attention kernel (``_compat.py``: no
-``Tq x Tk`` matrix is materialised, about 5x faster than the matmuls at 1024 x 1024), with the
-key heads repeated for grouped-query attention and their gradients summed back; elsewhere
-(and with ``KERNEL = "math"``) the float32 matmuls below, the reference the fused path is
-tested against.
+Shapes: ``q [B, H, Tq, D]``, ``k``, ``v`` ``[B, Hkv, Tk, D]``, ``H = G * Hkv`` (query head ``h``
+uses key head ``h // G``); outputs float32. On CPU torch's fused kernel (``_compat.py``; about 5x
+faster at 1024 x 1024, key heads repeated for GQA); elsewhere, and with ``KERNEL = "math"``, the
+float32 matmuls below, the reference the fused path is tested against.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""The torch private API the context-parallel attention uses: the fused CPU flash-attention
-kernel and its backward, which return and take the log-sum-exp that blockwise attention
-merges by (public ``scaled_dot_product_attention`` does not return it). Tested exactly in
-``tests/test_cp_attention.py::test_fused_kernel_is_what_the_blocks_rely_on``.
-
-Relied on:
+"""The torch private API of context-parallel attention: the fused CPU flash-attention kernel and
+its backward, which return and take the log-sum-exp (public SDPA does not). Tested in
+``tests/test_cp_attention.py::test_fused_kernel_is_what_the_blocks_rely_on``. Relied on:
 
 * ``aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=s)`` returns
-  ``(out, lse)`` for ``[B, H, T, D]`` inputs with as many key as query heads: ``out`` in the
-  input dtype, ``lse [B, H, Tq]`` float32, the natural-log log-sum-exp of ``s * q k^T`` (masked
-  top-left triangular with ``is_causal``);
-* ``aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0,
-  is_causal, scale=s)`` returns ``(dq, dk, dv)`` computed from the ``out`` and ``lse`` given
-  (``P = exp(s q k^T - lse)``, ``delta = rowsum(do * out)``), so passing the *final* output and
-  log-sum-exp of a row gives one block's share of the gradients.
+  ``(out, lse)`` for equal head counts: ``lse [B, H, Tq]`` float32, of ``s * q k^T`` (top-left
+  causal mask with ``is_causal``);
+* its ``_backward(do, q, k, v, out, lse, 0.0, is_causal, scale=s)`` returns ``(dq, dk, dv)`` from
+  the ``out`` and ``lse`` given, so the *final* row's output and lse give one block's share.
 """
 
 from __future__ import annotations

@@ -2,13 +2,9 @@
 tokens, targets, position ids and masks into it and gather outputs back.
 
 [Note: the zigzag layout]
-A global sequence of ``T`` tokens is cut into ``2 * cp`` equal chunks ``0 .. 2cp-1``. Rank ``r``
-of the cp ring holds chunks ``r`` and ``2cp - 1 - r``, in that order, as one local sequence of
-``T / cp`` tokens. Under a causal mask chunk ``j`` attends to chunks ``0 .. j``: a rank holding
-only early chunks would do little work and one holding late chunks a lot. With the head-tail
-pair every rank does the same amount, ``(r + 1) + (2cp - r) = 2cp + 1`` chunk pairs'
-worth of query-key blocks (two of them half-masked diagonal blocks), so no rank waits for
-another in the ring. ``T`` must be a multiple of ``2 * cp``.
+A sequence of ``T`` tokens (a multiple of ``2 * cp``) is cut into ``2 * cp`` chunks; rank ``r``
+holds chunks ``r`` and ``2cp - 1 - r``, in that order. Under a causal mask every rank then does
+the same ``2cp + 1`` chunk pairs of work, so no rank waits for another in the ring.
 """
 
 from __future__ import annotations
@@ -85,14 +81,10 @@ Selection = int | None
 def block_plan(q_chunks: tuple[int, int], kv_chunks: tuple[int, int],
                causal: bool) -> list[tuple[Selection, Selection, bool]]:
     """The attention blocks between a query shard holding global chunks ``q_chunks`` and a key
-    shard holding ``kv_chunks``: ``(query half, key half, diagonal)`` triples.
-
-    Without a causal mask one block, whole against whole. With it, query chunk ``i`` sees key
-    chunk ``j < i`` fully, ``j == i`` through the triangular mask (``diagonal=True``) and
-    ``j > i`` not at all (no block). Two full blocks that share their keys are one block over
-    both query halves, and two full key halves are the whole key shard, so a ring step does at
-    most three matmul pairs instead of four (e.g. keys from an earlier rank: one block, both
-    query halves against the key shard's first chunk)."""
+    shard holding ``kv_chunks``: ``(query half, key half, diagonal)`` triples. Without a causal
+    mask one block; with it query chunk ``i`` sees key chunk ``j < i`` fully, ``j == i`` masked
+    (``diagonal=True``), ``j > i`` not at all. Full blocks sharing keys, or covering both key
+    halves, merge, so a ring step does at most three matmul pairs instead of four."""
     if not causal:
         return [(None, None, False)]
     full: list[list[int]] = [[], []]

@@ -1,20 +1,13 @@
 """`feed_positions`: every call of the chosen modules gets this rank's ``position_ids``.
 
-A context-parallel rank holds the zigzag chunks of each sequence, so its rotary embeddings
-must be read at the chunks' global positions (`zigzag_positions`), not at ``0 .. T/cp - 1``.
-A training loop that calls the model itself passes them (``model(tokens, positions)``). A
-loop that does not call the model directly cannot: a pipeline schedule calls each stage with
-the microbatch's inputs alone, and a stage after the first receives only the hidden state.
-The positions are the same for every microbatch and every stage of a run (one layout per
-run), so they can be attached to the modules once instead of travelling with the data.
+A cp rank's rotary embeddings must be read at its zigzag chunks' global positions
+(`zigzag_positions`). A loop that does not call the model itself (a pipeline schedule) cannot pass
+them, but they are the same for every call of a run, so they are attached to the modules once.
 
 [Note: positions as a keyword added by a pre-hook]
-`feed_positions` registers a forward pre-hook (``with_kwargs=True``) on each module that adds
-``position_ids=<tensor>`` (or the keyword named) to calls that do not pass it, and leaves calls
-that pass it alone. A hook, not a wrapped ``forward``: hooks survive ``fully_shard``'s class
-swap and see the call exactly as the caller made it, and ``remove()`` takes them off. The
-tensor is read at each call from the handle (``handle.position_ids``), so a run whose sequence
-length changes can set new positions without re-registering.
+A forward pre-hook (``with_kwargs=True``) adds ``position_ids=<tensor>`` (or the keyword named) to
+calls that do not pass it. A hook survives ``fully_shard``'s class swap and ``remove()`` takes it
+off; the tensor is read from the handle at each call (``handle.position_ids`` may be reset).
 """
 
 from __future__ import annotations
@@ -52,13 +45,9 @@ class PositionsHandle:
 
 def feed_positions(modules: nn.Module | Iterable[nn.Module], position_ids: torch.Tensor, *,
                    keyword: str = "position_ids") -> PositionsHandle:
-    """Pass ``keyword=position_ids`` to every call of ``modules`` (one module or several) that
-    does not pass that keyword itself; see [Note: positions as a keyword added by a pre-hook].
-
-    ``position_ids``: this rank's global positions, e.g. ``zigzag_positions(T, cp_rank, cp)``
-    for the example Llama (``[T / cp]``) or ``zigzag_positions(...)[None]`` for Hugging Face
-    models (``[1, T / cp]``). The module's ``forward`` must accept the keyword. Returns a
-    `PositionsHandle`."""
+    """Pass ``keyword=position_ids`` to every call of ``modules`` that does not pass it ([Note:
+    positions as a keyword added by a pre-hook]); e.g. ``zigzag_positions(T, cp_rank, cp)``, or
+    ``[None]`` of it for Hugging Face models. Returns a `PositionsHandle`."""
     if not isinstance(position_ids, torch.Tensor):
         raise TypeError(f"feed_positions: position_ids must be a tensor (zigzag_positions(...)), got "
                         f"{type(position_ids).__name__}")

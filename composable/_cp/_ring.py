@@ -1,13 +1,6 @@
-"""The cp ring's point-to-point transport: each step sends a buffer to the next rank and
-receives the previous rank's, asynchronously, so that the next block travels while the
-current one is computed.
-
-Rank ``r`` of a ring of ``n`` sends to ``(r + 1) % n`` and receives from ``(r - 1) % n``; after
-``i`` steps it holds what rank ``(r - i) % n`` started with. Two streams may be in flight at
-once between the same pair (keys/values forward, their gradients backward), each with its own
-tag; every rank issues its sends and receives in the same order, which is all NCCL (which
-ignores tags) needs to match them.
-"""
+"""The cp ring's transport: each step sends a buffer to rank ``(r + 1) % n`` and receives rank
+``(r - 1) % n``'s, asynchronously; two streams (keys/values, their gradients) each have a tag, and
+every rank issues them in the same order (all NCCL needs)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,17 @@
 """Routing a model's ``scaled_dot_product_attention`` calls to `context_parallel_attention`.
 
-`route_attention(modules, group)` makes every ``torch.nn.functional.scaled_dot_product_attention``
-call made while one of ``modules`` runs its forward (its submodules' calls included) the
-context-parallel attention over ``group``, with the call's own ``is_causal``, ``scale`` and GQA
-arguments; nothing else of the model changes, and calls outside those modules are untouched.
-`context_parallel` is the same as a ``with`` block.
+`route_attention(modules, group)` makes every SDPA call made while one of ``modules`` runs its
+forward the context-parallel attention over ``group`` (with the call's ``is_causal``, ``scale``
+and GQA arguments); calls elsewhere are untouched. `context_parallel` is the same as a ``with``.
 
 [Note: routing by a function mode scoped to modules]
-The route is a ``TorchFunctionMode`` (``torch.overrides``, public) that only answers SDPA, entered
-around each chosen module's ``forward`` by an instance attribute wrapping it: a model needs no
-edit and no attention class is named (the example Llama and Hugging Face's ``sdpa`` attention
-call the same function). Wrapping ``forward`` rather than pushing the mode in a pre-hook and
-popping it in a post-hook means an exception inside the module cannot leave the mode on;
-``fully_shard``'s hooks and class swap, and activation checkpointing's recompute, all call the
-wrapped ``forward``. Backward needs no mode: `context_parallel_attention` is an autograd
-``Function`` that runs its own ring.
-
-An SDPA call the context-parallel attention cannot answer is refused by name rather than
-computed wrongly: an explicit ``attn_mask`` (the mask is of the global sequence; pass
-``is_causal=True``, and for Hugging Face models an all-ones ``attention_mask`` so that they
-pass no mask and ``is_causal`` instead), ``dropout_p > 0``, or differing head counts without
-``enable_gqa`` (SDPA's own rule).
+The route is a public ``TorchFunctionMode`` answering only SDPA, entered around each chosen
+module's ``forward`` by an instance attribute wrapping it: no model edit, no attention class
+named. Wrapping ``forward`` (not a pre/post-hook pair) means an exception cannot leave the mode
+on; ``fully_shard``'s hooks and activation checkpointing call the wrapped ``forward``. Backward
+needs no mode (`context_parallel_attention` is an autograd ``Function``). A call it cannot answer
+is refused by name: an explicit ``attn_mask`` (pass ``is_causal=True``; for HF models an all-ones
+``attention_mask``), ``dropout_p > 0``, or differing head counts without ``enable_gqa``.
 """
 
 from __future__ import annotations
@@ -102,11 +93,9 @@ class RouteHandle:
 
 def route_attention(modules: nn.Module | Iterable[nn.Module], group: DeviceMesh | dist.ProcessGroup | None,
                     *, method: str = "ring") -> RouteHandle:
-    """Route the SDPA calls of ``modules`` (one module or several, submodules included) to
-    `context_parallel_attention` over the cp ``group`` (a 1-D cp mesh, a process group, or None
-    for the default group), with ``method`` ``"ring"`` or ``"allgather"``. The inputs those
-    modules see must be this rank's zigzag shards (`shard_sequence`), with rotary embeddings
-    of this rank's positions (`zigzag_positions`). Returns a `RouteHandle`."""
+    """Route the SDPA calls of ``modules`` (submodules included) to `context_parallel_attention`
+    over the cp ``group`` (a 1-D mesh, a process group or None) with ``method``; their inputs must
+    be this rank's zigzag shards with its positions' rotary embeddings. Returns a `RouteHandle`."""
     if method not in METHODS:
         raise ValueError(f"route_attention: method={method!r}; use one of {METHODS}")
     pg = _group(group)

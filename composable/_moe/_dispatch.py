@@ -1,21 +1,12 @@
-"""Token dispatch and combine over the ``ep`` group: ``all_to_all_single`` with variable splits,
-differentiable.
+"""Token dispatch and combine over the ``ep`` group: differentiable ``all_to_all_single``.
 
 [Note: dispatch and combine]
-A rank's rows arrive sorted by global expert with ``counts[e]`` rows for expert ``e``; expert
-``e`` lives on ep rank ``e // L`` (``L = E / ep`` local experts each, `ExpertParallel`).
-
-1. *counts*: one ``all_to_all_single`` of the ``[E]`` counts (equal splits of ``L``): rank ``r``
-   receives ``recv[s, j]``, the rows source ``s`` has for its local expert ``j``;
-2. *dispatch*: the rows, ``all_to_all_single`` with input splits ``counts.view(ep, L).sum(1)``
-   and output splits ``recv.sum(1)``; they arrive grouped by (source, local expert);
-3. a permutation regroups them by (local expert, source), the experts compute, the inverse
-   permutation restores (source, local expert);
-4. *combine*: the reverse ``all_to_all_single`` (splits swapped) returns every row to its
-   source, in the order it was sent.
-
-`all_to_all` is an autograd Function: its backward is the reverse all-to-all of the output
-gradient (the splits swapped), so gradients flow back to the source ranks' rows.
+Rows arrive sorted by global expert, ``counts[e]`` for expert ``e`` on ep rank ``e // L`` (``L =
+E / ep``). One ``all_to_all_single`` of the counts gives ``recv[s, j]`` (rows source ``s`` has for
+local expert ``j``); the rows go with input splits ``counts.view(ep, L).sum(1)`` and output splits
+``recv.sum(1)``; a permutation regroups them by local expert for the experts and back; the
+reverse all-to-all (splits swapped) returns every row in the order sent. `all_to_all`'s backward
+is the reverse all-to-all of the gradient.
 """
 
 from __future__ import annotations

@@ -35,14 +35,10 @@ def expert_ffn(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.T
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU feed-forward experts, weights stacked on dim 0:
-    ``w1`` and ``w3`` ``[E, hidden, dim]`` (gate and up projections), ``w2`` ``[E, dim, hidden]``
-    (down projection); expert ``e``'s ``w1[e]`` is what an ``nn.Linear(dim, hidden).weight`` holds.
-
-    ``forward(x, counts)``: ``x`` ``[N, dim]`` sorted by expert, ``counts`` an int tensor ``[E]``
-    of rows per expert (summing to ``N``); returns ``[N, dim]`` in the same order. Under
-    `ExpertParallel` the weights are DTensors split on dim 0 over the ``ep`` mesh and the same call
-    dispatches the rows to the ranks that hold their experts.
+    """``num_experts`` SwiGLU experts, weights stacked on dim 0: ``w1``, ``w3`` ``[E, hidden,
+    dim]`` (gate, up; ``w1[e]`` as an ``nn.Linear(dim, hidden).weight``), ``w2`` ``[E, dim,
+    hidden]``. ``forward(x, counts)``: rows ``[N, dim]`` sorted by expert, ``counts`` ``[E]``;
+    returns ``[N, dim]`` in the same order (under `ExpertParallel`, dispatched to their ranks).
     """
 
     dispatch_stats: Any = None

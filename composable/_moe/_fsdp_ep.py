@@ -1,15 +1,10 @@
 """`fully_shard_experts`: EP x FSDP, the experts sharded over the data-parallel ranks left after ``ep``.
 
 [Note: dividing expert gradients]
-With ``W = dp_replicate * dp_shard (* cp)`` data-parallel ranks, a dense gradient is the mean of
-the ``W`` ranks' gradients: fully_shard sums over ``W`` and divides by ``W``. An expert's
-gradient on one ep rank is already the sum over the ``ep`` ranks of its group (their tokens
-came to it through the all-to-all), so the experts' unit reduces over only the ``W / ep``
-ranks of ``ExpertMeshes.dp`` — but it must still divide by ``W``, not by ``W / ep``, for the
-experts to get the same mean as the dense weights (and as one process on the global batch).
-`fully_shard_experts` sets that divide factor (``set_gradient_divide_factor``); it is the one
-difference from a plain ``fully_shard(experts, mesh=ExpertMeshes.dp)``. Each unit still issues
-one reduce-scatter per step (plus the replica all-reduce with HSDP).
+A dense gradient is the mean over the ``W`` data-parallel ranks. An expert's gradient is already
+summed over its ep group (the all-to-all brought their tokens), so its unit reduces over the ``W /
+ep`` ranks of ``ExpertMeshes.dp`` but must still divide by ``W``: `fully_shard_experts` sets that
+divide factor, its one difference from ``fully_shard(experts, mesh=ExpertMeshes.dp)``.
 """
 
 from __future__ import annotations
@@ -28,11 +23,10 @@ __all__ = ["fully_shard_experts"]
 
 
 def fully_shard_experts(module: nn.Module, meshes: ExpertMeshes, **kwargs: Any) -> FSDPModule:
-    """``fully_shard`` the experts of ``module`` (a `MoE`, or its `GroupedExperts`, already under
-    `ExpertParallel` on ``meshes.ep``) over ``meshes.dp``, dividing their gradients by the whole
-    data-parallel degree ([Note: dividing expert gradients]); ``kwargs`` go to ``fully_shard``
-    (``reshard_after_forward``, ``mp_policy``, ...). Returns the experts' unit. Call it before
-    ``fully_shard`` of the enclosing block or model, which then leaves the experts to this unit."""
+    """``fully_shard`` the experts of ``module`` (a `MoE` or its `GroupedExperts`, under
+    `ExpertParallel`) over ``meshes.dp`` with the whole data-parallel divide factor ([Note:
+    dividing expert gradients]); ``kwargs`` go to ``fully_shard``. Returns the unit; call it
+    before ``fully_shard`` of the enclosing block."""
     if not isinstance(meshes, ExpertMeshes):
         raise TypeError(f"fully_shard_experts: meshes must be shardwise.mesh.ExpertMeshes (expert_meshes(mesh)), "
                         f"got {type(meshes).__name__}")

@@ -1,15 +1,10 @@
 """Hugging Face MoE blocks -> `MoE`, weights kept: the module mapping behind the HF plans.
 
-transformers (5.x) stores a sparse MoE block (``MixtralSparseMoeBlock``,
-``Qwen2MoeSparseMoeBlock``, ``Qwen3MoeSparseMoeBlock``) as a router ``gate`` (``weight``
-``[E, dim]``, softmax scores, ``top_k``, ``norm_topk_prob`` where configurable, always true for
-Mixtral) and ``experts`` with the fused ``gate_up_proj`` ``[E, 2 hidden, dim]`` (gate rows first)
-and ``down_proj`` ``[E, dim, hidden]``, SiLU; Qwen2-MoE adds ``shared_expert`` (a SwiGLU MLP) and
-``shared_expert_gate``. `moe_from_hf` builds the `MoE` computing the same function from the
-same values: ``w1 = gate_up_proj[:, :hidden]``, ``w3 = gate_up_proj[:, hidden:]``,
-``w2 = down_proj``, ``router.gate.weight = gate.weight``, the shared expert's linears as they are.
-The recognition is by structure, not class name, so other blocks of the same shape are
-swapped too.
+A transformers 5.x sparse MoE block (Mixtral, Qwen2/3-MoE): router ``gate`` (``[E, dim]``,
+softmax, ``top_k``, ``norm_topk_prob``), ``experts`` with ``gate_up_proj`` ``[E, 2 hidden, dim]``
+(gate rows first) and ``down_proj``; Qwen2-MoE adds ``shared_expert`` and its gate. `moe_from_hf`
+builds the same function from the same values (``w1``/``w3`` the halves of ``gate_up_proj``, ``w2
+= down_proj``), recognising blocks by structure, not class name.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """`MoE`: a mixture-of-experts feed-forward layer (router, routed experts, optional shared experts).
 
 [Note: the order of the routed rows]
-``T`` tokens choose ``k`` experts each: ``T k`` assignments, flattened token-major
-(``t * k + slot``). A stable sort by expert gives ``order``: expert 0's assignments first, each
-expert's in token order. Row ``i`` of the sorted input is token ``order[i] // k``; the experts
-return rows in that order, ``inverse = argsort(order)`` puts them back token-major, and a token's
-output is the sum over its ``k`` slots of weight x row. Under `ExpertParallel` the same sorted
-rows go to the experts' ranks and come back in the same order, so the layer cannot tell whether
-its experts are local or sharded: dropless, the outputs are the unsharded layer's.
+The ``T k`` assignments, token-major (``t * k + slot``), are stably sorted by expert (``order``):
+row ``i`` is token ``order[i] // k``; ``inverse = argsort(order)`` puts the experts' rows back and
+a token's output is the weighted sum over its slots. `ExpertParallel` sends the same sorted rows
+and returns them in the same order, so the layer cannot tell local from sharded experts.
 
 [Note: capacity]
-With ``capacity_factor=c`` each expert takes at most ``C = ceil(c * T * k / E)`` of this
-forward's assignments, the first ``C`` in token order; the rest are dropped (their slot adds
-nothing, the weights are not renormalized; the shared experts still see every token). With
-expert parallelism ``T`` is the rank's own tokens, so the capacity is per rank and per expert
-and the unsharded layer on the same tokens drops the same ones. ``stats.dropped_fraction`` is
-the dropped share of the ``T k`` assignments. ``None`` (default) is dropless.
+With ``capacity_factor=c`` each expert takes the first ``C = ceil(c * T * k / E)`` of this
+forward's assignments in token order; the rest add nothing (weights not renormalized; shared
+experts still see every token). Under EP ``T`` is the rank's own tokens. ``stats.dropped_fraction``
+is the dropped share; ``None`` (default) is dropless.
 """
 
 from __future__ import annotations
@@ -35,14 +30,8 @@ __all__ = ["MoE", "MoEStats", "SharedExperts"]
 
 @dataclass(frozen=True)
 class MoEStats:
-    """What one forward of a `MoE` did.
-
-    Attributes:
-        tokens_per_expert: int64 ``[E]``, the assignments each expert was chosen for (before
-            capacity drops), over this rank's tokens.
-        dropped_fraction: the share of the ``T k`` assignments dropped by the capacity (0.0
-            when dropless).
-    """
+    """What one forward of a `MoE` did: ``tokens_per_expert`` (int64 ``[E]``, assignments before
+    capacity drops, this rank's tokens) and ``dropped_fraction`` (of the ``T k`` assignments)."""
 
     tokens_per_expert: torch.Tensor
     dropped_fraction: float
@@ -66,22 +55,15 @@ class MoE(nn.Module):
     """Mixture-of-experts feed-forward: ``y = sum_{e in topk(x)} w_e expert_e(x) [+ shared(x)]``.
 
     Args:
-        dim: model width; ``hidden``: each routed expert's hidden width.
-        num_experts, top_k: ``E`` routed experts, ``k`` per token.
-        score_func, norm_topk_prob, route_scale: the router's (`TopKRouter`).
-        shared_hidden: hidden width of the shared experts (`SharedExperts`); 0 (default): none.
-        shared_gate: scale the shared experts' output by ``sigmoid(g x)`` per token, ``g`` an
-            ``nn.Linear(dim, 1, bias=False)`` named ``shared_expert_gate`` (Qwen2-MoE).
-        capacity_factor: None (default) dropless; else a positive float, see [Note: capacity].
+        dim, hidden: model width, each routed expert's hidden width.
+        num_experts, top_k, score_func, norm_topk_prob, route_scale: the router's (`TopKRouter`).
+        shared_hidden: the shared experts' hidden width (`SharedExperts`); 0: none.
+        shared_gate: scale the shared output by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE).
+        capacity_factor: None (dropless) or a positive float ([Note: capacity]).
 
-    ``forward(x)`` takes ``[..., dim]`` and returns the same shape. After each forward:
-    ``aux_loss`` (load balancing) and ``z_loss`` (router z-loss) hold this forward's losses as
-    tensors with gradients ([Note: the router's losses] in `_router.py`; add
-    ``coef * moe.aux_loss`` to the training loss to use them), ``seq_aux_loss`` the
-    sequence-wise load-balancing loss of each sequence (shape ``x.shape[:-2]``, dim -2 the
-    sequence; None for a 2-D ``x``), ``stats`` a `MoEStats`.
-    Submodules: ``router`` (`TopKRouter`), ``experts`` (`GroupedExperts`, what `ExpertParallel`
-    shards), ``shared_experts`` (or None).
+    ``forward(x)``: ``[..., dim]`` to the same shape; then ``aux_loss``, ``z_loss`` (tensors with
+    gradients: [Note: the router's losses] in `_router.py`), ``seq_aux_loss`` (per sequence; None
+    for 2-D ``x``) and ``stats`` (`MoEStats`). Submodules ``router``, ``experts``, ``shared_experts``.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, *, score_func: str = "softmax",

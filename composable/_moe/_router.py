@@ -1,26 +1,13 @@
 """Top-k token-choice routing and the router's two auxiliary losses.
 
 [Note: the router's losses]
-For ``T`` tokens, ``E`` experts, ``k`` experts per token, router logits ``z`` of shape ``[T, E]``
-and router probabilities ``p`` (``softmax(z)``; with sigmoid scores ``s = sigmoid(z)`` the
-probabilities are ``s`` normalized per token, ``p = s / sum_e s``):
-
-* load-balancing loss (Switch Transformer's, extended to top-k as Hugging Face's Mixtral
-  computes it): ``aux = E * sum_i f_i * P_i`` with ``f_i`` the fraction of the ``T`` tokens that
-  chose expert ``i`` among their ``k`` (so ``sum_i f_i = k``) and ``P_i = mean_t p[t, i]``. It is
-  ``k`` for perfectly uniform routing and grows as routing concentrates; only ``P`` carries a
-  gradient (``f`` counts choices).
-* router z-loss (ST-MoE): ``z_loss = mean_t (logsumexp_e z[t, e])^2``, which keeps the logits
-  small.
-
-Both are over the tokens the layer sees in one forward (one rank's micro-batch, as in HF and
-torchtitan), are returned unscaled, and counted before any capacity drop.
-
-The *sequence-wise* load-balancing loss (DeepSeek-V3's complementary balance loss, in the form
-above) is the same loss over each sequence's tokens alone, one value per sequence. Its mean over
-sequences does not depend on how the sequences are grouped into forwards: pipeline microbatches
-or gradient accumulation give the loss of the whole batch (the batch-wise loss, a product of
-two means, does not).
+For ``T`` tokens, ``E`` experts, ``k`` per token, logits ``z`` ``[T, E]`` and probabilities ``p``
+(``softmax(z)``, or sigmoid scores normalized per token): the load-balancing loss (Switch's,
+top-k as HF's Mixtral) ``aux = E * sum_i f_i * P_i``, ``f_i`` the fraction of tokens that chose
+expert ``i`` (``sum_i f_i = k``, no gradient), ``P_i = mean_t p[t, i]``: ``k`` when uniform; and
+the z-loss (ST-MoE) ``mean_t (logsumexp_e z[t, e])^2``. Both over one forward's tokens, unscaled,
+before any capacity drop. The *sequence-wise* loss (DeepSeek-V3) is the same per sequence; its
+mean does not depend on how sequences are grouped into forwards (microbatches, accumulation).
 """
 
 from __future__ import annotations
@@ -53,17 +40,11 @@ class Routing:
 
 
 class TopKRouter(nn.Module):
-    """``z = x W^T`` (``gate``: an ``nn.Linear(dim, num_experts, bias=False)``), scores by
-    ``score_func``, each token's ``top_k`` highest-scoring experts.
-
-    Args:
-        dim, num_experts, top_k: sizes; ``1 <= top_k <= num_experts``.
-        score_func: ``"softmax"`` (scores ``softmax(z)``, Mixtral / Qwen-MoE) or ``"sigmoid"``
-            (scores ``sigmoid(z)``, DeepSeek-V3).
-        norm_topk_prob: divide the ``k`` chosen scores by their sum, so a token's weights sum
-            to 1 (default True, as Mixtral; Qwen2-MoE uses False).
-        route_scale: a constant multiplying the combine weights (DeepSeek-V3's
-            ``routed_scaling_factor``), default 1.
+    """``z = gate(x)`` (``nn.Linear(dim, num_experts, bias=False)``), each token's ``top_k``
+    (``1 <= top_k <= num_experts``) highest-scoring experts. ``score_func``: ``"softmax"``
+    (Mixtral, Qwen-MoE) or ``"sigmoid"`` (DeepSeek-V3); ``norm_topk_prob``: divide the chosen
+    scores by their sum (default True; Qwen2-MoE False); ``route_scale``: multiplies the weights
+    (DeepSeek-V3's ``routed_scaling_factor``).
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, *, score_func: str = "softmax",

@@ -1,18 +1,11 @@
 """`ExpertParallel`: the plan entry that splits a `GroupedExperts` over the ``ep`` mesh.
 
-``parallelize_module(model, expert_meshes(mesh).ep, {"layers.*.moe": ExpertParallel()})``:
-each of the ``ep`` ranks keeps ``E / ep`` whole experts (every stacked weight becomes a DTensor
-``Shard(0)`` on the ep mesh; ``full_tensor()`` is the unsharded stack) and the experts' forward
-dispatches each row to the rank holding its expert and combines the results back in the order
-they were sent ([Note: dispatch and combine] in `_dispatch.py`). The `MoE` layer around it is
-unchanged, so outputs equal the unsharded layer's (dropless; [Note: the order of the routed
-rows] in `_layer.py`).
-
-Per forward: one all-to-all of ``E`` counts and two of rows (dispatch, combine); backward the
-two row exchanges reversed. Expert gradients come back as this rank's ``Shard(0)`` pieces: the
-sum over every rank's tokens routed to those experts. Dense parameters (router, shared experts,
-attention) are untouched: reduce their gradients over the data-parallel ranks as usual
-(``fully_shard``, or an all-reduce).
+``parallelize_module(model, expert_meshes(mesh).ep, {"layers.*.moe": ExpertParallel()})``: each
+ep rank keeps ``E / ep`` whole experts (``Shard(0)`` DTensors) and the experts' forward dispatches
+rows to their experts' ranks and combines them back ([Note: dispatch and combine] in
+`_dispatch.py`); the `MoE` is unchanged ([Note: the order of the routed rows] in `_layer.py`).
+Per forward one all-to-all of counts and two of rows. Dense parameters are untouched: reduce their
+gradients over the data-parallel ranks as usual.
 """
 
 from __future__ import annotations
@@ -36,13 +29,8 @@ __all__ = ["ExpertParallel", "DispatchStats"]
 
 @dataclass(frozen=True)
 class DispatchStats:
-    """One expert-parallel forward on this rank (``experts.dispatch_stats``).
-
-    Attributes:
-        sent: rows this rank sent to each ep rank (its own included), ``[ep]``.
-        received: rows this rank received from each ep rank, ``[ep]``.
-        per_local_expert: rows each of this rank's ``E / ep`` experts computed.
-    """
+    """One expert-parallel forward on this rank (``experts.dispatch_stats``): rows ``sent`` to and
+    ``received`` from each ep rank (``[ep]``), and rows computed ``per_local_expert``."""
 
     sent: tuple[int, ...]
     received: tuple[int, ...]
@@ -50,12 +38,9 @@ class DispatchStats:
 
 
 class ExpertParallel(ParallelStyle):
-    """Split the experts of a `GroupedExperts` (or of a `MoE`'s ``experts``) over a 1-D ep mesh.
-
-    ``num_experts`` must be a multiple of the mesh size (``ValueError`` otherwise, before the
-    module is changed). ``src_data_rank`` of `parallelize_module` applies: by default rank 0's
-    weights are scattered, with None every rank keeps its own slice.
-    """
+    """Split the experts of a `GroupedExperts` (or a `MoE`'s) over a 1-D ep mesh; ``num_experts``
+    must be a multiple of its size (``ValueError`` before anything changes). ``src_data_rank``
+    applies as in `parallelize_module`."""
 
     def _target(self, module: nn.Module, ctx: ApplyContext) -> GroupedExperts:
         target = module.experts if isinstance(module, MoE) else module

@@ -1,34 +1,18 @@
 """`ExpertTensorParallel`: experts split over ``ep`` and each expert's own weights over ``tp``.
 
-``parallelize_module(model, em.ep, {"layers.*.feed_forward": ExpertTensorParallel(em.ep_tp)})``
-with ``em = expert_meshes(mesh)`` of a mesh with a ``tp`` axis. On top of `ExpertParallel`
-(each ep rank keeps ``E / ep`` whole experts, the rows are dispatched and combined over the ep
-group), every expert is split Megatron-style over ``tp``: ``w1`` and ``w3`` (gate and up,
-``[E, hidden, dim]``) by columns, i.e. on ``hidden`` (``Shard(1)``), and ``w2`` (down,
-``[E, dim, hidden]``) by rows, also on ``hidden`` (``Shard(2)``). The stacked weights are
-DTensors on the 2-D ``(ep, tp)`` mesh: ``(Shard(0), Shard(1))`` and ``(Shard(0), Shard(2))``;
-``full_tensor()`` is the unsplit stack, so checkpoints keep the unsplit names and shapes.
+``parallelize_module(model, em.ep, {"layers.*.feed_forward": ExpertTensorParallel(em.ep_tp)})``.
+On top of `ExpertParallel`, ``w1`` / ``w3`` ``[E, hidden, dim]`` split on ``hidden`` by columns and
+``w2`` ``[E, dim, hidden]`` by rows: DTensors ``(Shard(0), Shard(1))`` / ``(Shard(0), Shard(2))``
+on the ``(ep, tp)`` mesh, whose ``full_tensor()`` is the unsplit stack.
 
 [Note: expert tensor parallelism]
-The `MoE` around the experts sees every token of its tp group on every tp rank (its input is
-gathered over ``tp``, as the example's ``moe_tp_plan`` does), so every tp rank routes the same
-tokens and dispatches the same rows to the same ep ranks: the ep groups are ranks with one tp
-coordinate. On the expert side each tp rank computes the rows with its ``hidden / tp`` slice,
-``w2_e[:, h] (silu(w1_e[h] x) * w3_e[h] x)``: a partial sum of the expert's output. Two
-autograd functions around that compute (Megatron's ``f`` and ``g``) make it exact:
-
-* ``g`` after it: forward all-reduce (sum) of the partial rows over ``tp``; backward identity,
-  since every tp rank receives the same output gradient;
-* ``f`` before it: forward identity; backward all-reduce of the rows' input gradient, which
-  each tp rank only has a part of (its hidden slice's).
-
-So everything outside the experts (router, shared experts, dispatch, combine, the losses) is
-computed identically on every tp rank with exact gradients, and each tp rank's expert
-gradient is exactly its slice's. Cost per MoE layer and step: one all-reduce of the
-dispatched rows (``~T k`` rows of ``dim``) forward and one backward over ``tp``; in exchange the
-expert weights, their gradients and optimizer state and the ``[rows, hidden]`` activations are
-``1 / tp`` per rank. (Reducing once at the layer's output instead would move ``T`` rows but
-leave the router's gradient partial; not done.)
+The `MoE` sees every token of its tp group on every tp rank (its input gathered over ``tp``), so
+every tp rank routes and dispatches the same rows; each computes a partial sum of the expert's
+output with its ``hidden / tp`` slice. Megatron's ``g`` after it (forward all-reduce over ``tp``,
+backward identity) and ``f`` before it (forward identity, backward all-reduce of the rows' input
+gradient) make it exact: everything outside the experts is identical on every tp rank with exact
+gradients. Cost per layer and step: one all-reduce of the dispatched rows forward and one backward;
+the expert weights, their state and ``[rows, hidden]`` activations are ``1 / tp`` per rank.
 """
 
 from __future__ import annotations
@@ -87,13 +71,9 @@ def _tp_ffn(group, x: torch.Tensor, counts: list, w1: torch.Tensor, w2: torch.Te
 
 
 class ExpertTensorParallel(ExpertParallel):
-    """`ExpertParallel` over ``ep_tp["ep"]`` plus each expert's weights split over ``ep_tp["tp"]``
-    (see the module docstring). ``ep_tp``: the 2-D ``(ep, tp)`` mesh, ``expert_meshes(mesh).ep_tp``;
-    `parallelize_module` is given its ``ep`` slice (``expert_meshes(mesh).ep``).
-
-    ``num_experts`` must be a multiple of ``ep`` and the experts' ``hidden`` of ``tp``
-    (``ValueError`` otherwise, before the module is changed).
-    """
+    """`ExpertParallel` over ``ep_tp["ep"]`` plus each expert's weights over ``ep_tp["tp"]``
+    (``expert_meshes(mesh).ep_tp``; `parallelize_module` gets its ``ep`` slice). ``num_experts``
+    must divide by ``ep`` and ``hidden`` by ``tp`` (``ValueError`` before anything changes)."""
 
     def __init__(self, ep_tp: DeviceMesh) -> None:
         if not isinstance(ep_tp, DeviceMesh) or ep_tp.mesh_dim_names != ("ep", "tp"):

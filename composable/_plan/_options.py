@@ -18,26 +18,15 @@ __all__ = ["PlanOptions", "MeshOptions", "with_overrides"]
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """What `plan_memory` plans a model's layout with, besides the mesh shape.
-
-    Layout: ``policy`` (a `ShardingPolicy`, or a strategy: units are then the
-    ``_no_split_modules`` classes; none: the root only), ``units`` (module names instead),
-    ``mp_policy`` (``param_dtype`` sizes gathered parameters and their gradients,
-    ``reduce_dtype`` the reduce-scatter input), ``optimizer_states`` and ``optimizer_dtype``
-    (values per trainable element, AdamW: 2; None: the parameter's dtype, as ``torch.optim``),
-    ``prefetch`` (units gathered at once when resharding, ``set_unshard_limit``),
-    ``activation_bytes`` (one forward + loss on one rank's batch, without parameters), ``cp``
-    (context-parallel ranks: [Note: context parallelism in the plan] in ``_plan/_planner.py``).
-
-    Pipeline, with ``pp > 1`` (``mesh_shape`` is then one stage's; see [Note: the memory of a
-    pipeline stage] in ``_plan/_pipeline.py``): ``microbatches``, ``schedule`` (a registered
-    name), ``stage_bounds`` (the blocks' split points; None: by parameter bytes),
-    ``virtual_stages`` (stages per rank; None: 2 for a schedule with virtual stages, else 1),
-    ``reshard_between_microbatches`` and ``reduce_every_microbatch`` (as `PipelineSchedule`'s),
-    ``kept_grads`` (for a split backward: gradients kept from ``I`` to ``W`` per microbatch-unit
-    of activations; None: `DEFAULT_KEPT_GRADS`, or 0 without ``I``), ``tokens`` (per
-    data-parallel rank per step, that ``activation_bytes`` was measured on: places the head's and
-    the embedding's activations on their stages; None: spread with the blocks).
+    """What `plan_memory` plans a model's layout with, besides the mesh shape (each field in
+    docs/planner.md): the layout (``policy``: a `ShardingPolicy` or a strategy, units then the
+    ``_no_split_modules`` classes; ``units`` names them instead), ``mp_policy``, the optimizer's
+    values per element, ``prefetch``, ``activation_bytes`` (one forward + loss on one rank's batch,
+    without parameters), ``cp`` ([Note: context parallelism in the plan] in ``_plan/_planner.py``);
+    with ``pp > 1`` the pipeline's settings ([Note: the memory of a pipeline stage] in
+    ``_plan/_pipeline.py``; ``stage_bounds`` None: by parameter bytes; ``virtual_stages`` None: the
+    schedule's; ``kept_grads`` None: `DEFAULT_KEPT_GRADS`, 0 without ``I``; ``tokens`` None: the
+    head's and embedding's activations spread with the blocks).
     """
 
     policy: ShardingPolicy | ShardingStrategy | str = ShardingStrategy.FULL_SHARD
@@ -61,13 +50,10 @@ class PlanOptions:
 
 @dataclass(frozen=True)
 class MeshOptions:
-    """What `suggest_mesh` searches with, besides the cluster. ``policy`` (None: units are the
-    ``_no_split_modules`` classes; its strategy is varied), ``mp_policy``, ``activation_bytes``
-    (per rank at tp 1), ``optimizer_states``, ``microbatches``, ``schedule``, ``kept_grads``,
-    ``tokens``: as `PlanOptions`'s (``microbatches`` defaults to 8 here); ``headroom``: the
-    fraction of ``bytes_per_gpu`` a plan may use; ``intra_host_bandwidth``,
-    ``inter_host_bandwidth``: bytes/s per GPU; ``pp_sizes``, ``cp_sizes``: the pipeline and
-    context-parallel sizes to try."""
+    """What `suggest_mesh` searches with, besides the cluster: ``policy`` (None: the
+    ``_no_split_modules`` units; its strategy is varied) and the planning fields as `PlanOptions`'s
+    (``microbatches`` 8 here); ``headroom``: the share of ``bytes_per_gpu`` a plan may use; the
+    bandwidths in bytes/s per GPU; ``pp_sizes``, ``cp_sizes``: the sizes to try."""
 
     policy: ShardingPolicy | None = None
     mp_policy: MixedPrecisionPolicy | None = None

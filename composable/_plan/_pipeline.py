@@ -1,68 +1,41 @@
 """Memory plan of a pipelined model: `plan_memory` per stage (pure, shapes only).
 
 [Note: the memory of a pipeline stage]
-Each stage is planned as a model of its own with `plan_memory` (its blocks as units, the
-embedding / head in the stage's root unit) on the stage's ``(dp_replicate, dp_shard, tp)`` mesh.
-With ``virtual_stages = v > 1`` the model is split into ``pp * v`` stages and rank ``r`` is
-planned holding stages ``r, r + pp, ...`` (or the schedule's placement). Stage boundaries are
-those of the automatic split by parameter bytes unless given.
+Each stage is planned with `plan_memory` as a model of its own (its blocks as units, embedding /
+head in its root unit) on the stage's ``(dp_replicate, dp_shard, tp)`` mesh; rank ``r`` holds
+its stages by the schedule's placement. Boundaries are the automatic split by parameter bytes
+unless given.
 
-Activations. ``activation_bytes = A`` is the peak of one forward + loss of the whole model on
-one data-parallel rank's batch (as for `plan_memory`). Given that batch's ``tokens``, the parts
-of ``A`` that sit at the ends are estimated from shapes (`end_terms` in ``_stage_terms.py``),
-in the compute dtype and ``/ tp``: with the output projection ``D -> V`` (the last
-``nn.Linear`` after the blocks) the head and loss keep ``H_k = tokens (V + 2D)`` elements for
-backward (the log-softmax of the loss, the final norm's normalised input and output) and hold
-``H_t = tokens V`` more for one microbatch at a time (the logits, then their gradient); the
-embedding (the last ``nn.Embedding`` before the blocks, width ``E``) outputs ``E_b = tokens E``.
-The blocks share the rest, ``b = max(A - H_k - H_t - E_b, 0) / blocks`` each. A microbatch
-alive on virtual stage ``k`` then weighs
+Activations. ``activation_bytes = A`` is the peak of one forward + loss of the whole model on one
+data-parallel rank's batch. Given ``tokens``, the ends are estimated from shapes (`end_terms` in
+``_stage_terms.py``, compute dtype, ``/ tp``): with the head ``D -> V`` (the last ``nn.Linear``
+after the blocks) the head and loss keep ``H_k = tokens (V + 2D)`` elements and hold ``H_t =
+tokens V`` more for one microbatch at a time; the embedding (width ``E``) outputs ``E_b = tokens
+E``. Each block gets ``b = max(A - H_k - H_t - E_b, 0) / blocks``. A microbatch alive on virtual
+stage ``k`` weighs
 
     w_k = (b * blocks_k + E_b [k = 0] + H_k [k = last]) / m    bytes
 
-and a rank's activations are the peak of the walk of its own action list with these weights
+and a rank's activations are the peak of the walk of its action list with these weights
 (`walk_in_flight`, [Note: activations in flight] in ``_pipeline/_schedules/_in_flight.py``), plus
-``H_t / m`` on the rank that holds the head. The walk gives ``m`` microbatches alive under
-GPipe, ``min(pp - r, m)`` on rank ``r`` under 1F1B, 2.5 rank-units on the last rank of
-interleaved 1F1B at ``pp=4, v=2``; any registered schedule gets its figures the same way.
-Without ``tokens``, ``H = E = 0``: the ends count as blocks (each rank ``A * blocks_on_rank /
-blocks`` per microbatch), which under-counts the last stage when the logits dominate and
-over-counts the first. ``in_flight`` reports the walk in microbatch-units of the rank's blocks.
-A schedule with a split backward (``I`` / ``W`` actions: ``zb_h1``, ``zbv``,
-``interleaved_zb``, ``dualpipev``) also keeps, from each ``I`` to its ``W``, the gradients that
-reached the frontier nodes (the head's: the logits' gradient): ``kept_grads * w_k`` per
-microbatch on a stage ``k > 0``. Given None, ``kept_grads`` is `DEFAULT_KEPT_GRADS` for such a
-schedule (the largest ratio measured on the example Llama's stages, 0.62, so that the plan does
-not under-count; pass a measured one: `PipelineSchedule.last_kept_grad_bytes` over the stage's
-activation bytes per microbatch) and 0 for one without ``I``.
+``H_t / m`` on the head's rank. Without ``tokens`` the ends count as blocks. A schedule with a
+split backward also keeps, from each ``I`` to its ``W``, ``kept_grads * w_k`` per microbatch on a
+stage ``k > 0``; None means `DEFAULT_KEPT_GRADS` (0.62, the largest ratio measured on the example
+Llama; `PipelineSchedule.last_kept_grad_bytes` measures it) for such a schedule, else 0.
 
-Parameters: `PipelineSchedule` keeps a unit's parameters gathered from its stage's first
-forward to its last backward unless ``reshard_between_microbatches=True`` or the unit set
-``reshard_after_forward`` itself ([Note: fully_shard units in a pipeline step]), so by default
-a stage is planned with ``reshard_after_forward=False`` (its blocks' gathered parameters all
-count at the peak, as with ``SHARD_GRAD_OP``).
+Parameters: a stage is planned with ``reshard_after_forward=False`` ([Note: fully_shard units in
+a pipeline step]). Gradients with ``m > 1``: every unit keeps its unsharded gradient from its
+first backward to its last (in the reduce dtype: [Note: accumulating in the reduce dtype]), as
+``accumulated_grads`` beyond ``grad_buffers`` / ``root_grads``. From a rank's first backward on,
+``held_grads`` adds the largest unit's sum and the new gradients before they are added (the
+largest unit's in a full backward, all of the rank's in a split backward's ``W`` on a stage
+``> 0``). So the start of backward is the larger of before the first backward and from it on
+(`before_and_after_first_backward`): GPipe peaks at the first, 1F1B and zb_h1 at the second.
+With virtual stages every unit is taken to hold gradients from the first backward (an upper bound).
 
-Gradients: with ``m > 1`` microbatches (and not ``reduce_every_microbatch``) every unit keeps
-its unsharded gradient from its first backward of the step to its last, summed in the reduce
-dtype when the parameters compute in a lower one ([Note: accumulating in the reduce dtype]):
-``accumulated_grads`` adds those not already in ``grad_buffers`` / ``root_grads`` (the largest
-unit's and the root's), and the extra bytes of those two in the wider dtype. From a rank's first
-backward (its first ``B`` or ``W``) on, a later backward runs while every unit holds its sum:
-``held_grads`` adds, at the start of backward, the largest unit's sum (which ``grad_buffers``
-counts only at the end) and the new gradients computed before they are added: the largest
-unit's in a full backward, all of the rank's in the ``W`` of a split backward on a stage
-``> 0`` (it computes every weight gradient, then accumulates them, [Note: split backward]).
-So the start of backward is the larger of two moments (`before_and_after_first_backward`):
-before the first backward (the walk's peak over the list up to it, no ``held_grads``) and from
-it on (the walk's peak over the rest, with ``held_grads``). GPipe peaks at the first (all ``m``
-forwards done, no gradient yet), 1F1B and zb_h1 at the second. With virtual stages all of a
-rank's units are taken to hold gradients from its first backward (an upper bound).
-
-Measured (``benchmarks/plan_check_pp.py``, example Llama, ``pp=2 x dp_shard=2``, 4 gloo ranks,
-``tokens`` given): every stage of GPipe, 1F1B and zb_h1 within -6.3 % to +7.1 % of its peak.
-Not modelled: the activation buffers in flight between stages (a later stage's input, ``tokens
-x D`` per microbatch), a head or loss other than a projection and a log-softmax (a fused or
-chunked loss keeps less), allocator caching.
+Measured (``benchmarks/plan_check_pp.py``, ``pp=2 x dp_shard=2``, ``tokens`` given): GPipe, 1F1B
+and zb_h1 stages within -6.3 % to +7.1 % of their peaks. Not modelled: activations in flight
+between stages, other heads or losses, allocator caching.
 """
 
 from __future__ import annotations
@@ -88,12 +61,9 @@ memory``), see [Note: the memory of a pipeline stage]."""
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineMemoryPlan(MemoryPlan):
-    """A `MemoryPlan` whose own figures are the worst pp rank's (``peak``: what each GPU must
-    hold), with every rank's: ``stages[r]``: the `MemoryPlan` of pp rank ``r`` (its stage, or its
-    ``virtual_stages`` stages); ``bounds``: the blocks of all ``pp * virtual_stages`` stages;
-    ``in_flight[r]``: the microbatch-units of activations rank ``r`` holds at its peak;
-    ``head_activations``, ``embedding_activations``: the parts of ``activation_bytes`` planned on
-    the last and the first stage (estimated from ``tokens``; 0 without)."""
+    """A `MemoryPlan` whose figures are the worst pp rank's, with ``stages[r]`` (pp rank ``r``'s
+    plan), ``bounds`` (the blocks of every stage), ``in_flight[r]`` (microbatch-units of
+    activations at ``r``'s peak) and the head's / embedding's planned activations."""
 
     pp: int
     schedule: str

@@ -3,52 +3,38 @@
     with torch.device("meta"):
         model = Llama(cfg)                                    # no memory, no devices
     print(plan_memory(model, (1, 64, 1), "FULL_SHARD"))      # (dp_replicate, dp_shard, tp)
-    print(suggest_mesh(model, hosts=8, gpus_per_host=8, bytes_per_gpu=80 * 2**30))
 
 [Note: the memory model]
-Units are those of ``apply_fully_shard`` (`select_units`, children first); the root takes every
-other parameter, each counted once. With ``S`` ranks on the shard axis (1 for NO_SHARD), a
-parameter of TP-local shape ``(n, *rest)`` takes ``ceil(n / S)`` rows on every rank: the padded
-slot of ``fully_shard``'s flat buffer (``_layout.py``), uneven sizes included. Per rank:
+Units are those of ``apply_fully_shard`` (`select_units`); the root takes every other parameter.
+With ``S`` ranks on the shard axis (1 for NO_SHARD) a parameter of TP-local shape ``(n, *rest)``
+takes ``ceil(n / S)`` rows per rank (``fully_shard``'s padded slot). Per rank:
 
-    params, optimizer   sharded parameters (their own dtype: fp32 master weights) and
-                        ``optimizer_states`` tensors like each trainable shard (AdamW: 2)
+    params, optimizer   sharded parameters (own dtype) and ``optimizer_states`` tensors like each
+                        trainable shard (AdamW: 2)
     grads               sharded gradients of the trainable parameters
-    unsharded_forward   gathered parameters (``param_dtype``) kept from forward into backward:
-                        the root's; plus every unit's if units keep them (SHARD_GRAD_OP, NO_SHARD),
-                        or ``1/k`` of every unit's for ``reshard_after_forward=k``
-    unsharded_backward  gathered in backward: that, plus ``prefetch`` times the largest other unit
-                        when units reshard (the one computing, the one prefetched)
-    root_grads          the root's unsharded gradients, kept to the end of backward (its inputs are
-                        token ids, so it reduces last)
-    grad_buffers        root_grads + the largest unit's unsharded gradients and its reduce-scatter
-                        input (padded, ``reduce_dtype``)
-    activations         as given: e.g. the peak of one forward + loss of the unsharded model on
-                        one rank's batch, minus its parameters (``benchmarks/plan_check.py``)
+    unsharded_forward   gathered parameters (``param_dtype``) kept into backward: the root's, plus
+                        every unit's (SHARD_GRAD_OP, NO_SHARD) or ``1/k`` of them (``reshard_after_forward=k``)
+    unsharded_backward  that, plus ``prefetch`` times the largest other unit when units reshard
+    root_grads          the root's unsharded gradients (it reduces last)
+    grad_buffers        root_grads + the largest unit's unsharded gradients and reduce-scatter input
+    activations         as given (``benchmarks/plan_check.py`` measures them)
 
-Through backward the saved activations are freed unit by unit while the sharded gradients
-grow, so the peak sits at one of its two ends:
+Backward frees activations unit by unit while sharded gradients grow, so the peak is at an end:
 
     start of backward   params + optimizer + unsharded_forward + activations + root_grads
     end of backward     params + optimizer + grads + unsharded_backward + grad_buffers
     peak = max(start, end); upper_bound = everything at once
 
-(``root_grads`` at the start stands for the first gradient of backward; for a language model
-that is the logits' gradient, ``tokens x vocab``.) A shard axis of one rank without a cast gathers nothing
-(the unsharded parameter aliases the shard). Tensor parallelism is approximated: parameters of
-2+ dimensions split ``ceil(n / tp)`` on dim 0, 1-D ones replicate. Not modelled: AdamW's scalar
-``step`` tensors, buffers, allocator caching, communication library buffers, CPU offload.
+(``root_grads`` at the start stands for backward's first gradient, the logits' ``tokens x
+vocab``.) A one-rank shard axis without a cast gathers nothing. TP is approximated: 2+-D
+parameters split ``ceil(n / tp)`` on dim 0, 1-D ones replicate. Not modelled: AdamW's ``step``
+tensors, buffers, allocator caching, communication buffers, CPU offload.
 
 [Note: context parallelism in the plan]
-With ``cp > 1`` the ``fully_shard`` mesh is ``dp_shard_cp`` (``dp_shard`` x ``cp`` flattened,
-`data_parallel_mesh`): the shard axis has ``S * cp`` ranks, so every sharded term above is
-planned with ``S * cp`` (the strategy's mesh rule too: ``dp_shard = 1, cp = 2`` shards over 2).
-Each cp rank holds ``T / cp`` tokens of every sample, and every activation of a block is per
-token (attention's too: each block of the ring runs on the fused kernel, which never holds a
-``T x T`` matrix), so ``activation_bytes``, given as at ``cp = 1`` (the same rows, whole
-sequences), is divided by ``cp`` (rounded up). Not modelled: the ring's key/value block in
-flight and the backward's float32 gradient accumulators (a few ``T / cp`` x kv-width tensors
-of one layer at a time), and the cp communication.
+With ``cp > 1`` the shard axis is ``dp_shard x cp`` (`data_parallel_mesh`), so every sharded term
+uses ``S * cp``, and ``activation_bytes`` (given as at ``cp = 1``) is divided by ``cp``: every
+activation of a block is per token (the fused kernel holds no ``T x T`` matrix). Not modelled: the
+ring's key/value block in flight, its float32 gradient accumulators, the cp communication.
 """
 
 from __future__ import annotations
@@ -69,23 +55,15 @@ __all__ = ["plan_memory", "MeshSuggestion", "suggest_mesh"]
 def plan_memory(model: nn.Module, mesh_shape: int | tuple[int, ...],
                 options: PlanOptions | ShardingPolicy | ShardingStrategy | str | None = None,
                 **overrides: Any) -> MemoryPlan:
-    """Estimate the bytes per rank of ``model`` under ``fully_shard``; no communication and no
-    devices (the model may be on the meta device). See [Note: the memory model].
+    """Estimate the bytes per rank of ``model`` under ``fully_shard``, from shapes alone (meta
+    device fine) ([Note: the memory model]).
 
-    ``mesh_shape``: ``dp_shard``, ``(dp_replicate, dp_shard)`` or ``(dp_replicate, dp_shard,
-    tp)``; FULL_SHARD / SHARD_GRAD_OP need ``dp_replicate == 1``, HYBRID_* more; NO_SHARD
-    replicates over all ``dp_replicate * dp_shard`` ranks. ``options``: a `PlanOptions`, or
-    (today's form) just its ``policy``; keywords are `PlanOptions` fields and override it, so
-    ``plan_memory(model, 4, "FULL_SHARD", activation_bytes=A)`` still reads as it did.
-
-    With ``pp > 1`` the model is planned as a pipeline (``mesh_shape`` is then one stage's)
-    and the plan is a `PipelineMemoryPlan`: a `MemoryPlan` whose figures are the worst rank's,
-    with every rank's in ``.stages`` (`plan_pipeline_memory` gives the same, typed as such).
-    See [Note: the memory of a pipeline stage] in ``_plan/_pipeline.py``, and for ``cp``,
-    [Note: context parallelism in the plan].
-
-    Raises ValueError for a mesh shape the strategy cannot use, or unknown unit names; TypeError
-    for a keyword that is not an option.
+    ``mesh_shape``: ``dp_shard``, ``(dp_replicate, dp_shard)`` or ``(dp_replicate, dp_shard, tp)``
+    (one stage's with ``pp > 1``). ``options``: a `PlanOptions` or its ``policy``; keywords are its
+    fields and override it. With ``pp > 1`` the result is a `PipelineMemoryPlan` (the worst
+    rank's figures, every rank's in ``.stages``; [Note: the memory of a pipeline stage] in
+    ``_plan/_pipeline.py``). Raises ValueError for a mesh shape the strategy cannot use or unknown
+    unit names, TypeError for an unknown keyword.
     """
     base = options if isinstance(options, PlanOptions) else PlanOptions() if options is None else PlanOptions(options)
     o = with_overrides(base, overrides, "plan_memory")
@@ -137,31 +115,16 @@ def suggest_mesh(model: nn.Module, hosts: int, gpus_per_host: int, bytes_per_gpu
                  options: MeshOptions | None = None, **overrides: Any) -> MeshSuggestion:
     """The mesh ``(dp_replicate, dp_shard, tp)`` and strategy that fit ``bytes_per_gpu`` with the
     least estimated data-parallel communication time. ``options``: a `MeshOptions`; keywords are
-    its fields and override it (today's form: ``suggest_mesh(model, 8, 8, 80 * 2**30,
-    mp_policy=bf16)``); the names below are its fields.
+    its fields and override it (docs/planner.md).
 
-    Candidates: every ``tp`` dividing ``gpus_per_host`` (TP stays inside a host), every split of
-    the other ranks into ``dp_replicate x dp_shard``, with and without resharding after forward,
-    each planned by `plan_memory` (units: ``policy``'s, default ``_no_split_modules``). One fits
-    when ``peak <= headroom * bytes_per_gpu``. The smallest fitting ``tp`` is used (TP adds
-    activation traffic every layer: only when needed); among its candidates the least time wins
-    (within 1 %: less memory), counting the bytes one rank sends under ring algorithms at
-    ``intra_host_bandwidth``, or ``inter_host_bandwidth`` for a group spanning hosts — which
-    favours sharding inside a host and replicating across hosts. ``activation_bytes`` (per rank
-    at tp 1) is divided by ``tp``, as with sequence parallelism. Raises ValueError naming the
-    smallest candidate when nothing fits.
-
-    ``pp_sizes``: pipeline sizes to consider too (each dividing ``hosts``: whole hosts per
-    stage, so only activations cross hosts); each stage is planned with `plan_memory`'s ``pp``
-    (``microbatches``, ``schedule``, ``kept_grads``, ``tokens``) and the worst stage must fit. The smallest fitting ``pp``
-    is used (a pipeline adds a bubble of ``(pp - 1) / (m + pp - 1)``), then the rule above.
-
-    ``cp_sizes``: context-parallel sizes to consider too (``cp x tp`` dividing ``gpus_per_host``:
-    the ring stays in a host); ``activation_bytes`` is then also divided by ``cp`` and parameters
-    are sharded over ``dp_shard x cp`` ([Note: context parallelism in the plan]). Like ``tp``,
-    cp adds traffic every layer that the planner does not size, so the smallest model-parallel
-    degree ``cp x tp`` that fits is used, at equal degree the smaller ``tp`` (the ring's
-    key/value blocks overlap the attention, TP's activation collectives do not).
+    Candidates: every ``tp`` dividing ``gpus_per_host``, every split of the other ranks into
+    ``dp_replicate x dp_shard``, with and without resharding after forward, each planned by
+    `plan_memory`; one fits when ``peak <= headroom * bytes_per_gpu``. The smallest fitting
+    model-parallel degree wins (``pp``, each dividing ``hosts``, first; then ``cp x tp``, at equal
+    degree the smaller ``tp``; ``activation_bytes`` divided by both, [Note: context parallelism in
+    the plan]); among its candidates the least ring time at ``intra_host_bandwidth`` /
+    ``inter_host_bandwidth`` (within 1 %: less memory). Raises ValueError naming the smallest
+    candidate when nothing fits.
     """
     o = with_overrides(options or MeshOptions(), overrides, "suggest_mesh")
     pp_sizes, cp_sizes, headroom = o.pp_sizes, o.cp_sizes, o.headroom

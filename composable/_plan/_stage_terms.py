@@ -74,12 +74,10 @@ def before_and_after_first_backward(actions: Sequence[Action], weights: dict[int
 
 
 def held_grads(plan) -> int:
-    """Gradient bytes a stage holds at once in a backward after its first, beyond what
-    ``start_of_backward`` counts (``root_grads``, ``accumulated_grads``): the largest unit's
-    summed gradients, and the new gradients computed before they are added: at most one unit's
-    (the largest), in a full backward and in a split backward's ``W`` alike (``W`` adds its
-    gradients in bounded batches: [Note: weight gradients in bounded batches] in
-    ``_pipeline/_split/_split_backward.py``)."""
+    """Gradient bytes a stage holds at once in a backward after its first, beyond
+    ``root_grads`` and ``accumulated_grads``: the largest unit's summed gradients and at most one
+    unit's new ones, in a full backward and in a split backward's ``W`` alike ([Note: weight
+    gradients in bounded batches] in ``_pipeline/_split/_split_backward.py``)."""
     root, others = plan.units[-1], plan.units[:-1]
     largest = max(others, key=lambda u: u.unsharded, default=root)
     summed = largest.unsharded_grads if largest is not root else 0

@@ -1,7 +1,5 @@
-"""The replicate wing: data parallelism with whole, plain parameters (DDP's way), composable.
-
-`replicate` is what the NO_SHARD strategy uses when no cast or offload is asked for; it
-imports only the shared leaves of ``composable`` (docs/architecture.md)."""
+"""The replicate wing: data parallelism with whole, plain parameters (DDP's way), composable; what
+NO_SHARD uses when no cast or offload is asked for."""
 
 from ._module import ReplicateModule
 from ._replicate import replicate

@@ -1,25 +1,14 @@
 """Gradient buckets of `replicate`: which parameter goes where, and one bucket's all-reduce.
 
 [Note: replicate's buckets]
-A replicated module's gradients are all-reduced in a few large flat buckets, as DDP does,
-rather than one collective per parameter. The parameters that need a gradient are laid out in
-reverse registration order (the order their gradients usually become ready in backward: the
-last layer first), split by dtype and device, and cut into buckets of ``first_cap`` bytes (the
-first bucket: small, so communication starts early and overlaps the rest of the backward) and
-``cap`` bytes after that. A parameter is never split. A bucket of ``n`` parameters holding
-``numel`` elements is one flat buffer of ``numel + n`` elements: each parameter's gradient at
-its offset, then one *used* flag per parameter (1 where this rank had a gradient in this
-backward, else 0; [Note: unused parameters] of fully_shard, the same rule). After the sum over
-the ranks every rank holds, per parameter, how many ranks used it, at no extra collective.
-
-Buckets are all-reduced strictly in order (bucket ``k`` only after buckets ``0..k-1`` were
-started), each as soon as it is full, so the collectives match on every rank whatever order
-the gradients arrive in, and a rank that did not use some parameter simply starts that bucket
-later, at the end of its backward (the others' asynchronous collective waits for it there).
-
-The flat buffer is kept from step to step when nothing else holds its storage (gradients
-dropped by ``zero_grad()``), else a new one is allocated: the gradients stored in ``.grad``
-are views of it.
+As DDP: the parameters needing gradients, in reverse registration order, split by dtype and
+device, are cut into buckets of ``first_cap`` bytes (small, so communication starts early) then
+``cap``; a parameter is never split. A bucket of ``n`` parameters is one flat buffer of ``numel +
+n`` elements: the gradients, then one *used* flag per parameter ([Note: unused parameters] of
+fully_shard), so after the sum every rank knows how many ranks used each, at no extra collective.
+Buckets are all-reduced strictly in order, each as soon as it is full, so the collectives match
+whatever order gradients arrive in. The buffer is reused across steps when nothing else holds its
+storage (``.grad`` are views of it).
 """
 
 from __future__ import annotations

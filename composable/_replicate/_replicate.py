@@ -1,30 +1,19 @@
 """``replicate``: data parallelism with whole, plain parameters on every rank (DDP's way).
 
-    replicate(module, mesh=None, *, bucket_cap_mb=25.0, first_bucket_cap_mb=1.0,
-              sync_module_states=True) -> module
+The composable counterpart of ``DistributedDataParallel``: the module's class gains
+`ReplicateModule`'s methods and its parameters stay plain ``nn.Parameter``s, so the optimizer
+steps plain tensors (as fast as DDP, where ``fully_shard`` on a ``(D, 1)`` mesh is not:
+docs/benchmarks.md). NO_SHARD of `apply_fully_shard` uses it when nothing needs a per-unit cast
+or offload (docs/strategies.md).
 
-The composable counterpart of ``DistributedDataParallel`` (torch's own composable
-``replicate`` wraps DDP): the module is not wrapped, its class gains `ReplicateModule`'s
-methods, and its parameters stay plain ``nn.Parameter`` objects. That is what makes it as fast
-as DDP where ``fully_shard`` on a ``(D, 1)`` mesh is not: the optimizer then steps plain
-tensors, not DTensors (measured in benchmarks/step.py, docs/benchmarks.md). The NO_SHARD
-strategy of `apply_fully_shard` uses it when nothing needs a per-unit cast or offload
-(docs/strategies.md).
-
-* ``mesh``: None (every rank), a 1-D mesh, or a 2-D ``(D, 1)`` replicate x shard mesh (what
-  ``strategy_mesh("NO_SHARD", ...)`` gives): the gradients are averaged over its ``D`` ranks.
-  A mesh whose second axis has more than one rank is refused (that is HSDP: `fully_shard`).
-* On the call, every parameter and buffer is broadcast from the mesh's first rank, as DDP does
-  (``sync_module_states=False`` skips it when every rank built the same values).
-* In backward every gradient is copied into its bucket, and the buckets are summed over the
-  ranks, each as soon as it is full and in the same order on every rank ([Note: replicate's
-  buckets]). At the end of the backward ``.grad`` is the sum over the ranks of each rank's gradient
-  divided by ``D`` while it is copied into its bucket, as DDP does (the mean over
-  the global batch; `ReplicateModule.set_gradient_divide_factor` changes the divisor), and a
-  parameter that no rank had a gradient for keeps ``.grad`` None, as with `fully_shard`.
-* Refused with a ValueError naming the fix: parameters on the meta device (materialize them
-  first), DTensor parameters (tensor parallelism: use `fully_shard` on the data-parallel
-  mesh), a module replicated or fully_shard'ed already.
+* ``mesh``: None (every rank), 1-D, or ``(D, 1)``; a second axis of more ranks is HSDP (refused).
+* Parameters and buffers are broadcast from the mesh's first rank (``sync_module_states=False``
+  skips it).
+* In backward gradients are summed over the ranks in buckets ([Note: replicate's buckets]), each
+  divided by ``D`` first (`ReplicateModule.set_gradient_divide_factor`); a parameter no rank had a
+  gradient for keeps ``.grad`` None.
+* Refused with a ValueError naming the fix: meta parameters, DTensor parameters (use
+  `fully_shard`), a module replicated or fully_shard'ed already.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The per-module state of `replicate`: the buckets, the gradient hooks, the end of backward.
 
-One ``ReplicateState`` per replicated module. Each parameter that needs a gradient gets a
-post-accumulate-grad hook: it copies the gradient into the parameter's bucket and starts the
-buckets that are full, in order ([Note: replicate's buckets]). The first hook of a backward
-prepares the buckets and queues ``finish`` for the end of that backward, which starts the
-rest (with the parameters that got no gradient), waits, divides and stores every ``.grad`` as
-a view of its bucket (or None: [Note: unused parameters] of fully_shard, the same rule).
+A post-accumulate-grad hook per parameter copies its gradient into its bucket and starts the full
+buckets in order ([Note: replicate's buckets]); the first hook of a backward queues ``finish``,
+which starts the rest, waits, divides and stores every ``.grad`` as a view (or None).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Threads that wait on receives posted ahead, so a rank can wait for the first of two messages.
 
 [Note: waiting for the first arrival]
-A forward/backward pair whose two inputs come from two peers runs first the half whose input
-arrives first ([Note: forward/backward pairs] in ``_pipeline_schedule.py``). gloo's receive
-``Work.is_completed()`` stays False until someone calls ``wait()`` on it, so it cannot be polled;
-instead a daemon thread per peer calls ``wait()`` on that peer's receive posted ahead (``wait``
-releases the GIL) and then sets ``wake``, on which `P2P.wait_first` sleeps. The thread that
-takes the message later joins the watcher instead of waiting itself (one waiter per receive),
-and re-raises what the watcher's ``wait`` raised. After a failed step the watchers are
-forgotten with their receives ([Note: after a failed step] in ``_p2p.py``): they end when
-their message comes or at the group's timeout.
+A pair whose inputs come from two peers runs first the half whose input arrives first ([Note:
+forward/backward pairs] in ``_pipeline_schedule.py``). gloo's ``Work.is_completed()`` stays False
+until someone waits, so a daemon thread per peer calls ``wait()`` on its receive posted ahead and
+sets ``wake``, on which `P2P.wait_first` sleeps; the taker later joins the watcher and re-raises
+its error. After a failed step the watchers are forgotten ([Note: after a failed step] in
+``_p2p.py``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The check that a non-last stage's output is its last block's output, on the first step.
 
 [Note: work between blocks]
-A split stage sends on what its last block returned (`_pipeline/_split/_split.py`: the output is captured by
-a hook on that block), and the next stage's first block takes it as its input. That is only
-the unsplit model's computation if the model's ``forward`` passes each block's output
-straight on: ``h = block(h)``. A loop such as ``h = torch.tanh(block(h))``, or a scale applied
-to the hidden state outside a module, would be skipped at every stage boundary, and training
-would go on with wrong gradients and no error. On a stage before the last, the post-modules
-are identities, so what the shell's forward returns is the last block's output passed through
-whatever the model does after its blocks: if that is not the same values, the model does work
-on the hidden state that the split cannot place. The first step checks it on every such
-stage (cheap: the same storage, or one comparison) and refuses with the fix, on every rank
-(the runtime reports a stage's error to all of them).
+A stage sends what its last block returned, so the split is the unsplit model only if its
+``forward`` passes each block's output straight on (``h = block(h)``); ``h = torch.tanh(block(h))``
+would be skipped silently at every boundary. With the post-modules as identities, the shell's
+output must equal the last block's; the first step checks it (same storage, or one comparison)
+and refuses with the fix on every rank.
 """
 
 from __future__ import annotations

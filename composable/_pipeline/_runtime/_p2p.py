@@ -1,77 +1,43 @@
 """Point-to-point transport between pipeline ranks: one message per tensor once its shape is known.
 
 [Note: messages between stages]
-Messages go on *channels*: (peer, kind, stage) with kind ``"act"`` or ``"grad"``. Both ends of a
-channel remember the shape and dtype of the last tensor sent on it (the sender when it sends,
-the receiver when it receives, in the same order), so both know the size of the next message:
-a 12-int64 header (96 bytes) followed by room for one tensor of the remembered shape (just the
-header on a channel's first message). Header: ``status``, dtype code, ndim, sizes.
+Messages go on *channels* (peer, ``"act"`` or ``"grad"``, stage). Both ends remember the shape and
+dtype of the channel's last tensor, so both know the next message's size: a 12-int64 header
+(`_wire.py`) plus room for one tensor of that shape. Status 0 (steady state): the tensor follows
+in the same message. Status 2 (a channel's first message, or a new shape): the header carries the
+shape, the tensor comes as a second message. Status 1 (error): ``sizes[0]`` is the length of a
+UTF-8 text, inline if it fits, else in a second message; the receiver re-raises it, so every
+stage ends the step with the same one-line error. The failing rank knows which channel each peer
+reads next from it (`expect`), so the error has exactly the size that peer waits for. Both ends'
+sizes always agree (NCCL and gloo need it); the cost is one copy of the tensor behind the header.
 
-* status 0 (steady state: every microbatch of a step has the same shape, and usually every
-  step): the tensor follows the header **in the same message**; one message per transfer.
-* status 2 (first message on a channel, or a new shape): the header carries the new shape and
-  dtype; the tensor follows as a second message. Shapes may change between steps or microbatches;
-  that only costs the second message.
-* status 1 (error): ``sizes[0]`` is the length of a UTF-8 text, inline after the header if it fits
-  in the message, else in a second message. A rank that receives one re-raises the text, so a
-  failure on one stage ends every stage's step with the same one-line message instead of leaving
-  them waiting. The failing rank knows which channel each peer will read next from it (its own
-  send order, `expect`), so the error message has exactly the size that peer is waiting for.
-
-The sizes of the two ends always agree, which NCCL and gloo need. The cost of one message instead
-of two is one copy of the tensor behind the header on the sending side; the receiver's tensor is a
-view of the message.
-
-Sends are asynchronous and waited for at the end of the step; receives are blocking and, from
-each peer, taken in the order that peer sends (order is what NCCL matches on). Every message of
-a schedule carries its tag, a random number the schedule's ranks agree on when it is built: a
-step that failed can leave messages unreceived (a send already on its way, an error sent to a
-peer that had already stopped), and a later `PipelineSchedule` on the same group — on the same
-split or another one — must not take them. gloo matches tags, so it never sees them; NCCL
-ignores tags (after a failure there, restart the job).
-A send is not issued on its own right away: it waits in an outbox until the start of the next
-action, and if that action receives, the sends and the receive go out as one
-``batch_isend_irecv`` group. On NCCL the point-to-point operations of a pair of ranks run in
-order on one stream, so a lone send followed by a receive, mirrored on the peer (1F1B: rank 0
-sends an activation then waits for a gradient while rank 1 sends that gradient then waits for
-the activation), would wait on each other forever; grouped, they progress together (as torch's
-own schedules do). On gloo the grouping changes nothing. A rank knows every rank's action list,
-so it knows which message comes next from each peer; a message that arrives before it is needed
-waits in a buffer. That adds no waiting a tag-matched receive would not have: a peer's later
-message is always produced after its earlier ones.
+Sends are asynchronous and waited for at the end of the step; receives block and follow each
+peer's send order (known from its action list; an early message waits in a buffer). Every
+message carries the schedule's tag (agreed when it is built), so a later `PipelineSchedule` on
+the group never takes a message a failed step left behind (gloo matches tags; on NCCL restart
+the job). A send waits in an outbox until the next action starts; if that action receives, the
+sends and the receive go out as one ``batch_isend_irecv`` group: on NCCL a lone send then a
+receive, mirrored on the peer (1F1B), would wait on each other forever.
 
 [Note: receiving ahead]
-On gloo (CPU tensors) a receive posted only when its action starts leaves the transfer to
-happen then, when the sender may be computing and its communication thread waiting for a core.
-So as soon as a message from a peer has arrived, the receive of the next one from that peer is
-posted (its size is known: the channel's remembered shape, or a header), and the data can move
-while the receiver still computes, often while the sender waits for its own next message
-(measured: docs/benchmarks.md#pipeline, ``benchmarks/pipeline.py --parts ahead``). Off on
-NCCL: a posted receive occupies the pair's ordered stream there, and a send queued behind it
-could wait for a message that needs that send first. A receive posted ahead in a step that
-fails may never complete; messages are tagged per schedule (above), so it cannot take a later
-schedule's message.
+On gloo, once a message from a peer has arrived, the receive of its next one is posted (its size
+is known), so the data moves while this rank still computes (docs/benchmarks.md#pipeline,
+``benchmarks/pipeline.py --parts ahead``). Off on NCCL, where a posted receive holds the pair's
+ordered stream and a send queued behind it could deadlock.
 
 [Note: after a failed step]
-A failed step leaves transfers in flight: a receive posted ahead whose message the peer sends
-(or has sent) anyway, sends whose receiver stopped before taking them. Their buffers must stay
-alive until gloo is done with them, even though nobody will read them. gloo matches a message
-to a posted receive, or a peer's "ready to receive" to a queued send, when it arrives; if the
-buffer behind it has been freed by then, gloo does not drop the message: it stops reading
-(or writing) that connection for good, and every later message between the two ranks, of any
-schedule or collective, waits forever (`test_transfers_left_by_a_failed_step_stay_alive`
-makes the other end show up after the drop, both ways round). So `drop` does not forget them: it
-moves them to ``in_flight``, a list that the split owns (``PipelineSplit.in_flight``) and a
-new schedule on the split shares, where they complete whenever their message comes, or stay.
-Cost: the few buffers of the transfers left open by each failure, for as long as the split.
+A failed step leaves transfers in flight (a receive posted ahead, sends nobody takes). If gloo
+finds a buffer freed when the message or the peer's "ready" arrives, it stops that connection for
+good and every later message between the two ranks hangs
+(`test_transfers_left_by_a_failed_step_stay_alive`). So `drop` moves them to ``in_flight``, a list
+the split owns (``PipelineSplit.in_flight``) and every schedule on it shares, where they complete
+whenever their message comes.
 
 [Note: sends held back]
-A pair's halves ([Note: forward/backward pairs] in ``_pipeline_schedule.py``) may run in either order, but
-each peer expects our messages in one static order (it receives ahead by size, in that order):
-the order of our action list, a pair's forward before its backward. So a message that is ready
-before an earlier one to the same peer (a pair's backward output, when its backward ran first)
-is held (`send` keeps it) and goes out right after the earlier one; a message to another peer
-is not delayed. `wait_sends` checks that nothing is left held at the end of a step.
+A pair's halves ([Note: forward/backward pairs] in ``_pipeline_schedule.py``) may run in either
+order, but each peer receives our messages in our action list's order (a pair's forward first). A
+message ready before an earlier one to the same peer is held (`send` keeps it) and goes out right
+after that one; `wait_sends` checks nothing is held at the end of a step.
 """
 
 from __future__ import annotations
@@ -255,10 +221,8 @@ class P2P:
         self._post_ahead(peer)
 
     def arrived(self, peer: int, key: tuple) -> bool:
-        """Whether taking ``key`` from ``peer`` would not wait: it is buffered, or it and every
-        message before it have arrived in receives posted ahead ([Note: receiving ahead]), which
-        this takes into the buffer. False for a message not taken yet where nothing is posted
-        ahead (NCCL)."""
+        """Whether taking ``key`` from ``peer`` would not wait (it and every message before it
+        have arrived in receives posted ahead, which this buffers); False with nothing posted."""
         while key not in self._buffer:
             posted = self._posted.get(peer)
             if posted is None or not (posted[2].is_completed() or self._watchers.done(peer, posted[2])):

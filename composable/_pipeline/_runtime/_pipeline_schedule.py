@@ -2,58 +2,34 @@
 
 [Note: one pipeline step]
 ``step(inputs, targets)`` cuts the batch into ``m`` equal microbatches along dim 0 and runs this
-rank's action list (`build_schedule`). ``F(s, i)``: take the activation of microbatch ``i`` from
-stage ``s - 1`` (or, on stage 0, nothing), call stage ``s``'s shell on the microbatch's model
-inputs, and send the output of its last block on; the last stage computes
-``loss_fn(output, targets_i)`` instead. ``B(s, i)``: the last stage backpropagates
-``loss_i / m``, the others the received gradient of their output; then the gradient of the
-stage's input goes back. ``I(s, i)`` and ``W(s, i)`` split ``B`` in two: ``I`` sends the input
-gradient back at once and keeps the graph, ``W`` later accumulates the parameters' gradients
-from it ([Note: split backward] in ``_pipeline/_split/_split_backward.py``). ``FB`` runs a pair: a forward and a
-backward of two other (stage, microbatch)s, in the order their inputs arrive or inside the user's
-overlap function ([Note: forward/backward pairs], below). With mean-reduced losses over
-equal microbatches the accumulated gradients are those of the whole batch on one process.
+rank's action list (`build_schedule`). ``F(s, i)``: take microbatch ``i``'s activation from stage
+``s - 1`` (stage 0: none), run stage ``s``'s shell and send its last block's output on; the last
+stage computes ``loss_fn(output, targets_i)``. ``B(s, i)``: backpropagate ``loss_i / m`` (last
+stage) or the received output gradient, then send the input gradient back. ``I`` sends the input
+gradient at once and keeps the graph for ``W`` ([Note: split backward] in
+``_pipeline/_split/_split_backward.py``). ``FB`` runs a forward and a backward of two other
+(stage, microbatch)s ([Note: forward/backward pairs], below). With mean-reduced losses over
+equal microbatches the gradients are those of the whole batch on one process. ``fully_shard``
+units: [Note: fully_shard units in a pipeline step] in ``_units.py``.
 
-Files: this one holds `PipelineSchedule` (set-up, the messages of a step, the body of each action
-kind, pairs, the step and its end); ``_step_state.py`` what a step's actions share.
-
-``fully_shard`` units: one reduce-scatter per unit per step and, by default, one all-gather;
-see [Note: fully_shard units in a pipeline step] in ``_units.py``.
-
-End of step: one small all-reduce on the ``pp`` group carries a failure flag and the
-microbatch losses (so every rank returns them). A rank whose action raised first sends the
-error to its pipeline neighbours ([Note: messages between stages]), then joins that
-all-reduce, so every rank raises the same ``PipelineError`` instead of hanging.
+End of step: one small all-reduce on the ``pp`` group carries a failure flag and the losses. A
+rank whose action raised first sends the error to its neighbours ([Note: messages between
+stages]), then joins that all-reduce, so every rank raises the same ``PipelineError``.
 
 [Note: forward/backward pairs]
-A pair ([Note: action kinds] in ``_pipeline/_schedules/_actions.py``) is a forward and a backward of two (stage,
-microbatch)s on one rank, listed as one action so that they can overlap (DualPipe runs one
-half's all-to-all during the other's compute). Its halves must not wait on each other, even
-through other ranks: `simulate` with the halves run together (``overlap``) must not deadlock;
-`PipelineSchedule` checks that when it is built (the same on every rank) and refuses the
-schedule otherwise. So either half can go first, and both inputs can be taken before either runs.
-
-Without an overlap function the halves run one after the other, the one whose input is there
-first going first: an input that is local (a hand-off from this rank's other stage, or none:
-the first stage's forward, the last stage's backward) or already received; else, where both
-come from one peer, the one it sends first (it sends in its list's order); else (two peers,
-with receives posted ahead, gloo: [Note: receiving ahead] in ``_p2p.py``) whichever arrives
-first (`P2P.wait_first`, [Note: waiting for the first arrival] in ``_arrival.py``); with
-nothing posted ahead (NCCL) the forward. Ties go to the forward. So the order is fixed wherever
-the messages fix it, and otherwise only changes which of two independent computations comes
-first (no number changes: the halves touch different stages).
-Each half's output is sent when that half ends: with the other half's receive, in one group, if
-that one still has to wait for it, or at once; a message to the peer that the forward also sends
-to waits for the forward's ([Note: sends held back] in ``_p2p.py``).
-
-Overlap function (``PipelineSchedule(..., overlap=fn)``, like torch's
-``register_custom_function(OVERLAP_F_B, fn)``): ``fn(pair)`` is called once per pair, after both
-halves' inputs have been taken, with a `PairHalves`: ``pair.action`` (the ``FB`` action),
-``pair.forward()`` and ``pair.backward()``, each of which runs its half (compute, then its
-output sent or handed on) and must be called exactly once, from the calling thread, in either
-order; between or around them ``fn`` may do anything that leaves the numbers alone (enter a CUDA
-stream, split its own communication, record events). ``fn`` returning without running both, or
-running one twice, fails the step on every rank (`PipelineError`) naming the pair.
+A pair ([Note: action kinds] in ``_pipeline/_schedules/_actions.py``) lists a forward and a
+backward on one rank as one action so they can overlap. Its halves must never wait on each other,
+even through other ranks: `PipelineSchedule` checks with `simulate(..., overlap=1.0)` when built
+and refuses the schedule otherwise, so either half may go first. Without an overlap function the
+half whose input is there first runs first: a local input or none, else the one the common peer
+sends first, else (two peers, gloo's receives posted ahead: [Note: receiving ahead] in
+``_p2p.py``) whichever arrives first ([Note: waiting for the first arrival] in ``_arrival.py``);
+the forward on a tie and on NCCL. The halves touch different stages, so the order changes no
+number. Each half's output is sent when it ends ([Note: sends held back] in ``_p2p.py``).
+With ``overlap=fn`` (torch's ``register_custom_function(OVERLAP_F_B, fn)``), ``fn(pair)`` gets a
+`PairHalves` once both inputs are taken and must call ``pair.forward()`` and ``pair.backward()``
+once each, from this thread, in either order; otherwise the step fails on every rank naming the
+pair (docs/pipeline.md).
 """
 
 from __future__ import annotations
@@ -99,42 +75,22 @@ OverlapFn = Callable[[PairHalves], None]
 
 
 class PipelineSchedule:
-    """Runs training steps of a `PipelineSplit` with a schedule.
+    """Runs training steps of a `PipelineSplit` with a schedule ([Note: one pipeline step]).
 
     Args:
         split: from `pipeline_split` (after TP / ``fully_shard`` of its stages).
-        schedule: a registered schedule's name (``SCHEDULES``: ``"gpipe"``, ``"1f1b"``,
-            ``"interleaved_1f1b"``, which needs ``microbatches % pp == 0``, ``"zb_h1"``, ...) or
-            a `ScheduleSpec`. Its actions are of the kinds in `RUNNABLE_KINDS` (F, B, the
-            split backward's I and W, and FB pairs).
+        schedule: a registered name (``SCHEDULES``) or a `ScheduleSpec` of `RUNNABLE_KINDS`.
         microbatches: ``m``; the batch size must be a multiple of it.
-        loss_fn: ``loss_fn(output, targets) -> scalar`` on the last stage, mean-reduced over the
-            microbatch (the step backpropagates ``loss / m``).
-        loss_context: a context manager factory entered around the loss and its backward
-            (e.g. ``shardwise.composable.loss_parallel`` for class-sharded logits).
-        reduce_every_microbatch: reduce gradients after every microbatch's backward instead of
-            once per step; see [Note: fully_shard units in a pipeline step].
-        reshard_between_microbatches: free ``fully_shard`` units' gathered parameters after every
-            microbatch's forward and backward (less memory, ``2 m`` all-gathers per unit per
-            step) instead of keeping them gathered for the step; see [Note: fully_shard units in a pipeline step].
-        overlap: ``overlap(pair)``, called to run each forward/backward pair (``FB``) of the
-            schedule, e.g. to overlap one half's communication with the other's compute; it gets
-            a `PairHalves` and must call ``pair.forward()`` and ``pair.backward()`` once each.
-            None: the halves run one after the other, whichever's input is there first. Also
-            settable with ``register_custom_function(ActionKind.FB, fn)``. See [Note:
-            forward/backward pairs].
+        loss_fn: ``loss_fn(output, targets) -> scalar``, mean over the microbatch, on the last stage.
+        loss_context: a context manager factory around the loss and its backward (``loss_parallel``).
+        reduce_every_microbatch, reshard_between_microbatches: [Note: fully_shard units in a
+            pipeline step].
+        overlap: ``overlap(pair)`` runs each ``FB`` pair ([Note: forward/backward pairs]).
 
-    ``step(inputs, targets)`` returns the ``m`` microbatch losses (a float64 CPU tensor, the
-    same on every rank); ``last_timing`` then holds this rank's ``compute_s`` (wall time inside
-    forward/backward), ``compute_cpu_s`` (the CPU time of this thread in them, which other load
-    on the machine disturbs less), ``send_s`` (wall time issuing sends between actions: busy, not
-    idle), ``wait_s`` (wall time waiting for messages and, in the step's closing all-reduce, for
-    the other ranks: the idle time) and ``step_s``; ``last_action_times[(kind, stage)]`` the mean
-    wall and CPU seconds of this rank's actions of that kind (``"F"``, ``"B"``, ``"I"``, ``"W"``)
-    on that stage (for `simulate`'s ``costs``); ``last_kept_grad_bytes[stage]`` the most bytes of
-    gradients one ``I`` of the stage kept for its ``W`` (see `activations_in_flight`'s ``kept_grads``);
-    ``last_pair_order`` the halves of this rank's pairs in the order they ran (a pair's halves are
-    timed under their own kinds).
+    ``step`` returns the ``m`` losses (float64 CPU, on every rank); then ``last_timing`` (seconds:
+    ``compute_s``, ``compute_cpu_s``, ``send_s``, ``wait_s``, ``step_s``), ``last_action_times[(kind,
+    stage)]`` (mean wall and CPU seconds, for `simulate`'s ``costs``), ``last_kept_grad_bytes[stage]``
+    and ``last_pair_order``.
     """
 
     def __init__(self, split: PipelineSplit, *, schedule: str | ScheduleSpec = "1f1b", microbatches: int,

@@ -1,10 +1,4 @@
-"""What the actions of one pipeline step share, and the small helpers of `PipelineSchedule`.
-
-The microbatches cut from the batch (`split_batch`), the hooks that put a stage's received
-activation into its first block and take its last block's output (`inject_hook`, `capture_hook`), the state of one step (`StepState`: saved
-activations, local hand-offs between stages of one rank, per-action times), the tensor a block
-hands on (`first_tensor`), and the setup of a new schedule's message tag and device.
-"""
+"""What the actions of one pipeline step share (`StepState`), and `PipelineSchedule`'s small helpers."""
 
 from __future__ import annotations
 
@@ -102,10 +96,9 @@ class StepState:
 
 
 def agree_on_tag(group: Any, device: torch.device) -> int:
-    """A random message tag for a new schedule, drawn by the group's first rank and broadcast
-    (see [Note: messages between stages]). The broadcast is also the group's first collective:
-    NCCL needs every rank of a group in its first batched point-to-point call, and a collective
-    first sets up the group's communicator on all of them."""
+    """A random message tag for a new schedule, broadcast from the group's first rank ([Note:
+    messages between stages]); also the group's first collective, which NCCL needs before its
+    first batched point-to-point call."""
     tag = torch.tensor([int.from_bytes(os.urandom(4), "little") % (2**31 - 1) + 1], dtype=torch.int64)
     tag = tag.to(device)
     dist.broadcast(tag, group=group, group_src=0)

@@ -1,12 +1,8 @@
 """`retune`: rebuild a running `PipelineSchedule` with lists fitted to its own measured step.
 
-See [Note: schedules tuned to measured costs] in ``_pipeline/_schedules/_schedule_tuned.py``. After a step, each rank
-knows the mean time of each kind of action on its own stages (`PipelineSchedule.last_action_times`).
-`retune` gathers them over the ``pp`` group (one ``all_gather_object``), so that every rank holds
-the same costs, fits the lists with `tune_schedule`, closes the old schedule and returns a new
-one on the same split with the same settings. Every rank must call it (a collective). On CUDA
-the runtime's action times are host times of asynchronous work; pass ``costs`` measured with
-CUDA events (or synchronized) there.
+A collective ([Note: schedules tuned to measured costs] in ``_pipeline/_schedules/_schedule_tuned.py``):
+gathers `PipelineSchedule.last_action_times` over ``pp``, fits with `tune_schedule`, closes the old
+schedule and returns a new one with the same settings. On CUDA pass ``costs`` timed with events.
 """
 
 from __future__ import annotations
@@ -23,11 +19,9 @@ __all__ = ["retune"]
 
 def retune(schedule: PipelineSchedule, *, costs: Mapping[tuple[str, int], float] | None = None,
            comm_time: float = 0.0, clock: str = "wall") -> PipelineSchedule:
-    """A `PipelineSchedule` like ``schedule`` (same split, microbatches, loss and settings, its
-    overlap function too) whose action lists fit ``costs`` (default: ``schedule``'s last step,
-    gathered from every pp rank; ``clock`` ``"wall"`` or ``"cpu"`` picks which of
-    `PipelineSchedule.last_action_times`); ``comm_time``: seconds per message between ranks. ``schedule`` is closed. See
-    [Note: schedules tuned to measured costs]."""
+    """A `PipelineSchedule` like ``schedule`` (same split and settings) whose lists fit ``costs``
+    (default: its last step's `PipelineSchedule.last_action_times`, ``clock`` ``"wall"`` or
+    ``"cpu"``, from every pp rank); ``comm_time``: seconds per message. ``schedule`` is closed."""
     if clock not in ("wall", "cpu"):
         raise ValueError(f"retune: clock={clock!r}; use 'wall' or 'cpu'")
     split = schedule.split

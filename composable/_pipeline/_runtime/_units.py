@@ -1,41 +1,22 @@
 """How a pipeline step drives the ``fully_shard`` units of this rank's stages.
 
 [Note: fully_shard units in a pipeline step]
-A stage runs ``m`` forwards and ``m`` backwards per step; a unit left to FSDP's own rules would
-all-gather its parameters in each of them and could reduce in each backward. `StageUnits`
-overrides three settings of every unit for the duration of one step, through the fully_shard
-wing's step overrides ([Note: step overrides] in ``_fsdp/_override.py``; the user's settings
-are never written):
+`StageUnits` overrides three settings of every unit for one step, through step overrides ([Note:
+step overrides] in ``_fsdp/_override.py``; the user's settings are never written):
+``requires_gradient_sync`` and ``reshard_after_backward`` are False in every backward of a stage
+but its last (each unit issues one reduce-scatter per step; with ``reduce_every_microbatch`` every
+backward reduces; a unit the user set to no sync reduces in none), and ``reshard_after_forward``
+is False during the step for units left at its default (torchtitan's choice; an explicit value is
+obeyed). So by default a unit gathers once per step and holds its parameters from its first
+forward to its last backward, as ZeRO-2 does, which the planner plans ([Note: the memory of a
+pipeline stage]); ``reshard_between_microbatches=True`` leaves FSDP's resharding alone.
 
-* ``requires_gradient_sync``: False in every backward of a stage but its last, so gradients
-  accumulate unsharded and each unit issues one reduce-scatter per step (one replica
-  all-reduce with HSDP). With ``reduce_every_microbatch`` every backward reduces. A unit the
-  user set to False before the step (accumulation over several steps, as with FSDP2) reduces
-  in none of them.
-* ``reshard_after_backward``: False in every backward of a stage but its last (as torch's own
-  schedules do with FSDP2): the next microbatch's forward and backward find the parameters
-  gathered.
-* ``reshard_after_forward``: False during the step for units that left it at its default
-  (torchtitan's choice with a pipeline: a per-microbatch all-gather cannot hide behind one
-  microbatch's compute). An explicit value is obeyed.
-
-So by default a unit gathers once per step, and a stage holds its parameters gathered from its
-first forward to its last backward, as ``SHARD_GRAD_OP`` (ZeRO-2) does; the memory planner
-plans that ([Note: the memory of a pipeline stage]). ``reshard_between_microbatches=True``
-leaves FSDP's resharding alone (``2 m`` all-gathers per unit per step, FSDP's memory).
-
-A split backward ([Note: split backward] in ``_pipeline/_split/_split_backward.py``) treats ``I`` as a backward
-that neither reduces nor reshards (its gradients reach no parameter) and ``W`` as the stage's
-backward for these rules: the reduce-scatter is issued after the stage's last ``W``, one per unit
-per step. ``W`` runs outside the units' autograd hooks (nothing of it passes their inputs or
-outputs), so `after_weight_grad` does what their end of backward does: reduce (or keep) the
-gradients and finish the reductions; a unit resharded since ``I`` is gathered again first.
-
-A step that fails must not leave parameters gathered (the modules would hold plain tensors
-instead of their shards: a checkpoint or an optimizer built then would see full tensors) nor
-the failed step's partial gradients in the units (the next step would add them in): `abandon`
-restores the settings, then every unit's root abandons the step as after a backward that
-raised ([Note: a backward that raised] in ``_fsdp/_state.py``).
+A split backward ([Note: split backward] in ``_pipeline/_split/_split_backward.py``): ``I``
+neither reduces nor reshards, ``W`` counts as the stage's backward. ``W`` runs outside the units'
+autograd hooks, so `after_weight_grad` does their end of backward (a unit resharded since ``I`` is
+gathered again first). A failed step must leave neither gathered parameters nor partial gradients:
+`abandon` restores the settings, then every unit's root abandons the step ([Note: a backward that
+raised] in ``_fsdp/_state.py``).
 """
 
 from __future__ import annotations
@@ -48,12 +29,9 @@ __all__ = ["StageUnits"]
 
 
 class StageUnits:
-    """The units of this rank's stages for one step; see [Note: fully_shard units in a pipeline step].
-
-    ``stages``: stage index -> module; ``keep``: keep parameters gathered between microbatches;
-    ``every_microbatch``: reduce after every backward. The units' settings are changed only
-    through step overrides ([Note: step overrides] in ``_fsdp/_override.py``): the user's
-    stay as they were."""
+    """The units of this rank's stages (stage -> module) for one step ([Note: fully_shard units in
+    a pipeline step]); ``keep``: gathered between microbatches; ``every_microbatch``: reduce after
+    every backward."""
 
     def __init__(self, stages: dict[int, nn.Module], keep: bool, every_microbatch: bool) -> None:
         self.units = {i: units_of(m) for i, m in stages.items()}

@@ -1,14 +1,10 @@
 """Agreeing on a local outcome before the first collective that depends on it.
 
 [Note: agreeing before the first collective]
-`pipeline_split` runs local work first (finding the blocks, running ``sample``, timing it) and
-then collectives (the measured costs are averaged over the ranks; later the stages talk
-point-to-point). A rank whose local work raised, or whose model differs from the others',
-would leave the others waiting in that first collective until the process group's timeout. So
-every rank first contributes its outcome (an error, or a fingerprint of the model's structure)
-to one all-gather, and all of them raise the same error if any rank failed or the fingerprints
-differ. The error a rank raised is raised as is when every rank raised the same; otherwise
-every rank raises one line naming the ranks that failed and the first one's error.
+A rank whose local work in `pipeline_split` raised, or whose model differs, would leave the others
+waiting in the first collective until the timeout. So every rank first puts its outcome (an
+error, or a fingerprint of the model) into one all-gather, and all raise together: the error as
+is when every rank raised the same, else one line naming the failed ranks and the first error.
 """
 
 from __future__ import annotations

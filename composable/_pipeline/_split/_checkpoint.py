@@ -1,16 +1,12 @@
 """State dicts of a split model with the keys and layouts of the unsplit one.
 
 [Note: checkpoints of a split model]
-``shardwise.checkpoint.save`` needs every rank to pass the same tensors (keys, shapes, dtypes,
-layouts) and lets exactly one rank write each piece. A rank of a pipeline holds only its
-stages' tensors, so `pipeline_state_dict` completes its state with the others': once per
-split, the ranks of a pipeline exchange what each holds (shape, dtype, the global ranks of its
-mesh, placements), and a tensor held elsewhere becomes a DTensor with that layout on a mesh of
-the owner stage's ranks that this rank is not part of (see ``_compat.py``): it writes and
-reads nothing of it. A plain tensor (a parameter neither sharded nor TP'd), the same on every
-rank of its stage, is described as ``Replicate`` over its stage's ranks, so only the stage's
-first rank writes it. The keys are those of the unsplit model, so the checkpoint loads into a
-``pp=1`` model (``get_model_state_dict``) or any other pipeline/dp/tp layout, and vice versa.
+``save`` needs the same tensors on every rank, each piece written by one rank. So
+`pipeline_state_dict` completes a rank's state with the other stages': once per split the ranks
+exchange what each holds (shape, dtype, mesh ranks, placements), and a tensor held elsewhere
+becomes a DTensor on a mesh of its stage's ranks that excludes this rank (``_compat.py``), so this
+rank writes and reads none of it. A plain tensor is ``Replicate`` over its stage's ranks. The keys
+are the unsplit model's, so the checkpoint loads into any pipeline/dp/tp layout.
 """
 
 from __future__ import annotations
@@ -29,9 +25,8 @@ __all__ = ["pipeline_state_dict", "pipeline_optimizer_state_dict", "set_pipeline
 
 
 def _stage_ranks(split: PipelineSplit) -> list[int]:
-    """The global ranks holding this rank's stage: from the ``pp`` mesh (``split.stage_ranks``,
-    wherever the ``pp`` axis sits in it), or, for a 1-D mesh that cannot tell, the ranks of the
-    world on this rank's pipeline position (one all-gather, every rank saves together)."""
+    """The global ranks holding this rank's stage: ``split.stage_ranks``, or for a 1-D mesh that
+    cannot tell, the world's ranks at this pipeline position (one all-gather)."""
     if split.stage_ranks is not None:
         return list(split.stage_ranks)
     positions: list = [None] * dist.get_world_size()

@@ -1,15 +1,9 @@
-"""The private torch APIs the pipeline needs, kept here (house rule: private APIs only in
-compat modules).
+"""The private torch APIs the pipeline needs (house rule: private APIs only in compat modules).
 
-A checkpoint must see every tensor of the unsplit model on every rank, with the same layout,
-while only the ranks of one stage hold it ([Note: checkpoints of a split model] in
-``_checkpoint.py``). For a tensor held by another stage we describe it as a DTensor on that
-stage's mesh, which does not contain this rank: a ``DeviceMesh`` built with
-``_init_backend=False`` names those ranks without creating process groups (no collective, no
-communication ever happens on it), and this rank's coordinate on it is None, so it neither
-writes nor reads any of that tensor.
-
-`weight_grads_of` reads what autograd nodes saved ([Note: weight gradients from saved tensors]).
+A tensor held by another stage ([Note: checkpoints of a split model] in ``_checkpoint.py``) is a
+DTensor on a ``DeviceMesh`` built with ``_init_backend=False``: it names that stage's ranks with
+no process groups, and this rank's coordinate on it is None. `weight_grads_of` reads what autograd
+nodes saved ([Note: weight gradients from saved tensors]).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """What each part of a model costs, for balancing: measured time, parameter bytes, activation bytes.
 
 [Note: measuring block costs]
-One instrumented forward + backward of the whole (unsplit) model on a sample batch gives every
-part's cost at once. Forward hooks on the blocks time each block's forward; what runs before
-the first block is ``pre`` (embedding), what runs after the last block, loss included, is
-``post``. In backward, a hook on each block's input tensor fires when the gradient with respect
-to it is complete, i.e. when that block's backward is done; block ``i``'s backward time is the
-gap between the hooks of blocks ``i + 1`` and ``i`` (backward runs last block first), ``post``'s is from the start of backward to
-the last block's output hook, ``pre``'s from block 0's input hook to the end. On CUDA each hook
-synchronizes first and reads the wall clock; on CPU the clock is the process CPU time, which
-other load on a shared machine disturbs far less than wall time. One warm-up pass, then the median of ``repeats`` passes. Activation bytes
-are the bytes autograd saves for backward in each part (``saved_tensors_hooks``), parameters
-excluded; parameter bytes need no pass at all.
+One instrumented forward + backward of the unsplit model on a sample batch gives every part's
+cost: forward hooks time each block, ``pre`` is what runs before the first block, ``post`` what
+runs after the last (loss included). In backward a hook on each block's input fires when that
+block's backward is done, so block ``i``'s time is the gap between the hooks of blocks ``i + 1``
+and ``i``. On CUDA each hook synchronizes and reads the wall clock; on CPU the clock is process
+CPU time (less disturbed by load). One warm-up, then the median of ``repeats`` passes. Activation
+bytes are what autograd saves (``saved_tensors_hooks``), parameters excluded.
 """
 
 from __future__ import annotations
@@ -113,10 +109,8 @@ def _one_pass(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[], t
 
 def measure_costs(model: nn.Module, blocks: Sequence[nn.Module], run: Callable[[], torch.Tensor], kind: str,
                   repeats: int = 3, average: bool = True) -> Costs:
-    """``(pre, per block, post)`` measured on ``run()`` (forward + loss of a sample batch, returning the
-    loss) as described in [Note: measuring block costs]. With ``average``, costs are averaged over
-    all ranks of the default group when it is initialized (`average_costs`), so every rank plans
-    the same split."""
+    """``(pre, per block, post)`` measured on ``run()`` ([Note: measuring block costs]); with
+    ``average``, averaged over the default group (`average_costs`) so every rank plans alike."""
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     clock = time.perf_counter if dev.type == "cuda" else time.process_time

@@ -1,22 +1,14 @@
-"""Where a stage's backward graph splits for ``I`` and ``W``, found once per stage and reused.
-
-[Note: split backward] in ``_split_backward.py`` says what the split is: ``X``, the nodes with a
-path to the stage input's node, its *frontier sources* (nodes of ``X`` with children outside it)
-and their *frontier edges*. `graph_split` finds them with a post-order walk of the whole graph.
+"""Where a stage's backward graph splits for ``I`` and ``W`` ([Note: split backward] in
+``_split_backward.py``): ``X`` and its frontier, found by a post-order walk, once per stage.
 
 [Note: recorded graph shape]
-Every microbatch of a stage runs the same forward, so its graph has the same shape; only the node
-objects are new. `GraphShape` is that shape: the nodes numbered breadth-first from the root (in
-``next_functions`` order), each node's class and, per ``next_functions`` slot, the number of the
-child (-1 for none) and the output number. Two graphs with equal shapes are the same labelled DAG
-(nodes shared the same way, the same classes), so with the stage input's node at the same number
-the same nodes reach it and the split, kept as numbers (`SplitCache`), is the split of the new
-graph, exactness and the reentrant-checkpoint flag included. Any difference — another class, another
-fan-out, a node shared differently, the input elsewhere (data-dependent control flow, an expert that
-gets no token) — makes the shapes unequal; the new graph is then walked in full and its split
-recorded instead (`SplitCache.misses` counts those). Numbering is one breadth-first pass with one
-dict; comparing two shapes is a tuple comparison. Measured on a 4-block stage of the example Llama
-(353 nodes): numbering 150 us against 640 us for the walk it replaces.
+Every microbatch of a stage runs the same forward, so its graph has the same shape. `GraphShape`
+numbers the nodes breadth-first from the root and records each node's class and, per
+``next_functions`` slot, the child's number and output number. Equal shapes are the same labelled
+DAG, so with the input's node at the same number the split kept as numbers (`SplitCache`) is the
+new graph's split. Any difference (data-dependent control flow, an expert that gets no token) walks
+the new graph in full and records its split (`SplitCache.misses`). Example Llama, 4-block stage
+(353 nodes): numbering 150 us against 640 us for the walk.
 """
 
 from __future__ import annotations

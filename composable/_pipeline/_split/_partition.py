@@ -1,16 +1,11 @@
 """Balanced contiguous partitioning of a chain of blocks into pipeline stages (pure, no torch).
 
 [Note: the partition problem]
-A model is ``pre -> block_0 -> ... -> block_{n-1} -> post``. Stage ``k`` takes the contiguous
-blocks ``bounds[k] .. bounds[k+1]-1``; stage 0 also runs ``pre`` (embedding) and the last stage
-``post`` (final norm, output head, loss), so their costs are added there instead of being taken
-as free. The step time of a pipeline is set by its slowest stage, so we minimise
-``max_k cost(stage k)`` under "every stage has at least one block". For a chain this is exact
-with dynamic programming over prefix sums: ``best[k][j]`` is the smallest possible slowest
-stage when the first ``j`` blocks form ``k`` stages; ``best[k][j] = min_i max(best[k-1][i],
-sum(i..j-1))``. That is O(S n^2) additions, nothing for the few hundred blocks of a real
-model. Ties are broken towards the split whose stage costs, read from the last stage backwards,
-are lexicographically smallest, so the result is deterministic (the same on every rank).
+Stage ``k`` takes blocks ``bounds[k] .. bounds[k+1]-1``; stage 0 also costs ``pre``, the last
+``post``. We minimise ``max_k cost(stage k)`` with at least one block per stage, exactly, by
+dynamic programming over prefix sums: ``best[k][j] = min_i max(best[k-1][i], sum(i..j-1))``
+(O(S n^2)). Ties go to the split whose stage costs, read from the last stage back, are
+lexicographically smallest, so every rank gets the same result.
 """
 
 from __future__ import annotations
@@ -25,13 +20,9 @@ __all__ = ["StagePlan", "balanced_bounds", "plan_from_bounds", "uniform_bounds"]
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Which blocks each pipeline stage runs, and what it costs.
-
-    ``bounds``: ``len(bounds) == stages + 1``; stage ``k`` runs blocks ``bounds[k]`` to
-    ``bounds[k+1] - 1``. ``costs``: per stage, its blocks plus ``pre`` on stage 0 and ``post``
-    on the last. ``cost_kind``: what the numbers measure (``"time"`` seconds, ``"params"`` bytes,
-    ``"activations"`` bytes, ``"given"``).
-    """
+    """Which blocks each stage runs and what it costs: stage ``k`` runs blocks ``bounds[k]`` to
+    ``bounds[k+1] - 1``; ``costs`` per stage (``pre`` on the first, ``post`` on the last), in
+    ``cost_kind`` (``"time"`` seconds, ``"params"`` / ``"activations"`` bytes, ``"given"``)."""
 
     bounds: tuple[int, ...]
     costs: tuple[float, ...]
@@ -140,11 +131,8 @@ def uniform_bounds(n: int, stages: int) -> tuple[int, ...]:
 
 def plan_from_bounds(costs: Sequence[float], bounds: Sequence[int], *, pre: float = 0.0, post: float = 0.0,
                      cost_kind: str = "given") -> StagePlan:
-    """Check explicit ``bounds`` (or split points) and attach the stage costs.
-
-    ``bounds`` may be the full ``(0, b_1, ..., n)`` or only the inner split points
-    ``(b_1, ..., b_{S-1})``: block indices where a new stage starts.
-    """
+    """Check explicit ``bounds`` (the full ``(0, b_1, ..., n)`` or the inner split points) and
+    attach the stage costs."""
     n = len(costs)
     b = [int(x) for x in bounds]
     if not b or b[0] != 0 or b[-1] != n:

@@ -1,28 +1,17 @@
 """Split a model with a list of blocks into this rank's pipeline stages, names unchanged.
 
 [Note: how a model is split]
-The model is ``pre-modules -> layers[0] -> ... -> layers[n-1] -> post-modules``, where
-``layers`` is a list of blocks (``model.layers``, ``model.model.layers``, or the dotted path
-given) and the model's own ``forward`` loops over it. The pre-modules (embedding) are the
-children with parameters of the modules on the path to ``layers`` that run before the first
-block, the post-modules (final norm, head) those that run after; children without parameters
-(a rotary-table module) are kept on every stage.
-
-This rank keeps, in the model object it was given (*the rank model*), only the blocks of its
-stages, under their original names (``layers.5`` stays ``layers.5``), and the pre/post-modules
-only if it holds the first/last stage; the others become parameter-less stand-ins. So
-``state_dict()``/``named_parameters()`` of the rank model have the fully-qualified names of the
-unsplit model, and the optimizer is built on ``rank_model.parameters()``.
-
-Each stage runs through a *stage shell*: a shallow copy of the path modules (same submodules,
-own module dict and hooks) whose ``layers`` holds only that stage's blocks. Calling the shell
-runs the model's own ``forward`` (its control flow, module reuse and extra arguments stay as
-written): on a stage after the first, the pre-modules are replaced by ``_Feed``, which returns
-the activation received from the previous stage, and a pre-hook on the stage's first block
-swaps that activation (the one gradients flow to) into its input; on a stage before the last,
-the post-modules are identities and the output of the stage's last block is what is sent on.
-``fully_shard`` is applied per stage: to each block, then to the shell (the unit of the
-embedding or head).
+The model is ``pre-modules -> layers[0..n-1] -> post-modules``; its own ``forward`` loops over
+``layers`` (``model.layers``, ``model.model.layers`` or a dotted path). Pre-modules (embedding)
+and post-modules (norm, head) are the children with parameters on the path to ``layers`` that run
+before / after the blocks; children without parameters stay on every stage. The rank model keeps
+only its stages' blocks under their original names (and the pre/post-modules on the first/last
+stage; the others become parameter-less stand-ins), so its ``state_dict()`` has the unsplit
+model's names. Each stage runs through a *stage shell*: a shallow copy of the path modules whose
+``layers`` holds only its blocks, running the model's own ``forward``; after the first stage the
+pre-modules are a ``_Feed`` returning the received activation (swapped into the first block's
+input by a pre-hook); before the last the post-modules are identities and the last block's output
+is sent on. ``fully_shard`` goes per stage: each block, then the shell.
 """
 
 from __future__ import annotations

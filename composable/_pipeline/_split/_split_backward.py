@@ -1,61 +1,39 @@
 """A stage's backward in two halves: the input gradient now (``I``), the weight gradients later (``W``).
 
 [Note: split backward]
-Zero-bubble schedules run a stage's backward as ``I`` — only the gradient of the stage's input,
-which the previous stage waits for — and, later, ``W`` — the gradients of its parameters, which
-nothing waits for. Both run on the autograd graph of the one forward; nothing is recomputed
-(beyond what activation checkpointing recomputes anyway).
+Zero-bubble schedules run a stage's backward as ``I`` (the input gradient the previous stage waits
+for) and later ``W`` (the parameters' gradients), both on the one forward's graph, recomputing
+nothing. The graph from the output ``y`` splits into ``X``, the nodes with a path to the input
+``x``, and the rest; a path to a parameter leaves ``X`` once, along a *frontier edge* ``N -> M``.
 
-The graph from the stage's output ``y`` splits into ``X``, the nodes with a path to the stage
-input ``x``, and the rest, which only lead to parameters (and other leaves). A path from ``y``
-to a parameter runs through ``X`` and leaves it once, along a *frontier edge* ``N -> M`` (``N``
-in ``X``, ``M`` not; nothing outside ``X`` leads back into it). So:
+* ``I`` = ``torch.autograd.grad(y, x, g, retain_graph=True)``: autograd computes only the outputs
+  on paths to ``x`` (``dX = dY W``, not ``dW``). A pre-hook on every frontier source ``N`` keeps
+  the gradient that reached it.
+* ``W``, phase 1: each source's skipped outputs (``dW``) from the kept gradient: for a linear's or
+  a gain's node by autograd's formula on what ``N`` saved ([Note: weight gradients from saved
+  tensors] in ``_compat.py``), else ``autograd.grad`` from ``N`` to its frontier edges. Phase 2:
+  ``autograd.backward`` from the frontier edges ([Note: weight gradients in bounded batches]), so
+  ``.grad`` accumulates as ``loss.backward()``.
 
-* ``I`` = ``torch.autograd.grad(y, x, g, retain_graph=True)``. autograd runs only the nodes on
-  paths to ``x`` and, inside each, computes only the outputs on them (a linear layer's
-  ``dX = dY W``, not its ``dW = dY^T X``). A pre-hook on every frontier source ``N`` keeps the
-  gradient that reached ``N`` (its ``grad_outputs``).
-* ``W``, phase 1: for each frontier source ``N``, the outputs ``I`` skipped (``dW``), from the
-  kept gradient: for a linear's or a gain's node, by autograd's own formula on what ``N`` saved
-  ([Note: weight gradients from saved tensors] in ``_compat.py``; no engine call); for any other
-  node, ``autograd.grad`` from ``N`` (a ``GradientEdge`` with the kept gradient) to its own
-  frontier edges, which runs ``N`` once more. Phase 2: ``autograd.backward`` from the frontier
-  edges with those gradients, outside ``X``, in bounded batches ([Note: weight gradients in
-  bounded batches]): the parameters' ``AccumulateGrad`` nodes (and their hooks) run as in a full
-  backward, so ``.grad`` accumulates as ``loss.backward()``.
-
-Phase 1 runs ``N`` alone only if no other path from ``N`` reaches its frontier edges; the plan
-checks the sufficient condition "each frontier target has one frontier source and none is
-reachable from another" (true of ordinary layers, tied weights used through separate ops
-included). Where it fails (one parameter's ``AccumulateGrad`` fed directly by two nodes of
-``X``, say a norm module run twice), ``W`` falls back to ``autograd.backward(y, g)`` over the
-retained graph: exact, at the cost of walking ``X`` again. On the first stage there is no
-``x``: ``I`` does nothing and ``W`` is the full backward. A reentrant activation checkpoint
-(``use_reentrant=True``) computes its weight gradients inside its own backward, during ``I``;
-the result is the same. Finding ``X`` and the frontier is a walk of the graph; a stage's
-`SplitCache` does it once and reuses it while the graph keeps its shape ([Note: recorded graph
-shape] in ``_graph_split.py``).
+Phase 1 is exact if each frontier target has one frontier source and none is reachable from
+another (the plan checks this); otherwise ``W`` falls back to ``autograd.backward(y, g)`` over
+the retained graph. On the first stage ``I`` does nothing and ``W`` is the full backward. A
+reentrant checkpoint computes its weight gradients during ``I``; the result is the same. A
+stage's `SplitCache` finds ``X`` and the frontier once ([Note: recorded graph shape] in
+``_graph_split.py``).
 
 [Note: what I keeps for W]
-Right after ``I``, each frontier source of a linear's or a gain's node is *bound*
-(`bind_weight_grads`): its kept gradient and the saved operand its ``dW`` reads (the layer's
-input) go into a small function, and the node itself is let go. With every source bound and the
-outputs dropped (an exact split's ``W`` never starts from them) nothing holds ``X`` any more: the
-rest of the stage's activations — attention scores, norm statistics, activation inputs, all
-that only the input path needed — are freed when ``I`` ends instead of when ``W`` does. A
-source that cannot be bound (another node type, an operand behind an unpack hook such as a
-non-reentrant checkpoint's, which is read only when ``W`` needs it so that nothing the checkpoint
-dropped is kept) holds its node, and so the graph below it, until ``W``.
+Right after ``I`` each frontier source of a linear's or a gain's node is *bound*
+(`bind_weight_grads`): its kept gradient and the operand its ``dW`` reads go into a small
+function and the node is let go, so the rest of ``X`` (attention scores, norm statistics...) is
+freed when ``I`` ends, not when ``W`` does. A source that cannot be bound (another node type, an
+operand behind an unpack hook such as a non-reentrant checkpoint's) holds its node until ``W``.
 
 [Note: weight gradients in bounded batches]
-``W`` computes the sources' ``dW`` one after another and hands them to the engine (phase 2) once
-`PHASE2_BYTES` of them are waiting, instead of all at the end: each batch's gradients are added
-into ``.grad`` and freed before the next are made, so a ``W`` holds about one layer's weight
-gradients at a time, in memory the allocator just freed, not a whole stage's fresh. Measured
-on the example Llama at dim 512 (``zbv``, p=2, torch's list): 25 000 page faults a step on a
-rank with one batch, 3 600 with batches (torch's runtime 2 400). A batch ends only where no
-parameter gets gradients from both sides (a tied weight's two uses go in one batch), so each
-``AccumulateGrad`` still runs once per ``W`` with the sum of its inputs, bit for bit as one call.
+``W`` hands the sources' ``dW`` to the engine once `PHASE2_BYTES` of them wait, so it holds about
+one layer's weight gradients at a time (example Llama, dim 512, ``zbv``, p=2: 3 600 page faults a
+step instead of 25 000; torch 2 400). A batch ends only where no parameter gets gradients from
+both sides, so each ``AccumulateGrad`` runs once per ``W`` with the sum of its inputs.
 """
 
 from __future__ import annotations

@@ -27,15 +27,11 @@ __all__ = ["PipelineSplit", "pipeline_split", "plan_stages"]
 class PipelineSplit:
     """This rank's part of a pipelined model.
 
-    ``module``: the rank model (the object passed in, now holding only this rank's blocks and,
-    on the first/last stage, the pre/post-modules; names as in the unsplit model): build the
-    optimizer on ``module.parameters()``, checkpoint ``module``. ``stages``: this rank's
-    `StageShell`s (one, or ``virtual_stages`` for interleaved schedules), to tensor-parallelise
-    and ``fully_shard`` (each ``stage.blocks``, then ``stage.module``). ``plan``: the
-    `StagePlan` of all stages. ``pp_group``/``pp_rank``/``pp_size``: the pipeline group.
-    ``stage_ranks``: the global ranks that hold this rank's stages (this rank's coordinate on
-    the ``pp`` axis, every other axis of the mesh), from the mesh; None when the mesh cannot
-    tell (a 1-D mesh over part of the world, not sliced from a mesh with that axis).
+    ``module``: the rank model (only this rank's blocks, pre/post-modules on the first/last stage,
+    unsplit names): build the optimizer on it and checkpoint it. ``stages``: this rank's
+    `StageShell`s, to TP and ``fully_shard`` (each ``stage.blocks``, then ``stage.module``).
+    ``plan``: the `StagePlan`. ``stage_ranks``: the global ranks holding this rank's stages (None
+    when the mesh cannot tell).
     """
 
     module: nn.Module
@@ -190,31 +186,22 @@ def pipeline_split(model: nn.Module, pp_mesh: DeviceMesh | None = None, *, virtu
                    verbose: bool = True, placement: str = "loop") -> PipelineSplit:
     """Split ``model`` into ``pp * virtual_stages`` contiguous stages and keep this rank's.
 
-    Call on every rank with the same unsplit model (same seed), before tensor parallelism and
-    ``fully_shard``. Stage ``s`` goes to rank ``s % pp`` of ``pp_mesh`` (the 1-D ``pp`` mesh,
-    ``shardwise.mesh.pipeline_mesh(mesh)``, or a mesh with a ``pp`` axis, wherever it sits;
-    None: every rank of the default group is one stage).
+    Call on every rank with the same unsplit model (same seed), before TP and ``fully_shard``.
+    ``pp_mesh``: the 1-D ``pp`` mesh or a mesh with a ``pp`` axis (None: the default group).
 
     Args:
         virtual_stages: stages per rank (``> 1`` for the interleaved schedules, 2 for ``zbv``).
-        placement: ``"loop"`` (stage ``s`` on rank ``s % pp``) or ``"v"`` (the V of ``zbv``:
-            rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``); the schedule's own
-            (``ScheduleSpec.placement``). See [Note: stage placement] in ``_pipeline/_schedules/_placement.py``.
+        placement: ``"loop"`` (stage ``s`` on rank ``s % pp``) or ``"v"`` (``zbv``'s V); the
+            schedule's own ([Note: stage placement] in ``_pipeline/_schedules/_placement.py``).
         layers: dotted path of the blocks list; default ``layers`` or ``model.layers``.
-        cost: what to balance: ``"time"`` (measured forward+backward of each block, the
-            embedding and the head+loss on ``sample``; averaged over ranks), ``"params"``
-            (parameter bytes) or ``"activations"`` (bytes saved for backward on ``sample``).
-        split_points: explicit block indices where stages 1.. start (or full bounds); then
-            nothing is measured.
-        sample: ``sample(model) -> loss`` on a sample batch (needed for time/activations; also
-            used to tell pre- from post-modules by when they run).
+        cost: what to balance: ``"time"`` (measured on ``sample``, averaged over ranks),
+            ``"params"`` (bytes) or ``"activations"`` (bytes saved for backward on ``sample``).
+        split_points: block indices where stages 1.. start (or full bounds); nothing is measured.
+        sample: ``sample(model) -> loss`` on a sample batch (for time/activations, and to tell
+            pre- from post-modules).
         verbose: print the plan on global rank 0.
 
-    Errors (the same on every rank, agreed before the first collective: [Note: agreeing
-    before the first collective]): ``ValueError`` for more stages than blocks, no blocks list,
-    bad split points, parameters tied across stages, a model already split, models that
-    differ between ranks; ``sample`` raising on any rank; ``TypeError`` for a ``pp_mesh`` that
-    is not a mesh.
+    Errors are the same on every rank ([Note: agreeing before the first collective]).
     """
     pipe = _pipeline_of(pp_mesh)
     group, pp_rank, pp = pipe.group, pipe.rank, pipe.size
