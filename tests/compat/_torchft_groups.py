@@ -1,0 +1,176 @@
+"""Replica groups under torchft on one machine, for tests and benchmarks: a lighthouse on
+127.0.0.1, groups of real processes (`tests/compat/_torchft_rank.py`), kills and restarts.
+
+Every rank of a group is in one process group (the first rank leads it), so a group is killed
+by one signal; `Cluster` is a context manager whose exit kills every group it started and the
+lighthouse, whatever happened. Every wait is bounded and a failed wait raises with the tail of
+every rank's log and its step records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lighthouse_binary() -> str | None:
+    """The ``torchft_lighthouse`` of torchft's wheel, beside this interpreter or on ``PATH``."""
+    here = Path(sys.executable).parent / "torchft_lighthouse"
+    return str(here) if here.exists() else shutil.which("torchft_lighthouse")
+
+
+@dataclass
+class Group:
+    """One replica group's processes (rank 0 leads their process group)."""
+    gid: int
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+    records: list[Path]
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        try:
+            os.killpg(self.procs[0].pid, sig)
+        except ProcessLookupError:
+            pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=30)
+
+
+@dataclass
+class Cluster:
+    """A lighthouse and the replica groups of one scenario, in ``workdir``."""
+    workdir: Path
+    impl: str
+    ranks: int = 2
+    heartbeat_ms: int = 1000
+    join_ms: int = 3000
+    rank_timeout: float = 30.0
+    groups: dict[int, Group] = field(default_factory=dict)
+    lighthouse: subprocess.Popen | None = None
+    url: str = ""
+    starts: int = 0
+
+    def __enter__(self) -> "Cluster":
+        binary = lighthouse_binary()
+        assert binary, "torchft_lighthouse is not installed (torchft's wheel has it)"
+        port = free_port()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._lh_log = open(self.workdir / "lighthouse.log", "w")
+        self.lighthouse = subprocess.Popen(
+            [binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
+             "--join_timeout_ms", str(self.join_ms), "--heartbeat_timeout_ms", str(self.heartbeat_ms),
+             "--quorum_tick_ms", "50"], stdout=self._lh_log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert self.lighthouse.poll() is None and time.monotonic() < deadline, (
+                "the lighthouse did not start: " + (self.workdir / "lighthouse.log").read_text()[-2000:])
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for g in self.groups.values():
+            g.kill()
+        if self.lighthouse is not None:
+            self.lighthouse.kill()
+            self.lighthouse.wait(timeout=30)
+        self._lh_log.close()
+
+    def start(self, gid: int, *args: str, ranks: int | None = None) -> Group:
+        """Start replica group ``gid`` (all its ranks); its step records go on after a restart."""
+        ranks = ranks or self.ranks
+        port = free_port()
+        procs, logs, records = [], [], []
+        self.starts += 1
+        for r in range(ranks):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                       WORLD_SIZE=str(ranks), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(ranks),
+                       TORCHFT_LIGHTHOUSE=self.url, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                       PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+            log = self.workdir / f"g{gid}r{r}.log"
+            rec = self.workdir / f"g{gid}r{r}.jsonl"
+            out = open(log, "a")
+            out.write(f"--- start {self.starts} ---\n")
+            out.flush()
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.compat._torchft_rank", "--impl", self.impl,
+                 "--group", str(gid), "--dir", str(self.workdir), "--log", str(rec),
+                 "--timeout", str(self.rank_timeout), *args],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                process_group=0 if r == 0 else procs[0].pid))
+            out.close()
+            logs.append(log)
+            records.append(rec)
+        self.groups[gid] = Group(gid, procs, logs, records)
+        return self.groups[gid]
+
+    def go(self, timeout: float) -> None:
+        """Once every rank of every group started with ``--wait-go`` heartbeats, let them step."""
+        want = [f"ready.g{g}r{r}" for g, grp in self.groups.items() for r in range(len(grp.procs))]
+        self.wait("every rank to reach the lighthouse",
+                  lambda: all((self.workdir / n).exists() for n in want), timeout)
+        (self.workdir / "go").touch()
+
+    def records(self, gid: int, rank: int = 0) -> list[dict]:
+        path = self.workdir / f"g{gid}r{rank}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+    def step(self, gid: int, rank: int = 0) -> int:
+        recs = self.records(gid, rank)
+        return recs[-1]["step"] if recs else -1
+
+    def stop_at(self, step: int) -> None:
+        tmp = self.workdir / "stop.tmp"
+        tmp.write_text(str(step))
+        tmp.replace(self.workdir / "stop")
+
+    def report(self) -> str:
+        out = []
+        for path in sorted(self.workdir.glob("*.log")):
+            out.append(f"==== {path.name} (tail)\n{path.read_text(errors='replace')[-3000:]}")
+        for path in sorted(self.workdir.glob("*.jsonl")):
+            lines = path.read_text().splitlines()
+            out.append(f"==== {path.name}: {len(lines)} records, last: {lines[-3:]}")
+        return "\n".join(out)
+
+    def wait(self, what: str, pred, timeout: float) -> None:
+        """Poll ``pred()`` until true; fail after ``timeout`` s with every group's logs."""
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.report()}")
+            time.sleep(0.1)
+
+    def wait_exit(self, gid: int, timeout: float) -> list[int]:
+        g = self.groups[gid]
+        self.wait(f"group {gid} to exit", lambda: not g.alive(), timeout)
+        return [p.returncode for p in g.procs]
