@@ -174,3 +174,39 @@ class Cluster:
         g = self.groups[gid]
         self.wait(f"group {gid} to exit", lambda: not g.alive(), timeout)
         return [p.returncode for p in g.procs]
+
+
+def kill_and_heal(c: Cluster, *, die_at: int = 3, down_steps: int = 3, pace: float = 0.1,
+                  layout: tuple[str, ...] = (), wait_s: float = 240.0) -> dict[str, int]:
+    """Groups 0 and 1 start together; group 1's rank 1 leaves by ``os._exit`` at step ``die_at``
+    (the launcher then kills what is left of the group); group 0 steps alone for ``down_steps``;
+    group 1 restarts and heals; after one step back the whole group is killed by ``SIGKILL``;
+    group 0 steps alone again, group 1 restarts and heals again, and both stop two steps later.
+    Returns the survivor's step at each event (the test checks the records)."""
+    common = ("--pace", str(pace), *layout)
+    c.start(0, "--wait-go", *common)
+    c.start(1, "--wait-go", "--die-at", str(die_at), *common)
+    c.go(wait_s)
+    g1 = c.groups[1]
+    c.wait("group 1 rank 1 to exit at its step", lambda: g1.procs[1].poll() is not None, wait_s)
+    events = {"exit": c.step(0)}
+    g1.kill()
+    c.wait("group 0 to step alone", lambda: c.step(0) >= events["exit"] + down_steps, wait_s)
+    events["restart1"] = c.step(0)
+    c.start(1, *common)
+    c.wait("group 1 to heal and commit", lambda: c.step(1) > events["restart1"], wait_s)
+    events["back1"] = c.step(1)
+    c.wait("group 1 to step once more", lambda: c.step(1) > events["back1"], wait_s)
+    c.groups[1].kill(signal.SIGKILL)
+    events["killed"] = c.step(0)
+    c.wait("group 0 to step alone again", lambda: c.step(0) >= events["killed"] + down_steps, wait_s)
+    events["restart2"] = c.step(0)
+    c.start(1, *common)
+    c.wait("group 1 to heal again", lambda: c.step(1) > events["restart2"], wait_s)
+    events["back2"] = c.step(1)
+    events["stop"] = max(c.step(0), c.step(1)) + 2
+    c.stop_at(events["stop"])
+    for gid in (0, 1):
+        codes = c.wait_exit(gid, wait_s)
+        assert codes == [0] * len(codes), f"group {gid} exited with {codes}\n{c.report()}"
+    return events

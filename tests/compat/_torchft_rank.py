@@ -17,9 +17,11 @@ Run as ``python -m tests.compat._torchft_rank --impl torch|shardwise ...`` (`tes
 starts the processes). ``--impl shardwise`` rebinds torch's FSDP2 / DCP names to shardwise's
 before anything imports them (only the imports change); the rank asserts which implementation's
 ``FSDPModule`` its units are. Each rank appends one JSON line per step to ``--log``:
-``{"step", "committed", "participants", "sha", "hook", "t"}`` — ``step`` the manager's step after
-the step, ``sha`` a digest of this rank's parameter and optimizer shards, ``hook`` the sum of the
-gradients the all-reduce hook saw, ``t`` the wall time of the step. It stops when the manager's
+``{"step", "committed", "participants", "participating", "sha", "hook", "live", "t"}`` — ``step`` the manager's step after
+the step, ``participating`` False on a step this group healed in (torchft zeroes its contribution),
+``sha`` a digest of this rank's parameter and optimizer shards, ``hook`` per hook call the sum
+of the reduced gradient before and after the all-reduce over the groups, ``live`` whether the
+served (cached) state dict equals the parameters, ``t`` the wall time of the step. It stops when the manager's
 step reaches the number written in ``<--dir>/stop`` (the launcher writes it), or ``--steps``.
 
 ``--die-at S`` makes group rank ``--die-rank`` leave by ``os._exit(1)`` when it is at step S.
@@ -112,6 +114,11 @@ def _digest(model, optim) -> str:
     return h.hexdigest()[:16]
 
 
+def _local(t):
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _batch(group: int, step: int):
     import torch
     g = torch.Generator().manual_seed(1000 * group + 10 * step + int(os.environ["RANK"]))
@@ -159,14 +166,15 @@ def main(argv: list[str] | None = None) -> None:
                          load_state_dict=None, state_dict=None, use_async_quorum=not semi,
                          replica_id=f"torchtitan_ft_{a.group}", timeout=timeout,
                          quorum_timeout=timeout, connect_timeout=timeout)
-    hook_seen: list[float] = []
+    hook_seen: list[tuple[float, float]] = []  # per hook call: (sum of its input, sum after the all-reduce)
     if not semi:
         replicate_pg = ManagedProcessGroup(manager)
         replicate_pg.register("dp_replicate")
 
         def all_reduce_hook(output):
-            hook_seen.append(float(output.double().sum()))
+            before = float(output.double().sum())
             dist.all_reduce(output, group=replicate_pg, op=ReduceOp.AVG)
+            hook_seen.append((before, float(output.double().sum())))
 
         for m in units:
             m.set_all_reduce_hook(all_reduce_hook)
@@ -192,7 +200,12 @@ def main(argv: list[str] | None = None) -> None:
     def record(committed: bool, t: float) -> None:
         log.write(json.dumps({"step": manager.current_step(), "committed": committed,
                               "participants": manager.num_participants(),
-                              "sha": _digest(model, optim), "hook": sum(hook_seen), "t": t}) + "\n")
+                              "participating": manager.is_participating(),
+                              "sha": _digest(model, optim), "hook": hook_seen, "live": live(), "t": t}) + "\n")
+
+    def live() -> bool:  # the served (cached) state dict is the model's current state
+        params = dict(model.named_parameters())
+        return all(torch.equal(_local(v), _local(params[k])) for k, v in cache["model"].items() if k in params)
 
     def forward_backward(step: int) -> None:
         x, y = _batch(a.group, step)

@@ -1,0 +1,117 @@
+"""torchft as a real client, torch's FSDP2 vs shardwise (only the imports changed).
+
+torchtitan 0.2.2's ``FTManager`` flow (`tests/compat/_torchft_rank.py` says line by line what
+it wires): 2 replica groups x 2 ranks, each an ordinary FSDP job; a lighthouse on 127.0.0.1
+started and stopped here; gradients averaged across groups by ``set_all_reduce_hook`` through
+torchft's ``ManagedProcessGroup``; ``torchft.Optimizer`` commits a step only when every
+participant succeeded; a restarted group heals from the live one through the Manager's
+state-dict functions (the cached ``get_model_state_dict`` / ``get_optimizer_state_dict``).
+
+The scenario (`kill_and_heal`) runs once per implementation and is shared by the tests: group
+1's rank 1 leaves by ``os._exit`` at step 3; group 0 steps alone; group 1 restarts and heals; then
+the whole group 1 is killed by ``SIGKILL`` and restarted again. Each rank writes one record per
+step (its manager's step, whether it committed, the participants, a digest of its parameter and
+optimizer shards, what its all-reduce hook saw before and after the all-reduce, whether the
+served state dict is the live state). A failure prints every rank's log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+
+from tests.compat._torchft_groups import Cluster, kill_and_heal, lighthouse_binary
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None or lighthouse_binary() is None,
+                                reason="torchft (with its torchft_lighthouse) is not installed")
+
+IMPLS = ("torch", "shardwise")
+_RUNS: dict[str, tuple[Cluster, dict[str, int]]] = {}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    def get(impl: str) -> tuple[Cluster, dict[str, int]]:
+        if impl not in _RUNS:
+            with Cluster(tmp_path_factory.mktemp(f"ft_{impl}"), impl) as c:
+                events = kill_and_heal(c)
+            _RUNS[impl] = (c, events)
+        return _RUNS[impl]
+    return get
+
+
+def _close(a: float, b: float, rel: float = 1e-5) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_lost_group_heals_and_the_survivor_never_stops(run, impl):
+    c, ev = run(impl)
+    assert c.starts == 4, c.starts  # group 0 once, group 1 three times
+    for rank in (0, 1):
+        recs = c.records(0, rank)
+        steps = [r["step"] for r in recs]
+        # the survivor never restarted and lost no committed step: its step only grows, by one a commit
+        prev = 0
+        for r in recs:
+            assert r["step"] == prev + (1 if r["committed"] else 0), (rank, prev, r)
+            prev = r["step"]
+        assert steps[-1] == ev["stop"], (steps[-1], ev)
+        # a failed step leaves the shards as they were, and a later step commits
+        for before, r in zip(recs, recs[1:]):
+            if not r["committed"]:
+                assert r["sha"] == before["sha"], f"a step that did not commit changed the shards: {r}"
+        assert recs[-1]["committed"]
+        assert all(r["live"] for r in recs), "the served state dict is not the live state"
+        parts = {r["step"]: r["participants"] for r in recs if r["committed"]}
+        assert parts[1] == 2 and parts[ev["stop"]] == 2, parts
+        assert 1 in {parts[s] for s in range(ev["exit"] + 1, ev["restart1"] + 1)}, (parts, ev)
+        # the rejoined group's shards equal the survivor's from its first step back
+        ours = {r["step"]: r["sha"] for r in recs if r["committed"]}
+        theirs = c.records(1, rank)
+        back = [r for r in theirs if r["committed"] and r["step"] > ev["exit"]]
+        assert back and all(r["sha"] == ours[r["step"]] for r in back), (
+            [(r["step"], r["sha"], ours.get(r["step"])) for r in back])
+        assert {ev["back1"], ev["back2"]} <= {r["step"] for r in back}, (ev, [r["step"] for r in back])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_average_follows_the_number_of_participants(run, impl):
+    """What each hook call returns is the sum of what the participating groups' hooks saw over
+    the number of participants: both groups' while both step, the survivor's alone while it is
+    alone; a group healing in that step adds 0 (torchft zeroes it)."""
+    c, _ = run(impl)
+    for rank in (0, 1):
+        theirs = {r["step"]: r for r in c.records(1, rank) if r["committed"]}
+        counted = {1: 0, 2: 0}
+        for r in c.records(0, rank):
+            other = theirs.get(r["step"])
+            if not r["committed"] or (r["participants"] == 2 and other is None):
+                continue
+            for i, (pre, post) in enumerate(r["hook"]):
+                total = pre * r["participating"]
+                if r["participants"] == 2:
+                    assert len(other["hook"]) == len(r["hook"]), (r, other)
+                    total += other["hook"][i][0] * other["participating"]
+                    assert _close(other["hook"][i][1], post), (r, other)
+                assert _close(post, total / r["participants"]), (r, other)
+                counted[r["participants"]] += 1
+        assert counted[1] and counted[2], counted
+
+
+def test_the_hook_sees_what_torchs_hook_sees(run):
+    """Before the kill both runs take the same steps from the same seeds: shardwise's all-reduce
+    hook gets the same reduced gradients (the group's mean) as torch's FSDP2 gives it."""
+    (ct, et), (cs, es) = run("torch"), run("shardwise")
+    for gid in (0, 1):
+        for rank in (0, 1):
+            t = {r["step"]: r["hook"] for r in ct.records(gid, rank) if r["committed"] and r["step"] <= et["exit"]}
+            s = {r["step"]: r["hook"] for r in cs.records(gid, rank) if r["committed"] and r["step"] <= es["exit"]}
+            steps = sorted(set(t) & set(s))
+            assert len(steps) >= 2, (t, s)
+            for step in steps:
+                assert len(t[step]) == len(s[step]), (step, t[step], s[step])
+                for (tp, tq), (sp, sq) in zip(t[step], s[step]):
+                    assert _close(tp, sp, 1e-6) and _close(tq, sq, 1e-6), (gid, rank, step, t[step], s[step])
