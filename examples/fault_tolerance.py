@@ -9,7 +9,9 @@ quorum through torchft's ``ManagedProcessGroup``; ``torchft.Optimizer`` steps on
 participant's step succeeded; a group that (re)starts heals from a live one through the
 Manager's state-dict functions, which serve the model and optimizer state dicts taken once at
 start (shardwise updates those tensors in place, so they stay live). The step counter is the
-Manager's: a healed group continues at its peers' step, on that step's data.
+Manager's: a healed group continues at its peers' step, on that step's data. Every group builds
+the same weights from ``--seed``, so the first step needs no heal (``init_sync=False``): with
+every group up from the start the job trains exactly as one process on the global batch.
 
 torchft is imported only here, when the flags are given: it is a client of the example, not a
 dependency of shardwise (``pip install torchft==0.2.0``, which ships ``torchft_lighthouse``).
@@ -101,7 +103,7 @@ def run_ft(args: argparse.Namespace, dp_shard: int) -> list[float]:
     manager = ft.Manager(pg=pg, min_replica_size=args.ft_min_groups, load_state_dict=load,
                          state_dict=lambda: dict(served), lighthouse_addr=args.ft_lighthouse,
                          replica_id=f"train_ft_{args.ft_replica_group}", timeout=timeout,
-                         quorum_timeout=timeout, connect_timeout=timeout)
+                         quorum_timeout=timeout, connect_timeout=timeout, init_sync=False)
     across = ManagedProcessGroup(manager)
 
     def average_over_groups(reduced: torch.Tensor) -> None:

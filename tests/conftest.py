@@ -30,6 +30,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/compat/test_peft_lora.py',  # 100 s loaded (transformers + peft imported in 2 workers; torch and shardwise)
     'tests/compat/test_setters.py::test_setters_before_and_after_the_first_step',  # 3 s
     'tests/compat/test_torch_compile.py',  # 13 s
+    'tests/compat/test_torchft.py',  # torch + shardwise: 2 replica groups x 2 ranks, 8 process starts each; 190 s loaded (torch side)
     'tests/compat/test_torchtitan.py',  # 2 runs of 2 ranks per implementation; 111 s for both on the loaded machine; FSDP x TP (4 ranks): 141 s at load 8, 1668 s at load 30-80
     'tests/compat/test_tp_api.py',  # 2 s
     'tests/compat/test_tp_styles.py::test_loss_parallel_reductions_weights_and_a_wrongly_sharded_input',  # 2 s
@@ -70,6 +71,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_ep_hf_merge.py::test_merge_and_hf_folder_write_per_expert_names',  # 2 s
     'tests/test_ep_tp.py',  # 9 s
     'tests/test_example.py',  # 57 s
+    'tests/test_example_ft.py',  # 2 torchrun groups of 2 ranks and a lighthouse; 55 s loaded
     'tests/test_example_s3.py',  # 562 s at load average 30-60 (Dec 2); 6 rank runs against a local S3 server
     'tests/test_example_moe.py',  # 20 s
     'tests/test_example_muon.py::test_muon_job_matches_single_process',  # 2 launches (2 and 4 ranks), 150 s loaded

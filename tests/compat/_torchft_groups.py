@@ -35,6 +35,40 @@ def lighthouse_binary() -> str | None:
     return str(here) if here.exists() else shutil.which("torchft_lighthouse")
 
 
+def start_lighthouse(workdir: Path, *, heartbeat_ms: int = 1000, join_ms: int = 3000,
+                     min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
+    """``torchft_lighthouse`` on a free port of 127.0.0.1 (log: ``workdir/lighthouse.log``);
+    returns the process (stop it with `stop`) and its URL, once it accepts connections."""
+    binary = lighthouse_binary()
+    assert binary, "torchft_lighthouse is not installed (torchft's wheel has it)"
+    port = free_port()
+    with open(workdir / "lighthouse.log", "w") as log:
+        proc = subprocess.Popen(
+            [binary, "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}",
+             "--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(heartbeat_ms),
+             "--quorum_tick_ms", "50"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, f"http://127.0.0.1:{port}"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise AssertionError("the lighthouse did not start: " + (workdir / "lighthouse.log").read_text()[-2000:])
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """Kill ``proc`` and the process group it leads, and reap it."""
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait(timeout=30)
+
+
 @dataclass
 class Group:
     """One replica group's processes (rank 0 leads their process group)."""
@@ -74,34 +108,15 @@ class Cluster:
     starts: int = 0
 
     def __enter__(self) -> "Cluster":
-        binary = lighthouse_binary()
-        assert binary, "torchft_lighthouse is not installed (torchft's wheel has it)"
-        port = free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._lh_log = open(self.workdir / "lighthouse.log", "w")
-        self.lighthouse = subprocess.Popen(
-            [binary, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
-             "--join_timeout_ms", str(self.join_ms), "--heartbeat_timeout_ms", str(self.heartbeat_ms),
-             "--quorum_tick_ms", "50"], stdout=self._lh_log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert self.lighthouse.poll() is None and time.monotonic() < deadline, (
-                "the lighthouse did not start: " + (self.workdir / "lighthouse.log").read_text()[-2000:])
-            time.sleep(0.05)
+        self.lighthouse, self.url = start_lighthouse(self.workdir, heartbeat_ms=self.heartbeat_ms,
+                                                     join_ms=self.join_ms)
         return self
 
     def __exit__(self, *exc) -> None:
         for g in self.groups.values():
             g.kill()
-        if self.lighthouse is not None:
-            self.lighthouse.kill()
-            self.lighthouse.wait(timeout=30)
-        self._lh_log.close()
+        stop(self.lighthouse)
 
     def start(self, gid: int, *args: str, ranks: int | None = None) -> Group:
         """Start replica group ``gid`` (all its ranks); its step records go on after a restart."""
