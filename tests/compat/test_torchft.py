@@ -115,3 +115,39 @@ def test_the_hook_sees_what_torchs_hook_sees(run):
                 assert len(t[step]) == len(s[step]), (step, t[step], s[step])
                 for (tp, tq), (sp, sq) in zip(t[step], s[step]):
                     assert _close(tp, sp, 1e-6) and _close(tq, sq, 1e-6), (gid, rank, step, t[step], s[step])
+
+
+def _load_from_another_layout(rank, world_size, impl):
+    """A unit sharded over the 2-rank mesh of this group is given the state dict of a group laid
+    out as 1 x 2 (HSDP's replicate x shard): the same ranks, another mesh."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from tests.compat._rebind import use
+    use(impl)
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2,)))
+    other = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    sd = {k: DTensor.from_local(v.to_local(), other, (Replicate(), *v.placements), run_check=False)
+          for k, v in model.state_dict().items()}
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+        model.load_state_dict(sd)
+    except Exception as e:  # noqa: BLE001 - torch's error type is what it is
+        message = str(e)
+    else:
+        message = ""
+    unchanged = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+    return message, unchanged
+
+
+def test_a_state_dict_of_another_layout_is_refused_in_one_line_naming_both():
+    from tests._dist import run_ranks
+    for impl in IMPLS:
+        for message, unchanged in run_ranks(_load_from_another_layout, 2, impl, timeout=120):
+            assert message and unchanged, (impl, message)
+            if impl == "shardwise":
+                assert "\n" not in message and "1x2 mesh of ranks [[0, 1]]" in message \
+                    and "the 2 mesh of ranks [0, 1]" in message, message
