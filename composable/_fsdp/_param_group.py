@@ -267,7 +267,7 @@ class ParamGroup:
         the shard axis; the unit's own state is unchanged (deferred init restores with it)."""
         if self.readopt_pending:
             self.readopt()
-        work, gathered = all_gather(self.comm, self.world * self.master_bytes, self.sharded_bytes, self.shard_group,
+        work, gathered = all_gather(self.comm, self.world * self.master_bytes, self._flat_shards(), self.shard_group,
                                     self.sharded_bytes.device, all_gather_single)
         if work is not None:
             work.wait()
@@ -281,9 +281,19 @@ class ParamGroup:
         return byte_columns(rows, self.ag_offsets[i], p.layout, p.compute_dtype)
 
     # -- unshard ---------------------------------------------------------------------------
+    def _flat_shards(self) -> torch.Tensor:
+        """The flat sharded buffer, with the shards whose storage was moved into shared memory
+        copied back in first ([Note: ordinary tensors] in ``_sharded_param.py``)."""
+        if self.storage_device.type == "cpu":
+            with torch.no_grad():
+                for p in self.params:
+                    if p.moved():
+                        p.segment.copy_(p.padded)
+        return self.sharded_bytes
+
     def _all_gather_input(self) -> torch.Tensor:
         if self.zero_copy:
-            return self.sharded_bytes
+            return self._flat_shards()
         pieces = self._plan_pieces() if any(self.extended) else []
         buf = torch.empty(self.ag_bytes, dtype=torch.uint8, device=self.compute_device)
         with torch.no_grad():
@@ -303,7 +313,7 @@ class ParamGroup:
             pass
         elif self.world == 1:
             # one rank: the "gathered" rows are this rank's own (cast) shards; no collective
-            self._pending = (None, self.sharded_bytes if self.zero_copy else self._all_gather_input())
+            self._pending = (None, self._all_gather_input())
             self._to(ShardState.GATHERING)
         else:
             with record_function(self.trace.all_gather):

@@ -268,7 +268,7 @@ def _store(g: ReducingUnit, b: Bucket, out: torch.Tensor) -> None:
     for i, (p, o) in enumerate(zip(b.params, b.offsets)):
         if p.sharded.grad is None:
             b.fresh.add(i)
-        p.accumulate_sharded_grad(p.layout.local_view(out[o : o + p.layout.padded_numel], g.rank))
+        p.accumulate_sharded_grad(out[o : o + p.layout.padded_numel])
     counts = out[b.numel : b.row]
     b.seen = counts.clone() if b.seen is None else b.seen.add_(counts)
 

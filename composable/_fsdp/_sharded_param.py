@@ -20,6 +20,23 @@ tensor object: ``untyped_storage().resize_(0)`` drops the bytes and the all-gath
 backward resizes the same storage back and fills it. Writes go through ``.data`` (an alias
 with its own version counter), so autograd's in-place checks do not fire on the refill.
 
+[Note: ordinary tensors]
+Every tensor a user reaches from a sharded model must save, pickle, deep-copy and share as
+torch's FSDP2 ones do. A DTensor wrapper takes its local tensor's storage offset, and torch
+serializes (``torch.save``, ``pickle``, ``copy.deepcopy``) a wrapper subclass through its
+(invalid) storage unless its data pointer, the offset, is 0: a local shard that is a view at a
+nonzero offset of the unit's flat buffer makes a DTensor, and every ``detach()`` of it in a
+state dict, that cannot be saved. So each parameter's padded segment is an *ordinary* tensor:
+`ordinary` gives it its own storage object over the same bytes (``torch.from_dlpack``; it
+keeps the buffer alive), at offset 0, and the local shard is a view of that, as FSDP2's is a
+view of its own padded tensor. The all-gather still reads the flat buffer with no copy; the
+reduced gradients get the same treatment (views of the reduce-scatter output).
+
+A CPU storage moved into shared memory in place (``share_memory_()``, a tensor sent through a
+``multiprocessing`` queue) gets new bytes; its segment of the flat buffer does not follow. The
+shard then stays the moved storage (as FSDP2's padded tensor does) and ``ParamGroup`` copies
+it into the buffer before each all-gather (`ShardedParam.moved`, CPU storage only).
+
 A parameter already distributed by tensor parallelism keeps its TP placements on a combined
 ``(dp..., tp)`` mesh ([Note: sharding a tensor-parallel parameter] in ``_tp_param.py``).
 
@@ -47,7 +64,15 @@ from ._layout import ShardLayout
 from .._mesh_utils import same_mesh
 from ._tp_param import tp_sharded_placements
 
-__all__ = ["ShardedParam"]
+__all__ = ["ShardedParam", "ordinary"]
+
+
+def ordinary(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (1-D, contiguous) as a tensor over its own storage object at offset 0, sharing
+    ``t``'s bytes ([Note: ordinary tensors]); meta tensors as they are."""
+    if t.device.type == "meta":
+        return t
+    return torch.from_dlpack(t.detach().view(torch.uint8)).view(t.dtype)
 
 
 class ShardedParam:
@@ -160,21 +185,28 @@ class ShardedParam:
         self.free_unsharded()
 
     # -- layouts ---------------------------------------------------------------------------
-    def set_storage(self, padded: torch.Tensor, full: torch.Tensor | None, keep_sharded: bool = False) -> None:
+    def set_storage(self, padded: torch.Tensor, full: torch.Tensor | None) -> None:
         """Point the sharded parameter at ``padded`` (and fill it with this rank's rows of
         ``full`` when given). Used at construction and when materialising from meta."""
-        self.padded = padded
+        self.segment, self.padded = padded, ordinary(padded)
         if full is not None:
             with torch.no_grad():
                 self.layout.scatter(full, padded.view(1, -1), self.shard_rank, self.shard_rank + 1)
-        local = self.layout.local_view(padded, self.shard_rank)
-        if not keep_sharded:
-            self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
+        local = self.layout.local_view(self.padded, self.shard_rank)
+        self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
         if self.alias:
-            full = local if self.tp_mesh is None else DTensor.from_local(
-                local, self.tp_mesh, self.tp_placements, run_check=False,
-                shape=torch.Size(self.global_shape), stride=self.global_stride)
-            self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
+            self._alias_unsharded(local)
+
+    def _alias_unsharded(self, local: torch.Tensor) -> None:  # [Note: a shard of one rank]
+        full = local if self.tp_mesh is None else DTensor.from_local(
+            local, self.tp_mesh, self.tp_placements, run_check=False,
+            shape=torch.Size(self.global_shape), stride=self.global_stride)
+        self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
+
+    def moved(self) -> bool:
+        """Whether the shard's storage was moved off its segment of the unit's buffer (into
+        shared memory; [Note: ordinary tensors])."""
+        return self.ext is None and self.padded.data_ptr() != self.segment.data_ptr()
 
     def registered(self) -> torch.Tensor:
         """The tensor the module holds under this parameter's first name now."""
@@ -204,6 +236,7 @@ class ShardedParam:
         if self.ext is not None:
             self._adopt_extension(param)
             return
+        segment, padded = padded, ordinary(padded)
         local = self.layout.local_view(padded, rank)
         if isinstance(param, DTensor):
             self._check_layout(param)
@@ -224,11 +257,11 @@ class ShardedParam:
                 with torch.no_grad():
                     self.layout.scatter(param, padded.view(1, -1), rank, rank + 1)
             self.sharded = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
-        self.padded = padded
+        self.segment, self.padded = segment, padded
         self.requires_grad = self.sharded.requires_grad
         self.orig_dtype = padded.dtype
         if self.alias:
-            self.set_storage(padded, None, keep_sharded=True)
+            self._alias_unsharded(local)
         elif (self.unsharded_data().dtype, self.unsharded_data().device) != (self.compute_dtype, self.compute_device):
             self._new_unsharded()
         elif self.unsharded.requires_grad != self.requires_grad:
@@ -359,12 +392,15 @@ class ShardedParam:
             module._parameters[name] = p
 
     # -- gradients -------------------------------------------------------------------------
-    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
-        """Set (or add to) ``sharded.grad`` from this rank's reduced shard ``local_grad``
-        (cast to the original dtype and moved to the shard's device if needed)."""
+    def accumulate_sharded_grad(self, padded_grad: torch.Tensor) -> None:
+        """Set (or add to) ``sharded.grad`` from this rank's reduced padded shard ``padded_grad``
+        (cast to the original dtype and moved to the shard's device if needed; its own storage,
+        [Note: ordinary tensors])."""
         device = self.padded.device
+        local_grad = self.layout.local_view(padded_grad, self.shard_rank)
         if self.sharded.grad is None:
-            self.sharded.grad = self._as_dtensor(local_grad.to(device=device, dtype=self.orig_dtype))
+            padded_grad = padded_grad.to(device=device, dtype=self.orig_dtype)
+            self.sharded.grad = self._as_dtensor(self.layout.local_view(ordinary(padded_grad), self.shard_rank))
         else:
             with torch.no_grad():
                 grad = self.sharded.grad
