@@ -37,32 +37,24 @@ def _unit(module: nn.Module) -> FSDPState:
 
 
 def _load_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Reshard first; a sharded entry from another layout (another mesh shape or ranks: a replica
+    group of another size or shape, whose shards are other slices) is refused in one line naming
+    both, before anything is copied (copying fails per parameter, or waits for ranks never there)."""
     unit = _unit(module)
     unit.reshard_for_update("load_state_dict")
-    if unit.group is not None:
-        _check_loaded_layout(module, unit.group, state_dict, prefix)
-
-
-def _layout(t: DTensor) -> str:
-    mesh = t.device_mesh
-    return f"{tuple(t.placements)} over the {'x'.join(map(str, mesh.shape))} mesh of ranks {mesh.mesh.tolist()}"
-
-
-def _check_loaded_layout(module: nn.Module, group: ParamGroup, state_dict: dict[str, Any], prefix: str) -> None:
-    """A sharded state-dict entry loads into a parameter of the same mesh (shape and ranks) only:
-    one from another layout (a replica group of another size or shape: its shards are other
-    slices) is refused in one line naming both layouts, before anything is copied, where
-    copying would fail per parameter or need a collective the other ranks never join."""
-    ours = {id(sp.sharded) for sp in group.params}
+    ours = {id(sp.sharded) for sp in unit.group.params} if unit.group is not None else set()
     for name, p in module.named_parameters():
         theirs = state_dict.get(prefix + name)
-        if id(p) not in ours or not isinstance(theirs, DTensor) or not isinstance(p, DTensor):
-            continue
-        a, b = theirs.device_mesh, p.device_mesh
-        if tuple(a.shape) != tuple(b.shape) or a.mesh.tolist() != b.mesh.tolist():
-            raise ValueError(f"load_state_dict: '{prefix + name}' is sharded {_layout(theirs)} but this model shards "
-                             f"it {_layout(p)}: a sharded state dict loads only into the same layout; save it "
-                             f"with shardwise.checkpoint and load that (it reshards), or use a full state dict")
+        if id(p) in ours and isinstance(theirs, DTensor) and isinstance(p, DTensor) and _layout(theirs) != _layout(p):
+            raise ValueError(f"load_state_dict: '{prefix + name}' is sharded {_layout(theirs, True)} but this model "
+                             f"shards it {_layout(p, True)}: a sharded state dict loads only into its own layout; "
+                             f"save it with shardwise.checkpoint and load that (it reshards), or use a full state dict")
+
+
+def _layout(t: DTensor, placements: bool = False) -> str:
+    mesh = t.device_mesh
+    where = f"the {'x'.join(map(str, mesh.shape))} mesh of ranks {mesh.mesh.tolist()}"
+    return f"{tuple(t.placements)} over {where}" if placements else where
 
 
 def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:

@@ -157,7 +157,13 @@ class Cluster:
         path = self.workdir / f"g{gid}r{rank}.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+        return [r for r in (json.loads(line) for line in path.read_text().splitlines() if line.endswith("}"))
+                if "step" in r]
+
+    def final(self, gid: int, rank: int = 0) -> dict:
+        """The last record of a rank run with ``--measure-bytes``: ``sent_bytes``, ``state_bytes``."""
+        lines = (self.workdir / f"g{gid}r{rank}.jsonl").read_text().splitlines()
+        return json.loads(lines[-1])
 
     def step(self, gid: int, rank: int = 0) -> int:
         recs = self.records(gid, rank)
@@ -192,13 +198,13 @@ class Cluster:
 
 
 def kill_and_heal(c: Cluster, *, die_at: int = 3, down_steps: int = 3, pace: float = 0.1,
-                  layout: tuple[str, ...] = (), wait_s: float = 240.0) -> dict[str, int]:
+                  extra: tuple[str, ...] = (), wait_s: float = 240.0) -> dict[str, int]:
     """Groups 0 and 1 start together; group 1's rank 1 leaves by ``os._exit`` at step ``die_at``
     (the launcher then kills what is left of the group); group 0 steps alone for ``down_steps``;
     group 1 restarts and heals; after one step back the whole group is killed by ``SIGKILL``;
     group 0 steps alone again, group 1 restarts and heals again, and both stop two steps later.
     Returns the survivor's step at each event (the test checks the records)."""
-    common = ("--pace", str(pace), *layout)
+    common = ("--pace", str(pace), *extra)
     c.start(0, "--wait-go", *common)
     c.start(1, "--wait-go", "--die-at", str(die_at), *common)
     c.go(wait_s)
@@ -220,6 +226,23 @@ def kill_and_heal(c: Cluster, *, die_at: int = 3, down_steps: int = 3, pace: flo
     c.wait("group 1 to heal again", lambda: c.step(1) > events["restart2"], wait_s)
     events["back2"] = c.step(1)
     events["stop"] = max(c.step(0), c.step(1)) + 2
+    c.stop_at(events["stop"])
+    for gid in (0, 1):
+        codes = c.wait_exit(gid, wait_s)
+        assert codes == [0] * len(codes), f"group {gid} exited with {codes}\n{c.report()}"
+    return events
+
+
+def late_join(c: Cluster, *extra: str, ranks: int | None = None, join_at: int = 2, after: int = 2,
+              wait_s: float = 300.0) -> dict[str, int]:
+    """Group 0 starts alone; at its step ``join_at`` group 1 starts, heals from it and both step
+    ``after`` more steps. Returns group 1's first committed step and the last step."""
+    c.start(0, "--pace", "0.1", *extra, ranks=ranks)
+    c.wait(f"group 0 to reach step {join_at}", lambda: c.step(0) >= join_at, wait_s)
+    c.start(1, "--pace", "0.1", *extra, ranks=ranks)
+    c.wait("group 1 to heal and commit", lambda: any(r["committed"] for r in c.records(1)), wait_s)
+    events = {"back": min(r["step"] for r in c.records(1) if r["committed"])}
+    events["stop"] = max(c.step(0), c.step(1)) + after
     c.stop_at(events["stop"])
     for gid in (0, 1):
         codes = c.wait_exit(gid, wait_s)

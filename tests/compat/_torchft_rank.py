@@ -19,7 +19,7 @@ before anything imports them (only the imports change); the rank asserts which i
 ``FSDPModule`` its units are. Each rank appends one JSON line per step to ``--log``:
 ``{"step", "committed", "participants", "participating", "sha", "hook", "live", "t"}`` — ``step`` the manager's step after
 the step, ``participating`` False on a step this group healed in (torchft zeroes its contribution),
-``sha`` a digest of this rank's parameter and optimizer shards, ``hook`` per hook call the sum
+``sha`` a digest of this rank's parameter and optimizer shards (``psha``: of its parameters), ``hook`` per hook call the sum
 of the reduced gradient before and after the all-reduce over the groups, ``live`` whether the
 served (cached) state dict equals the parameters, ``t`` the wall time of the step. It stops when the manager's
 step reaches the number written in ``<--dir>/stop`` (the launcher writes it), or ``--steps``.
@@ -59,6 +59,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--pace", type=float, default=0.0, help="least seconds a step takes")
     p.add_argument("--width", type=int, default=HID, help="hidden width (the benchmark's state size)")
+    p.add_argument("--measure-bytes", action="store_true", help="last record: the bytes a heal sends from this rank")
     p.add_argument("--wait-go", action="store_true",
                    help="heartbeat first, then wait for <dir>/go: the groups' first quorum has them all")
     return p.parse_args(argv)
@@ -102,13 +103,14 @@ def _shard(model, layout: str, world: int):
     return units
 
 
-def _digest(model, optim) -> str:
+def _digest(model, optim=None) -> str:
+    """Of this rank's parameter shards, and of its optimizer state with ``optim``."""
     import torch
     from torch.distributed.tensor import DTensor
     h = hashlib.sha256()
-    tensors = [p for p in model.parameters()]
-    for p in tensors:
-        for t in [p] + [v for v in optim.state.get(p, {}).values() if isinstance(v, torch.Tensor)]:
+    for p in model.parameters():
+        state = optim.state.get(p, {}) if optim is not None else {}
+        for t in [p] + [v for v in state.values() if isinstance(v, torch.Tensor)]:
             local = t.to_local() if isinstance(t, DTensor) else t
             h.update(local.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
@@ -119,9 +121,24 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _batch(group: int, step: int):
+def _leaves(obj):
     import torch
-    g = torch.Generator().manual_seed(1000 * group + 10 * step + int(os.environ["RANK"]))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _leaves(v)
+
+
+def _batch(group: int, step: int, layout: str):
+    """This rank's batch: by group, step and data-parallel rank (the tensor-parallel ranks of a
+    group share theirs)."""
+    import torch
+    dp_rank = 0 if layout == "tp" else int(os.environ["RANK"])
+    g = torch.Generator().manual_seed(1000 * group + 10 * step + dp_rank)
     x = torch.randn(4, IN, generator=g)
     return x, x.flip(-1)
 
@@ -201,14 +218,14 @@ def main(argv: list[str] | None = None) -> None:
         log.write(json.dumps({"step": manager.current_step(), "committed": committed,
                               "participants": manager.num_participants(),
                               "participating": manager.is_participating(),
-                              "sha": _digest(model, optim), "hook": hook_seen, "live": live(), "t": t}) + "\n")
+                              "sha": _digest(model, optim), "psha": _digest(model), "hook": hook_seen, "live": live(), "t": t}) + "\n")
 
     def live() -> bool:  # the served (cached) state dict is the model's current state
         params = dict(model.named_parameters())
         return all(torch.equal(_local(v), _local(params[k])) for k, v in cache["model"].items() if k in params)
 
     def forward_backward(step: int) -> None:
-        x, y = _batch(a.group, step)
+        x, y = _batch(a.group, step, a.layout)
         torch.nn.functional.mse_loss(model(x), y).backward()
 
     try:
@@ -225,9 +242,17 @@ def main(argv: list[str] | None = None) -> None:
                 forward_backward(manager.current_step())
                 before = manager.current_step()
                 opt.step()
+                took = time.perf_counter() - t0
                 if a.pace:
-                    time.sleep(max(0.0, a.pace - (time.perf_counter() - t0)))
-                record(manager.current_step() > before, time.perf_counter() - t0)
+                    time.sleep(max(0.0, a.pace - took))
+                record(manager.current_step() > before, took)
+        if a.measure_bytes:  # what a heal sends from this rank: torchft's HTTP body for the served state
+            import io
+            from torchft.checkpointing._serialization import _streaming_save
+            body = io.BytesIO()
+            _streaming_save(manager._manager_state_dict(), body)
+            tensors = [_local(v) for part in state_dict().values() for v in _leaves(part)]
+            log.write(json.dumps({"sent_bytes": body.tell(), "state_bytes": sum(t.nbytes for t in tensors)}) + "\n")
     finally:
         log.close()
     manager.shutdown(wait=False)
@@ -257,10 +282,11 @@ def _semi_sync(a, manager, model, optim, record, forward_backward, stop_at) -> N
             forward_backward(1000 * before + inner)
             optim.step()  # the hooks of DiLoCo / LocalSGD sync every sync_every inner steps
             inner += 1
+            took = time.perf_counter() - t0
             if a.pace:
-                time.sleep(max(0.0, a.pace - (time.perf_counter() - t0)))
+                time.sleep(max(0.0, a.pace - took))
             if inner % a.sync_every == 0:
-                record(manager.current_step() > before, time.perf_counter() - t0)
+                record(manager.current_step() > before, took)
 
 
 if __name__ == "__main__":

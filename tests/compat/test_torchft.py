@@ -22,7 +22,7 @@ import math
 
 import pytest
 
-from tests.compat._torchft_groups import Cluster, kill_and_heal, lighthouse_binary
+from tests.compat._torchft_groups import Cluster, kill_and_heal, late_join, lighthouse_binary
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None or lighthouse_binary() is None,
                                 reason="torchft (with its torchft_lighthouse) is not installed")
@@ -103,17 +103,23 @@ def test_the_average_follows_the_number_of_participants(run, impl):
 
 def test_the_hook_sees_what_torchs_hook_sees(run):
     """Before the kill both runs take the same steps from the same seeds: shardwise's all-reduce
-    hook gets the same reduced gradients (the group's mean) as torch's FSDP2 gives it."""
+    hook gets the same reduced gradients (the group's mean) as torch's FSDP2 gives it, one call
+    per unit (compared as a set: torch calls the root's hook last, shardwise first; every group
+    of one job runs one implementation, so the calls pair up across groups either way), and the
+    shards that result are bit-identical."""
     (ct, et), (cs, es) = run("torch"), run("shardwise")
     for gid in (0, 1):
         for rank in (0, 1):
             t = {r["step"]: r["hook"] for r in ct.records(gid, rank) if r["committed"] and r["step"] <= et["exit"]}
             s = {r["step"]: r["hook"] for r in cs.records(gid, rank) if r["committed"] and r["step"] <= es["exit"]}
+            shas = [{r["step"]: r["sha"] for r in c.records(gid, rank) if r["committed"] and r["step"] <= e["exit"]}
+                    for c, e in ((ct, et), (cs, es))]
+            assert shas[0] == shas[1], shas
             steps = sorted(set(t) & set(s))
             assert len(steps) >= 2, (t, s)
             for step in steps:
                 assert len(t[step]) == len(s[step]), (step, t[step], s[step])
-                for (tp, tq), (sp, sq) in zip(t[step], s[step]):
+                for (tp, tq), (sp, sq) in zip(sorted(t[step]), sorted(s[step])):
                     assert _close(tp, sp, 1e-6) and _close(tq, sq, 1e-6), (gid, rank, step, t[step], s[step])
 
 
@@ -151,3 +157,50 @@ def test_a_state_dict_of_another_layout_is_refused_in_one_line_naming_both():
             if impl == "shardwise":
                 assert "\n" not in message and "1x2 mesh of ranks [[0, 1]]" in message \
                     and "the 2 mesh of ranks [0, 1]" in message, message
+
+
+def _same_shards_from_the_first_step_back(c: Cluster, first: int, key: str = "sha", ranks: int = 2) -> None:
+    for rank in range(ranks):
+        ours = {r["step"]: r[key] for r in c.records(0, rank) if r["committed"]}
+        back = [r for r in c.records(1, rank) if r["committed"] and r["step"] >= first]
+        assert back and all(r[key] == ours[r["step"]] for r in back), (
+            rank, [(r["step"], r[key], ours.get(r["step"])) for r in back], c.report())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layout,ranks", [("hsdp", 4), ("tp", 2)], ids=["hsdp2x2", "fsdp1xtp2"])
+def test_a_group_of_another_parallelism_joins_late_and_heals(tmp_path, impl, layout, ranks):
+    """Inside each group HSDP (replicate 2 x shard 2) or FSDP x TP (tp 2); torchft across the
+    groups. Group 1 starts at group 0's step 2, heals (each rank from the rank of its mesh
+    position) and has group 0's shards from its first step back, for as long as both step."""
+    with Cluster(tmp_path, impl, ranks=ranks) as c:
+        ev = late_join(c, "--layout", layout)
+    _same_shards_from_the_first_step_back(c, ev["back"], ranks=ranks)
+    assert any(r["participants"] == 2 for r in c.records(0) if r["committed"]), c.report()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_diloco_syncs_every_k_steps_and_a_group_lost_between_syncs_heals(tmp_path, impl):
+    """torchft's DiLoCo around the sharded model (torchtitan's outer SGD, sync every 2 inner
+    steps; the manager's step counts syncs): group 1 loses a rank between two syncs, restarts
+    and heals, is killed whole and heals again; the survivor's outer steps go on by one a sync,
+    and after each heal the groups' parameters are equal at every sync (their inner AdamW
+    states are their own)."""
+    with Cluster(tmp_path, impl) as c:
+        ev = kill_and_heal(c, die_at=2, down_steps=2, pace=0.05, extra=("--semi-sync", "diloco", "--sync-every", "2"))
+    for rank in (0, 1):
+        recs = c.records(0, rank)
+        prev = 0
+        for r in recs:
+            assert r["step"] == prev + (1 if r["committed"] else 0), (rank, prev, r)
+            prev = r["step"]
+        assert recs[-1]["step"] == ev["stop"]
+    _same_shards_from_the_first_step_back(c, ev["back1"], key="psha")
+
+
+def test_local_sgd_averages_a_sharded_model_every_k_steps_and_a_late_group_heals(tmp_path):
+    """torchft's LocalSGD around a shardwise-sharded model: every 2 steps the groups' parameters
+    are averaged (then equal); a group that starts late heals and is equal from its first sync."""
+    with Cluster(tmp_path, "shardwise") as c:
+        ev = late_join(c, "--semi-sync", "localsgd", "--sync-every", "2")
+    _same_shards_from_the_first_step_back(c, ev["back"], key="psha")
