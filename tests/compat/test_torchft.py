@@ -204,3 +204,24 @@ def test_local_sgd_averages_a_sharded_model_every_k_steps_and_a_late_group_heals
     with Cluster(tmp_path, "shardwise") as c:
         ev = late_join(c, "--semi-sync", "localsgd", "--sync-every", "2")
     _same_shards_from_the_first_step_back(c, ev["back"], key="psha")
+
+
+def test_a_group_of_another_size_is_refused_at_its_first_heal_in_one_line(tmp_path):
+    """Group 1 runs on 1 rank where group 0 runs on 2: its first heal receives group 0's rank-0
+    shards (half of each parameter, over a 2-rank mesh). It stops there with one line naming
+    both layouts (torch's FSDP2 stops too, with a multi-line DTensor error per parameter); the
+    survivor never averages with it and keeps stepping."""
+    with Cluster(tmp_path, "shardwise") as c:
+        c.start(0, "--pace", "0.1")
+        c.wait("group 0 to step", lambda: c.step(0) >= 2, 300)
+        joined = c.step(0)
+        c.start(1, ranks=1)
+        assert c.wait_exit(1, 300) != [0], c.report()
+        after = c.step(0)
+        c.wait("group 0 to keep stepping", lambda: c.step(0) >= after + 2, 300)
+        c.stop_at(c.step(0) + 1)
+        assert c.wait_exit(0, 300) == [0, 0], c.report()
+    lines = [ln for ln in (tmp_path / "g1r0.log").read_text().splitlines() if "is sharded" in ln]
+    assert lines and "(Shard(dim=0),) over the 2 mesh of ranks [0, 1]" in lines[-1] \
+        and "over the 1 mesh of ranks [0]" in lines[-1], c.report()
+    assert all(r["participants"] == 1 for r in c.records(0) if r["step"] > joined), c.report()
