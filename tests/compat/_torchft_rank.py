@@ -59,6 +59,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--pace", type=float, default=0.0, help="least seconds a step takes")
     p.add_argument("--width", type=int, default=HID, help="hidden width (the benchmark's state size)")
+    p.add_argument("--fresh-state-dict", action="store_true", help="the served state calls model.state_dict() "
+                   "at each request (from torchft's quorum thread, during the forward) instead of the cached dict")
+    p.add_argument("--slow-forward", type=float, default=0.0, help="seconds the second layer's forward waits "
+                   "(its parameters gathered): a window for the quorum thread")
     p.add_argument("--measure-bytes", action="store_true", help="last record: the bytes a heal sends from this rank")
     p.add_argument("--wait-go", action="store_true",
                    help="heartbeat first, then wait for <dir>/go: the groups' first quorum has them all")
@@ -171,7 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     cache: dict = {}
 
     def state_dict():  # torchtitan's: the cached dicts, taken once
-        return {"model": cache["model"], "optim": cache["optim"]}
+        return {"model": model.state_dict() if a.fresh_state_dict else cache["model"], "optim": cache["optim"]}
+
+    if a.slow_forward:
+        model[2].register_forward_pre_hook(lambda *_: time.sleep(a.slow_forward))
 
     def load_state_dict(sd):
         set_model_state_dict(model, sd["model"])
