@@ -3,6 +3,7 @@ Its inputs are checked in ``_unit_inputs.py``; the ``FSDPModule`` methods are ``
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -67,10 +68,31 @@ _UNIT_ATTR = "_shardwise_param_unit"  # on a module holding a unit's parameters:
 def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     """``state_dict()`` holds the sharded DTensors whenever it is called: a unit left unsharded
     by a forward (the root by default, ``reshard_after_forward=False``) reshards first, as FSDP2
-    does; its next backward gathers again. Registered on every module that holds one of the
-    unit's parameters, so ``submodule.state_dict()`` sees shards too; the unit is found through
-    the module (a copied module finds its own copy)."""
-    _unit(module.__dict__[_UNIT_ATTR]).reshard_for_update("state_dict()")
+    does; its next backward gathers again. Called from another thread than the one that ran the
+    root's last forward (torchft's quorum thread while the step runs), it changes nothing: the
+    post-hook puts the sharded parameters in ([Note: a state dict read from another thread]).
+    Registered on every module that holds one of the unit's parameters, so
+    ``submodule.state_dict()`` sees shards too; the unit is found through the module (a copied
+    module finds its own copy)."""
+    state = _unit(module.__dict__[_UNIT_ATTR])
+    if state.ctx is None or state.ctx.thread in (None, threading.get_ident()):
+        state.reshard_for_update("state_dict()")
+
+
+# [Note: a state dict read from another thread]
+# A running step registers the unsharded parameters on the modules (forward, backward); resharding
+# them from another thread would change what that step's next op sees (FSDP2's hook does, and
+# the step fails with "mixed torch.Tensor and DTensor"). The sharded DTensors are always whole and
+# valid, so a state dict read elsewhere takes them: the post-hook replaces every entry of the
+# unit's parameters by the sharded one (detached unless the entry was a Parameter, keep_vars).
+def _state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
+    group = _unit(module.__dict__[_UNIT_ATTR]).group
+    assert group is not None, "the hook is registered on modules holding a unit's parameters"
+    for sp in group.params:
+        for m, name in sp.uses:
+            key = prefix + name
+            if m is module and key in state_dict and state_dict[key] is not sp.sharded:
+                state_dict[key] = sp.sharded if isinstance(state_dict[key], nn.Parameter) else sp.sharded.detach()
 
 
 def fully_shard(
@@ -165,6 +187,7 @@ def fully_shard(
         for m in {id(m): m for sp in group.params for m, _ in sp.uses}.values():
             m.__dict__[_UNIT_ATTR] = modules[0]
             m.register_state_dict_pre_hook(_state_dict_pre_hook)
+            m.register_state_dict_post_hook(_state_dict_post_hook)
     for m in modules:
         # load_state_dict(assign=True) replaces parameters: re-adopt them (the hooks find the
         # state on the module, so a copied module does not reach back to this one)

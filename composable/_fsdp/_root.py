@@ -43,6 +43,7 @@ class RootContext:
         self.reduces: list[PendingReduce] = []  # in flight, oldest first
         self.done: list[PendingReduce] = []  # of this backward already stored (for resolve_unused)
         self.callback_queued = False  # the end-of-backward callback of this step is queued
+        self.thread: int | None = None  # the thread that ran the root's last forward (it trains)
         # set_is_last_backward(False): this backward's end leaves its reductions in flight
         # (finished by the next last backward), see [Note: backwards that are not the last]
         self.is_last_backward = True

@@ -57,6 +57,7 @@ an earlier unit of that backward had already stored there is the user's to clear
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -329,7 +330,7 @@ class FSDPState:
             return self._cast_inputs(args, kwargs)  # casts as the first forward, nothing else
         self._set_training(TrainingState.FORWARD)
         if self is ctx.root and not self._forward_seen:
-            ctx.this_order = []
+            ctx.this_order, ctx.thread = [], threading.get_ident()
             event, ctx.post_optim_event = ctx.post_optim_event, None
             if event is not None and self.group is not None and self.group.compute_device.type != "cpu":
                 event.wait()  # type: ignore[attr-defined]  # set_post_optim_event: the all-gathers follow it
