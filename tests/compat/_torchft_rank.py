@@ -59,6 +59,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--pace", type=float, default=0.0, help="least seconds a step takes")
     p.add_argument("--width", type=int, default=HID, help="hidden width (the benchmark's state size)")
+    p.add_argument("--sync-quorum", action="store_true", help="use_async_quorum=False: a heal is loaded in "
+                   "zero_grad(), before the step's collectives (torchtitan's async quorum loads it in step())")
     p.add_argument("--fresh-state-dict", action="store_true", help="the served state calls model.state_dict() "
                    "at each request (from torchft's quorum thread, during the forward) instead of the cached dict")
     p.add_argument("--slow-forward", type=float, default=0.0, help="seconds the second layer's forward waits "
@@ -187,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         cache["optim"] = get_optimizer_state_dict(model, optim)
 
     manager = ft.Manager(pg=ft.ProcessGroupGloo(timeout=timeout), min_replica_size=1,
-                         load_state_dict=None, state_dict=None, use_async_quorum=not semi,
+                         load_state_dict=None, state_dict=None, use_async_quorum=not (semi or a.sync_quorum),
                          replica_id=f"torchtitan_ft_{a.group}", timeout=timeout,
                          quorum_timeout=timeout, connect_timeout=timeout)
     hook_seen: list[tuple[float, float]] = []  # per hook call: (sum of its input, sum after the all-reduce)

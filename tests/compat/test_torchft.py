@@ -210,12 +210,17 @@ def test_a_group_of_another_size_is_refused_at_its_first_heal_in_one_line(tmp_pa
     """Group 1 runs on 1 rank where group 0 runs on 2: its first heal receives group 0's rank-0
     shards (half of each parameter, over a 2-rank mesh). It stops there with one line naming
     both layouts (torch's FSDP2 stops too, with a multi-line DTensor error per parameter); the
-    survivor never averages with it and keeps stepping."""
+    survivor never averages with it and keeps stepping. With ``use_async_quorum=False`` (as here)
+    torchft loads a heal in ``zero_grad()``, before the step's collectives. With torchtitan's
+    async quorum it loads it in ``step()``, after the backward: the healing group's cross-group
+    all-reduce of that step has already run, with buffers of its own sizes, and gloo aborts the
+    survivor on the size mismatch ("Received data size doesn't match expected size") before the
+    refusal: a check the FSDP layer cannot move earlier."""
     with Cluster(tmp_path, "shardwise") as c:
-        c.start(0, "--pace", "0.1")
+        c.start(0, "--pace", "0.1", "--sync-quorum")
         c.wait("group 0 to step", lambda: c.step(0) >= 2, 300)
         joined = c.step(0)
-        c.start(1, ranks=1)
+        c.start(1, "--sync-quorum", ranks=1)
         assert c.wait_exit(1, 300) != [0], c.report()
         after = c.step(0)
         c.wait("group 0 to keep stepping", lambda: c.step(0) >= after + 2, 300)
@@ -225,3 +230,25 @@ def test_a_group_of_another_size_is_refused_at_its_first_heal_in_one_line(tmp_pa
     assert lines and "(Shard(dim=0),) over the 2 mesh of ranks [0, 1]" in lines[-1] \
         and "over the 1 mesh of ranks [0]" in lines[-1], c.report()
     assert all(r["participants"] == 1 for r in c.records(0) if r["step"] > joined), c.report()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_state_dict_read_from_the_quorum_thread_during_forward(tmp_path, impl):
+    """The served state calls ``model.state_dict()`` at each request instead of serving a cached
+    dict: torchft calls it from its quorum thread while the healthy group is in its forward
+    (here held 0.3 s with the second layer's parameters gathered). On torch's FSDP2 the state-dict
+    hook reshards under the running forward and the healthy group fails ("aten.addmm.default got
+    mixed torch.Tensor and DTensor"); on shardwise the read never changes what the running step
+    sees: the healthy group keeps stepping and the late group heals into its shards."""
+    with Cluster(tmp_path, impl) as c:
+        try:
+            ev = late_join(c, "--fresh-state-dict", "--slow-forward", "0.3")
+        except AssertionError:
+            if impl == "shardwise":
+                raise
+            ev = None
+    if impl == "torch":
+        assert ev is None and "got mixed torch.Tensor and DTensor" in (tmp_path / "g0r0.log").read_text(), (
+            "torch's FSDP2 survived a state_dict() during its forward: the scenario no longer shows the race")
+        return
+    _same_shards_from_the_first_step_back(c, ev["back"])
