@@ -1,7 +1,7 @@
 """A replica group lost and healed under torchft: torch's FSDP2 beside shardwise.
 
     python benchmarks/torchft_heal.py                       # widths 1024 and 65536, both implementations
-    python benchmarks/torchft_heal.py --widths 1024 --impls shardwise
+    python benchmarks/torchft_heal.py --widths 65536 --ranks 4     # 2 groups of 4 ranks
 
 Runs `tests.compat._torchft_groups.kill_and_heal` (2 replica groups x 2 CPU gloo ranks, a
 lighthouse on 127.0.0.1; torchtitan's FTManager wiring, `tests/compat/_torchft_rank.py`) once per
@@ -36,8 +36,8 @@ if __package__ in (None, ""):
 from tests.compat._torchft_groups import Cluster, kill_and_heal  # noqa: E402
 
 
-def measure(impl: str, width: int, workdir: Path) -> dict[str, float]:
-    with Cluster(workdir, impl) as c:
+def measure(impl: str, width: int, workdir: Path, ranks: int = 2) -> dict[str, float]:
+    with Cluster(workdir, impl, ranks=ranks) as c:
         ev = kill_and_heal(c, pace=0.05, extra=("--width", str(width), "--measure-bytes"))
     surv = [r for r in c.records(0, 0)]
     healer = c.records(1, 0)
@@ -58,15 +58,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--widths", type=int, nargs="+", default=[1024, 65536])
     p.add_argument("--impls", nargs="+", default=["torch", "shardwise"])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2], help="group sizes (ranks per replica group)")
     a = p.parse_args(argv)
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
-    print("| impl | width | lost | steady ms | down ms | peer-heal step ms | heal step ms | state B/rank | sent B/rank |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| impl | width | ranks | lost | steady ms | down ms | peer-heal step ms | heal step ms | state B/rank | sent B/rank |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
-        for width in a.widths:
+        for width, ranks in [(w, r) for w in a.widths for r in a.ranks]:
             for impl in a.impls:
-                m = measure(impl, width, Path(tmp) / f"{impl}_{width}")
-                print(f"| {impl} | {width} | {m['lost']} | {m['steady'] * 1e3:.1f} | {m['down'] * 1e3:.1f} | "
+                m = measure(impl, width, Path(tmp) / f"{impl}_{width}_{ranks}", ranks)
+                print(f"| {impl} | {width} | {ranks} | {m['lost']} | {m['steady'] * 1e3:.1f} | {m['down'] * 1e3:.1f} | "
                       f"{m['heal_peer'] * 1e3:.1f} | {m['heal'] * 1e3:.1f} | {m['state']} | {m['sent']} |",
                       flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
