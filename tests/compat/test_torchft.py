@@ -229,7 +229,9 @@ def test_a_group_of_another_size_is_refused_at_its_first_heal_in_one_line(tmp_pa
     lines = [ln for ln in (tmp_path / "g1r0.log").read_text().splitlines() if "is sharded" in ln]
     assert lines and "(Shard(dim=0),) over the 2 mesh of ranks [0, 1]" in lines[-1] \
         and "over the 1 mesh of ranks [0]" in lines[-1], c.report()
-    assert all(r["participants"] == 1 for r in c.records(0) if r["step"] > joined), c.report()
+    # the step the refused group was in the quorum for fails (its all-reduce lacks the peer) and
+    # is retried: every step the survivor commits after the join is its own gradient alone
+    assert all(r["participants"] == 1 for r in c.records(0) if r["step"] > joined and r["committed"]), c.report()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
