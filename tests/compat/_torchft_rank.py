@@ -102,10 +102,10 @@ def _shard(model, layout: str, world: int):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    mod = type(units[0]).__mro__[1].__module__ if units else ""
-    owner = "shardwise" if any(c.__module__.startswith("shardwise.") for c in type(model).__mro__) else "torch"
-    assert units and owner == os.environ["SW_FT_IMPL"], (
-        f"the units are {owner}'s ({mod}), the run is {os.environ['SW_FT_IMPL']}'s")
+    impl = os.environ["SW_FT_IMPL"]
+    owner = FSDPModule.__module__.split(".")[0]  # "torch" or "shardwise": whose class the name reached
+    assert units and owner == impl, (
+        f"the units are {owner}'s ({FSDPModule.__module__}), the run is {impl}'s")
     return units
 
 
