@@ -127,6 +127,7 @@ def run_ft(args: argparse.Namespace, dp_shard: int) -> list[float]:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         ft_optim.step()  # commits only if every participant succeeded
+        time.sleep(args.step_delay)  # --step-delay: a longer step, time to stop and restart a group by hand
         if manager.current_step() < step:
             failed += 1
             say(f"step {step:4d}  not committed (a peer failed); retrying")
