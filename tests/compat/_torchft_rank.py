@@ -167,7 +167,10 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=a.timeout))
+    # the group's own collectives outwait torchft's (as torchtitan's 300 s init timeout outwaits its
+    # 10 s ft process-group timeout): a rank held in torchft's reconfiguration (a peer group died
+    # or never had this group rank) fails its step there, not its group's next all-gather
+    dist.init_process_group("gloo", timeout=timedelta(seconds=3 * a.timeout))
     model = _model(a.width)
     units = _shard(model, a.layout, world)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
