@@ -34,7 +34,7 @@ from ._load import LoadStats, load
 from ._offline import VerifyReport, merge_checkpoint, reshard_checkpoint, verify_checkpoint
 from ._save import SaveHandle, async_save, check_save_target, save
 from ._series import latest_checkpoint
-from ._state import (FileSystemReader, FileSystemWriter, StateDictOptions, Stateful, gather_full,
+from ._state import (DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter, StateDictOptions, Stateful, gather_full,
                      get_model_state_dict, get_optimizer_state_dict, get_state_dict, scatter_full, set_model_state_dict, set_optimizer_state_dict, set_state_dict)
 from ._storage import FsspecStorage, PosixStorage, Storage
 
@@ -42,7 +42,7 @@ ROOMS = ("_base", "_storage", "_geometry", "_format", "_state", "_series", "_sav
          "_dcp_import", "_elastic")
 """The rooms of the package, lowest first: each imports only rooms before it (tests read this)."""
 
-__all__ = ["BatchPlan", "CheckpointError", "ElasticLoader", "ElasticSampler", "FileSystemReader", "FileSystemWriter",
+__all__ = ["BatchPlan", "CheckpointError", "DefaultLoadPlanner", "DefaultSavePlanner", "ElasticLoader", "ElasticSampler", "FileSystemReader", "FileSystemWriter",
            "FsspecStorage", "Heartbeat",
            "HeartbeatPolicy", "ImportStats", "LoadStats", "PosixStorage", "SaveHandle", "StateDictOptions", "Stateful",
            "Storage", "TrainingSnapshot", "VerifyReport", "async_save", "async_save_training_state",

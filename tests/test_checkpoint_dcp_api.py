@@ -290,3 +290,68 @@ def test_result_with_a_timeout_waits_for_this_ranks_write_only(tmp_path, monkeyp
     release.set()
     handle.result(timeout=60)  # the same handle finishes later
     assert handle.done() and not handle.running() and os.path.isdir(tmp_path / "a")
+
+
+def test_default_planners_are_taken_and_custom_ones_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.arange(4.0), "step": 3}
+    path = str(tmp_path / "a")
+    ck.save(state, checkpoint_id=path, planner=ck.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    got = {"w": torch.zeros(4), "step": 0}
+    ck.load(got, checkpoint_id=path, planner=ck.DefaultLoadPlanner())
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 3
+    extra = {"w": torch.zeros(4), "new": torch.full((2,), 5.0)}  # a key the checkpoint lacks
+    with pytest.raises(ck.CheckpointError, match="new"):
+        ck.load(extra, checkpoint_id=path, planner=ck.DefaultLoadPlanner())
+    ck.load(extra, checkpoint_id=path, planner=ck.DefaultLoadPlanner(allow_partial_load=True))
+    assert torch.equal(extra["w"], state["w"]) and torch.equal(extra["new"], torch.full((2,), 5.0))
+
+    class Custom(ck.DefaultSavePlanner):
+        pass
+
+    for call, planner in [(ck.save, Custom()), (ck.save, ck.DefaultLoadPlanner()), (ck.load, ck.DefaultSavePlanner()),
+                          (ck.save, dcp.DefaultSavePlanner())]:  # torch's own: a planner shardwise does not run
+        with pytest.raises(TypeError, match="plans from the state"):
+            call(dict(got), checkpoint_id=str(tmp_path / "b"), planner=planner)
+    for cls in (ck.DefaultSavePlanner, ck.DefaultLoadPlanner):
+        with pytest.raises(ValueError, match=f"{cls.__name__}\\(flatten_state_dict=\\.\\.\\.\\)"):
+            cls(flatten_state_dict=False)
+    assert not os.path.exists(tmp_path / "b")
+
+
+def test_top_level_values_of_a_load_equal_torch_dcp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    src = {"t": torch.arange(4.0), "step": 7, "lst": [1, torch.ones(2)], "tup": (1, 2.5), "nested": {"a": 5},
+           "s": "hi", "none": 3}
+    dcp.save(src, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    ck.save(src, str(tmp_path / "ours"), no_dist=True)
+    loaded = []
+    for load, path in ((lambda s, p: dcp.load(s, checkpoint_id=p, no_dist=True), "torch"),
+                       (lambda s, p: ck.load(s, p, no_dist=True), "ours")):
+        t = torch.zeros(4)
+        target = {"t": t, "step": 0, "lst": [0, torch.zeros(2)], "tup": (0, 0.0), "nested": {"a": 0}, "s": "",
+                  "none": None}
+        load(target, str(tmp_path / path))
+        assert target["t"] is t, f"{path}: a top-level tensor is filled in place"
+        loaded.append(target)
+    theirs, ours = loaded
+    assert repr(ours) == repr(theirs), (ours, theirs)
+
+
+def _ddp_missing_keys(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
+    partial = {"0.weight": torch.ones(2, 2)}
+    ours = ck.set_model_state_dict(model, partial, options=ck.StateDictOptions(strict=False))
+    theirs = torch_sd.set_model_state_dict(model, partial, options=torch_sd.StateDictOptions(strict=False))
+    return sorted(ours.missing_keys), sorted(theirs.missing_keys), sorted(ours.unexpected_keys)
+
+
+def test_set_model_state_dict_on_ddp_reports_keys_as_torch():
+    # torch 2.13 reports them as DDP's load_state_dict names them (module.*), as shardwise does
+    ours, theirs, unexpected = run_ranks(_ddp_missing_keys, 1)[0]
+    assert ours == theirs == ["module.0.bias", "module.1.bias", "module.1.weight"] and unexpected == [], (ours, theirs)

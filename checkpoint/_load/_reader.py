@@ -252,11 +252,12 @@ def load(state_dict: dict, path: str | os.PathLike | None = None, *, strict: boo
     ``state_dict()``/``load_state_dict()`` anywhere in the tree (`Stateful`) is loaded through
     them (its ``state_dict()`` is filled, then passed to its ``load_state_dict``);
     ``process_group`` (every rank) and ``no_dist`` (this process alone) as in `save`;
-    ``storage_reader=FileSystemReader(path)``.
+    ``storage_reader=FileSystemReader(path)``, ``planner=DefaultLoadPlanner(...)``.
     """
     if isinstance(storage_reader, FileSystemReader):
         checkpoint_id, storage_reader = checkpoint_path("load", checkpoint_id, storage_reader.path), None
     refuse_dcp_extensions("load", storage_reader=storage_reader, planner=planner)
+    strict = strict and not getattr(planner, "allow_partial_load", False)  # DefaultLoadPlanner only, checked above
     path = checkpoint_path("load", path, checkpoint_id)
     target, after = expand_stateful(state_dict)
     check_alone_state("load", target, no_dist)

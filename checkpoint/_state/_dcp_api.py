@@ -18,7 +18,10 @@ DCP's calls mean here:
   the writer process] in ``checkpoint/_save/_process_writer.py``). torch's enum is taken by its
   value or name (it is not imported here), as are the strings ``"thread"`` / ``"process"``;
   see [Note: how async_save learns its checkpointer type].
-* other ``storage_writer`` / ``storage_reader`` / ``planner`` / ``async_stager`` /
+* ``planner=DefaultSavePlanner()`` / ``DefaultLoadPlanner()`` (shardwise's classes of DCP's
+  names, below: DCP's default planners, what torch's own tests pass) are no planner;
+  ``DefaultLoadPlanner(allow_partial_load=True)`` is ``strict=False``.
+* other ``storage_writer`` / ``storage_reader`` / ``planner`` (a custom one) / ``async_stager`` /
   ``use_collectives=False``: DCP's extension points,
   which do not exist here. Each is refused with one line naming the shardwise way (a path or
   fsspec URL, ``storage=`` for a custom `Storage`, the state tree for what to save).
@@ -39,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from .._base import alone
 from ._flatten import flatten
 
-__all__ = ["FileSystemReader", "FileSystemWriter", "async_checkpointer_kind", "check_alone_state", "checkpoint_path",
+__all__ = ["DefaultLoadPlanner", "DefaultSavePlanner", "FileSystemReader", "FileSystemWriter", "async_checkpointer_kind", "check_alone_state", "checkpoint_path",
            "dcp_scope", "refuse_dcp_extensions", "requested_async_checkpointer"]
 
 _WAYS = {
@@ -89,7 +92,8 @@ def refuse_dcp_extensions(call: str, **given: Any) -> None:
         if name == "async_checkpointer_type":
             _requested_kind.set(async_checkpointer_kind(value))  # [Note: how async_save learns its checkpointer type]
             continue
-        if value is None:
+        if value is None or (name == "planner" and type(value) is (DefaultLoadPlanner if call == "load"
+                                                                   else DefaultSavePlanner)):
             continue
         raise TypeError(f"shardwise.checkpoint.{call}() has no {name} argument (torch DCP's extension point): "
                         f"{_WAYS[name]}")
@@ -214,3 +218,31 @@ class FileSystemReader(_Folder):
             raise ValueError("shardwise.checkpoint.FileSystemReader(_extension_registry=...): shardwise data files "
                              "are plain safetensors, checksummed; it has no stream transforms")
         self.path = path
+
+
+
+class DefaultSavePlanner:
+    """``save(state, path, planner=DefaultSavePlanner())`` is ``save(state, path)``: DCP's default
+    planner. torch 2.13's arguments: ``flatten_state_dict`` / ``flatten_sharded_tensors`` True
+    only (else a ``ValueError`` naming it), the others accepted (every piece is written once
+    anyway, by one rank that holds it). A subclass is a custom planner, refused."""
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 dedup_replicated_tensors: bool | None = None, dedup_save_to_lowest_rank: bool = False,
+                 enable_plan_caching: bool = False, allow_partial_load: bool = False) -> None:
+        for name, value in (("flatten_state_dict", flatten_state_dict),
+                            ("flatten_sharded_tensors", flatten_sharded_tensors)):
+            if value is not True:
+                raise ValueError(f"shardwise.checkpoint.{type(self).__name__}({name}=...): shardwise always keys a "
+                                 "checkpoint by the flattened state's paths; leave it True")
+        self.allow_partial_load = allow_partial_load
+
+
+class DefaultLoadPlanner(DefaultSavePlanner):
+    """``load(state, path, planner=DefaultLoadPlanner())`` is ``load(state, path)``; with
+    ``allow_partial_load=True`` it is ``strict=False`` (keys the checkpoint lacks keep their
+    values). Arguments as `DefaultSavePlanner`'s."""
+
+    def __init__(self, flatten_state_dict: bool = True, flatten_sharded_tensors: bool = True,
+                 allow_partial_load: bool = False) -> None:
+        super().__init__(flatten_state_dict, flatten_sharded_tensors, allow_partial_load=allow_partial_load)

@@ -1,36 +1,24 @@
 """``model.save_pretrained(dir)`` on a model sharded by `fully_shard`: transformers' and PEFT's.
 
-transformers recognises tied weights by storage pointer and writes the tensors it gets from
-``state_dict()``; a sharded model's state dict holds DTensors whose shards are views of one
-flat buffer per unit, so the plain call fails (``The weights trying to be saved contained
-shared tensors ... not properly defined``; torch's FSDP2 fails too). PEFT's
-``PeftModel.save_pretrained`` fails the same way (``Attempted to access the data pointer on an
-invalid python storage``, with torch's FSDP2 as well), and on every rank it would write.
+The state dict's tensors are ordinary ([Note: ordinary tensors] in ``_sharded_param.py``):
+``torch.save(model.state_dict())`` and ``save_pretrained(dir, state_dict=<full state dict>,
+is_main_process=rank == 0)`` need nothing from here. What does not work, with torch's FSDP2
+either, is the bare call on every rank: transformers and PEFT look for tied weights through
+safetensors' ``storage_ptr``, which reads a DTensor's wrapper storage (empty by design: "Attempted
+to access the data pointer on an invalid python storage"), and every rank would write the
+folder. An FSDP2 user gathers the full state dict and saves on rank 0; this does that for them.
 
 When `fully_shard` makes the ``FSDP<cls>`` class of a class whose ``save_pretrained`` takes a
-state dict, it gives it this ``save_pretrained``. Two forms are recognised:
-
-* ``state_dict=`` a named parameter (a transformers ``PreTrainedModel``);
-* ``state_dict`` read from ``**kwargs`` next to an ``is_main_process`` parameter (a PEFT
-  ``PeftModel``: ``get_peft_model_state_dict(self, state_dict=kwargs.get("state_dict"))``
-  picks the adapter's tensors out of it and renames them).
-
-Called on **every rank** without ``state_dict``, it gathers the full state dict
-(``get_model_state_dict`` with ``full_state_dict=True, cpu_offload=True``: one tensor at a
-time, each tied weight once and kept one tensor so transformers writes it once) into rank 0's
-CPU memory, passes it to the class's own ``save_pretrained`` (the others pass ``{}``), and ends
-with a barrier so no rank reads the folder before it is written. Only rank 0 holds the tensors,
-so only rank 0 writes: ``is_main_process`` becomes ``is_main_process and rank == 0`` (PEFT would
-otherwise write an empty adapter file from every other rank; transformers already writes on
-rank 0 only). Everything else is the class's own: PEFT still chooses which tensors are the
-adapter's (LoRA matrices, ``modules_to_save``, embeddings when it saves them), every adapter
-of ``selected_adapters``, the adapter config and model card.
-
-Rank 0 holds the whole model in CPU memory, as with Accelerate (PEFT's choice of tensors can
-need frozen ones: inactive adapters, resized embeddings); a LoRA run that wants less passes its
-own ``state_dict=``, e.g. ``get_model_state_dict(model, options=StateDictOptions(
-full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))``, and the rest is the same.
-The streamed way for a whole model (one full tensor at a time) is
+state dict (``state_dict=`` a named parameter: transformers' ``PreTrainedModel``; or read from
+``**kwargs`` next to an ``is_main_process`` parameter: PEFT's ``PeftModel``), it gives it this
+``save_pretrained``. Called on **every rank** without ``state_dict``, it gathers the full state
+dict, one ``full_tensor()`` at a time (a tied weight once, kept one tensor so transformers writes
+it once), into rank 0's CPU memory and passes it to the class's own ``save_pretrained`` (the
+others pass ``{}``); ``is_main_process`` becomes ``is_main_process and rank == 0``; a barrier ends
+it, so no rank reads the folder before it is written. Everything else is the class's own (PEFT
+still picks the adapter's tensors). A LoRA run that wants less memory on rank 0 passes its own
+``state_dict=`` (e.g. ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+cpu_offload=True, ignore_frozen_params=True))``); the streamed way for a whole model is
 ``shardwise.checkpoint.save_pretrained(model, dir)``.
 """
 
@@ -40,15 +28,27 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-from shardwise.checkpoint import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 __all__ = ["save_pretrained_override"]
 
-_FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the full state dict, on rank 0's CPU
 _MAIN = "is_main_process"
+
+
+def _full_on_rank0(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict on rank 0's CPU (``{}`` elsewhere), one tensor gathered at a time;
+    a tensor under several names (tied weights) is one tensor."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    sd = model.state_dict(keep_vars=True)
+    seen: dict[int, torch.Tensor] = {}
+    for v in sd.values():
+        if id(v) not in seen:  # full_tensor() is collective: every rank, in the same order
+            t = v.full_tensor() if isinstance(v, DTensor) else v
+            seen[id(v)] = t.detach().cpu() if rank0 else v
+    return {k: seen[id(v)] for k, v in sd.items()} if rank0 else {}
 
 
 def _takes_state_dict(sig: inspect.Signature) -> bool:
@@ -81,7 +81,7 @@ def save_pretrained_override(cls: type) -> dict[str, Callable[..., Any]]:
         bound = sig.bind(self, *args, **kwargs)
         holder = bound.arguments.setdefault(in_kwargs, {}) if in_kwargs else bound.arguments
         if holder.get("state_dict") is None:
-            holder["state_dict"] = get_model_state_dict(self, options=_FULL_ON_RANK0)
+            holder["state_dict"] = _full_on_rank0(self)
         if _MAIN in sig.parameters and dist.is_available() and dist.is_initialized():
             main = bound.arguments.get(_MAIN, sig.parameters[_MAIN].default)
             bound.arguments[_MAIN] = bool(main) and dist.get_rank() == 0  # rank 0 holds the tensors
