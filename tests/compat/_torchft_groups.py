@@ -234,12 +234,13 @@ def kill_and_heal(c: Cluster, *, die_at: int = 3, down_steps: int = 3, pace: flo
 
 
 def late_join(c: Cluster, *extra: str, ranks: int | None = None, join_at: int = 2, after: int = 2,
-              wait_s: float = 300.0) -> dict[str, int]:
+              pace: float = 0.3, wait_s: float = 300.0) -> dict[str, int]:
     """Group 0 starts alone; at its step ``join_at`` group 1 starts, heals from it and both step
-    ``after`` more steps. Returns group 1's first committed step and the last step."""
-    c.start(0, "--pace", "0.1", *extra, ranks=ranks)
+    ``after`` more steps. Returns group 1's first committed step and the last step. ``pace``
+    (least seconds a step takes) keeps group 0's steps few while group 1 starts."""
+    c.start(0, "--pace", str(pace), *extra, ranks=ranks)
     c.wait(f"group 0 to reach step {join_at}", lambda: c.step(0) >= join_at, wait_s)
-    c.start(1, "--pace", "0.1", *extra, ranks=ranks)
+    c.start(1, "--pace", str(pace), *extra, ranks=ranks)
     c.wait("group 1 to heal and commit", lambda: any(r["committed"] for r in c.records(1)), wait_s)
     events = {"back": min(r["step"] for r in c.records(1) if r["committed"])}
     events["stop"] = max(c.step(0), c.step(1)) + after

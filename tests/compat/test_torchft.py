@@ -13,12 +13,28 @@ the whole group 1 is killed by ``SIGKILL`` and restarted again. Each rank writes
 step (its manager's step, whether it committed, the participants, a digest of its parameter and
 optimizer shards, what its all-reduce hook saw before and after the all-reduce, whether the
 served state dict is the live state). A failure prints every rank's log.
+
+torch's FSDP2 runs here only where it is the differential core: `kill_and_heal` (the fixture)
+and the hook comparison. For the other scenarios (HSDP / FSDP x TP inside the groups, DiLoCo,
+another layout's state dict, the state dict read from the quorum thread) torch's side was run
+once and recorded in ``tests/compat/goldens/torchft_<NAME>.json`` (``{"name", "releases",
+"data"}``: the format of the suite's goldens, with the torch and torchft releases it was made
+with); the test runs shardwise and compares: the shard digests of the steps whose result does
+not depend on timing (bit-identical where both implementations agree bit for bit), or torch's
+outcome. A golden made by other releases fails its test. Regenerate (all, or the names given):
+
+    python -m tests.compat.test_torchft --regen [layout_hsdp layout_tp diloco another_layout quorum_thread]
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
 import math
+import pathlib
+import sys
+import tempfile
 
 import pytest
 
@@ -28,6 +44,22 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None or l
                                 reason="torchft (with its torchft_lighthouse) is not installed")
 
 IMPLS = ("torch", "shardwise")
+GOLDENS = pathlib.Path(__file__).with_name("goldens")
+REGEN = "python -m tests.compat.test_torchft --regen"
+
+
+def _releases() -> dict[str, str]:
+    return {d: importlib.metadata.version(d) for d in ("torch", "torchft")}
+
+
+def golden(name: str):
+    """torch's recorded side of scenario ``name``; fails if made by other releases than installed."""
+    path = GOLDENS / f"torchft_{name}.json"
+    assert path.exists(), f"{path} is missing: {REGEN} {name}"
+    rec = json.loads(path.read_text())
+    assert rec["releases"] == _releases(), (
+        f"{path} was recorded with {rec['releases']}, installed are {_releases()}: {REGEN} {name}")
+    return rec["data"]
 _RUNS: dict[str, tuple[Cluster, dict[str, int]]] = {}
 
 
@@ -149,14 +181,18 @@ def _load_from_another_layout(rank, world_size, impl):
     return message, unchanged
 
 
-def test_a_state_dict_of_another_layout_is_refused_in_one_line_naming_both():
+def _another_layout(tmp: pathlib.Path, impl: str) -> list:
     from tests._dist import run_ranks
-    for impl in IMPLS:
-        for message, unchanged in run_ranks(_load_from_another_layout, 2, impl, timeout=120):
-            assert message and unchanged, (impl, message)
-            if impl == "shardwise":
-                assert "\n" not in message and "1x2 mesh of ranks [[0, 1]]" in message \
-                    and "the 2 mesh of ranks [0, 1]" in message, message
+    return run_ranks(_load_from_another_layout, 2, impl, timeout=120)
+
+
+def test_a_state_dict_of_another_layout_is_refused_in_one_line_naming_both():
+    """torch's FSDP2 refuses it too (recorded: its message, the shards unchanged)."""
+    assert all(m and unchanged for m, unchanged in golden("another_layout")), golden("another_layout")
+    for message, unchanged in _another_layout(pathlib.Path(), "shardwise"):
+        assert message and unchanged, message
+        assert "\n" not in message and "1x2 mesh of ranks [[0, 1]]" in message \
+            and "the 2 mesh of ranks [0, 1]" in message, message
 
 
 def _same_shards_from_the_first_step_back(c: Cluster, first: int, key: str = "sha", ranks: int = 2) -> None:
@@ -167,27 +203,59 @@ def _same_shards_from_the_first_step_back(c: Cluster, first: int, key: str = "sh
             rank, [(r["step"], r[key], ours.get(r["step"])) for r in back], c.report())
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("layout,ranks", [("hsdp", 4), ("tp", 2)], ids=["hsdp2x2", "fsdp1xtp2"])
-def test_a_group_of_another_parallelism_joins_late_and_heals(tmp_path, impl, layout, ranks):
+def _digests(c: Cluster, ranks: int, keep) -> dict[str, dict[str, str]]:
+    """Group 0's shard digests, per rank and committed step, of the steps ``keep(record)`` selects."""
+    return {str(rank): {str(r["step"]): r["sha"] for r in c.records(0, rank) if r["committed"] and keep(r)}
+            for rank in range(ranks)}
+
+
+def _same_digests_as_torch(ours: dict, theirs: dict, least: int = 2) -> None:
+    for rank, steps in theirs.items():
+        common = sorted(set(steps) & set(ours[rank]), key=int)
+        assert len(common) >= least, (rank, steps, ours[rank])
+        assert all(ours[rank][s] == steps[s] for s in common), (rank, ours[rank], steps)
+
+
+def _layout_run(tmp: pathlib.Path, impl: str, layout: str, ranks: int):
+    """Group 0 alone until its step 2, then group 1 joins and heals. Returns the cluster, the
+    events and group 0's digests of its steps 1 and 2, taken alone (fixed by the seeds, not by
+    the timing)."""
+    with Cluster(tmp, impl, ranks=ranks) as c:
+        ev = late_join(c, "--layout", layout)
+    return c, ev, _digests(c, ranks, lambda r: r["participants"] == 1 and r["step"] <= min(2, ev["back"] - 1))
+
+
+LAYOUTS = {"hsdp": 4, "tp": 2}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["hsdp2x2", "fsdp1xtp2"])
+def test_a_group_of_another_parallelism_joins_late_and_heals(tmp_path, layout):
     """Inside each group HSDP (replicate 2 x shard 2) or FSDP x TP (tp 2); torchft across the
     groups. Group 1 starts at group 0's step 2, heals (each rank from the rank of its mesh
-    position) and has group 0's shards from its first step back, for as long as both step."""
-    with Cluster(tmp_path, impl, ranks=ranks) as c:
-        ev = late_join(c, "--layout", layout)
+    position) and has group 0's shards from its first step back, for as long as both step.
+    The steps group 0 took alone give the shards torch's FSDP2 gave (recorded), bit for bit."""
+    ranks = LAYOUTS[layout]
+    c, ev, digests = _layout_run(tmp_path, "shardwise", layout, ranks)
     _same_shards_from_the_first_step_back(c, ev["back"], ranks=ranks)
     assert any(r["participants"] == 2 for r in c.records(0) if r["committed"]), c.report()
+    _same_digests_as_torch(digests, golden(f"layout_{layout}"))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_diloco_syncs_every_k_steps_and_a_group_lost_between_syncs_heals(tmp_path, impl):
+def _diloco_run(tmp: pathlib.Path, impl: str):
+    """Returns the cluster, the events and group 0's digests of the syncs both groups took
+    before the loss (from the same seeds in the same first quorum: fixed, not timed)."""
+    with Cluster(tmp, impl) as c:
+        ev = kill_and_heal(c, die_at=2, down_steps=2, pace=0.05, extra=("--semi-sync", "diloco", "--sync-every", "2"))
+    return c, ev, _digests(c, 2, lambda r: r["participants"] == 2 and r["step"] <= ev["exit"])
+
+
+def test_diloco_syncs_every_k_steps_and_a_group_lost_between_syncs_heals(tmp_path):
     """torchft's DiLoCo around the sharded model (torchtitan's outer SGD, sync every 2 inner
     steps; the manager's step counts syncs): group 1 loses a rank between two syncs, restarts
     and heals, is killed whole and heals again; the survivor's outer steps go on by one a sync,
     and after each heal the groups' parameters are equal at every sync (their inner AdamW
-    states are their own)."""
-    with Cluster(tmp_path, impl) as c:
-        ev = kill_and_heal(c, die_at=2, down_steps=2, pace=0.05, extra=("--semi-sync", "diloco", "--sync-every", "2"))
+    states are their own). The syncs before the loss give torch's FSDP2's shards (recorded)."""
+    c, ev, digests = _diloco_run(tmp_path, "shardwise")
     for rank in (0, 1):
         recs = c.records(0, rank)
         prev = 0
@@ -196,6 +264,7 @@ def test_diloco_syncs_every_k_steps_and_a_group_lost_between_syncs_heals(tmp_pat
             prev = r["step"]
         assert recs[-1]["step"] == ev["stop"]
     _same_shards_from_the_first_step_back(c, ev["back1"], key="psha")
+    _same_digests_as_torch(digests, golden("diloco"), least=1)
 
 
 def test_local_sgd_averages_a_sharded_model_every_k_steps_and_a_late_group_heals(tmp_path):
@@ -234,23 +303,59 @@ def test_a_group_of_another_size_is_refused_at_its_first_heal_in_one_line(tmp_pa
     assert all(r["participants"] == 1 for r in c.records(0) if r["step"] > joined and r["committed"]), c.report()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_a_state_dict_read_from_the_quorum_thread_during_forward(tmp_path, impl):
-    """The served state calls ``model.state_dict()`` at each request instead of serving a cached
-    dict: torchft calls it from its quorum thread while the healthy group is in its forward
-    (here held 0.3 s with the second layer's parameters gathered). On torch's FSDP2 the state-dict
-    hook reshards under the running forward and the healthy group fails ("aten.addmm.default got
-    mixed torch.Tensor and DTensor"); on shardwise the read never changes what the running step
-    sees: the healthy group keeps stepping and the late group heals into its shards."""
-    with Cluster(tmp_path, impl) as c:
+def _quorum_thread_run(tmp: pathlib.Path, impl: str):
+    """Returns the cluster and the events, or None where the healthy group failed (torch's)."""
+    with Cluster(tmp, impl) as c:
         try:
-            ev = late_join(c, "--fresh-state-dict", "--slow-forward", "0.3")
+            return c, late_join(c, "--fresh-state-dict", "--slow-forward", "0.3")
         except AssertionError:
             if impl == "shardwise":
                 raise
-            ev = None
-    if impl == "torch":
-        assert ev is None and "got mixed torch.Tensor and DTensor" in (tmp_path / "g0r0.log").read_text(), (
-            "torch's FSDP2 survived a state_dict() during its forward: the scenario no longer shows the race")
-        return
+            return c, None
+
+
+def test_a_state_dict_read_from_the_quorum_thread_during_forward(tmp_path):
+    """The served state calls ``model.state_dict()`` at each request instead of serving a cached
+    dict: torchft calls it from its quorum thread while the healthy group is in its forward
+    (here held 0.3 s with the second layer's parameters gathered). On torch's FSDP2 (recorded)
+    the state-dict hook reshards under the running forward and the healthy group fails
+    ("aten.addmm.default got mixed torch.Tensor and DTensor"); on shardwise the read never
+    changes what the running step sees: the healthy group keeps stepping and the late group
+    heals into its shards."""
+    torch_side = golden("quorum_thread")
+    assert torch_side["failed"] and "got mixed torch.Tensor and DTensor" in torch_side["error"], (
+        "torch's FSDP2 survived a state_dict() during its forward: the scenario no longer shows the race")
+    c, ev = _quorum_thread_run(tmp_path, "shardwise")
     _same_shards_from_the_first_step_back(c, ev["back"])
+
+
+def _record_quorum_thread(tmp: pathlib.Path) -> dict:
+    c, ev = _quorum_thread_run(tmp, "torch")
+    lines = [ln for ln in (tmp / "g0r0.log").read_text().splitlines() if "got mixed" in ln]
+    return {"failed": ev is None, "error": lines[-1].strip() if lines else ""}
+
+
+RECORDERS = {  # golden name: torch's side of the scenario, given a scratch directory
+    "layout_hsdp": lambda tmp: _layout_run(tmp, "torch", "hsdp", 4)[2],
+    "layout_tp": lambda tmp: _layout_run(tmp, "torch", "tp", 2)[2],
+    "diloco": lambda tmp: _diloco_run(tmp, "torch")[2],
+    "another_layout": lambda tmp: [list(x) for x in _another_layout(tmp, "torch")],
+    "quorum_thread": _record_quorum_thread,
+}
+
+
+def regen(names: list[str]) -> None:
+    """Run torch's side of each named scenario (all when none) and write its golden."""
+    GOLDENS.mkdir(exist_ok=True)
+    for name in names or list(RECORDERS):
+        with tempfile.TemporaryDirectory() as tmp:
+            data = RECORDERS[name](pathlib.Path(tmp))
+        record = {"name": f"torchft_{name}", "releases": _releases(), "data": data}
+        (GOLDENS / f"torchft_{name}.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        print("wrote", GOLDENS / f"torchft_{name}.json", flush=True)
+
+
+if __name__ == "__main__":
+    assert sys.argv[1:2] == ["--regen"], f"usage: {REGEN} [{' '.join(RECORDERS)}]"
+    from tests.compat import test_torchft  # the ranks of run_ranks import their function by this name
+    test_torchft.regen(sys.argv[2:])
