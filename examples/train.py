@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     from examples.cp import add_cp_args  # context parallelism: --cp, --cp-method
 
     add_cp_args(p)
+    from examples.fault_tolerance import add_ft_args  # --ft-replica-group, --ft-lighthouse: torchft
+
+    add_ft_args(p)
     return p
 
 
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     # the paths below are separate loops; combinations none of them wires are refused here, not ignored
     cp_alone = args.cp > 1 and args.pp == 1 and not args.checkpoint_dir  # the pp and elastic loops wire --cp
     paths = [name for name, on in (("--checkpoint-dir", bool(args.checkpoint_dir)), ("--pp", args.pp > 1),
-                                   ("--cp", cp_alone),
+                                   ("--cp", cp_alone), ("--ft-replica-group", args.ft_replica_group is not None),
                                    ("--experts/--ep", (bool(args.experts) or args.ep > 1) and args.pp == 1)) if on]
     if args.cp > 1 and (args.experts or args.ep > 1):
         paths = ["--cp", "--experts/--ep"]  # the pipeline loop wires each of them, not both together
@@ -188,6 +191,12 @@ def main(argv: list[str] | None = None) -> list[float]:
             check_moe_args(args.experts, args.top_k, args.ep, checked.dp_shard, args.tp, args.pp)
         except UsageError as e:
             _fail(str(e))
+    if args.ft_replica_group is not None:  # one replica group under torchft (docs/fault_tolerance.md)
+        from examples.fault_tolerance import check_ft_args, run_ft
+
+        if (problem := check_ft_args(args)) is not None:
+            _fail(problem)
+        return run_ft(args, checked.dp_shard)
     if args.checkpoint_dir:  # elastic: resume from the latest checkpoint, save every K steps (docs/elastic.md)
         from examples.elastic import run_elastic
 

@@ -43,6 +43,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_compile_fullgraph.py::test_activation_checkpointed_blocks_train_as_eager',  # 49 s at load 25
     'tests/test_compile_fullgraph.py::test_hugging_face_llama_trains_as_eager',  # 224 s at load 25 (transformers)
     'tests/test_compile_fullgraph.py::test_what_cannot_be_traced_is_refused_naming_it',  # 48 s at load 25 (3 traces)
+    'tests/compat/test_torchft.py',  # 8 scenario runs of 2 replica groups (1-4 ranks) + a lighthouse; torch's side of 5 is golden: with test_example_ft.py 330 CPU-s (713 s at load 12-43)
     'tests/compat/test_tp_api.py',  # 2 s
     'tests/compat/test_tp_styles.py::test_loss_parallel_reductions_weights_and_a_wrongly_sharded_input',  # 2 s
     'tests/compat/test_torchtitan_forms.py',  # 55 s (16 scenarios on 4 workers)
@@ -82,6 +83,7 @@ SLOW: list[str] = [  # seconds: setup + call + teardown in the full run of Dec 2
     'tests/test_ep_hf_merge.py::test_merge_and_hf_folder_write_per_expert_names',  # 2 s
     'tests/test_ep_tp.py',  # 9 s
     'tests/test_example.py',  # 57 s
+    'tests/test_example_ft.py',  # 2 torchrun groups of 2 ranks and a lighthouse; 55 s loaded
     'tests/test_example_s3.py',  # 562 s at load average 30-60 (Dec 2); 6 rank runs against a local S3 server
     'tests/test_example_moe.py',  # 20 s
     'tests/test_example_muon.py::test_muon_job_matches_single_process',  # 2 launches (2 and 4 ranks), 150 s loaded

@@ -246,7 +246,8 @@ def test_torchrun_save_then_printed_command_without_numpy(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--cp", "2", "--experts", "4"], ["--checkpoint-dir", "ck", "--pp", "2"],
                                   ["--checkpoint-dir", "ck", "--experts", "4"],
-                                  ["--cp", "2", "--pp", "2", "--experts", "4"]])
+                                  ["--cp", "2", "--pp", "2", "--experts", "4"],
+                                  ["--ft-replica-group", "0", "--pp", "2"]])
 def test_paths_that_do_not_combine_are_refused_not_ignored(argv, monkeypatch, capsys, tmp_path):
     """--checkpoint-dir, --pp, --cp and --experts are separate loops of the example: two at once
     is one error before anything is built, not one of them silently dropped."""

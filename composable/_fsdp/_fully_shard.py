@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ._common import OWNER_ATTR as _OWNER_ATTR
 from ._common import FullyShardUsageError
@@ -36,8 +37,25 @@ def _unit(module: nn.Module) -> FSDPState:
     return state
 
 
-def _load_pre_hook(module: nn.Module, *args: Any) -> None:
-    _unit(module).reshard_for_update("load_state_dict")
+def _load_pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Reshard first; a sharded entry from another layout (another mesh shape or ranks: a replica
+    group of another size or shape, whose shards are other slices) is refused in one line naming
+    both, before anything is copied (copying fails per parameter, or waits for ranks never there)."""
+    unit = _unit(module)
+    unit.reshard_for_update("load_state_dict")
+    ours = {id(sp.sharded) for sp in unit.group.params} if unit.group is not None else set()
+    for name, p in module.named_parameters():
+        theirs = state_dict.get(prefix + name)
+        if id(p) in ours and isinstance(theirs, DTensor) and isinstance(p, DTensor) and _layout(theirs) != _layout(p):
+            raise ValueError(f"load_state_dict: '{prefix + name}' is sharded {_layout(theirs, True)} but this model "
+                             f"shards it {_layout(p, True)}: a sharded state dict loads only into its own layout; "
+                             f"save it with shardwise.checkpoint and load that (it reshards), or use a full state dict")
+
+
+def _layout(t: DTensor, placements: bool = False) -> str:
+    mesh = t.device_mesh
+    where = f"the {'x'.join(map(str, mesh.shape))} mesh of ranks {mesh.mesh.tolist()}"
+    return f"{tuple(t.placements)} over {where}" if placements else where
 
 
 def _load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
