@@ -1,24 +1,17 @@
 """`parallelize_module`: apply a tensor-parallel plan to a module tree.
 
-A plan is one style (applied to ``module`` itself) or a mapping ``pattern -> style`` where a
-pattern is a dotted module name relative to ``module`` (``"layers.0.attention.wq"``) in which
-``*`` (and other ``fnmatch`` wildcards) match within one name component:
-``"layers.*.feed_forward.w1"`` matches every block's ``w1`` but ``"layers.*"`` does not match
-``"layers.0.attention"``. ``""`` names ``module`` itself.
+A plan is one style (for ``module`` itself) or a mapping ``pattern -> style``, a pattern being a
+dotted module name relative to ``module`` whose ``fnmatch`` wildcards match within one name
+component (``"layers.*.feed_forward.w1"``; ``"layers.*"`` does not match ``"layers.0.attention"``;
+``""`` is ``module``).
 
-The whole plan is checked before anything changes. A pattern that matches no module is
-skipped with a `PlanWarning` (a ``UserWarning``, as torch warns) that lists the closest module
-names (``difflib``), so a typo is visible; ``strict=True`` makes it a `PlanError` instead. Two
-patterns matching the same module are an error (merge them, e.g. into
-`PrepareModuleInputOutput`); every style validates its module (a rule exists, the
-configuration is supported). Then the styles are applied in plan order.
-
-A style may also be an instance of one of torch's style classes, or of a subclass such as
-torchao's ``Float8ColwiseParallel``: it runs as the shardwise style of the same name
-([Note: torch's style objects in a plan] in ``_torch_styles.py``).
-
-The mesh and the plan may be omitted as in torch: no ``device_mesh`` takes the mesh of the
-innermost ``with mesh:`` block; no plan warns and returns the module unchanged.
+The whole plan is checked before anything changes: a pattern matching nothing is skipped with a
+`PlanWarning` listing the closest names (a `PlanError` with ``strict=True``); two patterns on one
+module are an error (merge them, e.g. into `PrepareModuleInputOutput`); every style validates
+its module. Then the styles are applied in plan order. torch's style objects (and subclasses
+such as torchao's ``Float8ColwiseParallel``) run as the shardwise style of the same name ([Note:
+torch's style objects in a plan] in ``_torch_styles.py``). As in torch, no ``device_mesh`` takes
+the innermost ``with mesh:`` block's mesh; no plan warns and returns the module unchanged.
 """
 
 from __future__ import annotations
