@@ -99,13 +99,10 @@ def clip_grad_norm_(
     DTensor when the gradients are DTensors (``total_norm.full_tensor()`` / ``.item()`` read it),
     else a plain 0-d tensor; see [Note: the returned norm].
 
-    Gradients may be DTensors on any meshes and placements — ``(Shard(0),)`` from FSDP,
-    ``(Replicate(), Shard(0))`` from HSDP, ``(Shard(1),)`` on a tensor-parallel mesh, several
-    at once — or plain tensors, which are taken as replicated (the same on every rank). The
-    norm is that of all gradients concatenated, as ``torch.nn.utils.clip_grad_norm_`` computes
-    on one device; see [Note: the norm of sharded gradients] for how it is reduced (one
-    all-reduce per mesh axis per distinct sharding, not per parameter). Every rank must call it
-    with the same kinds of gradients (it communicates).
+    Gradients may be DTensors on any meshes and placements (several at once) or plain tensors,
+    taken as replicated. The norm is that of all gradients concatenated, as on one device
+    ([Note: the norm of sharded gradients]). Every rank must call it with the same kinds of
+    gradients (it communicates).
 
     Args:
         max_norm: the largest allowed norm; grads are multiplied by
