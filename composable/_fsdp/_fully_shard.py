@@ -62,11 +62,9 @@ def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> Non
 
 
 # [Note: a state dict read from another thread]
-# A running step registers the unsharded parameters on the modules (forward, backward); resharding
-# them from another thread would change what that step's next op sees (FSDP2's hook does, and
-# the step fails with "mixed torch.Tensor and DTensor"). The sharded DTensors are always whole and
-# valid, so a state dict read elsewhere takes them: the post-hook replaces every entry of the
-# unit's parameters by the sharded one (detached unless the entry was a Parameter, keep_vars).
+# Resharding from another thread would change what a running step's next op sees (FSDP2's hook
+# does: "mixed torch.Tensor and DTensor"). The sharded DTensors are always valid, so the post-hook
+# replaces each of the unit's parameter entries by the sharded one (detached unless keep_vars).
 def _state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
     group = _unit(module.__dict__[_UNIT_ATTR]).group
     assert group is not None, "the hook is registered on modules holding a unit's parameters"

@@ -122,11 +122,9 @@ class ShardedParam:
         else:
             self.set_storage(padded, None if param.device.type == "meta" else data)
 
-    # [Note: accumulating in the reduce dtype] unsharded gradients of backwards that do not
-    # reduce (``requires_gradient_sync=False``: gradient accumulation, pipeline microbatches)
-    # are summed here in the reduce dtype when the compute dtype is lower (bf16 parameters,
-    # fp32 reduction): summed by autograd in bf16 they would lose bits with every microbatch.
-    # FSDP2 does the same. The reduction then takes this sum (plus the last backward's grad).
+    # [Note: accumulating in the reduce dtype] gradients of backwards that do not reduce
+    # (accumulation, pipeline microbatches) are summed here in the reduce dtype when the compute
+    # dtype is lower (bf16 sums lose bits every microbatch), as FSDP2; the reduction takes the sum.
     accumulated_grad = None
 
     def _check_extension(self, layout: ShardLayout) -> None:

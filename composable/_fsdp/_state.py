@@ -137,12 +137,10 @@ class FSDPState:
         self._forward_seen: set[int] = set()
         self._pending_post_backward = 0
         self._handles: list[Any] = []
-        # [Note: hooks under torch.compile] compiling the module (``torch.compile(block)``,
-        # ``block.compile()``) makes dynamo trace ``_call_impl`` and with it these hooks; they
-        # unshard / reshard by storage resizes and parameter swaps that must not be captured in
-        # a graph. They run eagerly: dynamo breaks the graph around them and compiles the
-        # module's forward alone, as torch's FSDP2 does -- unless the whole model is traced:
-        # then the traced path runs instead ([Note: the traced unit] in _traced.py).
+        # [Note: hooks under torch.compile] compiling a module makes dynamo trace these hooks,
+        # whose storage resizes and parameter swaps must not enter a graph: they run eagerly
+        # around the compiled forward, as in FSDP2, unless the whole model is traced ([Note:
+        # the traced unit] in _traced.py).
         self._eager_hooks = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
         self.parent: FSDPState | None = None  # the unit whose fully_shard took this one's modules in
         self.traced_forward = False  # a top unit: its forward is being traced

@@ -6,9 +6,9 @@ component (``"layers.*.feed_forward.w1"``; ``"layers.*"`` does not match ``"laye
 ``""`` is ``module``).
 
 The whole plan is checked before anything changes: a pattern matching nothing is skipped with a
-`PlanWarning` listing the closest names (a `PlanError` with ``strict=True``); two patterns on one
-module are an error (merge them, e.g. into `PrepareModuleInputOutput`); every style validates
-its module. Then the styles are applied in plan order. torch's style objects (and subclasses
+`PlanWarning` listing the closest names (a `PlanError` with ``strict=True``); at most one entry
+may shard a module's parameters ([Note: overlapping plan entries]); every style validates its
+module. Then the styles are applied in plan order. torch's style objects (and subclasses
 such as torchao's ``Float8ColwiseParallel``) run as the shardwise style of the same name ([Note:
 torch's style objects in a plan] in ``_torch_styles.py``). As in torch, no ``device_mesh`` takes
 the innermost ``with mesh:`` block's mesh; no plan warns and returns the module unchanged.
