@@ -202,10 +202,9 @@ def load(state_dict: dict, path: str | os.PathLike | None = None, *, strict: boo
     """Fill the tensors of ``state_dict`` in place from the checkpoint at ``path``; collective.
 
     ``path`` is a local path or an fsspec URL (``memory://...``, ``s3://...``); ``storage``
-    chooses the storage explicitly (``_storage``). ``state`` has the structure that was saved
-    (e.g. ``{"model": get_model_state_dict(model), ...}``); its tensors may have any layout
-    (plain, or DTensors with any supported placements on any mesh), independent of the layout
-    they were saved from. Plain values in ``state`` are replaced by the saved ones.
+    chooses the storage explicitly. ``state`` has the structure that was saved; its tensors may
+    have any layout (plain, or DTensors on any mesh), whatever they were saved from. Plain values
+    in ``state`` are replaced by the saved ones.
     ``strict=False`` skips keys of ``state`` that the checkpoint lacks; keys of the checkpoint
     that ``state`` lacks are always ignored. ``verify`` checks the CRC-32 of every checksum
     chunk (or whole saved box) of the loaded tensors, spread over the ranks, before anything is

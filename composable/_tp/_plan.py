@@ -70,12 +70,10 @@ def _near_misses(pattern: str, fqns: list[str]) -> list[str]:
 
 
 # [Note: overlapping plan entries]
-# torch's parallelize_module walks the plan in order and applies every entry to every module it
-# matches, so ``{"layers.*": PrepareModuleInput(...), "layers.0.attn": ColwiseParallel()}`` or two
-# entries naming one module both take effect, their hooks running in plan order. We do the same,
-# with one rule kept: at most one entry may shard a module's parameters (`ParallelStyle.
-# shards_parameters`). A second one would find them already DTensors; torch fails there too, but
-# only after the first entry changed the model, where we refuse the plan before touching anything.
+# As in torch, every entry applies to every module it matches, in plan order (``{"layers.*":
+# PrepareModuleInput(...), "layers.0.attn": ColwiseParallel()}`` both take effect), but at most one
+# may shard a module's parameters (`ParallelStyle.shards_parameters`): torch fails on the second
+# after changing the model; we refuse the plan before touching anything.
 
 
 def match_plan(module: nn.Module, plan: Mapping[str, object],
