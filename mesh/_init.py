@@ -111,9 +111,8 @@ def init_mesh(*, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int
         ValueError: invalid sizes (the message shows the arithmetic), ``world_size`` differs from
             the group's, or a ``device_type`` this host cannot use.
 
-    When ``LOCAL_WORLD_SIZE`` is set (torchrun) and the job spans several hosts, global rank 0
-    emits `HostLayoutWarning` (a ``UserWarning``) if a ``dp_shard * tp`` block of ranks does not
-    fit in one host; see `host_fit_problem`.
+    On a multi-host torchrun job rank 0 emits `HostLayoutWarning` (a ``UserWarning``) if a
+    ``dp_shard * tp`` block of ranks does not fit in one host (`host_fit_problem`).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("init_mesh() needs the default process group, which is not initialized: launch with "

@@ -101,15 +101,9 @@ class _PostBackward(torch.autograd.Function):
 
 class FSDPState:
     """Hooks and per-step bookkeeping of one unit over ``modules`` (one module, or the list
-    given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters.
-    What spans units (the root's) is in ``ctx``, a ``RootContext`` shared by every unit under
-    the root, set at lazy init.
-
-    It is also the *handle* other code drives a unit through (``units_of``, ``fully_shard.state``):
-    ``unshard`` / ``wait_unshard`` / ``reshard`` move its parameters, ``reduce`` issues the
-    reduction of its gradients, ``end_step`` ends its step, ``finish_backward`` /
-    ``abandon_step`` end (or drop) the step of every unit under its root, and
-    ``reshard_for_update`` / ``readopt`` bracket a replacement of its parameters from outside."""
+    given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters;
+    ``ctx`` is the ``RootContext`` shared by every unit under the root, set at lazy init. It is
+    also the *handle* other code drives a unit through (``units_of``, ``fully_shard.state``)."""
 
     def __init__(self, modules: list[nn.Module], group: ParamGroup | None, mesh: Any,
                  reshard_after_forward: bool | int | None, mp: MixedPrecisionPolicy) -> None:
@@ -399,8 +393,7 @@ class FSDPState:
         self._pending_post_backward -= 1
         if self._pending_post_backward <= 0:
             self._pending_post_backward = 0
-            # free the unsharded parameters before the reduce-scatter allocates its send
-            # buffer: the gradients and that buffer then never coexist with them
+            # free the unsharded parameters before the reduce-scatter allocates its send buffer
             if self.reshard_after_backward:
                 self.reshard()
             self.reduce()
