@@ -111,8 +111,7 @@ def scatter_full(state: dict, full: dict, *, from_rank0: bool = False, src: int 
 
     ``check`` (with ``from_rank0``): called on rank ``src`` before anything moves; a
     ``KeyError`` / ``ValueError`` / ``TypeError`` it returns is raised on every rank with its
-    own type and message (any other: as `CheckpointError`), for callers whose errors are
-    part of their API. It travels with the problems, so it costs no collective of its own.
+    own type and message (any other: as `CheckpointError`), at no collective of its own.
     """
     rank, _ = rank_and_world()
     if check is not None and not from_rank0:
