@@ -1,31 +1,20 @@
 """``clip_grad_norm_`` over gradients sharded on any meshes: the true global norm, few collectives.
 
 [Note: the norm of sharded gradients]
-For ``p`` finite, ``||g||_p^p`` is a sum over elements, so it splits over the pieces of a
-sharded gradient: each rank computes ``sum |local|^p`` over its ``to_local()`` (which holds
-only real rows, never padding) and a SUM over the mesh axes where the gradient is *Shard*
-adds the pieces. Over a *Replicate* axis every rank holds the same piece: summing there would
-count it several times, so those axes are skipped. For ``p = inf`` the same holds with MAX.
-A *Partial* gradient is a pending sum of the local tensors, whose norm is not a function of
-their norms: it is redistributed to Replicate on those axes first (one all-reduce per such
-gradient; fully_shard never produces Partial gradients).
-
-Gradients are grouped by the process groups to reduce over (derived from mesh + placements):
-each group's local sums are added up locally and reduced with one all-reduce per mesh axis
-to reduce over, whatever the number of parameters. Plain-tensor gradients are taken as the
-same on every rank (replicated, like the parameters ``fully_shard`` ignores) and not reduced.
+For finite ``p``, ``||g||_p^p`` is a sum over elements, so it splits over a sharded gradient's
+pieces: each rank sums ``|local|^p`` over its ``to_local()`` (never padding) and a SUM over the
+*Shard* axes adds the pieces; *Replicate* axes are skipped (the same piece would count several
+times). For ``p = inf`` the same holds with MAX. A *Partial* gradient is first redistributed to
+Replicate on those axes (one all-reduce each; fully_shard never produces one). Gradients are
+grouped by the process groups to reduce over, with one all-reduce per group and mesh axis
+whatever the number of parameters. Plain-tensor gradients are taken as replicated, not reduced.
 
 [Note: the returned norm]
-``torch.nn.utils.clip_grad_norm_`` on DTensor gradients returns a 0-d DTensor on the
-gradients' mesh, and code written for it (torchtitan, Lightning) calls
-``total_norm.full_tensor()``. So when this rank holds a piece of some DTensor gradient the norm
-is returned as a DTensor on the mesh of the first such gradient, ``Replicate()`` on every axis,
-its local value the global norm (torch's value and type; ``full_tensor()``, ``.item()`` and
-``.to_local()`` all give the norm). torch's own result is ``Replicate`` for finite ``p``; for
-``p = inf`` it is ``Partial(max)`` on the shard axes, whose ``full_tensor()`` is the same
-number but whose ``to_local()`` is only the local maximum: ours is ``Replicate`` there too. With
-no DTensor gradient (plain tensors only, or none, or a pipeline rank with no stage
-gradients) the result is a plain tensor, as torch's.
+As torch's ``clip_grad_norm_`` on DTensor gradients (code calls ``total_norm.full_tensor()``),
+when this rank holds a piece of some DTensor gradient the norm is a 0-d DTensor on the first
+such gradient's mesh, ``Replicate()`` on every axis, its local value the global norm (for ``p =
+inf`` torch gives ``Partial(max)``, whose ``to_local()`` is only the local maximum: ours is
+``Replicate`` there too). With no DTensor gradient the result is a plain tensor, as torch's.
 """
 
 from __future__ import annotations
@@ -110,13 +99,10 @@ def clip_grad_norm_(
     DTensor when the gradients are DTensors (``total_norm.full_tensor()`` / ``.item()`` read it),
     else a plain 0-d tensor; see [Note: the returned norm].
 
-    Gradients may be DTensors on any meshes and placements — ``(Shard(0),)`` from FSDP,
-    ``(Replicate(), Shard(0))`` from HSDP, ``(Shard(1),)`` on a tensor-parallel mesh, several
-    at once — or plain tensors, which are taken as replicated (the same on every rank). The
-    norm is that of all gradients concatenated, as ``torch.nn.utils.clip_grad_norm_`` computes
-    on one device; see [Note: the norm of sharded gradients] for how it is reduced (one
-    all-reduce per mesh axis per distinct sharding, not per parameter). Every rank must call it
-    with the same kinds of gradients (it communicates).
+    Gradients may be DTensors on any meshes and placements (several at once) or plain tensors,
+    taken as replicated. The norm is that of all gradients concatenated, as on one device
+    ([Note: the norm of sharded gradients]). Every rank must call it with the same kinds of
+    gradients (it communicates).
 
     Args:
         max_norm: the largest allowed norm; grads are multiplied by

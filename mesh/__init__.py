@@ -9,12 +9,7 @@ Typical script (launched with ``torchrun --nproc-per-node=N train.py``)::
     dp_mesh = data_parallel_mesh(mesh)      # what fully_shard takes
     tp_mesh = mesh["tp"]                    # what tensor parallelism takes
 
-Meshes are 3-D with the axis names ``("dp_replicate", "dp_shard",
-"tp")``, ``tp`` innermost (consecutive ranks); with ``init_mesh(pp=N)``, N > 1,
-a ``"pp"`` axis comes first (outermost; `pipeline_mesh` slices it). `ParallelDims` holds the sizes
-and their validation; `host_fit_problem` is the pure check behind
-`HostLayoutWarning`. `mesh_axes` is how every entry point finds the axes it needs, by name
-in any order. `expert_meshes` gives the expert-parallel sub-meshes (``init_mesh(ep=N)``).
+docs/mesh.md describes the axes and every entry point.
 """
 
 from ._axes import DP_SHARD_CP, MeshAxes, mesh_axes

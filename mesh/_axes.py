@@ -2,13 +2,11 @@
 
 [Note: meshes by axis name]
 An entry point (``data_parallel_mesh``, ``pipeline_mesh``, ``strategy_mesh``, ``pipeline_split``,
-the pipeline's checkpoints) names the axes it needs and gets a `MeshAxes` view: the sizes, this
-rank's coordinate, sub-meshes in the order asked for, and the global ranks that share this
-rank's coordinate on an axis. Nothing depends on where an axis sits in the mesh: a mesh named
-``("dp", "pp")`` and one named ``("pp", "dp")`` give the same answers for ``"pp"``. What an axis
-*means* (``pp`` outermost so that stages are whole hosts, ``tp`` innermost) is a layout choice of
-`init_mesh`, never an assumption of the code that reads a mesh. A missing axis is a
-``ValueError`` naming the mesh's axes, the missing ones and the fix.
+the pipeline's checkpoints) names the axes it needs and gets a `MeshAxes` view: sizes, this
+rank's coordinate, sub-meshes in the order asked, and the global ranks sharing this rank's
+coordinate on an axis. Nothing depends on where an axis sits: ``("dp", "pp")`` and ``("pp",
+"dp")`` give the same answers; the layout is `init_mesh`'s choice, never an assumption of a
+reader. A missing axis is a ``ValueError`` naming the mesh's axes, the missing ones and the fix.
 """
 
 from __future__ import annotations

@@ -41,31 +41,21 @@ class ParallelDims:
         dp_replicate: data-parallel replicas (the HSDP outer axis). Default 1.
         dp_shard: data-parallel ranks that shard parameters (FSDP). Default -1.
         tp: tensor-parallel ranks. Default 1.
-        pp: pipeline stages (ranks per pipeline), outermost. Default 1. A positive int, never -1
-            (``dp_shard`` is the one inferred by default).
-        cp: context-parallel ranks (the sequence of each sample is sharded over them), between
-            ``dp_shard`` and ``tp``. Default 1. A positive int, never -1.
-        ep: expert-parallel degree (default 1). Adds no ranks: it must divide the data-parallel
-            shard extent ``dp_shard`` (times ``cp`` where there is one); experts are sharded over
-            ``ep`` and ``fully_shard``-ed over the remaining ``dp_shard_mod_ep`` ranks
-            (`mesh/_ep_dims.py`, docs/expert_parallel.md).
+        pp: pipeline stages, outermost. Default 1; a positive int, never -1.
+        cp: context-parallel ranks, between ``dp_shard`` and ``tp``. Default 1; never -1.
+        ep: expert-parallel degree (default 1). Adds no ranks: it must divide ``dp_shard``
+            (times ``cp``); experts are sharded over ``ep`` and ``fully_shard``-ed over the
+            remaining ``dp_shard_mod_ep`` ranks (docs/expert_parallel.md).
         world_size: total number of ranks. Required.
 
-    Rules, checked in ``__post_init__`` (``ValueError`` otherwise, with the arithmetic spelled out):
+    Rules, checked in ``__post_init__`` (``ValueError`` with the arithmetic spelled out):
+    ``world_size`` is a positive int; each of ``dp_replicate``, ``dp_shard``, ``tp`` is a
+    positive int or -1, at most one -1, resolved to ``world_size // (product of the others)``,
+    which must divide evenly (``ParallelDims(world_size=8).dp_shard == 8``);
+    ``pp * dp_replicate * dp_shard * cp * tp == world_size``; ``bool`` is rejected.
 
-    * ``world_size`` is a positive int.
-    * Each of ``dp_replicate``, ``dp_shard``, ``tp`` is a positive int or -1; at most one is -1.
-    * A -1 is resolved to ``world_size // (product of the other two)``, which must divide evenly;
-      the resolved value is what the field holds afterwards (``ParallelDims(world_size=8).dp_shard == 8``).
-    * ``pp * dp_replicate * dp_shard * cp * tp == world_size``.
-
-    With ``cp > 1`` a ``cp`` axis sits between ``dp_shard`` and ``tp`` in `axis_names` and
-    `mesh_shape` (torchtitan's order ``pp, dp_replicate, dp_shard, cp, tp``); with ``cp == 1``
-    there is no ``cp`` entry. With ``pp == 1`` (the default) `axis_names` and `mesh_shape` have no
-    ``pp`` entry; with ``pp > 1`` the ``pp`` axis comes first (outermost): each pipeline stage is a
-    block of ``dp_replicate * dp_shard * tp`` consecutive ranks.
-
-    ``bool`` is rejected even though it is an ``int`` subclass.
+    `axis_names` and `mesh_shape` follow torchtitan's order ``pp, dp_replicate, dp_shard, cp,
+    tp``, with no ``pp`` entry when ``pp == 1`` and no ``cp`` entry when ``cp == 1``.
     """
 
     dp_replicate: int = 1

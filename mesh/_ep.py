@@ -1,23 +1,16 @@
 """The expert-parallel sub-meshes: ``ep`` carved out of ``dp_shard`` (x ``cp``), by rank layout.
 
 [Note: the expert mesh]
-``ep`` adds no ranks. Within one ``(pp, dp_replicate, tp)`` coordinate the ranks of the
-``dp_shard`` axis (and of ``cp`` where the mesh has one, ``cp`` inner) are flattened, in mesh
-order, into ``dp_shard * cp`` ranks and regrouped as ``dp_shard_mod_ep x ep``, ``ep`` inner: an
-expert-parallel group is ``ep`` consecutive members of that flattened extent (with ``cp``
-present and ``ep`` a multiple of ``cp``, whole context-parallel groups). `expert_meshes` builds one
-``DeviceMesh`` over the whole world with the axes ``([pp,] dp_replicate, dp_shard_mod_ep, ep,
-tp)`` (this is a new mesh, so every rank must build it: `init_mesh(ep=N)` does, once) and hands
-out its slices:
-
-* ``ep``: the 1-D mesh the experts are split over (`ExpertParallel` takes it);
-* ``dp``: what the experts' ``fully_shard`` takes: ``dp_shard_mod_ep``, or
-  ``(dp_replicate, dp_shard_mod_ep)`` with replicas (HSDP), as `data_parallel_mesh` does for the
-  dense weights. Both are slices of one root, so ``fully_shard`` composes them the way it
-  composes a ``tp`` mesh with a data-parallel one.
-
-The ranks of one ``(dp_shard_mod_ep, ep)`` block are exactly those of one ``dp_shard (x cp)``
-group of the main mesh, so experts and dense weights are reduced over the same ranks.
+``ep`` adds no ranks. Within one ``(pp, dp_replicate, tp)`` coordinate the ``dp_shard`` ranks
+(times ``cp``, inner, where present) are flattened in mesh order and regrouped as
+``dp_shard_mod_ep x ep``, ``ep`` inner (with ``cp`` and ``ep`` a multiple of it, whole
+context-parallel groups). `expert_meshes` builds one new ``DeviceMesh`` over the world with axes
+``([pp,] dp_replicate, dp_shard_mod_ep, ep, tp)`` (every rank must build it: `init_mesh(ep=N)`
+does, once) and hands out its slices: ``ep``, the 1-D mesh the experts are split over
+(`ExpertParallel`); ``dp``, what the experts' ``fully_shard`` takes (``dp_shard_mod_ep``, or
+``(dp_replicate, dp_shard_mod_ep)`` for HSDP), one root's slices as ``fully_shard`` composes
+them. One ``(dp_shard_mod_ep, ep)`` block is exactly one ``dp_shard (x cp)`` group of the main
+mesh, so experts and dense weights are reduced over the same ranks.
 """
 
 from __future__ import annotations

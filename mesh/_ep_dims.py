@@ -1,11 +1,9 @@
 """The expert-parallel size rule of `ParallelDims`: pure arithmetic, no torch.distributed.
 
-``ep`` adds no ranks to the mesh. It is carved out of the ranks that shard data-parallel state,
-``dp_shard * cp`` (``cp`` is 1 where the dims have no context-parallel axis): those ranks are
-regrouped as ``dp_shard_mod_ep x ep`` (``ep`` inner, so an expert-parallel group is ``ep``
-consecutive ranks of that extent). Expert weights are split over ``ep`` (each rank holds
-``E / ep`` whole experts) and ``fully_shard``-ed over ``dp_shard_mod_ep``; dense weights keep the
-whole data-parallel extent. See docs/expert_parallel.md.
+``ep`` adds no ranks: the ``dp_shard * cp`` ranks that shard data-parallel state are regrouped
+as ``dp_shard_mod_ep x ep`` (``ep`` inner). Expert weights are split over ``ep`` and
+``fully_shard``-ed over ``dp_shard_mod_ep``; dense weights keep the whole data-parallel extent
+([Note: the expert mesh] in ``_ep.py``; docs/expert_parallel.md).
 """
 
 from __future__ import annotations

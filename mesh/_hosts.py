@@ -1,21 +1,12 @@
-"""Host awareness: does the ``dp_shard`` x ``tp`` block of ranks fit in one host?
+"""Host awareness: does the ``dp_shard`` x ``tp`` block of ranks fit in one host? (Pure.)
 
-Pure functions of sizes, so they can be tested without processes.
-
-The mesh is laid out row-major with ``tp`` innermost, so each ``dp_shard`` x ``tp`` block is
-``dp_shard * tp`` consecutive ranks, and torchrun numbers ranks host by host
-(``local_world_size`` consecutive ranks per host). A block stays inside one host exactly when
-``local_world_size % (dp_shard * tp) == 0``; otherwise the shard (all-gather / reduce-scatter
-every step) and TP collectives of some blocks cross hosts.
-
-With a ``pp`` axis (outermost) the rule is the same: stages are blocks of ``stage_size``
-consecutive ranks, so a ``dp_shard * tp`` block lies inside one stage, and the pipeline's
-point-to-point sends (activations only, between neighbouring stages) are the ones meant to cross
-hosts.
-
-With a ``cp`` axis (between ``dp_shard`` and ``tp``) the block is ``dp_shard * cp * tp``: the
-parameters are sharded over ``dp_shard`` x ``cp`` (``dp_shard_cp``) and the cp ring passes keys
-and values every attention layer, so both belong inside a host.
+Ranks are row-major with ``tp`` innermost, so each ``dp_shard * tp`` block is consecutive
+ranks, and torchrun numbers ranks host by host (``local_world_size`` each). A block stays in
+one host exactly when ``local_world_size % (dp_shard * tp) == 0``; otherwise the shard and TP
+collectives of some blocks cross hosts. A ``pp`` axis (outermost) changes nothing: only the
+pipeline's sends between stages are meant to cross hosts. With a ``cp`` axis the block is
+``dp_shard * cp * tp`` (parameters are sharded over ``dp_shard`` x ``cp``, and the cp ring
+passes keys and values every attention layer).
 """
 
 from __future__ import annotations

@@ -84,14 +84,11 @@ def init_mesh(*, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int
     """Build the 3-D ``("dp_replicate", "dp_shard", "tp")`` DeviceMesh, or with ``pp > 1`` the 4-D
     ``("pp", "dp_replicate", "dp_shard", "tp")`` one.
 
-    Call on every rank, after the default process group is initialized (torchrun +
-    ``torch.distributed.init_process_group()``, or `init_distributed()`). All three axes always
-    exist, size-1 ones included, so code can slice any of them. Ranks are laid out row-major:
-    ``tp`` is innermost (consecutive ranks), ``dp_replicate`` outermost. For example world 8 with
-    ``dp_replicate=2, tp=2`` gives ``[[[0,1],[2,3]],[[4,5],[6,7]]]``. With ``pp > 1`` the ``pp``
-    axis is outermost: stage ``s`` is ranks ``s * stage_size .. (s + 1) * stage_size - 1`` (by
-    default whole hosts per stage, so only the pipeline's activations cross hosts). ``pp == 1``
-    gives exactly the 3-D mesh of a call without ``pp``.
+    Call on every rank, after the default process group is initialized (or `init_distributed()`).
+    All three axes always exist, size-1 ones included. Ranks are row-major, ``tp`` innermost:
+    world 8 with ``dp_replicate=2, tp=2`` gives ``[[[0,1],[2,3]],[[4,5],[6,7]]]``. With ``pp > 1``
+    the ``pp`` axis is outermost (stage ``s`` is ranks ``s * stage_size .. (s + 1) * stage_size -
+    1``, so only the pipeline's activations cross hosts).
 
     Args:
         dp_replicate, dp_shard, tp: axis sizes as in `ParallelDims` (one may be -1; ``dp_shard``
@@ -114,9 +111,8 @@ def init_mesh(*, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1, pp: int
         ValueError: invalid sizes (the message shows the arithmetic), ``world_size`` differs from
             the group's, or a ``device_type`` this host cannot use.
 
-    When ``LOCAL_WORLD_SIZE`` is set (torchrun) and the job spans several hosts, global rank 0
-    emits `HostLayoutWarning` (a ``UserWarning``) if a ``dp_shard * tp`` block of ranks does not
-    fit in one host; see `host_fit_problem`.
+    On a multi-host torchrun job rank 0 emits `HostLayoutWarning` (a ``UserWarning``) if a
+    ``dp_shard * tp`` block of ranks does not fit in one host (`host_fit_problem`).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("init_mesh() needs the default process group, which is not initialized: launch with "

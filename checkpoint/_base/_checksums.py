@@ -1,27 +1,20 @@
 """Checksums of saved boxes: whole-box and per-chunk CRC-32s and their arithmetic.
 
 [Note: checksum chunks]
-Every saved box has a CRC-32 (as in zlib/PNG) of its bytes. A box whose bytes are more than
-one *chunk* also has the CRC-32 of each chunk: chunk ``i`` is rows ``[i * R, min((i + 1) * R,
-rows))`` along dim 0 of the box (a 0-d box is one row), so it is one contiguous byte range of
-the safetensors entry. ``R`` (``chunk_rows``) is chosen at save time by a `ChunkRule`:
+Every saved box has a CRC-32 (zlib's) of its bytes. A box of more than one *chunk* also has each
+chunk's: chunk ``i`` is rows ``[i * R, min((i + 1) * R, rows))`` along dim 0 (a 0-d box is one
+row), one contiguous byte range of the safetensors entry. ``R`` (``chunk_rows``) is chosen at
+save time by a `ChunkRule`:
 
     row_bytes = bytes of one dim-0 row of the box
     target    = clamp(box_bytes // per_box, min_bytes, max_bytes)
     R         = max(1, target // row_bytes)
 
-With the default rule (`CHUNK_RULE`: at most 4 MiB, at least 64 KiB, about 8 per box) a box
-of up to 512 KiB is cut into chunks of 64 KiB, one of up to 32 MiB into about 8, and a larger
-one into 4 MiB chunks; a box of one chunk records none. A reader never recomputes ``R``: it
-takes ``chunk_rows`` from the index, so the rule can change without a format change. The
-index stores the chunk CRCs as one string of 8 hex digits per chunk, so its size grows by at
-most 16 x 8 characters per box plus 8 per 4 MiB of data.
-
-The whole-box CRC is derived from the chunk CRCs (`crc32_combine`, as zlib's), so a writer
-checksums every byte once.
-
-This module is a leaf of the package (it imports only ``_errors``). Which rank checks which
-checksum on load is planned in ``_verify_shares.py``.
+The default (`CHUNK_RULE`: 64 KiB to 4 MiB, about 8 per box) cuts a box of up to 512 KiB into
+64 KiB chunks, one of up to 32 MiB into about 8, larger ones into 4 MiB chunks; a one-chunk box
+records none. Readers take ``chunk_rows`` from the index, so the rule can change without a
+format change. The whole-box CRC is derived from the chunks' (`crc32_combine`), so a writer
+checksums every byte once. Which rank checks what on load: ``_verify_shares.py``.
 """
 
 from __future__ import annotations

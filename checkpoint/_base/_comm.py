@@ -1,15 +1,10 @@
 """Collectives of the checkpoint code: agreeing on errors and moving small JSON between ranks.
 
-Every checkpoint call that is collective follows one rule: a rank that finds a problem does not
-raise on its own (its peers would wait for it in the next collective until the timeout).
-It passes the problem to `agree`, which every rank calls at the same point; if any rank has a
-problem, every rank raises the same `CheckpointError` naming the ranks and their messages.
-
-All functions also work without ``torch.distributed`` (one process: rank 0 of 1), which is how
-plain single-process modules and the command-line tool use them.
-
-Small data (file names, box lists, checksums) travels as UTF-8 JSON in uint8 tensors, never
-as pickles. Tensors for these collectives live on the CPU for gloo and on the current
+A rank that finds a problem in a collective checkpoint call never raises alone (its peers would
+hang in the next collective): it passes the problem to `agree`, called by every rank at the same
+point, and if any rank has one every rank raises the same `CheckpointError` naming the ranks and
+their messages. Everything also works without ``torch.distributed`` (rank 0 of 1). Small data
+travels as UTF-8 JSON in uint8 tensors, never pickles, on the CPU for gloo and on the current
 accelerator for a backend without CPU support (NCCL).
 """
 

@@ -1,23 +1,14 @@
 """Every torch private name the checkpoint package uses, and nothing else.
 
-shardwise is built on torch's public ``DTensor`` API. One placement it must recognise has no
-public name: ``_StridedShard``, which FSDP applied over a tensor-parallel shard produces. The
-checkpoint code needs two facts about it, and this module is the only place that touches it:
+``_StridedShard`` (FSDP over a tensor-parallel shard) has no public name. The checkpoint code
+relies on: ``isinstance(p, _StridedShard)`` (`is_strided_shard`); its ``.dim`` and
+``.split_factor`` (`strided_split_factor`); and its layout (cut the held indices of ``dim`` into
+``k`` pieces, each into the axis size ``m``, concatenate piece ``r`` of each, torch.chunk
+semantics at both levels; `_boxes.strided_positions` computes it with shardwise's arithmetic).
+A ``torch.compile``d module (``OptimizedModule``, module under ``_orig_mod``) is recognised to
+drop that part of its names as torch's DCP does (`is_compiled_module`).
 
-- ``isinstance(p, _StridedShard)`` tells such a placement apart (`is_strided_shard`);
-- ``_StridedShard(dim, split_factor=k)`` has attributes ``.dim`` and ``.split_factor``
-  (`strided_split_factor`), and a rank's local shard on a mesh axis of size ``m`` is: cut the
-  held indices of ``dim`` into ``k`` pieces, each piece into ``m``, and concatenate piece
-  ``r`` of each (torch.chunk semantics at both levels; `_boxes.strided_positions` computes it
-  with shardwise's own arithmetic).
-
-The state-dict helpers also recognise a ``torch.compile``d module (``OptimizedModule``, whose
-module sits under ``_orig_mod``), to drop that part of its names as torch's DCP does
-(`is_compiled_module`).
-
-``tests/test_checkpoint_compat.py`` states each of these facts as a test against the
-installed torch, so a torch release that changes one fails there, loudly, rather than
-in a checkpoint saved with wrong boxes.
+``tests/test_checkpoint_compat.py`` tests each fact against the installed torch.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Profiler ranges of the checkpoint phases.
 
 Each phase of a save or load runs inside one ``torch.profiler.record_function`` range named
-``shardwise.checkpoint.<save|load>/<phase>``, so a trace (``torch.profiler.profile``, a
-Chrome/Perfetto view) shows where checkpoint time goes. There is one range per phase and
-call, never one per box or per read: at most six per save and four per load, each about
-30 us with no profiler running (timeit on the shared 2-core development machine). The names
-are listed in ``docs/checkpoint.md`` ("Reading a profiler trace").
+``shardwise.checkpoint.<save|load>/<phase>``: one per phase and call (at most six per save and
+four per load, about 30 us each without a profiler), never one per box or read. The names are
+listed in ``docs/checkpoint.md`` ("Reading a profiler trace").
 """
 
 from __future__ import annotations

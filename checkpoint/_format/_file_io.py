@@ -1,12 +1,10 @@
 """Byte ranges of data files: opening them safely, reading ranges into tensors, CRC-32s of ranges.
 
-Every read of a data file's bytes goes through here, on a `ReadHandle` of the storage (which
-opened only a regular file, see [Note: storage semantics] in ``_storage/_protocol.py``):
-`pread_into`/`preadv_into` fill tensors' bytes (`byte_view`, no numpy) straight from the
-file; `crcs_of_range`/`crcs_of_ranges` checksum ranges 4 MiB at a time, reading ranges that
-follow one another in the file together (`adjacent_groups`). `contiguous_run` says whether a
-region of a row-major box is one byte range. The safetensors layout itself is in
-``_safetensors_io.py``.
+Every read of a data file goes through here, on a storage's `ReadHandle` ([Note: storage
+semantics] in ``_storage/_protocol.py``): `pread_into`/`preadv_into` fill tensors' bytes
+(`byte_view`) straight from the file; `crcs_of_range`/`crcs_of_ranges` checksum 4 MiB at a time,
+adjacent ranges together (`adjacent_groups`); `contiguous_run` says whether a region of a
+row-major box is one byte range.
 """
 
 from __future__ import annotations

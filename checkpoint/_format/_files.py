@@ -1,21 +1,14 @@
 """One checkpoint directory as one reader sees it, and the one checker of its data files.
 
-`open_checkpoint` pins the directory (``Storage.open_dir``: a reader keeps reading the version
-it started with, whatever a writer renames meanwhile) and reads its index. `CheckpointFiles`
-then opens each data file once and keeps it open until `close`, so that a load, having
-checked a file, reads the very bytes it checked (a writer deleting the old version cannot
-take them away on POSIX). `CheckpointFiles.header` is the file check that ``load``,
-``verify`` and ``inspect`` share: the file is a regular file (never a symlink for a shardwise
-checkpoint; a Hugging Face folder's files may be links into a download cache), has the size the
-index records, and its safetensors header is valid; `CheckpointFiles.box_problem` checks that a
-box's key is in its file with the tensor's dtype and the box's shape.
-
-`CheckpointFiles.replaced` says whether the directory's path no longer names the version being
-read: a load that meets a problem then reports "being replaced, retry" instead of a false
-corruption ([Note: readers and a writer] in ``checkpoint/_load/_reader.py``). An ``index.json``
-that is a pointer ([Note: commit by a pointer] in ``checkpoint/_series/_commit.py``) is followed
-once: the files are those of the version folder it names, which no save changes, so such a
-reader is pinned on every storage.
+`open_checkpoint` pins the directory (``Storage.open_dir``) and reads its index, following a
+pointer once ([Note: commit by a pointer] in ``checkpoint/_series/_commit.py``). `CheckpointFiles`
+opens each data file once and keeps it open until `close`, so a load reads the very bytes it
+checked. `CheckpointFiles.header` is the file check ``load``, ``verify`` and ``inspect`` share: a
+regular file (never a symlink for a shardwise checkpoint; a Hugging Face folder's may link into a
+download cache) of the recorded size with a valid safetensors header; `CheckpointFiles.box_problem`
+checks a box's key, dtype and shape. `CheckpointFiles.replaced` says whether the path no longer
+names the version being read, so a problem is reported as "being replaced, retry" ([Note: readers
+and a writer] in ``checkpoint/_load/_reader.py``).
 """
 
 from __future__ import annotations

@@ -1,37 +1,27 @@
 """The checkpoint index: what ``index.json`` holds, how it is read, checked and written.
 
-The format itself is specified in ``docs/checkpoint-format.md``; this module is its code (the
-records themselves, `Index`, `TensorEntry`, `SavedBox`, and the format's names are in
-``_index_model.py``, and are imported from here too). An `Index` maps every tensor's flat
-key (see ``_flatten.py``) to a `TensorEntry` (dtype, global shape, the layout it was saved
-from, and its saved boxes, each a `SavedBox`: a box, the data file and safetensors key
-holding it, the CRC-32 of its bytes and, for a box of several checksum chunks, the chunks'
-rows and CRC-32s, see [Note: checksum chunks] in
-``checkpoint/_base/_checksums.py``), and every plain value's flat key to its JSON value. ``files`` records
-each data file's size in bytes, so a truncated or missing file is found before any data is
-read.
+The format is specified in ``docs/checkpoint-format.md``; this module is its code (the records,
+`Index`, `TensorEntry`, `SavedBox`, and the format's names are in ``_index_model.py`` and
+re-exported here). An `Index` maps every tensor's flat key (``_flatten.py``) to a `TensorEntry`
+(dtype, global shape, layout, saved boxes with file, key, CRC-32 and chunks: [Note: checksum
+chunks] in ``checkpoint/_base/_checksums.py``), every plain value's flat key to its JSON value,
+and each data file to its size, so a truncated or missing file is found before any data is read.
 
-`read_index` refuses, with a `CheckpointError` that says what the directory is and what to
-do, anything that is not a complete checkpoint of a version this code reads, and any index
-that is damaged or hostile: its own checksum (``index_sha256``, over every field) not
-matching, a repeated JSON key, a field of the wrong type, a data file name that is not a plain
-name inside the directory, an ``index.json`` that is a symbolic link, a box larger than its
-file. No message echoes the content of a file beyond short excerpts of the index's own fields.
+`read_index` refuses, with a `CheckpointError` saying what the directory is and what to do,
+anything that is not a complete checkpoint of a version this code reads, and any damaged or
+hostile index (checksum ``index_sha256`` mismatch, a repeated JSON key, a wrongly typed field, a
+data file name that is not a plain name inside the directory, a symlinked ``index.json``, a box
+larger than its file). No message echoes file content beyond short excerpts of index fields.
 
 [Note: index parts]
-An index that holds every box grows with the world times the tensors (a box per rank and
-tensor under ``fully_shard``), and so does what its writer, rank 0, receives: at 256 ranks and
-1,000 tensors, 256,000 boxes, 36 MiB of JSON built from 2 MiB of checksums gathered at every
-save; at 4,096 ranks it would not fit `MAX_INDEX_BYTES`. From ``INDEX_PARTS_FROM`` ranks on
-(``_save_plan.py``) a save therefore writes the index in parts (format version 2): each
-writing rank puts the records of its own boxes (the same JSON records as ``tensors``' boxes)
-into its *index part* ``rank-<rank>.boxes.json``, next to its data file, and reports to rank 0
-only the part's size and SHA-256; ``index.json`` lists the parts under ``parts`` (name ->
-``bytes``, ``sha256``) and keeps every tensor's dtype, shape and layout with ``boxes`` empty.
-Its own checksum covers the parts' SHA-256s, so a damaged, missing or swapped part is refused
-like a damaged index. `read_index` reads every part and hands out the same `Index` as for
-version 1 (boxes merged, ``parts`` empty): loading, verifying and the offline tools do not
-know the difference. Below the threshold nothing changes (version 1, every box inline).
+An index holding every box grows with world x tensors, as does what rank 0 receives (at 256
+ranks and 1,000 tensors 36 MiB of JSON; at 4,096 ranks beyond `MAX_INDEX_BYTES`). From
+``INDEX_PARTS_FROM`` ranks on (``_save_plan.py``) a save writes format version 2: each writing
+rank puts its boxes' records into its *index part* ``rank-<rank>.boxes.json`` and reports to
+rank 0 only the part's size and SHA-256; ``index.json`` lists the parts under ``parts`` and keeps
+every tensor's dtype, shape and layout with ``boxes`` empty. Its checksum covers the parts'
+SHA-256s, so a damaged, missing or swapped part is refused like a damaged index. `read_index`
+merges the parts into the same `Index` as version 1, so readers do not know the difference.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Safetensors files written as a stream, and their headers read without torch.
 
-A safetensors file is: 8 bytes (little-endian u64) giving the header length ``N``; ``N``
-bytes of JSON mapping each key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (plus
-an optional ``"__metadata__"`` map of strings), padded with spaces so that the data starts on
-an 8-byte boundary; then the data: each tensor's bytes, row-major, little-endian, tensors back
-to back in the order of their offsets, no gaps.
-
-Because every entry's dtype and shape are known before any byte is written, the header can go
-first and each tensor can then be appended in pieces (`StreamingWriter.append`): no whole
-file, and not even a whole tensor, has to be in memory at once. The writer computes the CRC-32
-of each checksum chunk of every entry as the bytes pass, whatever the length of the pieces,
-and from them the CRC-32 of the entry ([Note: checksum chunks] in ``checkpoint/_base/_checksums.py``). Files
-written so are ordinary safetensors files (``safetensors.safe_open`` and ``load_file`` read
-them). Byte-range reads of the data (and of the header) are in ``_file_io.py``.
+A safetensors file is: 8 bytes (little-endian u64) header length ``N``; ``N`` bytes of JSON mapping
+each key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (plus optional ``"__metadata__"``),
+space-padded so the data starts 8-byte aligned; then the tensors' row-major little-endian bytes,
+back to back. Since dtypes and shapes are known first, the header goes first and each tensor is
+appended in pieces (`StreamingWriter.append`), never whole in memory, with the CRC-32 of each
+checksum chunk computed as the bytes pass ([Note: checksum chunks] in
+``checkpoint/_base/_checksums.py``). The files are ordinary safetensors files. Byte-range reads
+are in ``_file_io.py``.
 """
 
 from __future__ import annotations

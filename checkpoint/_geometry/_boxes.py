@@ -1,29 +1,22 @@
 """Boxes: which part of a global tensor a rank holds, as rectangular pieces.
 
-A *box* is a rectangular region of a tensor given in global coordinates: ``offsets`` and
-``sizes``, one entry per dimension (a 0-d tensor has the single box ``offsets=() sizes=()``
-of one element). A checkpoint stores every tensor as a set of disjoint boxes that together
-cover it, and a rank's local shard is described as a list of `LocalBox`: a global box and
-where that box starts inside the rank's local tensor.
+A *box* is a rectangular region of a tensor in global coordinates: ``offsets`` and ``sizes``, one
+entry per dimension (a 0-d tensor has the single box ``offsets=() sizes=()``). A checkpoint
+stores every tensor as disjoint boxes covering it; a rank's local shard is a list of `LocalBox`:
+a global box and where it starts inside the local tensor.
 
 [Note: boxes of a placement]
-Every split is ``torch.chunk``'s, as DTensor's: ``n`` indices cut into ``k`` pieces of
-``c = ceil(n / k)``, piece ``i`` being ``[min(i c, n), min((i + 1) c, n))`` (`chunk_span`).
-For placements made only of ``Shard`` and ``Replicate`` a rank's shard is one box: the mesh
-axes, left to right, each cut the current range of the dimension they shard and keep piece
-``coord[axis]``. A strided shard of ``split_factor=k`` (DTensor's placement for FSDP over a tensor-parallel
-shard produces) gives a rank a set of rows that is not contiguous: the held indices are cut
-into ``k`` pieces, each piece into ``axis_size``, and the rank holds piece ``coord`` of each
-(`strided_positions`), so its shard is several boxes. In general we follow, per tensor
-dimension, the sorted list of global indices that the rank holds: it starts as every index,
-and each mesh axis's placement narrows the list of the dimension it shards (`_RULES`, one
-function per placement type; a new placement adds an entry there). A shard is then the
-product over dimensions of the maximal runs of consecutive indices, each run a box; runs keep
-their position in the local tensor. The only torch private name used, to recognise a
-strided shard, lives in ``_compat.py``; the arithmetic is shardwise's own.
+Every split is ``torch.chunk``'s, as DTensor's (`chunk_span`). With only ``Shard`` and
+``Replicate`` a rank's shard is one box: each mesh axis, left to right, cuts the current range of
+the dimension it shards and keeps piece ``coord[axis]``. A strided shard of ``split_factor=k``
+(FSDP over a tensor-parallel shard) cuts the held indices into ``k`` pieces, each into
+``axis_size``, and keeps piece ``coord`` of each (`strided_positions`): several boxes. In
+general we follow, per dimension, the sorted global indices the rank holds, narrowed by each mesh
+axis's placement (`_RULES`, one function per placement type); the shard is the product over
+dimensions of the maximal runs of consecutive indices, each run a box at its local position.
 
-Which rank writes a box is decided over the whole world, not from the DTensor's own mesh:
-see [Note: one writer per box over the world] in ``_owners.py``.
+Which rank writes a box is decided over the whole world: [Note: one writer per box over the
+world] in ``_owners.py``.
 """
 
 from __future__ import annotations

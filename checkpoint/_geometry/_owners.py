@@ -1,55 +1,38 @@
 """One writer per distinct saved box, agreed by rank 0, and a tiling check before writing.
 
 [Note: one writer per box over the world]
-A rank can only see the mesh of its own DTensor. When a DTensor lives on a slice of a larger
-mesh (``mesh["dp"]`` of a (dp, tp) mesh, as when only the transformer blocks are
-tensor-parallel), the ranks of the other tp coordinates hold the same boxes on a *different*
-slice, and each slice has its own coordinate 0: a rule based on the DTensor's own mesh alone
-lets every slice write the same box, and the index then has every box twice (which a reader
-cannot tell from damage). The same holds for pipeline stages on sub-meshes. So the writers
-are agreed in two steps:
+A rank sees only the mesh of its own DTensor. For a DTensor on a slice of a larger mesh
+(``mesh["dp"]`` of a (dp, tp) mesh, or a pipeline stage's sub-mesh), the ranks of the other
+slices hold the same boxes, each slice with its own coordinate 0: a rule on the DTensor's mesh
+alone would write every box once per slice (which a reader cannot tell from damage). So:
 
-1. Local, no communication (``_save_plan.plan_save``, `is_local_candidate`): a rank keeps a box of a
-   DTensor only when its coordinate is 0 on every axis of the DTensor's own mesh where the
-   DTensor is ``Replicate`` (its peers on such an axis hold exactly the same boxes, and the
-   coordinate-0 peer keeps them). Plain tensors are kept by rank 0 only (every rank passes the
-   same value by contract). What is left, the *candidates*, still holds one copy of a box per
-   slice of the world that the DTensor's mesh does not name, and nothing else.
-2. Global, by rank 0 (`assign_writers`): every rank sends its candidates
+1. Local (``_save_plan.plan_save``, `is_local_candidate`): a rank keeps a box only when its
+   coordinate is 0 on every axis of the DTensor's mesh where it is ``Replicate``; plain tensors
+   are kept by rank 0 only (same value on every rank by contract). These *candidates* still hold
+   one copy per slice of the world the DTensor's mesh does not name.
+2. Global, by rank 0 (`assign_writers`): every rank gathers its candidates
    (``[tensor number, offsets..., sizes...]`` rows) and a digest of the state's structure to
-   rank 0 only (a gather). Rank 0 names the writer of each distinct (tensor, box), the lowest
-   rank holding exactly that box, checks once that each tensor's distinct boxes tile it
-   (``_tiling.tiling_problem``), and sends each rank only its own answer (a scatter): the
-   positions in its own list that it must drop, plus the verdict (the same on every rank).
+   rank 0, which names the lowest rank holding each distinct (tensor, box) as its writer, checks
+   that each tensor's boxes tile it (``_tiling.tiling_problem``), and scatters to each rank the
+   positions it must drop plus the verdict (the same on every rank).
 
 [Note: writers without a gather]
-Step 2 exists for DTensors on a mesh that leaves ranks out (a sub-mesh). When every rank's
-DTensors live on meshes of the whole world (``fully_shard`` on the default mesh, HSDP and
-FSDP x TP on a mesh of all ranks: the usual case) and plain tensors are rank 0's alone,
-every candidate left by step 1 is its box's only one: the world's boxes are each rank's box of
-one layout, and ``local_boxes`` gives each coordinate a distinct, non-empty box that together
-tile the tensor. The save then skips the gather: one all-reduce (``_comm.agree_values``, with
-the other checks of the save's planning) tells that every rank has the same state digest
-(keys, dtypes, shapes and layouts) and only whole-world meshes, and a second one sums the
-candidates' corner digests to confirm that they tile every tensor without rank 0 seeing them
-([Note: tiling checked across ranks] in ``_tiling.py``; a placement rule gone wrong is still
-caught before anything is written). Anything else falls back to step 2, which also words the
-error (a digest that differs, the overlapping boxes).
+When every DTensor lives on a mesh of the whole world (the usual case: ``fully_shard``, HSDP,
+FSDP x TP on all ranks) and plain tensors are rank 0's, every candidate of step 1 is its box's
+only one. The save then skips the gather: one all-reduce (``_comm.agree_values``) checks that
+every rank has the same state digest and only whole-world meshes, and a second sums corner
+digests to confirm the tiling ([Note: tiling checked across ranks] in ``_tiling.py``). Anything
+else falls back to step 2, which also words the error.
 
 [Note: why rank 0 decides, not every rank]
-With an all-gather every rank would receive the world's box lists, W times its own, and build
-the same dict of every box of the world and run every tiling check: for a 70B model with AdamW
-(about 2,170 tensors) on 4,096 ranks, some 200 MB received and millions of entries on every
-rank at every save. With the gather and scatter, a rank other than 0 receives a few integers
-plus its own drop list (padded to the longest drop list, so bounded by the boxes one rank
-holds, not by the world); only rank 0 holds the world's candidates, as it already holds the
-world's reports when it builds the index. Step 1 makes those candidates few: on the usual
-meshes all replication is over named axes and every box reaches rank 0 once.
+An all-gather would give every rank the world's box lists (for a 70B model with AdamW on 4,096
+ranks some 200 MB and millions of entries per rank per save). With gather and scatter a rank
+other than 0 receives its padded drop list, bounded by its own boxes; only rank 0 holds the
+world's candidates, as it holds the world's reports for the index anyway.
 
-Ranks that passed differently laid out copies of one tensor are refused through the digest
-(the layout is part of it), placements whose boxes overlap through the tiling check; both
-before the temporary directory is created, so a save never commits a checkpoint it could
-not load.
+Differently laid out copies of one tensor are refused through the digest, overlapping boxes
+through the tiling check; both before the temporary directory exists, so a save never commits a
+checkpoint it could not load.
 """
 
 from __future__ import annotations

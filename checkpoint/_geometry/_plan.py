@@ -1,18 +1,12 @@
 """Planning reads: which slices of which saved boxes fill a destination, in bounded pieces.
 
-A destination (`LocalBox`: a global box and where it sits in the local tensor) is filled from
-the saved boxes of the same tensor. Saved boxes of one tensor are disjoint, so the destination
-is covered exactly when the element counts of its intersections with the saved boxes add up
-to its own count; each intersection becomes one `ReadItem`: a region of one saved box (in that
-box's coordinates, i.e. a safetensors slice) and the region of the local tensor it fills.
-
-To bound memory, `split` cuts an item into pieces of at most ``max_numel`` elements along its
-outermost dimension that has more than one index (one index of that dimension at a time, and
-then the next dimension, when a single index is already too large). A piece is read, copied
-into the destination and dropped before the next is read.
-
-`partition_problem` checks what the format promises about a tensor's saved boxes: inside the
-tensor, pairwise disjoint, covering it (it is ``_tiling.tiling_problem``).
+A destination (`LocalBox`) is filled from the saved boxes of its tensor; these are disjoint, so
+it is covered exactly when its intersections' element counts add up to its own. Each
+intersection is one `ReadItem`: a region of one saved box (a safetensors slice) and the local
+region it fills. `split` bounds memory by cutting an item into pieces of at most ``max_numel``
+elements along its outermost dimension with more than one index (going one dimension deeper
+when one index is too large); each piece is read, copied and dropped before the next.
+`partition_problem` is ``_tiling.tiling_problem``.
 """
 
 from __future__ import annotations

@@ -1,49 +1,34 @@
 """Exact tiling: do a tensor's saved boxes cover it with no hole and no overlap?
 
-The format promises that the saved boxes of a tensor are pairwise disjoint, lie inside it and
-together cover it. `tiling_problem` is the one check of that promise; ``save`` runs it before
-the index is committed, and ``load``, ``verify``, ``merge`` and ``reshard`` run it before
-reading, so that neither a wrong save nor a damaged index can fill a tensor partly from stale
-memory or from two different sources.
+The format promises that a tensor's saved boxes are pairwise disjoint, lie inside it and cover
+it. `tiling_problem` is the one check of that promise: ``save`` runs it before the commit, and
+``load``, ``verify``, ``merge`` and ``reshard`` before reading, so neither a wrong save nor a
+damaged index can fill a tensor partly from stale memory or from two sources.
 
 [Note: why counting elements is not enough]
-Disjoint boxes inside the tensor whose element counts add up to the tensor's cover it. But
-overlapping boxes can add up to the same count while leaving a hole (two copies of the top
-half and nothing of the bottom), so disjointness is what makes the count meaningful.
+Overlapping boxes can add up to the tensor's element count while leaving a hole (two copies of
+the top half, nothing of the bottom): the count means something only for disjoint boxes.
 
 [Note: tiling in linear time]
-The check must stay fast at the box counts of large jobs (a ``[1, N]`` tensor saved as N
-boxes; 100k boxes and more), where comparing boxes pairwise is hours. Two steps:
-
-1. Dimensions in which every box spans the whole tensor are dropped (they cannot tell boxes
-   apart), leaving ``k`` varying dimensions (1 for dim-0 shards, and for a ``[1, N]`` tensor cut
-   along dim 1).
-2. *Corner counting*, exact and linear: the indicator of a box ``[a, b)`` is a signed sum of its
-   ``2^k`` corners, ``prod_d (H(x_d - a_d) - H(x_d - b_d))`` with ``H`` the step function, and
-   these corner functions are linearly independent. So the boxes cover every element exactly
-   once if and only if their signed corners, summed in a dict, equal the tensor's own corners.
-   ``O(n 2^k)``.
-
-Only when that fails is the problem located, by a sweep that is ``O(n log n)`` for ``k <= 2``:
-for ``k = 1`` sorted intervals are compared with their neighbour; for ``k = 2`` boxes are swept
-along one dimension, and the ones open at the sweep position have pairwise disjoint intervals
-in the other (else two of them overlap), kept sorted so that a new one is compared with its two
-neighbours only. For ``k >= 3`` (rare: tensors cut in three dimensions at once) the sweep
-compares a box with every open one along the dimension with the most distinct offsets.
+Large jobs save 100k boxes and more (a ``[1, N]`` tensor as N boxes), where pairwise comparison
+takes hours. So: dimensions in which every box spans the whole tensor are dropped, leaving ``k``
+varying ones; then *corner counting*, exact and ``O(n 2^k)``: a box ``[a, b)``'s indicator is the
+signed sum of its ``2^k`` corners, ``prod_d (H(x_d - a_d) - H(x_d - b_d))``, and these corner
+functions are linearly independent, so the boxes cover every element exactly once iff their
+signed corners, summed in a dict, equal the tensor's own. Only on failure is the problem
+located, by a sweep: for ``k = 1`` sorted neighbours are compared; for ``k = 2`` the boxes open
+at the sweep position are kept sorted in the other dimension (``O(n log n)``); for ``k >= 3``
+(rare) a box is compared with every open one along the dimension with most distinct offsets.
 
 [Note: tiling checked across ranks]
-When no rank holds the world's boxes (a save whose writers need no gather, [Note: writers
-without a gather] in ``_owners.py``), the corner sums are checked through a fingerprint that
-adds up across ranks: `corner_digest` maps each signed corner to two hashed residues modulo the
-prime ``2**31 - 1`` and sums them, a linear function of the corner counts. The ranks' digests,
-summed by one all-reduce, equal the digest of the tensor's own corners when the boxes tile it;
-boxes that do not tile it have other corner counts, and their digest differs except with a
-chance of about ``2**-62`` per tensor. A mismatch sends the save to rank 0's exact check, which
-words the problem.
+When no rank holds the world's boxes ([Note: writers without a gather] in ``_owners.py``),
+`corner_digest` maps each signed corner to two hashed residues modulo ``2**31 - 1`` and sums
+them: a linear function of the corner counts, so the ranks' digests summed by one all-reduce
+equal the tensor's own when the boxes tile it, and differ otherwise except with a chance of
+about ``2**-62`` per tensor. A mismatch sends the save to rank 0's exact check, which words it.
 
-Exact duplicates (the same box twice) are what a save before the one-writer fix wrote for
-data replicated over a mesh axis the DTensor's mesh does not name; ``distinct_boxes`` keeps
-the first of each so such checkpoints still load (the copies are checksummed alike).
+Exact duplicates (the same box twice), written by saves before the one-writer fix, are dropped
+by ``distinct_boxes`` (keeping the first) so such checkpoints still load.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The file checks of a load: sizes, headers and checksums, before any target tensor is written.
-
-Step 1 of [Note: the steps of a load] in ``_reader.py``, after the reads are planned: every data
-file to be read exists, has the size the index records and holds the expected keys, dtypes and
-shapes (`_check_headers`); with ``verify``, every rank checksums its share of the checksum units
-([Note: verification shares] in ``_verify_shares.py``), each data file opened once and
-consecutive ranges read together (`_check_share`). `check_files` runs both and returns the
-problems as one error to agree on.
+"""The file checks of a load (step 1 of [Note: the steps of a load] in ``_reader.py``), before any
+target tensor is written: sizes, keys, dtypes and shapes of each data file (`_check_headers`);
+with ``verify`` this rank's share of the checksum units ([Note: verification shares] in
+``_verify_shares.py``; `_check_share`). `check_files` returns the problems as one error to agree on.
 """
 
 from __future__ import annotations

@@ -1,67 +1,47 @@
 """``load``: fill a state's tensors in place from a checkpoint, resharding to their layout.
 
 [Note: the steps of a load]
-1. Check (every rank, reads only ``index.json``, file sizes and safetensors headers, plus the
+1. Check (every rank; reads only ``index.json``, file sizes and safetensors headers, plus the
    checksummed bytes when ``verify``): each target tensor is in the checkpoint with the same
-   dtype and global shape; its saved boxes tile it exactly (``_tiling.tiling_problem``, exact
-   duplicates dropped first); for each of this rank's boxes (``_boxes.local_boxes``) the saved
-   boxes that meet it cover it (``_plan.plan_reads``); each data file to be read exists, has
-   the size the index records and holds the expected keys, dtypes and shapes; with ``verify``
-   the CRC-32 of each checksum unit in this rank's share matches the index (these file checks
-   are ``_load_checks.check_files``; the target's side, which reads each tensor needs, is
-   ``_load_plan.plan_load``). All problems are
-   agreed on (``_comm.agree``): if any rank found one, every rank raises before any target
-   tensor is written, so a failed load leaves the target untouched.
-2. Read (every rank, no collective): per data file, per item, exactly the overlapping region
-   of the saved box, in pieces of at most ``max_read_bytes`` (``_plan.split``), each copied
-   into the destination and dropped. A piece that is one contiguous byte range of the file
-   (any run of dim-0 rows, which is what resharding dim-0 shards needs) is read with
-   ``pread``, straight into the destination when possible; other pieces (column slices) by
-   reading the dim-0 rows they span, at most ``max_read_bytes`` of them at a time (or one
-   row), and copying the slice out. Every read goes through the storage, on the data files
-   opened once in step 1 (``_files.CheckpointFiles``).
-3. Plain values from the index replace the target's plain values; the call ends with one more
-   agreement (an I/O error in step 2 is raised on every rank).
+   dtype and global shape; its saved boxes tile it (``_tiling.tiling_problem``, exact
+   duplicates dropped first); the saved boxes meeting each of this rank's boxes
+   (``_boxes.local_boxes``) cover it (``_plan.plan_reads``); each data file to read exists with
+   the recorded size, keys, dtypes and shapes; with ``verify`` the CRC-32s of this rank's share
+   match (file checks: ``_load_checks.check_files``; the target's side: ``_load_plan.plan_load``).
+   All problems are agreed on (``_comm.agree``): if any rank found one, every rank raises
+   before any target tensor is written.
+2. Read (no collective): per data file and item, exactly the overlapping region, in pieces of at
+   most ``max_read_bytes`` (``_plan.split``). A piece that is one contiguous byte range (a run of
+   dim-0 rows) is read with ``pread``, straight into the destination when possible; column
+   slices by reading the dim-0 rows they span, bounded the same way, and copying out. Every read
+   goes through the storage, on the files opened once in step 1 (``_files.CheckpointFiles``).
+3. Plain values from the index replace the target's; one more agreement ends the call (an I/O
+   error in step 2 is raised on every rank).
 
-A checksum covers a *unit*: a checksum chunk of a saved box (a run of its dim-0 rows, see
-[Note: checksum chunks] in ``checkpoint/_base/_checksums.py``), or the whole box when the index records no
-chunks for it (a single-chunk box, or a checkpoint written before chunks existed). With
-``verify`` (the default) every unit of the target's tensors is checksummed in step 1 by exactly
-one rank, before any rank writes: one all-gather of the row ranges each rank reads from each
-saved box, then every rank computes the same assignment, each unit to the rank that reads most
-of it anyway ([Note: verification shares] in ``_verify_shares.py``). What a rank checksums is
-then mostly what it loads (step 2 finds those pages in the page cache); the extra reads are the
-parts of chunks that straddle its shard's boundaries, less than one chunk per boundary and
-saved box. ``LoadStats.bytes_verified`` counts the bytes it checksummed. ``verify=False``
-skips it; sizes and headers are always checked.
+A checksum covers a *unit*: a chunk of a saved box ([Note: checksum chunks] in
+``checkpoint/_base/_checksums.py``), or the whole box when the index records no chunks. With
+``verify`` (the default) each unit is checksummed in step 1 by exactly one rank, the one that
+reads most of it anyway ([Note: verification shares] in ``_verify_shares.py``), so the extra
+reads are the parts of chunks straddling shard boundaries. ``LoadStats.bytes_verified`` counts
+them; ``verify=False`` skips it (sizes and headers are always checked).
 
 [Note: readers and a writer]
-What a load sees while another job saves to the same path (docs/checkpoint.md, "Readers and a
-writer"): one whole version, or a `CheckpointError` saying the checkpoint is being replaced and
-to retry; never a mix of two versions, never a false corruption report, and a reader never
-changes the folder (a writer's in-progress state is the writer's to finish). How:
+A load concurrent with a save to the same path sees one whole version or a `CheckpointError`
+saying to retry; never a mix, never a false corruption report, and it never changes the folder
+(docs/checkpoint.md, "Readers and a writer"). How:
 
-* every rank pins the directory (``Storage.open_dir``) and reads index and data files through
-  that pin; on POSIX that is a directory descriptor, so a rename of a new version into place
-  does not change what is read, and every data file is opened in step 1 and kept open, so a
-  writer deleting the old version after the swap cannot take its bytes away;
-* the ranks agree that they read the same index (its ``save_id`` and creation time), else
-  "being replaced, retry";
-* a problem found while the path no longer names the pinned version (a data file gone because
-  the writer deleted the old copy before this rank opened it) is reported as "being replaced,
-  retry", not as damage;
-* on an object store the index is a pointer to the save's own folder ([Note: commit by a
-  pointer] in ``checkpoint/_series/_commit.py``), read once: the load reads that folder, whose
-  files no save changes, so it is pinned too; a version folder is deleted only a save after it
-  stopped being current, and a load slower than that is told to retry. A checkpoint written in
-  place without a pointer (by an earlier release) cannot be pinned there: ``DirView.is_current``
-  re-reads its index after the reads, and a change means "being replaced, retry" (the target may
-  then hold part of the new data: load again);
-* a path that is missing while an intact ``.<name>.replaced-<hex>`` checkpoint exists (a replace
-  between its two renames, or one that crashed there) is read from that copy, without renaming
-  anything (so this works on a read-only mount too); the next save of the series restores it.
-  A first save on an object store, under way or killed before its pointer, is "an interrupted
-  save; retry or run the next save", never "not a checkpoint".
+* every rank pins the directory (``Storage.open_dir``; on POSIX a directory descriptor) and
+  opens every data file in step 1, so a rename or deletion by the writer changes nothing read;
+* the ranks agree that they read the same index (``save_id`` and creation time), else retry;
+* a problem found while the path no longer names the pinned version is "being replaced, retry",
+  not damage;
+* on an object store the index is a pointer, read once ([Note: commit by a pointer] in
+  ``checkpoint/_series/_commit.py``), and the version folder it names is pinned by the rule
+  there; a checkpoint written in place without a pointer is re-checked by
+  ``DirView.is_current`` after the reads (a change means retry; the target may hold part of it);
+* a missing path with an intact ``.<name>.replaced-<hex>`` copy is read from that copy, renaming
+  nothing. A first save on an object store not yet committed is "an interrupted save; retry or
+  run the next save", never "not a checkpoint".
 """
 
 from __future__ import annotations
@@ -222,10 +202,9 @@ def load(state_dict: dict, path: str | os.PathLike | None = None, *, strict: boo
     """Fill the tensors of ``state_dict`` in place from the checkpoint at ``path``; collective.
 
     ``path`` is a local path or an fsspec URL (``memory://...``, ``s3://...``); ``storage``
-    chooses the storage explicitly (``_storage``). ``state`` has the structure that was saved
-    (e.g. ``{"model": get_model_state_dict(model), ...}``); its tensors may have any layout
-    (plain, or DTensors with any supported placements on any mesh), independent of the layout
-    they were saved from. Plain values in ``state`` are replaced by the saved ones.
+    chooses the storage explicitly. ``state`` has the structure that was saved; its tensors may
+    have any layout (plain, or DTensors on any mesh), whatever they were saved from. Plain values
+    in ``state`` are replaced by the saved ones.
     ``strict=False`` skips keys of ``state`` that the checkpoint lacks; keys of the checkpoint
     that ``state`` lacks are always ignored. ``verify`` checks the CRC-32 of every checksum
     chunk (or whole saved box) of the loaded tensors, spread over the ranks, before anything is

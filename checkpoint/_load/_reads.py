@@ -1,12 +1,10 @@
 """The byte reads of a load (step 2 of [Note: the steps of a load] in ``_reader.py``).
 
-Every read goes through the storage, on the data files `CheckpointFiles` opened (and checked)
-in step 1. A piece that is one contiguous byte range of its saved box is read straight into
-its destination (adjacent pieces of a file by one request, ``preadv`` on POSIX); other pieces,
-column slices, read the dim-0 rows they span (`read_region`, also used by ``merge`` and
-``reshard``), at most ``max_read_bytes`` of rows at a time. Where the storage gains from
-requests in flight together (``Storage.read_concurrency`` > 1: an object store, where each
-read is one ranged GET) the reads run on that many threads (`run_bounded`).
+Reads go through the storage, on the files `CheckpointFiles` opened in step 1: contiguous pieces
+straight into their destination (adjacent ones by one request, ``preadv`` on POSIX), column
+slices through the dim-0 rows they span (`read_region`, also for ``merge`` and ``reshard``).
+Where requests in flight together help (``Storage.read_concurrency`` > 1: an object store) the
+reads run on that many threads (`run_bounded`).
 """
 
 from __future__ import annotations

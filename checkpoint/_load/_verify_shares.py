@@ -1,30 +1,21 @@
 """Load-time verification planning: which rank checks which checksum unit.
 
 [Note: verification shares]
-With ``verify`` every checksum *unit* of the loaded tensors (a chunk, or a whole box when the
-box has no chunks) is checked by exactly one rank, before any rank writes. Each rank sends
-rank 0, in one gather, the set of tensors it loads (a bit mask over the index's sorted keys,
-`keys_to_mask`) and the dim-0 row ranges it reads from every saved box (`needs_of`, boxes
-numbered by `box_ids`, which depends on the index alone). Ranks may load different tensors
-(pipeline stages, ``strict=False``): the units are those of the union of the sets. Rank 0
-works out every rank's share in one pass (`all_shares`) and sends each rank its own (a
-scatter of ``[box id, first chunk, end chunk]`` ranges, turned into units by `units_of`): a
-unit goes to the rank that reads the most of its bytes anyway; among equals (a replicated
-tensor that every rank reads) to one picked by the box and chunk, so such boxes spread over the
-ranks; a unit nobody reads goes round-robin. A rank thus re-reads for checking only the parts
-of the few chunks that straddle its shard's boundaries (none when they fall on chunk
-boundaries). The work is per saved box and reader boundary (`chunk_owners`), not per chunk of
-the checkpoint. No rank receives the other ranks' reads except rank 0 (before, an all-gather
-brought every rank the world's reads: W times its own); `share_of` is one rank's share worked
-out from the world's reads, the same as `all_shares` gives it.
+With ``verify`` every checksum *unit* of the loaded tensors (a chunk, or a whole box without
+chunks) is checked by exactly one rank, before any rank writes. Each rank gathers to rank 0 the
+tensors it loads (a bit mask over the index's sorted keys, `keys_to_mask`) and the dim-0 row
+ranges it reads from every saved box (`needs_of`, boxes numbered by `box_ids`, from the index
+alone); the units are those of the union of the sets (ranks may load different tensors).
+Rank 0 works out every share in one pass (`all_shares`) and scatters each rank its own
+(``[box id, first chunk, end chunk]`` ranges, `units_of`): a unit goes to the rank that reads
+most of its bytes anyway; among equals to one picked by box and chunk, so replicated boxes
+spread over the ranks; a unit nobody reads round-robin. A rank thus re-reads only the parts of
+chunks straddling its shard's boundaries. The work is per saved box and reader boundary
+(`chunk_owners`); `share_of` is one rank's share, the same as `all_shares` gives it.
 
-Both messages travel packed (`pack_ints`): each record's box id as the difference from the
-previous record's, then zlib. A rank's reads under a regular layout repeat one pattern (the same
-rows of the box one world apart, tensor after tensor), so what rank 0 receives and sends stays
-a few hundred bytes a rank where the plain lists were 13 KiB a rank for 1,000 tensors, and
-grew with the world at rank 0 (``benchmarks/checkpoint_scale.py``).
-
-The checksums themselves (chunks, CRC-32 arithmetic) are in ``_checksums.py``.
+Both messages are packed (`pack_ints`: box ids as differences, then zlib): a regular layout
+repeats one pattern, so a rank's message stays a few hundred bytes (the plain lists were 13 KiB
+a rank for 1,000 tensors; ``benchmarks/checkpoint_scale.py``). Checksums are in ``_checksums.py``.
 """
 
 from __future__ import annotations

@@ -2,37 +2,29 @@
 reuses it after one small collective.
 
 [Note: reusing a save's agreement]
-A save's planning is collective (``_save_plan.keep_own_pieces``): rank 0 gathers every rank's
-boxes and names each box's writer ([Note: one writer per box over the world] in
-``checkpoint/_geometry/_owners.py``), then gathers every rank's plain value digests and decides
-which are shared ([Note: plain values per rank] in ``_save_plan.py``); the commit gathers every
-rank's boxes again, with their checksums, for the index. A training job saves the same state,
-laid out the same way, every few hundred steps, and the answers do not change: so each rank
-keeps them on the process group the agreement ran on (`lookup` / `remember` take it; None for a
-process alone), keyed by a *fingerprint* of everything they depend on from this rank: the world
-size and this rank, the digest of the tensors' keys, dtypes, shapes and layouts, the boxes this
-rank holds and may write (in order), and the keys of its plain values and ``bytes`` values.
-Rank 0 also keeps, per rank, the geometry of the boxes each rank wrote (the *skeleton*, taken
-from the full reports of the save that built the index).
+A save's planning is collective (``_save_plan.keep_own_pieces``): rank 0 names each box's writer
+([Note: one writer per box over the world] in ``checkpoint/_geometry/_owners.py``) and decides
+which plain values are shared ([Note: plain values per rank] in ``_save_plan.py``); the commit
+gathers every rank's boxes again, with checksums, for the index. A job saves the same state
+every few hundred steps and the answers do not change, so each rank keeps them per process
+group (`lookup` / `remember`; None for a process alone), keyed by a *fingerprint* of all they
+depend on from this rank: world size and rank, the digest of the tensors' keys, dtypes, shapes
+and layouts, the boxes it holds and may write (in order), and the keys of its plain and
+``bytes`` values. Rank 0 also keeps each rank's box geometry (the *skeleton* of the index).
 
-A later save looks its fingerprint up and takes part in one all-reduce
-(``_comm.agree_values``) of the agreement's *generation* (a random number rank 0 drew for it;
-rank 0 adds whether it holds the skeleton). The plan is reused only when every rank found an
-entry of the same generation: every rank's inputs are then exactly those the agreement
-decided on, so its decision holds. Anything else (a rank without an entry: a new process, a
-changed tensor, shape, dtype, layout or set of keys, another world size, rank 0 without the
-skeleton) gives differing texts, and every rank runs the full agreement. With the plan reused:
+A later save looks its fingerprint up and all-reduces (``_comm.agree_values``) the agreement's
+*generation* (a random number rank 0 drew; rank 0 adds whether it holds the skeleton). The plan
+is reused only when every rank found an entry of the same generation; anything else runs the
+full agreement on every rank. With the plan reused:
 
 * each rank keeps the boxes it was told to write (no gather, no scatter);
-* the plain values: one more all-reduce of the digests of the keys every rank holds
-  (``common``), in a fixed order, tells which of them are equal everywhere (shared); every
-  other key is per rank, as the full agreement would decide;
-* each rank's report for the index carries only its checksums, in the order of its boxes,
-  and rank 0 puts them on the skeleton (``_save_plan.build_index``), counting them against it.
+* one more all-reduce of the digests of the plain values every rank holds (``common``) tells
+  which are equal everywhere (shared); the rest are per rank;
+* each rank's report carries only its checksums, in box order, and rank 0 puts them on the
+  skeleton (``_save_plan.build_index``).
 
-The data written is always the state of this save: the plan only says which of its own boxes a
-rank writes and under which names. A stale plan can therefore not write wrong data, and is
-never used: any change to what it was decided from is a different fingerprint.
+The data written is always this save's: the plan only says which boxes a rank writes under
+which names, and any change to what it was decided from is a different fingerprint.
 """
 
 from __future__ import annotations

@@ -2,34 +2,26 @@
 ``async_checkpointer_type="process"`` (DCP's ``AsyncCheckpointerType.PROCESS``).
 
 [Note: the writer process]
-With a background *thread* (the default), the writing of a save (safetensors framing, CRC-32
-of every box and chunk, the writes and fsyncs) shares the training process: its Python work
-holds the GIL against the training loop's. With ``"process"``, each rank has one writer
-process, started on its first such save and reused by the next ones:
+A background *thread* shares the GIL with the training loop; with ``"process"`` each rank has one
+writer process, started on its first such save and reused (docs/checkpoint.md, "Thread or
+process"):
 
-* The training process copies each box it writes, straight from the live tensor (no snapshot
-  before it: ``_stage`` in ``_writer.py``), into a *staging buffer*: a file in
-  ``/dev/shm`` (else the temporary folder) mapped by both processes (``torch.from_file``,
-  shared), its space reserved up front (``posix_fallocate``: a full ``/dev/shm`` is an error
-  at the save, never a ``SIGBUS``). Buffers are kept for the next saves (one per save in
-  flight); the writer unlinks a buffer's file once it has mapped it, so nothing is left in
-  ``/dev/shm`` when either process dies. On a CUDA host the buffers are also registered as
-  pinned memory (``cudaHostRegister``) when CUDA is initialised; this path is not exercised
-  on a CPU-only machine.
-* The job (where each box lies in the buffer, the storage, the temporary folder) goes to the
-  writer over a pipe; the writer runs the same `write_file` as the thread and answers with
-  the rank's report. Jobs are written one after another, in the order of the saves.
-* The commit stays in the training process, in ``SaveHandle.wait()``: it is collective (the
-  ranks agree on errors, rank 0 gathers the reports, writes ``index.json`` and renames), and
-  the writer processes have no process group. So a writer process that fails or dies only
-  fails its rank's part: the futures of its jobs get a `CheckpointError` naming the exit,
-  ``wait()`` agrees on it over every rank, rank 0 deletes the temporary folder, and the next
-  save starts a new writer process.
-* Lifetime: the writer is started with ``subprocess`` (``python -c``, so the training
-  script is not imported again, unlike ``multiprocessing``'s spawn); it exits on a ``stop``
-  message at interpreter exit, when the pipe from the training process reaches end of file
-  (the training process died: no save of it can be committed any more, so it exits at once),
-  and when its parent process changes (checked every second). A process forked from the
+* The training process copies each box straight from the live tensor (``_stage`` in
+  ``_writer.py``) into a *staging buffer*: a file in ``/dev/shm`` (else the temporary folder)
+  mapped by both processes (``torch.from_file``, shared), reserved up front
+  (``posix_fallocate``: a full ``/dev/shm`` is an error, never a ``SIGBUS``), kept for later
+  saves (one per save in flight). The writer unlinks a buffer's file once mapped, so nothing
+  is left in ``/dev/shm`` when either process dies. On CUDA hosts the buffers are registered
+  as pinned memory (not exercised on a CPU-only machine).
+* The job goes to the writer over a pipe; it runs the same `write_file` as the thread and
+  answers with the rank's report, jobs in the order of the saves.
+* The commit stays in ``SaveHandle.wait()`` (collective; the writer has no process group). A
+  writer that fails or dies fails only its rank's part: its jobs' futures get a
+  `CheckpointError` naming the exit, ``wait()`` agrees on it, rank 0 deletes the temporary
+  folder, and the next save starts a new writer.
+* Lifetime: started with ``subprocess`` (``python -c``: the training script is not re-imported);
+  it exits on a ``stop`` message at interpreter exit, at end of file on its pipe (the training
+  process died) and when its parent changes (checked every second). A process forked from the
   training process (a data loader worker) closes its copies of the pipes.
 """
 

@@ -1,35 +1,18 @@
 """`SaveHandle`: a save in progress (from `async_save`), finished by its collective ``wait()``.
 
-It is also a ``concurrent.futures.Future`` and DCP's ``AsyncSaveResponse``.
+It is also a ``concurrent.futures.Future`` and DCP's ``AsyncSaveResponse`` (docs/checkpoint.md,
+``async_save``): ``result(timeout=None)`` is ``wait()`` (collective; the same value or error on
+later calls; with ``timeout``, ``concurrent.futures.TimeoutError`` while this rank's write still
+runs, before any collective); ``exception()``; ``done()`` (per rank: do not branch a collective
+on it); ``add_done_callback(fn)`` (run inside ``result()``/``wait()``, since the commit is
+collective; at once if already finished); ``running()``; ``cancel()`` and ``cancelled()`` False;
+``staging_completion`` a finished ``Future``; ``upload_completion`` the handle itself.
 
-torch DCP's ``async_save`` returns a ``Future`` (``.result()``, ``.done()``, ...) or an
-``AsyncSaveResponse`` (``.staging_completion`` and ``.upload_completion``, two futures).
-`SaveHandle` offers both, on top of its own ``wait()``:
-
-* ``result(timeout=None)`` is ``wait()``: collective, on every rank; it commits the checkpoint
-  and returns what ``wait()`` returns (the same value again on later calls), or raises the save's
-  `CheckpointError` (again on later calls). With ``timeout`` it raises
-  ``concurrent.futures.TimeoutError`` if this rank's background write is still running after
-  that many seconds, before any collective (call it again later, on every rank).
-* ``exception(timeout=None)``: like ``result`` but returns the error (or ``None``).
-* ``done()``: whether this rank's background write has ended (then ``result()`` only runs the
-  commit, a short collective). It is per rank, like DCP's: do not branch a collective on it.
-* ``add_done_callback(fn)``: ``fn(handle)`` runs once the save has finished (committed or
-  failed) on this rank, inside ``result()``/``wait()`` (the commit is collective, so it is not
-  run by the background thread); at once if that already happened.
-* ``running()``: not finished yet; ``cancel()`` returns False and ``cancelled()`` False (a
-  collective save cannot be withdrawn by one rank).
-* ``staging_completion``: a finished ``Future`` (the state is copied to CPU memory before
-  `async_save` returns); ``upload_completion``: the handle itself.
-
-Where the background write runs is ``async_save``'s ``async_checkpointer_type`` (DCP's
-``AsyncCheckpointerType``; ``handle.async_checkpointer_type`` says which): ``"thread"`` (the
-default), a thread of this process; ``"process"``, this rank's writer process (`ProcessWriter`,
-[Note: the writer process] in ``_process_writer.py``), whose shared staging buffer `async_save`
-fills straight from the live tensors (no other copy) and whose job it submits before it
-returns (``job``, the future of the writer's report). Either way the commit runs in ``wait()``, in
-this process, and an error of the writer (the process killed included) is raised by ``wait()``
-on every rank, with nothing committed.
+The background write runs in a thread of this process (the default) or in this rank's writer
+process (``"process"``: [Note: the writer process] in ``_process_writer.py``; ``job`` is the
+future of the writer's report). Either way the commit runs in ``wait()``, in this process, and a
+writer's error (the process killed included) is raised by ``wait()`` on every rank, with nothing
+committed.
 """
 
 

@@ -2,20 +2,15 @@
 the ranks' reports (steps 1, 3 and 4 of [Note: the steps of a save] in ``_writer.py``).
 
 [Note: plain values per rank]
-A plain value (JSON, or ``bytes``) is usually the same on every rank (a step count, optimizer
-options); then it is saved once, rank 0's. torch's DCP keeps each non-tensor value per key,
-written by one rank, so a value some ranks hold under their own key (torchtitan's data loader
-state: ``{"dp_rank_<i>": pickle.dumps(...)}``) is saved for each of them. Here the ranks' digests
-of their plain values go to rank 0 (one gather); a key that every rank holds with the same
-value is *shared* (saved once under its key, by rank 0), any other is saved *per rank*: each
-holding rank's own value under ``rank_key(key, rank)`` (``key~r<rank>``, never a flat key). A
-load gives each rank its own per-rank value, else the shared one; a rank that saved none (a
-rank beyond the saved world, or one that did not hold the key) finds the key missing (strict:
-an error naming the ranks that saved it; ``strict=False``: the target's value stays).
-
-A ``bytes`` value is stored as raw bytes: a 1-D ``uint8`` tensor of the writing rank's data
-file, named in the index's ``bytes`` list; it is never unpickled or interpreted. JSON values
-stay in the index's ``values``.
+A plain value (JSON, or ``bytes``) is usually the same on every rank and saved once, rank 0's.
+torch's DCP keeps each non-tensor value per key, so a value ranks hold under their own key
+(torchtitan's ``{"dp_rank_<i>": pickle.dumps(...)}``) is saved for each. Here the ranks' value
+digests go to rank 0 (one gather): a key every rank holds with the same value is *shared* (saved
+once by rank 0), any other is saved *per rank* under ``rank_key(key, rank)`` (``key~r<rank>``).
+A load gives each rank its own per-rank value, else the shared one; a rank that saved none finds
+the key missing (strict: an error naming the ranks that saved it; ``strict=False``: the target's
+value stays). ``bytes`` are stored raw (a 1-D ``uint8`` tensor in the writer's data file, listed
+in the index's ``bytes``), never unpickled; JSON values stay in the index's ``values``.
 """
 
 from __future__ import annotations

@@ -1,55 +1,42 @@
 """Atomic commit of a checkpoint directory, replacing one safely, and deleting only our own files.
 
 [Note: atomic commit]
-A save writes everything into a sibling temporary directory ``.<name>.incomplete-<token>``:
-first the data files (each fsynced by the rank that wrote it), then ``index.json`` (written to
-``index.json.tmp``, fsynced, renamed), then the directory itself is fsynced and renamed to
-``<name>``, and the parent directory is fsynced. ``rename`` is atomic, so ``<name>`` either
-does not exist or is complete; a job killed at any point leaves earlier checkpoints untouched
-and at worst a directory whose name says ``incomplete`` and which has no ``index.json``
-(every reader refuses it with a message saying so). ``tests/test_checkpoint_commit_order.py``
-checks this order of calls. Every call goes through a storage ([Note: storage semantics] in
-``_storage/_protocol.py``); where rename is not atomic (an object store) nothing is renamed:
-[Note: commit by a pointer].
+A save writes everything into a sibling ``.<name>.incomplete-<token>``: the data files (each
+fsynced by its writer), then ``index.json`` (via ``index.json.tmp``, fsynced, renamed), then the
+directory is fsynced and renamed to ``<name>`` and the parent fsynced. ``rename`` is atomic, so
+``<name>`` is absent or complete; a killed job leaves at worst a directory named ``incomplete``
+without ``index.json``, which every reader refuses. ``tests/test_checkpoint_commit_order.py``
+checks this order. Every call goes through a storage ([Note: storage semantics] in
+``_storage/_protocol.py``); where rename is not atomic: [Note: commit by a pointer].
 
-If ``<name>`` already is a checkpoint it is replaced: it is renamed away to
-``.<name>.replaced-<token>`` first, the new one is renamed into place, then the files of the
-old one that the checkpoint format did not write (a ``config.json``, a ``tokenizer/`` folder a
-user put there) are moved into the new one, and only then the rest of the old one is deleted
-(index first). A crash between the two renames leaves ``<name>`` missing and the intact old
-checkpoint in ``.<name>.replaced-<token>``: readers read that copy in place
-(`stand_in`; also `latest_checkpoint`, which names ``<name>``), and the next save of the series
-renames it back (`recover_replaced`, through the series record). A crash while the old copy is deleted leaves a
-``.replaced-<token>`` directory without an index: the next save of the series, which knows the
-token from its record, deletes what is left of it (only data files; anything else is kept and
-reported). A ``<name>`` that exists but is not a checkpoint (and not an empty directory), or is
-a symbolic link, is never touched.
+An existing checkpoint ``<name>`` is replaced: renamed away to ``.<name>.replaced-<token>``, the
+new one renamed into place, the old one's files the format did not write (a ``config.json``, a
+``tokenizer/``) moved into the new one, then the rest of the old one deleted (index first). A
+crash between the two renames leaves the intact old copy, which readers read in place
+(`stand_in`, `latest_checkpoint`) and the next save of the series renames back
+(`recover_replaced`). A crash while deleting leaves a ``.replaced-<token>`` without index, which
+the next save of the series (knowing the token) deletes (data files only; anything else is kept
+and reported). A ``<name>`` that is not a checkpoint (nor an empty directory), or is a symbolic
+link, is never touched.
 
 A checkpoint's *own files* (`own_files`) are ``index.json``, ``.metadata`` ([Note: the .metadata
-marker] in ``checkpoint/_format/_index_model.py``) and the data files its index lists; `delete_own_files` deletes those (index first, so the directory stops being a
-checkpoint at once) and the directory only if nothing else is left in it.
+marker] in ``checkpoint/_format/_index_model.py``) and the data files its index lists;
+`delete_own_files` deletes those (index first) and the directory only if then empty.
 
 [Note: commit by a pointer]
 Where the storage cannot rename atomically (``atomic_rename`` False: an object store, fsspec's
-``memory://``) nothing is renamed or copied. A save writes its data files, index parts,
-``.metadata`` and ``index.json`` once, in place, into its own folder ``<name>/.v-<token>``
-(`temp_dir_for`), and commits by one PUT of ``<name>/index.json``: a *pointer*
-(``{"format": ..., "version": 3, "at": ".v-<token>", "save_id": <token>}``, ``_format.pointer_bytes``).
-A single PUT is atomic, so a reader that reads ``<name>/index.json`` sees the old version or
-the new one, whole; it follows the pointer once and reads only that version's folder, whose
-files no save ever changes (``_format._files``): no settle time, no guess.
-A version stops being current when a later save of ``<name>`` commits (its folder is then
-*superseded*) or when ``keep_last`` rotates ``<name>`` away (its pointer is deleted at once,
-so no new reader starts on it). **The rule**: a version folder is deleted no earlier than the
-start of the next save of the series after the one that superseded or rotated it (listed in
-the series record's ``deleting`` with ``"old"`` until then, [Note: deleting through the
-record] in ``_series.py``): a reader that read the pointer before the commit has at least one
-whole save interval to finish; one slower than that finds its files gone and is told to retry
-(never a mix: a version's files are never rewritten). A save killed at any request leaves the
-last committed pointer, hence a whole version; its own ``.v-<token>`` folder is deleted by the
-next save of the series (its pending entry names the token). A checkpoint written before
-pointers (``index.json`` a full index, data files next to it) loads as ever; a save replacing
-it supersedes those files (`superseded`) the same way. POSIX keeps its atomic rename.
+``memory://``) nothing is renamed or copied. A save writes its files once, in place, into its
+own folder ``<name>/.v-<token>`` (`temp_dir_for`) and commits by one PUT of ``<name>/index.json``,
+a *pointer* (``{"format": ..., "version": 3, "at": ".v-<token>", "save_id": <token>}``,
+``_format.pointer_bytes``). A reader sees the old pointer or the new one, follows it once and
+reads only that folder, whose files no save changes. A version stops being current when a later
+save commits (*superseded*) or ``keep_last`` rotates it away (its pointer deleted at once).
+**The rule**: its folder is deleted no earlier than the start of the next save of the series
+after that (listed in the record's ``deleting`` with ``"old"``, [Note: deleting through the
+record] in ``_series.py``): a reader has at least one save interval to finish; a slower one finds
+files gone and is told to retry, never a mix. A killed save leaves the last committed pointer;
+its ``.v-<token>`` folder is deleted by the next save of the series. A checkpoint written before
+pointers loads as ever and is superseded (`superseded`) the same way. POSIX keeps its rename.
 """
 
 from __future__ import annotations

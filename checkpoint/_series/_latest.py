@@ -1,16 +1,12 @@
 """`latest_checkpoint`: the newest complete checkpoint of a series, read from its record.
 
-A resuming job asks the folder's series record ([Note: series] in ``_series.py``) instead of
-guessing from names or modification times: the record lists only committed checkpoints, in
-commit order (``seq``), so a save that is still being written (an ``async_save`` in flight, a
-process killed mid-write: its ``.incomplete-`` directory and ``pending`` entry) is never
-returned. Each candidate is checked to still be the checkpoint the series wrote (a directory
-whose index carries the recorded ``save_id``); one that is gone or replaced by hand is skipped.
-A checkpoint whose replace stopped half way (``<name>`` missing, or on an object store a folder
-without ``index.json``, next to the intact ``.<name>.replaced-`` copy) is still the committed
-one: its path is returned, and a load of it reads that copy (`stand_in` in ``_commit.py``). A
-pending save whose index is already in place (killed after its commit, before the record was
-updated) is committed: it is returned first, as the next save's cleanup records it.
+The folder's series record ([Note: series] in ``_series.py``) lists only committed checkpoints
+in commit order, so a save still being written (or killed mid-write) is never returned. Each
+candidate must still be the checkpoint the series wrote (its index carries the recorded
+``save_id``); one gone or replaced by hand is skipped. A checkpoint whose replace stopped half
+way is still the committed one: its path is returned and a load reads the ``.replaced-`` copy
+(`stand_in` in ``_commit.py``). A pending save whose index is in place (killed after its commit)
+is committed and returned first.
 """
 
 from __future__ import annotations

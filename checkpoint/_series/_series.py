@@ -1,54 +1,41 @@
 """The series record: which checkpoints (and which unfinished saves) a series of saves owns.
 
 [Note: series]
-Saves of one training run into one folder form a *series* (``save(..., series=...)``; by
-default the checkpoint's name without its trailing digits, so ``ckpt/step-100``,
-``ckpt/step-200`` are the series ``step-`` of ``ckpt/``). Each series is recorded in the
-folder's ``.shardwise-series.json`` (updated under the storage's lock of the folder, ``flock``
-on POSIX, written atomically, deleted when no series in it has anything left to record): the checkpoints it committed, each with the
-``save_id`` its index carries, and the saves it started but has not finished (``pending``:
-name and token, so their ``.incomplete-<token>``/``.replaced-<token>`` directories are known).
+Saves of one run into one folder form a *series* (``save(..., series=...)``; by default the
+name without its trailing digits: ``ckpt/step-100``, ``ckpt/step-200`` are the series ``step-``).
+Each series is recorded in the folder's ``.shardwise-series.json`` (under the storage's lock of
+the folder, written atomically, deleted when empty): its committed checkpoints with their
+``save_id``, and its unfinished saves (``pending``: name and token, so their
+``.incomplete-<token>``/``.replaced-<token>`` directories are known).
 
 Only what is recorded is ever removed, never something guessed from a name:
 
-* at the start of a save, every pending save of the same series whose process is gone (or ran
-  on another host, or is this process but no longer saving) is cleaned up: its
-  ``.incomplete-`` directory deleted, a ``.replaced-`` copy renamed back when its checkpoint is
-  missing (a crash between the two renames of a replace) or else finished (also when its index
-  was already deleted: [Note: atomic commit] in ``_commit.py``), and a save that had committed
-  (its checkpoint's index carries its token) before the kill is recorded as committed. A
-  pending save that may still run (an ``async_save`` not yet waited for, another live process
-  on this host) is left alone;
-* ``keep_last=N`` deletes the series' recorded checkpoints beyond the ``N`` newest, each only
-  if it still is the checkpoint the series wrote (a real directory whose index has the
-  recorded ``save_id``), and of it only its own files (``_commit.delete_own_files``): files a
-  user added stay, with the directory. Checkpoints of other series, other jobs' folders,
-  symbolic links (``latest``) and anything written before the record existed are never
-  touched.
+* at the start of a save, each pending save of the series whose process is gone (or ran on
+  another host, or is this process no longer saving) is cleaned up: its ``.incomplete-``
+  directory deleted, a ``.replaced-`` copy renamed back when its checkpoint is missing or else
+  finished ([Note: atomic commit] in ``_commit.py``), and a save that had committed before the
+  kill is recorded as committed. A pending save that may still run is left alone;
+* ``keep_last=N`` deletes the recorded checkpoints beyond the ``N`` newest, each only if it
+  still is the one the series wrote (a real directory whose index has the recorded
+  ``save_id``), and only its own files (``_commit.delete_own_files``). Other series, other
+  folders, symbolic links and anything written before the record are never touched.
 
 [Note: deleting through the record]
-A checkpoint to rotate away moves, in the record, from ``checkpoints`` to ``deleting`` (with the
-names of its own files) *before* any file is deleted, and leaves ``deleting`` only once it is
-gone. A kill in the middle (after the index is deleted, say) therefore never loses track of it:
-every later save of the series, and every rotation, finishes the deletions listed there. A
-deletion that fails (permissions, a read-only mount) is reported as such ("could not remove"),
-never as done, and stays listed, to be retried. Where a save commits by a pointer ([Note: commit
-by a pointer] in ``_commit.py``) what it supersedes (the version folder the old pointer named,
-or the files of a checkpoint written in place before pointers) and the version folders of what
-it rotates away are listed with ``"old"`` after its commit, and deleted by the next save of the
-series, never by the one that superseded them: that is the readers' grace. A version folder
-that a pointer names again is never deleted.
+A checkpoint to rotate away moves in the record from ``checkpoints`` to ``deleting`` (with its
+own files' names) *before* any file is deleted, and leaves it only once gone: a kill in between
+never loses track; every later save or rotation of the series finishes it. A failed deletion is
+reported ("could not remove") and stays listed. Under a pointer commit ([Note: commit by a
+pointer] in ``_commit.py``) what a save supersedes or rotates away is listed with ``"old"`` and
+deleted by the next save of the series, never the same one: the readers' grace. A version
+folder that a pointer names again is never deleted.
 
 [Note: rotation order]
-"Newest" is the order of commits, not of clocks: each recorded checkpoint carries ``seq``, one
-more than the largest of its series when it was committed (``created_unix_ns``, rank 0's wall
-clock, is kept for people only: a clock stepped back, NTP or a host move, must not make the
-checkpoint just written look oldest and be deleted). The checkpoint just committed is never
-rotated away. Records written before ``seq`` existed keep their stored order (newest first)
-and rank below every numbered one.
+"Newest" is commit order, not clock: each recorded checkpoint carries ``seq``, one more than the
+largest of its series (``created_unix_ns`` is for people only: a clock stepped back must not
+make the newest checkpoint look oldest). The checkpoint just committed is never rotated away.
+Records without ``seq`` keep their stored order and rank below every numbered one.
 
-Every function returns sentences saying what it removed or restored; ``save`` logs them and
-returns them.
+Every function returns sentences saying what it removed or restored; ``save`` logs and returns them.
 """
 
 from __future__ import annotations

@@ -1,30 +1,21 @@
 """torch DCP's call forms for `save`, `load` and `async_save`.
 
-``save(state_dict, checkpoint_id=path)`` is ``save(state_dict, path)``; the other arguments of
-DCP's calls mean here:
+``save(state_dict, checkpoint_id=path)`` is ``save(state_dict, path)``; DCP's other arguments:
 
-* ``process_group``: ``None`` or a group of every rank (the default group, or one equal to
-  it). A shardwise checkpoint is always written and read by the whole world: each box is
-  written by one rank that holds it, so HSDP needs no "only one replica group saves" group.
-  A smaller group is refused with that explanation.
-* ``no_dist=True``: this process saves or loads on its own, as if it were the only rank (no
-  collective, also when a process group exists). Its tensors must be whole (not DTensors
-  sharded over other ranks); every rank would write the same path, so give each its own.
-  Without ``torch.distributed`` initialised that is what happens anyway (no warning).
-* ``storage_writer=FileSystemWriter(path)`` / ``storage_reader=FileSystemReader(path)``
-  (shardwise's classes of DCP's names, below) are the path.
-* ``async_checkpointer_type`` of ``async_save``: DCP's ``AsyncCheckpointerType.THREAD`` (the
-  default) writes in a background thread, ``.PROCESS`` in this rank's writer process ([Note:
-  the writer process] in ``checkpoint/_save/_process_writer.py``). torch's enum is taken by its
-  value or name (it is not imported here), as are the strings ``"thread"`` / ``"process"``;
-  `async_checkpointer_kind` reads it.
-* ``planner=DefaultSavePlanner()`` / ``DefaultLoadPlanner()`` (shardwise's classes of DCP's
-  names, below: DCP's default planners, what torch's own tests pass) are no planner;
+* ``process_group``: ``None`` or a group of every rank. A shardwise checkpoint is always written
+  and read by the whole world (each box by one rank holding it, so HSDP needs no "one replica
+  group saves" group); a smaller group is refused with that explanation.
+* ``no_dist=True``: this process saves or loads alone, with no collective; its tensors must be
+  whole, and each rank needs its own path. Without ``torch.distributed`` that happens anyway.
+* ``storage_writer=FileSystemWriter(path)`` / ``storage_reader=FileSystemReader(path)`` are the path.
+* ``async_checkpointer_type``: DCP's ``AsyncCheckpointerType`` by value or name (not imported
+  here), or ``"thread"`` / ``"process"`` ([Note: the writer process] in
+  ``checkpoint/_save/_process_writer.py``); `async_checkpointer_kind` reads it.
+* ``planner=DefaultSavePlanner()`` / ``DefaultLoadPlanner()`` are no planner;
   ``DefaultLoadPlanner(allow_partial_load=True)`` is ``strict=False``.
-* other ``storage_writer`` / ``storage_reader`` / ``planner`` (a custom one) / ``async_stager`` /
-  ``use_collectives=False``: DCP's extension points,
-  which do not exist here. Each is refused with one line naming the shardwise way (a path or
-  fsspec URL, ``storage=`` for a custom `Storage`, the state tree for what to save).
+* other ``storage_writer`` / ``storage_reader`` / ``planner`` / ``async_stager`` /
+  ``use_collectives=False``: DCP's extension points, each refused with one line naming the
+  shardwise way (a path or fsspec URL, ``storage=``, the state tree).
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """Nested state <-> flat keys.
 
-A checkpoint ``state`` is a tree of dicts and lists whose leaves are tensors (plain tensors or
-DTensors) and plain values. Flattening walks the tree and names every leaf by its path, the
-path's parts joined with ``/`` as in a JSON pointer (RFC 6901): ``~`` in a part is written
-``~0`` and ``/`` is written ``~1``. ``{"model": {"emb.weight": t}}`` gives ``model/emb.weight``;
-``{"optim": {"param_groups": [g0]}}`` gives ``optim/param_groups`` when ``g0`` holds no tensor.
-An empty dict has no leaves.
+A checkpoint ``state`` is a tree of dicts and lists whose leaves are tensors (plain or DTensors)
+and plain values. Each leaf is named by its path, parts joined with ``/`` as in a JSON pointer
+(RFC 6901: ``~`` -> ``~0``, ``/`` -> ``~1``): ``{"model": {"emb.weight": t}}`` gives
+``model/emb.weight``. An empty dict has no leaves.
 
-* A dict is always walked into (so each of its keys is checked and filled separately); a
-  list that contains a tensor somewhere is walked into too (a tuple as well, read-only).
-* Any other value is one *plain value* leaf, stored as JSON: ``None``, bool, int, float
-  (including ``nan``/``inf``, written as Python's JSON extensions ``NaN``/``Infinity``), str,
-  and lists/tuples/dicts of those with str keys. Tuples come back as lists, or as tuples when
-  the value being replaced in the target is a tuple.
-* ``bytes`` values are stored as raw bytes in a data file, not as JSON ([Note: plain values per
-  rank] in ``checkpoint/_save/_save_plan.py``).
-* Dict keys must be ``str`` or ``int`` (``int`` keys are written in decimal, so ``0`` and
-  ``"0"`` in one dict collide and are refused).
+* A dict is always walked into; a list (or, read-only, a tuple) only when it holds a tensor.
+* Any other value is one *plain value* leaf stored as JSON (``None``, bool, int, float including
+  ``NaN``/``Infinity``, str, and lists/tuples/dicts of those with str keys); tuples come back as
+  lists, or as tuples where the target holds a tuple.
+* ``bytes`` values are stored raw in a data file ([Note: plain values per rank] in
+  ``checkpoint/_save/_save_plan.py``).
+* Dict keys must be ``str`` or ``int`` (written in decimal, so ``0`` and ``"0"`` in one dict
+  collide and are refused).
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Full (unsharded) state: gather it on rank 0 one tensor at a time, or spread it into shards.
 
-`gather_full` turns a state tree with DTensors into the same tree with full tensors. Tensors
-are gathered one after the other (``DTensor.full_tensor()``, a collective), so every rank holds
-at most one full tensor beyond its shards at any time; with ``rank0_only`` the other ranks drop
-each one at once and get an empty dict back.
+`gather_full` turns a state tree with DTensors into the same tree with full tensors, one
+``full_tensor()`` at a time, so a rank holds at most one full tensor beyond its shards; with
+``rank0_only`` the other ranks drop each at once and get ``{}``.
 
-`scatter_full` fills a state tree's tensors in place from full tensors: each rank copies the
-boxes it holds (``_boxes.local_boxes``) out of the full tensor. With ``from_rank0`` only rank 0
-has the full state (the other ranks pass an empty dict); it is sent tensor by tensor with a
-broadcast, so again each rank holds one full tensor at a time and never the whole state. All
-keys, dtypes and shapes are checked first, and a problem found on rank 0 raises on every rank
-before any tensor is written.
-
-To load a full state from safetensors files without any rank holding it (each rank reading
-only its slices), use `load_safetensors` instead.
+`scatter_full` fills a state tree's tensors in place, each rank copying its boxes
+(``_boxes.local_boxes``) out of the full tensors; with ``from_rank0`` only rank 0 has them (the
+others pass ``{}``) and broadcasts them one at a time. Keys, dtypes and shapes are checked first,
+and a problem on rank 0 raises on every rank before any tensor is written. To load full state
+from safetensors files with each rank reading only its slices, use `load_safetensors`.
 """
 
 from __future__ import annotations
@@ -116,8 +111,7 @@ def scatter_full(state: dict, full: dict, *, from_rank0: bool = False, src: int 
 
     ``check`` (with ``from_rank0``): called on rank ``src`` before anything moves; a
     ``KeyError`` / ``ValueError`` / ``TypeError`` it returns is raised on every rank with its
-    own type and message (any other: as `CheckpointError`), for callers whose errors are
-    part of their API. It travels with the problems, so it costs no collective of its own.
+    own type and message (any other: as `CheckpointError`), at no collective of its own.
     """
     rank, _ = rank_and_world()
     if check is not None and not from_rank0:

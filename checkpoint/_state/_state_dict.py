@@ -1,27 +1,18 @@
 """Model and optimizer state dicts keyed by parameter name, for sharded and plain modules alike.
 
-The names and layouts follow the state-dict helpers of torch's DCP so code can
-switch with one import:
+Names and layouts follow torch DCP's state-dict helpers, so code switches with one import:
 
-* ``get_model_state_dict(model)`` is ``model.state_dict()``: parameters and persistent
-  buffers by fully qualified name (FQN), DTensors for sharded parameters, sharing storage with
-  the model (loading into it fills the model).
-* ``get_optimizer_state_dict(model, optim)`` is ``{"state": {fqn: {name: value}},
-  "param_groups": [{..., "params": [fqn, ...]}]}``: torch's optimizer state dict with each
-  parameter index replaced by the parameter's FQN, so it reshards like the parameters. State
-  tensors are the optimizer's own (DTensors for sharded parameters). A fresh optimizer
-  creates its state lazily on the first ``step()``; here it is created first (see
-  `init_optimizer_state`) so the dict always has every tensor a load can fill.
-* ``set_model_state_dict`` / ``set_optimizer_state_dict`` put such dicts back.
+* ``get_model_state_dict(model)`` is ``model.state_dict()``: parameters and persistent buffers
+  by FQN, DTensors for sharded parameters, sharing storage with the model.
+* ``get_optimizer_state_dict(model, optim)``: torch's optimizer state dict with parameter
+  indices replaced by FQNs, so it reshards like the parameters; the state is created first
+  (`init_optimizer_state`) so the dict has every tensor a load can fill.
+* ``set_model_state_dict`` / ``set_optimizer_state_dict`` put such dicts back;
+  ``get_state_dict`` / ``set_state_dict`` do both, for one optimizer or several
+  (``_state_dict_forms``).
 
-* ``get_state_dict(model, optimizers)`` / ``set_state_dict(model, optimizers, *,
-  model_state_dict=..., optim_state_dict=...)`` do both at once, as DCP's do. ``optimizers`` is
-  one optimizer or several (their state dicts merged into one, ``_state_dict_forms``).
-
-`StateDictOptions` has DCP's fields and meanings: ``full_state_dict=True`` gathers full
-tensors one at a time (``cpu_offload=True``: on CPU, kept on rank 0 only), and setting from a
-full state dict copies each rank's shard out of it (``broadcast_from_rank0=True``: only rank 0
-passes it, and it is sent one tensor at a time); the other fields are in its docstring.
+`StateDictOptions` has DCP's fields and meanings; full tensors are gathered, and with
+``broadcast_from_rank0`` sent, one tensor at a time.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """The shapes torch DCP's state-dict helpers give a state dict, for `_state_dict`.
 
-* **Names** (`canonical_names`): a module's keys as torch's DCP names them, without the parts
-  that wrappers add: ``_orig_mod`` of a ``torch.compile``d module, ``module`` of a
-  ``DistributedDataParallel``, ``_checkpoint_wrapped_module`` of an activation-checkpoint
-  wrapper. Setting accepts these names and the wrapped ones.
-* **Submodules** (``submodules=``): only the keys under those modules, with their prefix
-  (``keep_submodule_prefixes=True``, DCP's default) or without it.
-* **Frozen parameters** (``ignore_frozen_params=True``): parameters with
-  ``requires_grad=False`` are left out of the model state dict.
-* **Several optimizers**: one optimizer state dict, ``"state"`` the union (keyed by parameter
-  FQN, so it does not matter which optimizer holds a parameter) and ``"param_groups"`` every
-  optimizer's groups in order; setting it gives each optimizer the groups and state of its own
-  parameters.
-* **Flat optimizer state dict** (``flatten_optimizer_state_dict=True``): one level of keys,
-  ``state.<fqn>.<state name>`` (nested state dicts continue with ``.``) and
-  ``param_groups.<fqn>.<option>`` (each group option repeated for each of its parameters), so
-  that a pipeline stage holding some of the parameters loads just its keys. Setting accepts
-  either form (a dict without a ``"state"`` key is the flat one).
+* **Names** (`canonical_names`): keys as torch's DCP names them, without the parts wrappers add
+  (``_orig_mod`` of ``torch.compile``, ``module`` of DDP, ``_checkpoint_wrapped_module``);
+  setting accepts both.
+* **Submodules** (``submodules=``): only the keys under those modules, with or without their
+  prefix (``keep_submodule_prefixes``).
+* **Frozen parameters** (``ignore_frozen_params=True``): left out of the model state dict.
+* **Several optimizers**: one state dict, ``"state"`` the union keyed by FQN and
+  ``"param_groups"`` every optimizer's groups in order; setting gives each optimizer its own.
+* **Flat optimizer state dict** (``flatten_optimizer_state_dict=True``): ``state.<fqn>.<name>``
+  and ``param_groups.<fqn>.<option>`` keys, so a pipeline stage loads just its keys; setting
+  accepts either form (no ``"state"`` key means flat).
 """
 
 from __future__ import annotations

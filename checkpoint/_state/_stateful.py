@@ -1,25 +1,15 @@
 """The `Stateful` protocol: objects a checkpoint asks for their state, anywhere in the tree.
 
-A value of a checkpoint state that has both ``state_dict()`` and ``load_state_dict(sd)`` is
-*stateful* (an ``nn.Module``, an optimizer, a user's ``AppState``). It stands for the tree its
-``state_dict()`` returns:
-
-* `save` stores ``value.state_dict()`` in its place (walked into like any other subtree, so a
-  stateful inside it is expanded too);
-* `load` calls ``value.state_dict()`` to get the tensors to fill, fills them, and then calls
-  ``value.load_state_dict(filled)`` with that same dict, innermost stateful first (so an outer
-  one sees its inner objects already restored).
-
-torch's DCP does the same for the top-level values of the state; here a stateful may sit at
-any depth (``{"app": AppState(...)}``, ``{"run": {"model": model}}``). Tensors are never
-stateful (they have no ``load_state_dict``).
+A value with both ``state_dict()`` and ``load_state_dict(sd)`` is *stateful* (a module, an
+optimizer, a user's ``AppState``; never a tensor) and stands for the tree its ``state_dict()``
+returns: `save` stores that in its place (walked into like any subtree); `load` fills the tensors
+of ``value.state_dict()`` and then calls ``value.load_state_dict(filled)``, innermost first. Unlike
+torch's DCP (top-level values only), a stateful may sit at any depth.
 
 [Note: one order of statefuls]
-A stateful's ``state_dict()`` / ``load_state_dict()`` may run collectives (a sharded model, a
-data loader that gathers), so every rank must call them in the same order, whatever order
-each rank built its dicts in: the keys of each dict are visited sorted (as ``str``), as torch's
-DCP does, for ``state_dict()`` on save and load and for ``load_state_dict()`` (innermost first,
-then in that sorted order).
+``state_dict()`` / ``load_state_dict()`` may run collectives, so every rank calls them in the same
+order whatever order it built its dicts in: each dict's keys are visited sorted (as ``str``), as
+torch's DCP does, on save and load (``load_state_dict()`` innermost first, then sorted).
 """
 
 from __future__ import annotations

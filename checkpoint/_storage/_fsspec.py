@@ -1,27 +1,23 @@
 """`FsspecStorage`: any fsspec file system (``memory://``, ``file://``, ``s3://``, ``gs://``, ...).
 
 Implements [Note: storage semantics] in ``_protocol.py`` on an ``fsspec.AbstractFileSystem``.
-On the local file system (``file://``) rename is ``os.rename`` (atomic) and the lock an
-``flock``, as `PosixStorage`. Elsewhere (object stores, ``memory://``):
+On ``file://`` rename is ``os.rename`` (atomic) and the lock an ``flock``, as `PosixStorage`.
+Elsewhere (object stores, ``memory://``):
 
 [Note: commit on an object store]
-An object store has no rename, so a save there never renames (``atomic_rename`` is False):
-it writes its files once, in place, into its own folder ``<name>/.v-<token>``, and commits by
-one PUT of ``<name>/index.json``, a pointer to that folder ([Note: commit by a pointer] in
-``checkpoint/_series/_commit.py``). A single PUT is atomic on the stores fsspec serves, so
-``write_atomic`` is one ``pipe_file``. ``rename`` is refused there. There is no cross-process
-lock: one job saves a series at a time (the lock here only orders the threads of this process).
-docs/checkpoint.md, "On an object store", lists the requests of a save.
+There is no rename (``atomic_rename`` False; ``rename`` refused): a save writes its files once
+into its own folder and commits by one PUT of a pointer ([Note: commit by a pointer] in
+``checkpoint/_series/_commit.py``); ``write_atomic`` is one ``pipe_file``. The lock only orders
+this process's threads: one job saves a series at a time. docs/checkpoint.md, "On an object
+store", lists a save's requests.
 
 [Note: folders on an object store]
-On an object store (``virtual_dirs``: every fsspec file system but the local one and
-``memory://``) a folder is a key prefix: it exists while an object lies under it. ``mkdir``
-creates nothing, a folder whose last object is deleted is gone (``list`` answers ``[]`` and
-``rmdir`` does nothing, as for an emptied folder), and ``kind`` says ``"missing"`` for an empty
-one. s3fs caches listings and answers ``info`` from them forever; another process changes the
-store behind that cache, so every ``kind``/``list`` first drops what is cached for the path.
-Every object is a regular file there, so ``read_small`` is one ranged GET (a file past its
-limit is refused from the bytes past it, which are never more than one).
+On an object store (``virtual_dirs``: every fsspec file system but local and ``memory://``) a
+folder is a key prefix, existing while an object lies under it: ``mkdir`` creates nothing, an
+emptied folder is gone (``list`` gives ``[]``, ``rmdir`` does nothing, ``kind`` says
+``"missing"``). s3fs caches listings forever while other processes change the store, so every
+``kind``/``list`` first drops the cache for the path. Every object is a regular file, so
+``read_small`` is one ranged GET (an oversized file is refused from the one byte past its limit).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""`PosixStorage`: the local file system through ``os`` (what every checkpoint used before storages).
+"""`PosixStorage`: the local file system through ``os``.
 
-Implements [Note: storage semantics] in ``_protocol.py`` with POSIX calls: ``rename`` is
-atomic, ``fsync``/``fsync_dir`` make writes and entries durable, ``lock`` is an exclusive
-``flock`` of the folder itself (no lock file to leave behind), a pending save's holder is its
-host name and process id. Files are never opened before ``lstat``/``stat`` says they are
-regular, and then with ``O_NONBLOCK`` (and ``O_NOFOLLOW`` unless following) and checked again
-with ``fstat``, so a FIFO or a device planted in a checkpoint cannot block or feed a reader.
+Implements [Note: storage semantics] in ``_protocol.py`` with POSIX calls: atomic ``rename``,
+``fsync``/``fsync_dir``, ``lock`` an exclusive ``flock`` of the folder itself (no lock file), a
+holder is host name and process id. Files are opened only after ``lstat``/``stat`` says regular,
+with ``O_NONBLOCK`` (and ``O_NOFOLLOW`` unless following), and checked again with ``fstat``, so a
+planted FIFO or device cannot block or feed a reader.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """The `Storage` protocol: every file-system call of ``shardwise.checkpoint`` goes through one.
 
-A storage holds named files in folders. Paths are the storage's own strings (an absolute local
-path for `PosixStorage`; an fsspec path without its protocol for `FsspecStorage`); `Storage.url`
-turns one back into what a user would type. The checkpoint code above this layer never calls
-``os`` or ``open`` on checkpoint files itself, so a new storage is one class implementing this
-protocol (see docs/checkpoint.md, "A new storage").
+A storage holds named files in folders, with paths in its own strings (`Storage.url` turns one
+back into what a user would type). The code above this layer never calls ``os`` or ``open`` on
+checkpoint files, so a new storage is one class implementing this protocol (docs/checkpoint.md,
+"A new storage").
 
 [Note: storage semantics]
 What the commit protocol ([Note: atomic commit] in ``checkpoint/_series/_commit.py``) relies on, per method:
@@ -12,35 +11,29 @@ What the commit protocol ([Note: atomic commit] in ``checkpoint/_series/_commit.
 * ``kind(path)`` never follows a symbolic link and never opens anything: ``"missing"``,
   ``"file"`` (a regular file), ``"dir"``, ``"link"`` or ``"other"`` (FIFO, device, socket).
 * ``open_read``/``read_small``/``size`` never open what is not a regular file (a FIFO would
-  block forever, a device never ends): they check first and raise `CheckpointError` naming the
-  file. With ``follow=False`` they refuse a symbolic link. ``read_small`` refuses a file larger
-  than its ``limit`` before reading a byte.
+  block forever): they check first and raise `CheckpointError` naming the file. With
+  ``follow=False`` they refuse a symbolic link. ``read_small`` refuses a file larger than its
+  ``limit`` before reading a byte.
 * ``open_write(path)`` creates or truncates; ``WriteHandle.sync()`` returns once the bytes are
-  durable (fsync on POSIX; a completed upload on an object store, which happens at close).
+  durable (fsync on POSIX; a completed upload on an object store).
 * ``write_atomic(path, data)``: readers see the old content or the new, whole; a failure leaves
   no temporary file behind.
 * ``rename(src, dst)`` of a directory: ``dst`` must not exist; one atomic step. Called only
-  where ``atomic_rename`` is True (POSIX, the local file system through fsspec); where it is
-  False (object stores, fsspec's ``memory://``) a save commits by a pointer instead ([Note:
-  commit by a pointer] in ``checkpoint/_series/_commit.py``) and ``rename`` may refuse.
-* ``fsync_dir(path)`` makes the entries of a folder (creations, renames, deletions) durable;
-  a no-op where the storage has no such notion.
+  where ``atomic_rename`` is True; elsewhere a save commits by a pointer ([Note: commit by a
+  pointer] in ``checkpoint/_series/_commit.py``) and ``rename`` may refuse.
+* ``fsync_dir(path)`` makes a folder's entries durable; a no-op where there is no such notion.
 * ``list(path)`` the entry names of a folder (no ``.``/``..``); ``delete`` one file; ``rmdir``
   an empty folder; ``rmtree`` a folder and everything in it, never following links. Where
-  folders are key prefixes (an object store: [Note: folders on an object store] in
-  ``_fsspec.py``) an empty folder and a missing one are the same: ``list`` gives ``[]``,
-  ``rmdir`` does nothing, ``mkdir`` creates nothing.
-* ``lock(folder)`` is a context manager excluding every other holder of the same folder's lock,
-  in this process and in other processes using the same storage on the same host (``flock``
-  on POSIX); object stores have no such lock: one job saves a series at a time there
-  (documented in docs/checkpoint.md).
+  folders are key prefixes ([Note: folders on an object store] in ``_fsspec.py``) an empty
+  folder and a missing one are the same.
+* ``lock(folder)`` excludes every other holder of the folder's lock, in this and other processes
+  on the same host (``flock`` on POSIX); object stores have none: one job saves a series at a
+  time there (docs/checkpoint.md).
 * ``holder()`` describes the running process for the series record; ``holder_alive(h)`` says
-  whether such a process may still be running (its save then must not be cleaned up). A holder
-  of another host is taken as finished.
-* ``open_dir(path)`` pins a checkpoint directory for a reader: every read through the returned
-  `DirView` sees that one version of the directory even if a writer renames a new one into
-  place meanwhile (POSIX: a directory file descriptor, all opens relative to it), and
-  ``DirView.is_current()`` says whether ``path`` still names that version.
+  whether it may still run (its save must then not be cleaned up); another host's is finished.
+* ``open_dir(path)`` pins a checkpoint directory for a reader: reads through the returned
+  `DirView` see that one version even if a writer renames a new one into place (POSIX: a
+  directory file descriptor), and ``DirView.is_current()`` says whether ``path`` still names it.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The fully_shard wing: FSDP / ZeRO-3 on a 1-D mesh, HSDP on a 2-D replicate x shard mesh.
 
-One file per concept (see docs/architecture.md): the shard layout (``_layout.py``), one
-parameter (``_sharded_param.py``; a tensor-parallel one's layout in ``_tp_param.py``), one
-unit's flat buffers and collectives (``_param_group.py``), gradient reduction (``_reduce.py``)
-and the replica buckets of NO_SHARD (``_bucket.py``), the per-unit hooks and handle
-(``_state.py``), root-only state (``_root.py``), the collectives' protocols and options
-(``_comm.py``), the ``FSDPModule`` methods (``_module.py``), one call's inputs
-(``_unit_inputs.py``), the whole-SPMD-mesh form (``_spmd.py``), the ``FSDP<cls>`` class
-(``_fsdp_class.py``) and its ``save_pretrained`` (``_hf_save.py``), step overrides
-(``_override.py``), deferred init (``_materialize.py``), the API (``_fully_shard.py``), and the
-small shared pieces: the error, the two state machines, the trace names (``_common.py``).
-This wing imports only the shared leaves of ``composable`` (``_compat``, ``_mesh_utils``,
-``_chunks``) and ``shardwise.mesh`` (no checkpoint code: the full-state scatter is passed in,
-`broadcast_state`); the other wings use it through the names below.
-
-Other wings drive a unit through `UnitHandle` (what `units_of` returns; `FSDPState`
-implements it): its step override and settings, ``unshard``, ``finish_backward`` /
+One file per concept (docs/architecture.md maps them). This wing imports only the shared leaves
+of ``composable`` (``_compat``, ``_mesh_utils``, ``_chunks``) and ``shardwise.mesh`` (no
+checkpoint code: the full-state scatter is passed in, `broadcast_state`); the other wings use it
+through the names below, and drive a unit through `UnitHandle` (what `units_of` returns;
+`FSDPState` implements it): its step override and settings, ``unshard``, ``finish_backward`` /
 ``abandon_step``.
 """
 

@@ -1,24 +1,18 @@
 """Replica all-reduces bucketed across units: NO_SHARD (a shard axis of one rank), DDP's way.
 
 [Note: replica buckets]
-On a ``(D, 1)`` mesh (NO_SHARD, the DDP strategy) a unit issues no reduce-scatter: its whole
-reduction is one all-reduce over the replicas. One per unit is many small collectives where
-DDP issues a couple of large ones, so instead the root's ``ReplicaBuckets`` packs the
-gradients of consecutive units (in the order their backwards finish: reverse forward order,
-the root last) into one flat buffer and all-reduces it once it holds ``FIRST_BUCKET_BYTES``
-(the first bucket of a backward: small, so communication starts early and overlaps the rest
-of the backward, as DDP's first bucket) or ``BUCKET_BYTES`` (DDP's 25 MiB) after that; the
-end of the backward flushes the last, partial one. A unit is never split between buckets.
-Each unit's ``PendingReduce`` is a view of its bucket and waits for the bucket's collective;
-the division, the reduction hook and the store into ``.grad`` stay per unit (``_reduce.py``).
-The used flags of [Note: unused parameters] ride along as before.
+On a ``(D, 1)`` mesh (NO_SHARD, the DDP strategy) a unit's whole reduction is one all-reduce over
+the replicas. Rather than one small collective per unit, the root's ``ReplicaBuckets`` packs the
+gradients of consecutive units (in backward order) into one flat buffer and all-reduces it once
+it holds ``FIRST_BUCKET_BYTES`` (small, so communication starts early, as DDP's first bucket) or
+``BUCKET_BYTES`` (DDP's 25 MiB) after that; the end of backward flushes the last. A unit is never
+split between buckets. Each unit's ``PendingReduce`` views its bucket; division, hook and store
+stay per unit (``_reduce.py``), and the used flags of [Note: unused parameters] ride along.
 
-The buffers are kept from step to step (bucket ``k`` of a backward reuses bucket ``k``'s buffer
-of the previous one, sized by what it held then): a new 20 MiB buffer every step costs page
-faults that cost more than the copy into it. The gradients stored in ``.grad`` are views of
-that buffer, so it is reused only when no tensor other than the buffer itself still uses its
-storage (``zero_grad()`` dropped them, as by default); otherwise (gradients kept, accumulated
-over steps, or held by the user) a new buffer is allocated and the old one left to its users.
+Buffers are kept from step to step (bucket ``k`` reuses the previous bucket ``k``'s buffer; new
+20 MiB buffers every step cost more in page faults than the copy). The ``.grad`` tensors view the
+buffer, so it is reused only when nothing else still uses its storage (``zero_grad()`` dropped
+them); otherwise a new buffer is allocated and the old one left to its users.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """How one unit's collectives are issued: the communication protocols and per-unit options.
 
 ``AllGather`` and ``ReduceScatter`` are the protocols of FSDP2's ``set_custom_all_gather`` /
-``set_custom_reduce_scatter``: an object with ``allocate(size, *, dtype, device)`` for its
-buffers and a ``__call__`` that issues the collective. An object written against torch's own
-ABCs (FSDP2's ``AllGather`` / ``ReduceScatter``) works unchanged: only the
-two methods are called. ``CommOptions`` holds what the ``FSDPModule`` setters change about a
-unit's collectives; every unit has one (``ParamGroup.comm``).
+``set_custom_reduce_scatter``: ``allocate(size, *, dtype, device)`` for buffers and a ``__call__``
+issuing the collective (objects written against torch's ABCs work unchanged). ``CommOptions``
+holds what the ``FSDPModule`` setters change about a unit's collectives (``ParamGroup.comm``).
 
 [Note: what a custom collective sees]
-The all-gather moves the unit's flat *byte* buffer (``uint8``; see [Note: flat buffers] in
-``_param_group.py``): ``allocate`` is asked for ``W * B`` bytes and the call gathers ``B``
-bytes of every rank of ``group``. The reduce-scatter moves one bucket (parameters of one
-reduce dtype): its input holds, per rank, the padded gradient blocks followed by one *used*
-flag per parameter ([Note: unused parameters] in ``_reduce.py``), and ``op`` is always
-``ReduceOp.SUM``; the division by the data-parallel size (or ``gradient_divide_factor``)
-follows the collective. Both are called with ``async_op=True`` and may return a work handle
-(waited for later, so the collective overlaps the backward) or None (done on return).
+The all-gather moves the unit's flat ``uint8`` buffer ([Note: flat buffers] in
+``_param_group.py``): ``allocate`` gets ``W * B`` bytes and the call gathers ``B`` bytes per rank
+of ``group``. The reduce-scatter moves one bucket: per rank the padded gradient blocks, then one
+*used* flag per parameter ([Note: unused parameters] in ``_reduce.py``); ``op`` is always
+``ReduceOp.SUM`` and the division follows. Both are called with ``async_op=True`` and may return
+a work handle (waited later, overlapping backward) or None (done on return).
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 what is all-gathered.
 
 [Note: the all-gather extension]
-FSDP2's contract (``torch.distributed.fsdp``, duck-typed; torchao's float8 weight
-``WeightWithDynamicFloat8CastTensor`` and int8 weight ``Int8QuantizedTrainingLinearWeight``
-implement it). The *sharded local tensor* of a parameter -- a tensor subclass -- defines
+FSDP2's duck-typed contract (torchao's float8 and int8 training weights implement it). The
+parameter's *sharded local tensor*, a tensor subclass, defines
 
     fsdp_pre_all_gather(mesh)                                          (the first form), or
     fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)
@@ -13,35 +12,25 @@ implement it). The *sharded local tensor* of a parameter -- a tensor subclass --
         -> (unsharded: Tensor, inner_tensors: tuple[Tensor, ...])    (out is None)
         -> None                                                     (out given: rebuilt in place)
 
-``mesh`` is the 1-D mesh of the shard axis, ``outer_size`` / ``outer_stride`` the unsharded
-(TP-local) shape and its contiguous strides, ``module`` the module that holds the parameter,
-``mp_policy`` the unit's ``MixedPrecisionPolicy``. Each input is this rank's piece, of any dtype
-and shape (float8 bytes; int8 data and its scales); ``output_k`` is the rank-major concatenation
-of every rank's ``input_k``, shaped ``(-1, *input_k.shape[1:])``, which is dim-0 sharding's
-unsharded layout. ``param_dtype`` is the policy's ``param_dtype``, else the parameter's dtype.
+``mesh`` is the shard axis's 1-D mesh, ``outer_size`` / ``outer_stride`` the unsharded (TP-local)
+shape and contiguous strides, ``module`` the parameter's module, ``mp_policy`` the unit's policy.
+Each input is this rank's piece, of any dtype and shape; ``output_k`` is the rank-major
+concatenation of every rank's ``input_k``, shaped ``(-1, *input_k.shape[1:])``. ``param_dtype``
+is the policy's ``param_dtype``, else the parameter's dtype.
 
-How the unit runs it (``_param_group.py``): the sharded parameter keeps the subclass as its local
-tensor (built as FSDP2 builds it: ``torch.chunk`` and ``new_zeros`` + ``copy_`` through the
-subclass's own dispatch), so the optimizer and ``state_dict()`` see what FSDP2 users see. It owns
-its storage: it takes no bytes of the unit's sharded buffer. At each unshard ``pre_all_gather``
-runs and its pieces take their place in the unit's one all-gather buffer, each at an offset
-aligned as [Note: flat buffers] plans every segment (``byte_layout``), in the dtype and size the
-hook returned them; so a float8 weight moves 1 byte an element. After the all-gather each piece's
-column block is copied into this parameter's own output tensors, allocated once and kept
-(freed by storage resize at reshard, as the unsharded parameters are), and
-``fsdp_post_all_gather`` rebuilds the unsharded weight: the first time it returns it, and it
-becomes the unsharded ``nn.Parameter``; every later time it is called with ``out=`` that
-parameter and rebuilds it in place, so tensors autograd saved stay valid. Gradients are plain
-tensors and reduce as every other parameter's.
+The sharded parameter keeps the subclass as its local tensor (built as FSDP2 builds it) and owns
+its storage (no bytes of the unit's buffer). At each unshard the hook's pieces take segments of
+the unit's one all-gather buffer, aligned as [Note: flat buffers] plans (``byte_layout``), in the
+dtype and size returned (a float8 weight moves 1 byte an element). After the all-gather each
+piece is copied into the parameter's kept output tensors (freed by storage resize at reshard),
+and ``fsdp_post_all_gather`` rebuilds the weight: the first time it returns it (it becomes the
+unsharded ``nn.Parameter``), later with ``out=`` in place, so saved tensors stay valid. Gradients
+are plain tensors and reduce as every other parameter's.
 
-Supported as in FSDP2: dim-0 sharding, mixed units (plain and subclass parameters in one
-all-gather), HSDP (``mesh`` is then the shard axis, a named dim), mixed precision (the hook
-decides the dtypes), tensor parallelism (the rebuilt TP-local weight is wrapped in its TP
-placements), ``to_empty`` / ``load_state_dict(assign=True)`` (the new local tensor is taken as
-it is). Refused with one line where FSDP2 does not support it or shardwise does not yet:
-sharding on another dim or unevenly (FSDP2 requires the pieces then to have the padded shard's
-size, which float8 and int8 weights do not), ``reshard_after_forward=<int>`` (FSDP2 raises
-``NotImplementedError``), CPU offload (not yet) and ``shardwise.composable.materialize``
+Supported as in FSDP2: dim-0 sharding, mixed units, HSDP, mixed precision (the hook decides the
+dtypes), tensor parallelism, ``to_empty`` / ``load_state_dict(assign=True)``. Refused in one line:
+another shard dim or uneven sharding (the pieces would need the padded shard's size),
+``reshard_after_forward=<int>`` (as FSDP2), CPU offload (not yet) and ``materialize``
 (initialise before sharding, or ``to_empty`` and init).
 """
 

@@ -1,21 +1,17 @@
 """The ``FSDP<cls>`` class `fully_shard` gives a module, and what that class does not allow.
 
 [Note: the FSDP<cls> class]
-`fully_shard` swaps ``module.__class__`` for ``FSDP<cls>``, deriving from `FSDPModule` and the
-module's own class (one such class per original class). Two things would go wrong if it were a
-plain subclass:
+`fully_shard` swaps ``module.__class__`` for ``FSDP<cls>`` (deriving from `FSDPModule` and the
+module's class; one per original class). As a plain subclass two things would go wrong:
 
-- *New instances.* Code that builds a module of "the same class" (``type(self)(...)``), as
-  ``nn.Sequential`` slicing (``model[:2]``), ``+`` and ``*`` and ``nn.ModuleList`` slicing do,
-  would make an ``FSDP<cls>`` that no `fully_shard` call ever set up: it claims to be an
-  `FSDPModule`, has no unit, and its forward fails on the DTensor parameters it shares with
-  the sharded module. ``FSDP<cls>(...)`` therefore builds a plain ``cls``: the slice is a plain
-  ``nn.Sequential`` of (still sharded) children, as with torch's FSDP2. (Called with no
-  arguments, as ``copy.copy`` does, it still makes an ``FSDP<cls>``.)
-- *deepcopy.* A unit's parameters are views of flat buffers that are freed and re-gathered
-  around each forward, and hooks tie each module to its unit; ``copy.deepcopy`` of a sharded
-  module used to die inside torch with ``copy_() on an invalid python storage``. It now raises
-  ``AssertionError`` (the type FSDP2 raises) saying to copy the module before sharding it.
+- *New instances.* ``type(self)(...)`` (``nn.Sequential`` / ``nn.ModuleList`` slicing, ``+``,
+  ``*``) would make an ``FSDP<cls>`` with no unit whose forward fails on the shared DTensor
+  parameters. So ``FSDP<cls>(...)`` builds a plain ``cls`` (a slice is a plain ``nn.Sequential``
+  of still-sharded children, as with FSDP2); with no arguments (``copy.copy``) it still makes
+  an ``FSDP<cls>``.
+- *deepcopy* of a sharded module (parameters viewing freed-and-regathered buffers, hooks tying
+  modules to units) died inside torch; it raises ``AssertionError`` (FSDP2's type) saying to
+  copy the module before sharding it.
 """
 
 from __future__ import annotations

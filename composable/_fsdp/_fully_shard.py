@@ -80,11 +80,9 @@ def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> Non
 
 
 # [Note: a state dict read from another thread]
-# A running step registers the unsharded parameters on the modules (forward, backward); resharding
-# them from another thread would change what that step's next op sees (FSDP2's hook does, and
-# the step fails with "mixed torch.Tensor and DTensor"). The sharded DTensors are always whole and
-# valid, so a state dict read elsewhere takes them: the post-hook replaces every entry of the
-# unit's parameters by the sharded one (detached unless the entry was a Parameter, keep_vars).
+# Resharding from another thread would change what a running step's next op sees (FSDP2's hook
+# does: "mixed torch.Tensor and DTensor"). The sharded DTensors are always valid, so the post-hook
+# replaces each of the unit's parameter entries by the sharded one (detached unless keep_vars).
 def _state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
     group = _unit(module.__dict__[_UNIT_ATTR]).group
     assert group is not None, "the hook is registered on modules holding a unit's parameters"
@@ -122,13 +120,11 @@ def fully_shard(
             False keeps them until after backward (ZeRO-2); an int ``k`` keeps ``1/k`` of them and
             all-gathers over ``k`` consecutive ranks in backward. None: True, except False for the
             root (the first unit to run forward).
-        shard_placement_fn: called once per parameter (the original one, before sharding);
-            returns ``Shard(d)`` to shard it on dim ``d`` instead of dim 0 (e.g. the largest
-            dim, or dim 1 of a wide embedding), or None for ``Shard(0)``. Any ``d`` and any
-            size: uneven splits follow ``torch.chunk`` as on dim 0. Gradients, optimizer state
-            and checkpoints follow the parameter's placement ([Note: the shard layout seam]).
-            torch 2.13's ``ShardPlacementResult`` is taken when its mesh is ``mesh``; one on
-            another mesh is a ``NotImplementedError`` (shard that module as a unit first).
+        shard_placement_fn: called once per original parameter; returns ``Shard(d)`` to shard
+            it on dim ``d`` instead of dim 0 (any ``d`` and size, ``torch.chunk`` splits), or
+            None for ``Shard(0)`` ([Note: the shard layout seam]). torch 2.13's
+            ``ShardPlacementResult`` is taken when its mesh is ``mesh``; another mesh is a
+            ``NotImplementedError`` (shard that module as a unit first).
         mp_policy, offload_policy: see ``MixedPrecisionPolicy`` and ``CPUOffloadPolicy``.
         ignored_params: parameters left as they are (not sharded, not reduced).
         dp_mesh_dims: a `DataParallelMeshDims` naming the data-parallel axes of ``mesh`` when

@@ -1,24 +1,18 @@
 """``model.save_pretrained(dir)`` on a model sharded by `fully_shard`: transformers' and PEFT's.
 
-The state dict's tensors are ordinary ([Note: ordinary tensors] in ``_sharded_param.py``):
-``torch.save(model.state_dict())`` and ``save_pretrained(dir, state_dict=<full state dict>,
-is_main_process=rank == 0)`` need nothing from here. What does not work, with torch's FSDP2
-either, is the bare call on every rank: transformers and PEFT look for tied weights through
-safetensors' ``storage_ptr``, which reads a DTensor's wrapper storage (empty by design: "Attempted
-to access the data pointer on an invalid python storage"), and every rank would write the
-folder. An FSDP2 user gathers the full state dict and saves on rank 0; this does that for them.
+The state dict's tensors are ordinary ([Note: ordinary tensors] in ``_sharded_param.py``), so
+``torch.save(model.state_dict())`` and ``save_pretrained(dir, state_dict=<full>, is_main_process=
+rank == 0)`` need nothing from here. The bare call on every rank fails with FSDP2 too: tied
+weights are found through safetensors' ``storage_ptr``, which reads a DTensor's (empty) wrapper
+storage, and every rank would write the folder.
 
 When `fully_shard` makes the ``FSDP<cls>`` class of a class whose ``save_pretrained`` takes a
-state dict (``state_dict=`` a named parameter: transformers' ``PreTrainedModel``; or read from
-``**kwargs`` next to an ``is_main_process`` parameter: PEFT's ``PeftModel``), it gives it this
-``save_pretrained``. Called on **every rank** without ``state_dict``, it gathers the full state
-dict, one ``full_tensor()`` at a time (a tied weight once, kept one tensor so transformers writes
-it once), into rank 0's CPU memory and passes it to the class's own ``save_pretrained`` (the
-others pass ``{}``); ``is_main_process`` becomes ``is_main_process and rank == 0``; a barrier ends
-it, so no rank reads the folder before it is written. Everything else is the class's own (PEFT
-still picks the adapter's tensors). A LoRA run that wants less memory on rank 0 passes its own
-``state_dict=`` (e.g. ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-cpu_offload=True, ignore_frozen_params=True))``); the streamed way for a whole model is
+state dict (transformers' ``PreTrainedModel``; PEFT's ``PeftModel`` through ``**kwargs``), it
+gives it this ``save_pretrained``. Called on **every rank** without ``state_dict``, it gathers the
+full state dict one ``full_tensor()`` at a time (a tied weight once) into rank 0's CPU memory and
+passes it to the class's own ``save_pretrained`` (the others pass ``{}``), with
+``is_main_process and rank == 0``; a barrier ends it. A LoRA run wanting less memory on rank 0
+passes its own ``state_dict=``; the streamed way for a whole model is
 ``shardwise.checkpoint.save_pretrained(model, dir)``.
 """
 

@@ -1,31 +1,23 @@
 """The shard layout of one parameter: which slice of dim ``d`` a rank owns, and the padded form.
 
 [Note: the shard layout seam]
-Everything in the fully_shard wing that sizes, copies or views a parameter's shard goes
-through one ``ShardLayout``: the unit's flat buffers (``_param_group.py``), the parameter's
-DTensor views (``_sharded_param.py``), the reduce-scatter (``_reduce.py``), deferred init
-(``_materialize.py``) and the planner (``_plan/_units.py``). A new way to shard a parameter is
-one class implementing the protocol below, chosen in `make_layout`.
+Everything in the fully_shard wing that sizes, copies or views a parameter's shard goes through
+one ``ShardLayout`` (the flat buffers, the DTensor views, the reduce-scatter, deferred init, the
+planner): a new way to shard is one class implementing the protocol below, chosen in `make_layout`.
 
-`DimLayout` splits dim ``d`` (``Shard(d)``; ``d = 0`` by default, any ``d`` with
-``fully_shard(shard_placement_fn=...)``) into ``W`` shards with ``torch.chunk`` semantics,
-which is also how ``Shard(d)`` lays out a DTensor whose size does not divide the mesh axis.
-With ``n = shape[d]``, ``pre = prod(shape[:d])`` and ``row = prod(shape[d+1:])``:
+`DimLayout` splits dim ``d`` (``Shard(d)``; any ``d`` with ``shard_placement_fn``) into ``W``
+shards with ``torch.chunk`` semantics. With ``n = shape[d]``, ``pre = prod(shape[:d])`` and
+``row = prod(shape[d+1:])``:
 
     c       = ceil(n / W)                   slices per shard ("chunk rows")
     rows_r  = clamp(n - r * c, 0, c)        slices held by rank r
     start_r = min(r * c, n)                 first global slice of rank r
 
-so the leading ranks hold ``c`` slices, at most one rank holds a partial chunk and trailing
-ranks may hold nothing (7 on 4 ranks: 2, 2, 2, 1; 5 on 4 ranks: 2, 2, 1, 0).
-
-For collectives every rank stores its shard *padded* to ``c`` slices, as a contiguous
-``(pre, c, row)`` block of ``padded_numel = pre * c * row`` elements; the all-gather of ``W``
-equal blocks gives ``[W, pre, c, row]``, which read as ``[pre, W * c, row]`` (a strided view,
-no copy for ``d = 0``) holds the parameter in its first ``n`` slices. The rank's real shard is
-the view ``block[:, :rows_r, :]``: contiguous for ``d = 0`` or an even split, strided (over
-its padding) otherwise, as FSDP2's is. See [Note: flat buffers] in ``_param_group.py`` for how
-several parameters share one buffer.
+(7 on 4 ranks: 2, 2, 2, 1; 5 on 4 ranks: 2, 2, 1, 0). For collectives each rank stores its shard
+*padded* to ``c`` slices, a contiguous ``(pre, c, row)`` block; the all-gather gives ``[W, pre,
+c, row]``, read as ``[pre, W * c, row]`` (no copy for ``d = 0``), the parameter in its first
+``n`` slices. The real shard is ``block[:, :rows_r, :]``: contiguous for ``d = 0`` or an even
+split, strided otherwise, as FSDP2's ([Note: flat buffers] in ``_param_group.py``).
 """
 
 from __future__ import annotations

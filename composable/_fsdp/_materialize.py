@@ -1,30 +1,24 @@
 """Deferred initialisation of sharded models, and loading from one rank.
 
 [Note: deferred initialisation]
-A model too large for one device is built on the meta device, sharded, and only then given
-storage. Its values must be exactly what the same init code would produce on one device, on
-every rank and whatever the mesh. Running random init directly on shards cannot do that on CPU
-(each rank would draw the first numbers of the stream for its own rows), so ``materialize``
-runs the user's init code on *full-size* tensors, but never more than one unit's worth at a
-time:
+A model built on the meta device and sharded must then get exactly the values its init code
+would produce on one device, on every rank and mesh. Random init run on shards cannot (each rank
+would draw the stream's first numbers for its own rows), so ``materialize`` runs the init code on
+*full-size* tensors, at most one unit's worth at a time:
 
-* every parameter of every unit gets a full-size placeholder (original dtype) whose storage is
-  empty, registered on its modules in place of the sharded parameter;
-* a dispatch mode watches the init code. The first op that touches a placeholder's storage
-  makes its unit *current*: the previous current unit keeps its own rows (this rank's shard)
-  and frees its placeholders, the new one gets storage — zeros, or its values so far gathered
-  back from the shards if the init code comes back to it (``init_weights`` that does the
-  embedding, then the blocks, then the final norm of the root unit);
-* every rank runs the same init code with the same generator state, so each one draws the
-  whole stream and keeps its rows: the shards equal the single-device values bit for bit.
+* every parameter gets a full-size placeholder with empty storage, registered in place of the
+  sharded parameter;
+* a dispatch mode watches the init code: the first op touching a placeholder makes its unit
+  *current*; the previous current unit keeps its own rows and frees its placeholders, the new
+  one gets storage (zeros, or its values so far gathered back if the init code returns to it);
+* every rank runs the same init code with the same generator state, so the shards equal the
+  single-device values bit for bit.
 
-Parameters or meta buffers that the init code never touched are an error naming them, not
-silent garbage.
+Parameters or meta buffers the init code never touched are an error naming them.
 
 `broadcast_state` (behind ``broadcast_from_rank0``) moves a full state dict from one rank into
-the shards through a full-state scatter the caller passes (`FullScatter`:
-``shardwise.checkpoint.scatter_full``, passed by ``composable/_wrap``): this wing imports no
-checkpoint code.
+the shards through a full-state scatter the caller passes (`FullScatter`, from
+``composable/_wrap``): this wing imports no checkpoint code.
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
 """How another wing changes a unit's per-step behaviour without writing its fields.
 
 [Note: step overrides]
-A unit's settings have one writer each: the user (``fully_shard(...)`` and the
-``FSDPModule.set_*`` setters) sets the *configured* values, and lazy init derives the root's
-default ``reshard_after_forward`` (False) from them. A schedule that drives units through
-several forwards and backwards in one step (the pipeline: [Note: fully_shard units in a
-pipeline step]) must change some of them for that step only. It does so through
-`StepOverride`: a frozen set of values that, while installed with `override_unit`, take the
-place of the configured ones (a field left None keeps the configured value), and that
-`clear_override` removes, leaving the user's settings exactly as they were, whatever
-happened in between (a setter called during the step, lazy init in the first step).
+A unit's settings have one writer each: the user (``fully_shard(...)``, the ``set_*`` setters)
+sets the *configured* values, and lazy init derives the root's default from them. A schedule
+driving units through several forwards and backwards in one step (the pipeline: [Note:
+fully_shard units in a pipeline step]) changes some for that step only, through a frozen
+`StepOverride` installed with `override_unit` (a None field keeps the configured value) and
+removed by `clear_override`, leaving the user's settings exactly as they were:
 
     unit = units_of(stage_module)[0]
     override_unit(unit, StepOverride(reshard_after_forward=False))
     ...                                     # forwards and backwards of the step
     clear_override(unit)
 
-The unit reads its effective values (``FSDPState.reshard_after_forward`` and the like)
-through this override; the configured ones stay readable as `configured` says.
-
-Other wings and deferred init hold a unit as a `UnitHandle`, the few members they use
-(`FSDPState` implements it), never the whole state.
+The unit's effective values (``FSDPState.reshard_after_forward`` ...) read through the override;
+`configured` gives the configured ones. Other wings hold a unit as a `UnitHandle` (the few
+members they use), never the whole state.
 """
 
 from __future__ import annotations

@@ -1,64 +1,50 @@
 """The parameters of one ``fully_shard`` unit and the collectives that move them.
 
 [Note: flat buffers]
-One unit = one all-gather per unshard and one reduce-scatter per backward (per reduce dtype),
-whatever the number of parameters. Every rank keeps one flat *byte* buffer for the unit,
+One unit = one all-gather per unshard and one reduce-scatter per backward (per reduce dtype).
+Every rank keeps one flat *byte* buffer for the unit,
 
     sharded_bytes = [ p_1 padded shard | p_2 padded shard | ... ]      (B bytes)
 
 where parameter ``i`` takes ``pn_i = ceil(n_i / W) * row_numel_i`` elements of its own dtype
-at an offset aligned to the unit's largest element size (see ``_layout.py``). Bytes, so that parameters of different
-dtypes share one buffer and one all-gather. The DTensor local shards are typed views of it,
-so the optimizer's in-place updates land there and, when no cast or device move is needed,
-the all-gather input is the buffer itself (no copy). Under mixed precision the all-gather
-input is a second byte buffer holding the shards cast to ``param_dtype``.
+at an offset aligned to the unit's largest element size (``_layout.py``); bytes, so mixed dtypes
+share one all-gather. The DTensor local shards are typed views of it, so optimizer updates land
+there and, with no cast or device move, the all-gather input is the buffer itself. Under mixed
+precision the all-gather input is a second buffer holding the shards cast to ``param_dtype``.
+A parameter whose local shard has FSDP2's all-gather hooks owns its shard instead and adds the
+pieces its ``fsdp_pre_all_gather`` returns after the other segments ([Note: the all-gather
+extension] in ``_extension.py``).
 
-A parameter whose local shard is a tensor subclass with FSDP2's all-gather hooks owns its
-shard instead (no bytes here) and contributes, at each unshard, the pieces its
-``fsdp_pre_all_gather`` returns, laid after the other segments of the all-gather input by the
-same ``byte_layout`` ([Note: the all-gather extension] in ``_extension.py``).
-
-The all-gather of ``W`` such buffers gives a rank-major ``[W, B]`` byte matrix; parameter
-``i`` is the column block at its offset, which viewed in its dtype and read row by row is the
-padded parameter. One strided copy per parameter moves it into the parameter's own storage.
-
-The reduce-scatter is the transpose, in elements of the reduce dtype: each unsharded gradient
-is written (cast) into its column block of a ``[W, S]`` buffer (zero padding),
-``reduce_scatter`` sums row ``r`` of every rank into rank ``r``, and the reduced shard of
-parameter ``i`` is ``[o_i : o_i + rows_i * row_i]`` of the output. Only trainable parameters
-take part; they are grouped by reduce dtype (one bucket in the usual case). On a 2-D
-(replicate x shard) mesh the output is then all-reduced over the replicate axis. Gradients
-are averaged over all ``R * W`` data-parallel ranks (as DDP does), so the result equals the
-gradient of the mean loss over the global batch.
+The all-gather gives a rank-major ``[W, B]`` byte matrix; parameter ``i`` is the column block at
+its offset, read row by row as the padded parameter (one strided copy into its storage). The
+reduce-scatter is the transpose, in the reduce dtype: each gradient is cast into its column block
+of a ``[W, S]`` buffer, ``reduce_scatter`` sums row ``r`` into rank ``r``. Only trainable
+parameters take part, grouped by reduce dtype. On a 2-D (replicate x shard) mesh the output is
+then all-reduced over the replicate axis. Gradients are averaged over all ``R * W`` ranks (as
+DDP does): the gradient of the mean loss over the global batch.
 
 [Note: resharding onto a smaller group]
-``reshard_after_forward=k`` (``1 < k < W``, ``W % k == 0``) keeps, after forward, ``1/k`` of the
-all-gathered ``[W, B]`` matrix instead of ``1/W``: rank ``r`` keeps rows
-``[j * W/k, (j+1) * W/k)`` with ``j = r mod k``, and the backward all-gather runs over the ``k``
-consecutive ranks ``{k * (r // k), ..., k * (r // k) + k - 1}`` (usually one host), which
-reassembles the same ``[W, B]`` matrix in the same order.
+``reshard_after_forward=k`` (``1 < k < W``, ``W % k == 0``) keeps ``1/k`` of the ``[W, B]``
+matrix after forward: rank ``r`` keeps rows ``[j * W/k, (j+1) * W/k)`` with ``j = r mod k``, and
+the backward all-gather runs over the ``k`` consecutive ranks starting at ``k * (r // k)``
+(usually one host), reassembling the same matrix in the same order.
 
 [Note: re-adopting parameters]
-What the module holds between steps is the sharded parameter, a DTensor whose local tensor is
-a view of ``sharded_bytes``. ``nn.Module._apply`` (``to_empty``, ``.to(dtype / device)``,
-``.float()``...) swaps a new local tensor into that same Parameter object, and
-``load_state_dict(assign=True)`` registers a new Parameter; either way the unit's buffer, the
-offsets computed from the dtypes and the unsharded parameters would go stale (an all-gather
-of meta or old fp32 bytes). ``FSDPModule._apply`` and a load-state-dict post-hook therefore
-call ``readopt``: it recomputes the byte layout from the new dtypes, takes the new device as
-the storage device, allocates a new buffer, copies each new local tensor (or the rows of a
-full tensor) into it and points the parameter -- the same object when it was swapped, so an
-optimizer built earlier keeps working -- at its segment. Unchanged parameters cost one
-pointer comparison each; this never runs during a step.
+Between steps the module holds sharded parameters whose local tensors view ``sharded_bytes``.
+``nn.Module._apply`` (``to_empty``, ``.to(...)``, ``.float()``) swaps a new local tensor into the
+same Parameter, and ``load_state_dict(assign=True)`` registers a new one; either way the buffer
+and offsets would go stale. ``FSDPModule._apply`` and a load-state-dict post-hook therefore call
+``readopt``: recompute the byte layout, take the new device as storage device, copy each new
+local tensor into a new buffer and point the parameter (the same object when swapped, so an
+existing optimizer keeps working) at its segment. Unchanged parameters cost one pointer
+comparison; this never runs during a step.
 
 [Note: a unit moved one module at a time]
-A list unit (``fully_shard([norm, output])``) spans several modules, and ``model.to_empty()`` /
-``model.to()`` / ``load_state_dict`` visit them one after the other: after the first one the
-unit holds parameters on two devices (say ``cpu`` and ``meta``). Re-adoption after each module
-(``readopt(partial_ok=True)``) therefore leaves a unit split across devices as it is
-(``readopt_pending``) and re-adopts it whole once its last module moved. A unit used while still
-split (only some of its modules were moved) is refused by its next all-gather, which re-adopts
-first: one ``ValueError`` naming the unit.
+A list unit (``fully_shard([norm, output])``) spans several modules, which ``to_empty()`` /
+``to()`` / ``load_state_dict`` visit one at a time, leaving the unit on two devices in between.
+``readopt(partial_ok=True)`` leaves such a unit as it is (``readopt_pending``) and re-adopts it
+whole once its last module moved. A unit used while still split is refused by its next
+all-gather: one ``ValueError`` naming the unit.
 """
 
 from __future__ import annotations

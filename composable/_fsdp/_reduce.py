@@ -1,56 +1,43 @@
 """The gradient-reduction pipeline of one unit: reduce-scatter, average, replica all-reduce, store.
 
 [Note: the reduction pipeline]
-After a unit's backward, ``reduce_grads`` writes each unsharded gradient (cast to the reduce
-dtype) into its column block of a rank-major ``[W, S]`` send buffer, one per *bucket* (the
-trainable parameters of one reduce dtype; one bucket in the usual case), frees the unsharded
-gradients and issues one asynchronous reduce-scatter per bucket. Each issued reduction is a
-``PendingReduce`` that moves through explicit stages:
+After a unit's backward, ``reduce_grads`` casts each unsharded gradient into its column block of
+a rank-major ``[W, S]`` send buffer, one per *bucket* (the trainable parameters of one reduce
+dtype), frees the unsharded gradients and issues one asynchronous reduce-scatter per bucket.
+Each is a ``PendingReduce`` moving through stages:
 
     SCATTER    the reduce-scatter is in flight
-      |          wait, divide by R * W (the data-parallel world: the mean over the global batch)
+      |          wait, divide by R * W (the mean over the global batch)
       |-> DONE        1-D mesh, or HSDP accumulation (``requires_all_reduce=False``): the sum
       |               over the shard axis is added to the sharded ``.grad``
       '-> ALL_REDUCE  2-D mesh: the all-reduce over the replicate axis is issued, in flight
             |-> DONE  wait, add to the sharded ``.grad``
 
-The root keeps reductions in flight behind the computation: issuing one unit's reductions
-advances the earlier ones a stage, and the end-of-backward callback finishes the rest
-(``_root.py``). After HSDP accumulation the bucket holds replica-partial sums
-(``partial_over_replicas``); the next reduction with the all-reduce adds its own shard-axis sum
-and all-reduces the accumulated sharded gradients once.
+Issuing one unit's reductions advances the earlier ones a stage; the end-of-backward callback
+finishes the rest (``_root.py``). After HSDP accumulation the bucket holds replica-partial sums
+(``partial_over_replicas``), all-reduced once by the next reduction with the all-reduce.
 
 [Note: unused parameters]
-A parameter that got no gradient in a backward (not used in this forward: a skipped head, a
-disabled adapter) must keep ``.grad`` None, as on one device, or the optimizer's weight decay
-and moments move it. Ranks may disagree (data-dependent control flow), and the reduce-scatter
-must stay the same collective on all of them, so every rank sends every parameter's column
-block (zeros where it has no gradient) plus, per parameter, one *used* flag column: 1 where
-this rank had a gradient, 0 where not. The flags travel in the same reduce-scatter (and
-replica all-reduce) as the gradients, so after the reduction every rank holds the same count
-of ranks that used each parameter, at no extra collective. A parameter whose ``.grad`` was
-None before the reduction and whose count is 0 gets ``.grad = None`` back when the step's
-reductions are finished (``resolve_unused``, at the end of the backward; reading it earlier
-would stall the host on the collective). A rank that sent a 1 itself knows the count is not 0,
-so it reads counts only for parameters it had no gradient for in the window (``used_here``):
-in the usual step, where this rank used every parameter, there is no host read at all. Under HSDP accumulation the counts are
-summed over the micro-batches (``Bucket.seen``) and all-reduced with the sharded gradients.
-``set_reduce_scatter_unused_params(True)`` (as FSDP2) sets every flag: unused parameters get
-zero gradients.
+A parameter that got no gradient in a backward must keep ``.grad`` None, as on one device, or
+weight decay and moments move it. Ranks may disagree (data-dependent control flow) and must run
+the same collective, so every rank sends every column block (zeros where it has no gradient)
+plus, per parameter, one *used* flag column (1 where this rank had a gradient). The flags travel
+in the same reduce-scatter (and replica all-reduce), so every rank gets the same count of users
+at no extra collective. A parameter whose ``.grad`` was None and whose count is 0 gets ``.grad =
+None`` back at the end of the backward (``resolve_unused``; earlier would stall the host). A rank
+reads counts only for parameters it had no gradient for (``used_here``), so the usual step has no
+host read. Under HSDP accumulation the counts are summed over micro-batches (``Bucket.seen``).
+``set_reduce_scatter_unused_params(True)`` (as FSDP2) sets every flag: zero gradients instead.
 
 [Note: dividing and the reduction hook]
-The collectives always sum (gloo has no average for every dtype, and a sum keeps the used
-flags exact); the division follows: by the data-parallel size ``R * W`` (the mean over the
-global batch), or by ``set_gradient_divide_factor(f)`` (gradients = sum / f). A hook set with
-``set_all_reduce_hook`` is called, in place, on a bucket's gradient elements (not its flags)
-once they are reduced: after the reduce-scatter on a 1-D mesh, after the replica all-reduce
-on a 2-D one, as FSDP2 does; it sees them divided (FSDP2's default: an averaging collective),
-or, with ``set_force_sum_reduction_for_comms(True)``, as sums divided after it. So a hook
-that all-reduces over another group with ``ReduceOp.AVG`` (torchft's replicas) gives the
-mean over both, and one that scales scales the result. Backwards that only accumulate
-(``set_requires_gradient_sync(False)``, HSDP with ``set_requires_all_reduce(False)``) call
-no hook; the HSDP all-reduce that finishes such an accumulation calls it on the accumulated
-(divided) shards.
+The collectives always sum (gloo has no average for every dtype; a sum keeps the flags exact);
+then the gradients are divided by ``R * W``, or by ``set_gradient_divide_factor(f)``. A hook set
+with ``set_all_reduce_hook`` runs in place on a bucket's reduced gradient elements (not flags):
+after the reduce-scatter on a 1-D mesh, after the replica all-reduce on a 2-D one, as FSDP2. It
+sees them divided, or, with ``set_force_sum_reduction_for_comms(True)``, as sums divided after
+it; so a hook averaging over another group (torchft's replicas) gives the mean over both.
+Backwards that only accumulate call no hook; the HSDP all-reduce that finishes an accumulation
+calls it on the accumulated (divided) shards.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """The state only the root unit has: one ``RootContext`` shared by every unit under it.
 
-The root is the first unit whose forward runs (usually the whole model). At its lazy init it
-collects the units under it and gives each one a reference to this context; everything that
-spans units lives here rather than on every ``FSDPState``: the units in forward order, the
-prefetch limit, the reductions in flight, the end-of-backward callback, the subgroups of an
-int ``reshard_after_forward``.
+The root (the first unit to run forward) collects the units under it at lazy init; what spans
+units lives here: the units in forward order, the prefetch limit, the reductions in flight, the
+end-of-backward callback, the subgroups of an int ``reshard_after_forward``.
 
 [Note: backwards that are not the last]
-``set_is_last_backward(False)`` (FSDP2's switch for microbatching) says more backwards follow
-before the optimizer step: the end of this backward then leaves its reductions in flight
-instead of waiting for them, so they overlap the next microbatch's forward; the next
-backward's reductions move them on as usual, and the end of a backward with
-``is_last_backward`` True (the default) finishes them all and stores every gradient. Set it
-True again before the last backward of the step: gradients are complete only after that one.
+``set_is_last_backward(False)`` (FSDP2's microbatching switch) leaves a backward's reductions in
+flight at its end, overlapping the next microbatch's forward; the next backward moves them on,
+and a backward with ``is_last_backward`` True (the default) finishes them all. Set it True
+again before the step's last backward: gradients are complete only after that one.
 """
 
 from __future__ import annotations

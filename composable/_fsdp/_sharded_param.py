@@ -2,53 +2,44 @@
 
 A ``ShardedParam`` owns two ``nn.Parameter`` objects for one original parameter:
 
-* ``sharded`` — an ``nn.Parameter`` wrapping a ``DTensor`` with placements ``(Shard(0),)`` on
-  a 1-D mesh or ``(Replicate(), Shard(0))`` on a 2-D mesh, in the original dtype (the fp32
-  "master" copy under mixed precision). Its local tensor is a view into the unit's flat
-  sharded buffer (``ParamGroup.sharded_bytes``), so the all-gather reads the optimizer's
-  updates with no copy. This is what ``module.parameters()``, ``state_dict()`` and the
-  optimizer see between steps. Its ``.grad`` is a DTensor of the same layout and dtype.
-* ``unsharded`` — a plain ``nn.Parameter`` of the full shape in the compute dtype
-  (``MixedPrecisionPolicy.param_dtype``, else the original), owning its storage. It is
-  registered on the module only while the unit is unsharded (forward/backward) and its
-  storage is freed by resizing it to zero bytes when resharded.
+* ``sharded``: wraps a ``DTensor`` (``(Shard(0),)`` on a 1-D mesh, ``(Replicate(), Shard(0))``
+  on a 2-D one) in the original dtype (the fp32 master under mixed precision), its local tensor
+  a view into the unit's flat buffer ([Note: flat buffers] in ``_param_group.py``). This is what
+  ``parameters()``, ``state_dict()`` and the optimizer see between steps; its ``.grad`` is a
+  DTensor of the same layout and dtype.
+* ``unsharded``: a plain ``nn.Parameter`` of the full shape in the compute dtype, owning its
+  storage, registered on the module only while the unit is unsharded and freed by storage
+  resize when resharded.
 
 [Note: freeing by storage resize]
-Autograd saves the unsharded parameter for backward (``F.linear`` saves its weight). We must
-free the memory after forward without invalidating that saved tensor, so we never replace the
-tensor object: ``untyped_storage().resize_(0)`` drops the bytes and the all-gather before
-backward resizes the same storage back and fills it. Writes go through ``.data`` (an alias
-with its own version counter), so autograd's in-place checks do not fire on the refill.
+Autograd saves the unsharded parameter for backward, so the tensor object is never replaced:
+``untyped_storage().resize_(0)`` drops the bytes after forward and the all-gather before backward
+resizes the same storage back and fills it. Writes go through ``.data`` (its own version
+counter), so autograd's in-place checks do not fire on the refill.
 
 [Note: ordinary tensors]
 Every tensor a user reaches from a sharded model must save, pickle, deep-copy and share as
-torch's FSDP2 ones do. A DTensor wrapper takes its local tensor's storage offset, and torch
-serializes (``torch.save``, ``pickle``, ``copy.deepcopy``) a wrapper subclass through its
-(invalid) storage unless its data pointer, the offset, is 0: a local shard that is a view at a
-nonzero offset of the unit's flat buffer makes a DTensor, and every ``detach()`` of it in a
-state dict, that cannot be saved. So each parameter's padded segment is an *ordinary* tensor:
-`ordinary` gives it its own storage object over the same bytes (``torch.from_dlpack``; it
-keeps the buffer alive), at offset 0, and the local shard is a view of that, as FSDP2's is a
-view of its own padded tensor. The all-gather still reads the flat buffer with no copy; the
-reduced gradients get the same treatment (views of the reduce-scatter output).
+FSDP2's do. torch serializes a wrapper subclass through its (invalid) storage unless its data
+pointer (the local tensor's storage offset) is 0, so a shard viewing the flat buffer at a
+nonzero offset could not be saved. So each padded segment is an *ordinary* tensor: `ordinary`
+gives it its own storage object over the same bytes (``torch.from_dlpack``, keeping the buffer
+alive) at offset 0, and the local shard views that, as FSDP2's views its own padded tensor. The
+all-gather still reads the flat buffer with no copy; reduced gradients are treated alike.
 
-A CPU storage moved into shared memory in place (``share_memory_()``, a tensor sent through a
-``multiprocessing`` queue) gets new bytes; its segment of the flat buffer does not follow. The
-shard then stays the moved storage (as FSDP2's padded tensor does) and ``ParamGroup`` copies
-it into the buffer before each all-gather (`ShardedParam.moved`, CPU storage only).
+A CPU storage moved into shared memory in place (``share_memory_()``, a ``multiprocessing``
+queue) gets new bytes its segment does not follow; the shard then stays the moved storage and
+``ParamGroup`` copies it into the buffer before each all-gather (`ShardedParam.moved`).
 
 A parameter already distributed by tensor parallelism keeps its TP placements on a combined
 ``(dp..., tp)`` mesh ([Note: sharding a tensor-parallel parameter] in ``_tp_param.py``).
 
 [Note: a shard of one rank]
-When the shard axis has one rank (NO_SHARD, or a 1-rank world) and no cast or device move is
-needed, the shard *is* the whole parameter: the unsharded parameter is then a second
-``nn.Parameter`` over the same storage (``alias``), nothing is allocated, copied or freed, and
-the unit issues no all-gather or reduce-scatter (only the all-reduce across replicas).
+When the shard axis has one rank and no cast or device move is needed, the shard *is* the whole
+parameter: the unsharded parameter is a second ``nn.Parameter`` over the same storage (``alias``),
+and the unit issues no all-gather or reduce-scatter (only the replica all-reduce).
 
-Parameters that appear under several names inside one unit (shared within the unit, e.g. an
-embedding tied to the output head) are one ``ShardedParam`` with several ``uses``; all of
-them are swapped together, so the tie holds in forward and both uses' gradients add up.
+A parameter under several names in one unit (a tied embedding and head) is one ``ShardedParam``
+with several ``uses``, swapped together, so the tie holds and both gradients add up.
 """
 
 from __future__ import annotations
@@ -131,11 +122,9 @@ class ShardedParam:
         else:
             self.set_storage(padded, None if param.device.type == "meta" else data)
 
-    # [Note: accumulating in the reduce dtype] unsharded gradients of backwards that do not
-    # reduce (``requires_gradient_sync=False``: gradient accumulation, pipeline microbatches)
-    # are summed here in the reduce dtype when the compute dtype is lower (bf16 parameters,
-    # fp32 reduction): summed by autograd in bf16 they would lose bits with every microbatch.
-    # FSDP2 does the same. The reduction then takes this sum (plus the last backward's grad).
+    # [Note: accumulating in the reduce dtype] gradients of backwards that do not reduce
+    # (accumulation, pipeline microbatches) are summed here in the reduce dtype when the compute
+    # dtype is lower (bf16 sums lose bits every microbatch), as FSDP2; the reduction takes the sum.
     accumulated_grad = None
 
     def _check_extension(self, layout: ShardLayout) -> None:

@@ -1,14 +1,11 @@
 """``fully_shard(mesh=whole_mesh, dp_mesh_dims=...)``: the data-parallel mesh and the
 parameters' tensor-parallel form taken out of a whole SPMD mesh.
 
-With ``dp_mesh_dims`` the mesh passed is the whole job's mesh (say ``("dp", "tp")``) and the
-parameters are DTensors on it, ``Replicate()`` on the data-parallel axes (as after
-``parallelize_module(model, mesh, plan)`` with the whole mesh, or ``distribute_tensor`` on
-it). fully_shard works on the data-parallel submesh (``mesh["dp"]``, or ``mesh["rep", "dp"]``
-for HSDP) and sees each parameter as a DTensor on the remaining (tensor-parallel) axis, the
-form it composes with ([Note: sharding a tensor-parallel parameter] in ``_tp_param.py``).
-The sharded parameters are then DTensors on the axes in that order, whatever the order of the
-axes in the whole mesh; ``full_tensor()`` gives the global tensor either way.
+With ``dp_mesh_dims`` the mesh is the whole job's (say ``("dp", "tp")``) and the parameters are
+DTensors on it, ``Replicate()`` on the data-parallel axes (as after ``parallelize_module`` on the
+whole mesh). fully_shard works on the data-parallel submesh and sees each parameter as a DTensor
+on the remaining axis ([Note: sharding a tensor-parallel parameter] in ``_tp_param.py``); the
+sharded parameters' ``full_tensor()`` gives the global tensor whatever the axis order.
 """
 
 from __future__ import annotations

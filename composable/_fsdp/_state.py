@@ -3,56 +3,43 @@
 [Note: the life of one training step]
 For every unit (one ``fully_shard`` call) the hooks do, in order:
 
-1. forward pre-hook: the first unit to run forward becomes the *root* and lazily collects
-   every unit under it (``_lazy_init``). The unit waits for (or issues) its all-gather
-   (``unshard``) and swaps the unsharded tensors onto its modules, then *prefetches*: issues,
-   without waiting, the all-gather of the unit that ran after it in the previous step (or the
-   ones set with ``set_modules_to_forward_prefetch``), so that communication runs while this
-   unit computes. If grad is enabled, the module's tensor inputs are passed through
-   ``_PostBackward`` so that, in backward, a hook runs once the gradients w.r.t. those
-   inputs — i.e. the whole backward of the unit — are done.
-2. forward post-hook: the unit reshards (frees the unsharded parameters) unless
-   ``reshard_after_forward`` is False (the root's default), or keeps ``1/k`` of them for an
-   int ``k``. Under ``torch.no_grad()`` every unit reshards, the root included: no backward is
-   coming. A hook is registered on each output tensor that needs grad (pre-backward).
-3. pre-backward (first gradient reaching an output): unshard again, and prefetch the unit that
-   ran before it in forward (the next one in backward). The first one queues the root's final
-   callback on the autograd engine.
-4. post-backward (``_PostBackward.backward``): once every forward call of the unit has seen
-   its backward, reshard (free the unsharded parameters first, so they never coexist with
-   the reduce-scatter's send buffer), then issue the reduce-scatter of its gradients
-   asynchronously. The root keeps the reductions in flight behind the computation: issuing
-   one unit's moves the earlier ones a stage on (reduce-scatter -> average and replicate
-   all-reduce -> store into ``.grad``).
-   A module run twice in one forward (reuse) reduces once, after both backwards.
-5. final callback (end of ``loss.backward()``): units whose post-backward could not fire
-   (inputs that need no grad, like token ids into the root) reshard and reduce now; all reductions are
-   finished; every unit is resharded; per-step counters are reset.
+1. forward pre-hook: the first unit to run forward becomes the *root* and lazily collects the
+   units under it (``_lazy_init``). The unit waits for (or issues) its all-gather (``unshard``),
+   swaps the unsharded tensors onto its modules, then *prefetches* (issues without waiting) the
+   all-gather of the unit that ran after it last step (or those set with
+   ``set_modules_to_forward_prefetch``). With grad enabled, the tensor inputs pass through
+   ``_PostBackward``, whose backward runs once the unit's whole backward is done.
+2. forward post-hook: the unit reshards unless ``reshard_after_forward`` is False (the root's
+   default), or keeps ``1/k`` for an int ``k``. Under ``torch.no_grad()`` every unit reshards.
+   A pre-backward hook is registered on each output that needs grad.
+3. pre-backward (first gradient reaching an output): unshard again and prefetch the unit that
+   ran before it in forward. The first one queues the root's final callback.
+4. post-backward (``_PostBackward.backward``): once every forward call of the unit has seen its
+   backward (a reused module reduces once), reshard (before the reduce-scatter's send buffer
+   exists), then issue the reduce-scatter asynchronously; issuing moves the earlier reductions a
+   stage on ([Note: the reduction pipeline] in ``_reduce.py``).
+5. final callback (end of ``loss.backward()``): units whose post-backward could not fire (inputs
+   needing no grad, like token ids) reshard and reduce now; all reductions finish; every unit is
+   resharded; per-step counters are reset.
 
 [Note: the unshard limit]
-Prefetching trades memory for overlap. The root bounds how many resharding units may be
-unsharded or being all-gathered at once (``FSDPModule.set_unshard_limit``, default 2: the
-one computing and the one prefetched). A prefetch that would pass the limit is not issued;
-the unit is then all-gathered on demand. Units with ``reshard_after_forward=False`` (the
-root) are not counted: they stay unsharded by choice.
+The root bounds how many resharding units may be unsharded or being all-gathered at once
+(``FSDPModule.set_unshard_limit``, default 2: the one computing and the one prefetched); a
+prefetch past the limit is not issued (the unit is all-gathered on demand). Units with
+``reshard_after_forward=False`` are not counted.
 
-Activation checkpointing re-runs a unit's forward inside backward; the hooks see that the unit
-is already in backward and neither reshard nor register new backward hooks then, but they cast
-the inputs and outputs exactly as in the first forward (``MixedPrecisionPolicy``): the
-recomputation must produce the tensors the first forward saved, in the same dtypes.
+Activation checkpointing re-runs a unit's forward inside backward; the hooks then neither
+reshard nor register backward hooks, but cast inputs and outputs exactly as in the first forward
+(``MixedPrecisionPolicy``), so the recomputation reproduces the saved tensors.
 
 [Note: a backward that raised]
-An exception inside backward (a caught out-of-memory, a NaN check raising in a hook, an error
-in a custom autograd Function) ends ``loss.backward()`` without the root's end-of-backward
-callback: the units it reached stay in BACKWARD, some unsharded, with unsharded gradients and
-reductions in flight. Catching it and skipping the batch is a normal pattern, so the next
-forward of any unit that finds the callback still pending while no backward is running
-(``backward_running``; a recomputation of activation checkpointing runs inside backward and
-is left alone) first abandons the broken step (``RootContext.abandon_step``): its reductions
-are waited for and dropped, its unsharded gradients dropped, every unit resharded as at the
-end of a backward and set IDLE. Its gradients never reach ``.grad`` through the units; what
-an earlier unit of that backward had already stored there is the user's to clear
-(``zero_grad``), as with any skipped batch.
+An exception inside backward ends ``loss.backward()`` without the root's callback, leaving units
+in BACKWARD, some unsharded, with reductions in flight. Skipping such a batch is a normal
+pattern, so the next forward that finds the callback pending while no backward runs
+(``backward_running``; a recomputation inside backward is left alone) first abandons the broken
+step (``RootContext.abandon_step``): reductions waited for and dropped, unsharded gradients
+dropped, every unit resharded and set IDLE. What an earlier unit already stored in ``.grad`` is
+the user's to clear (``zero_grad``), as with any skipped batch.
 """
 
 from __future__ import annotations
@@ -114,15 +101,9 @@ class _PostBackward(torch.autograd.Function):
 
 class FSDPState:
     """Hooks and per-step bookkeeping of one unit over ``modules`` (one module, or the list
-    given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters.
-    What spans units (the root's) is in ``ctx``, a ``RootContext`` shared by every unit under
-    the root, set at lazy init.
-
-    It is also the *handle* other code drives a unit through (``units_of``, ``fully_shard.state``):
-    ``unshard`` / ``wait_unshard`` / ``reshard`` move its parameters, ``reduce`` issues the
-    reduction of its gradients, ``end_step`` ends its step, ``finish_backward`` /
-    ``abandon_step`` end (or drop) the step of every unit under its root, and
-    ``reshard_for_update`` / ``readopt`` bracket a replacement of its parameters from outside."""
+    given to a single ``fully_shard`` call). ``group`` is None for a unit with no parameters;
+    ``ctx`` is the ``RootContext`` shared by every unit under the root, set at lazy init. It is
+    also the *handle* other code drives a unit through (``units_of``, ``fully_shard.state``)."""
 
     def __init__(self, modules: list[nn.Module], group: ParamGroup | None, mesh: Any,
                  reshard_after_forward: bool | int | None, mp: MixedPrecisionPolicy) -> None:
@@ -150,12 +131,10 @@ class FSDPState:
         self._forward_seen: set[int] = set()
         self._pending_post_backward = 0
         self._handles: list[Any] = []
-        # [Note: hooks under torch.compile] compiling the module (``torch.compile(block)``,
-        # ``block.compile()``) makes dynamo trace ``_call_impl`` and with it these hooks; they
-        # unshard / reshard by storage resizes and parameter swaps that must not be captured in
-        # a graph. They run eagerly: dynamo breaks the graph around them and compiles the
-        # module's forward alone, as torch's FSDP2 does -- unless the whole model is traced:
-        # then the traced path runs instead ([Note: the traced unit] in _traced.py).
+        # [Note: hooks under torch.compile] compiling a module makes dynamo trace these hooks,
+        # whose storage resizes and parameter swaps must not enter a graph: they run eagerly
+        # around the compiled forward, as in FSDP2, unless the whole model is traced ([Note:
+        # the traced unit] in _traced.py).
         self._eager_hooks = run_eagerly(self._pre_forward), run_eagerly(self._post_forward)
         self.parent: FSDPState | None = None  # the unit whose fully_shard took this one's modules in
         self.traced_forward = False  # a top unit: its forward is being traced
@@ -414,8 +393,7 @@ class FSDPState:
         self._pending_post_backward -= 1
         if self._pending_post_backward <= 0:
             self._pending_post_backward = 0
-            # free the unsharded parameters before the reduce-scatter allocates its send
-            # buffer: the gradients and that buffer then never coexist with them
+            # free the unsharded parameters before the reduce-scatter allocates its send buffer
             if self.reshard_after_backward:
                 self.reshard()
             self.reduce()

@@ -2,23 +2,17 @@
 mesh and placements of its sharded DTensor.
 
 [Note: sharding a tensor-parallel parameter]
-A parameter already distributed by tensor parallelism is a DTensor on a 1-D ``tp`` mesh (or,
-for experts split over ``ep`` and ``tp``, the 2-D ``(ep, tp)`` slice) whose local tensor is this
-rank's TP piece. fully_shard shards that *local* tensor along dim 0 over
-the data-parallel axes, so the layout arithmetic (``layout``) is on the TP-local shape and the
-collectives run within each data-parallel group, whose members hold TP pieces of the same
-shape. The sharded parameter is a DTensor on the combined ``(dp..., tp)`` mesh: if TP split
-dim 0 too (colwise weights), the dim-0 pieces are "TP chunk first, then dp chunk within it",
-which DTensor spells as a strided shard (``_compat.strided_shard(0, s)``, ``s`` the product of
-the sizes of the TP axes that split dim 0) on the dp axis; otherwise the dp
-axis is a plain ``Shard(0)``. ``full_tensor()`` therefore gives the global tensor. The
-unsharded parameter is again a DTensor on the ``tp`` mesh, as the TP module code expects; its
-gradient is redistributed to the parameter's TP placement (the TP all-reduce of a
-``Partial`` gradient) before the data-parallel reduce-scatter. That all-reduce runs in the
-gradient's own dtype (``param_dtype``) and the result is then cast to ``reduce_dtype``, in
-torch's FSDP2 order: under bf16 mixed precision the ``SequenceParallel`` norms' gradients are
-then torch's to the bit (casting first would sum in fp32, one bf16 rounding fewer, but no
-closer to an fp32 run: docs/tensor_parallel.md, "bf16 and torch").
+A TP parameter is a DTensor on a 1-D ``tp`` mesh (or the 2-D ``(ep, tp)`` slice for experts)
+whose local tensor is this rank's TP piece. fully_shard shards that *local* tensor along dim 0
+over the data-parallel axes: the layout arithmetic is on the TP-local shape and the collectives
+run within each data-parallel group. The sharded parameter is a DTensor on the combined
+``(dp..., tp)`` mesh: if TP split dim 0 too (colwise weights) the dp axis is a strided shard
+(``_compat.strided_shard(0, s)``, ``s`` the product of the TP axes splitting dim 0), else a
+plain ``Shard(0)``; so ``full_tensor()`` gives the global tensor. The unsharded parameter is a
+DTensor on the ``tp`` mesh, as the TP module code expects; its gradient is redistributed to the
+parameter's TP placement (the all-reduce of a ``Partial`` gradient) in its own dtype and then
+cast to ``reduce_dtype``, in FSDP2's order, so bf16 ``SequenceParallel`` norm gradients match
+torch's to the bit (docs/tensor_parallel.md, "bf16 and torch").
 """
 
 from __future__ import annotations

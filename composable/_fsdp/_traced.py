@@ -1,35 +1,26 @@
 """The traced unit: ``fully_shard`` inside ``torch.compile(model, fullgraph=True)``.
 
 [Note: the traced unit]
-The eager unit moves parameters with hooks that dynamo cannot trace (storage resizes,
-parameter swaps, c10d work objects, autograd-engine callbacks; [Note: the life of one training
-step] in ``_state.py``). When the unit's outermost unit (its *top*: the root of the model) runs
-its forward inside a dynamo trace, every unit under it takes this path instead, and the whole
-step is one graph:
+The eager unit's hooks cannot be traced by dynamo (storage resizes, parameter swaps, c10d work
+objects, engine callbacks). When the *top* unit (the model's root) runs its forward inside a
+dynamo trace, every unit under it takes this path instead, and the step is one graph:
 
-* forward pre-hook: one all-gather of the unit's flat sharded buffer (``ParamGroup.sharded_bytes``,
-  or its copy cast to ``param_dtype`` under mixed precision, laid out as the eager all-gather
-  input by the same ``ag_offsets``), through a functional collective dynamo traces; each
-  parameter is viewed out of the gathered ``[W, B]`` bytes by its ``ShardLayout`` and put on
-  its modules as a plain tensor for the forward. The gather is an autograd ``Function`` of the
-  sharded parameters' local tensors, so its backward gets every gradient of the unit at once:
-  it writes them into one ``[W, S]`` buffer of the reduce dtype (the eager bucket's layout),
-  issues one reduce-scatter (plus the replica all-reduce on a 2-D mesh), divides as the eager
-  reduction does (``gradient_divide_factor``, else ``R * W``), and returns each rank's shard
-  viewed by the layout: autograd stores it in the sharded ``.grad`` DTensor the optimizer sees.
+* forward pre-hook: one all-gather of the unit's flat sharded buffer (or its ``param_dtype``
+  copy, laid out by the same ``ag_offsets``) through a traced functional collective; each
+  parameter is viewed out of the ``[W, B]`` bytes by its ``ShardLayout`` and put on its modules.
+  The gather is an autograd ``Function`` of the local shards, so its backward gets every gradient
+  of the unit at once: written into one ``[W, S]`` buffer (the eager bucket's layout),
+  reduce-scattered (plus the replica all-reduce on a 2-D mesh), divided as eagerly, and returned
+  as each rank's shard, which autograd stores in the sharded ``.grad``.
 * forward post-hook: the sharded parameters go back on the modules.
-* ``reshard_after_forward`` (True, or an int, on every unit but the top by default) becomes a
-  partitioner choice: the gather runs under ``torch.utils.checkpoint`` with a policy that
-  recomputes all of it, so the backward graph all-gathers the unit again and the gathered
-  parameters are never saved between forward and backward (FULL_SHARD memory). With False the
-  gathered parameters are saved, as eager ZeRO-2 keeps them.
+* ``reshard_after_forward`` becomes a partitioner choice: the gather runs under
+  ``torch.utils.checkpoint`` with a recompute-all policy (backward all-gathers again; FULL_SHARD
+  memory); with False the gathered parameters are saved (ZeRO-2).
 
-So the compiled step issues the eager unit's collectives: one all-gather per unit in forward,
-one per resharded unit in backward, one reduce-scatter per unit and reduce dtype. What the
-eager path does through state (gradient accumulation without sync, CPU offload, custom
-collectives, reduction hooks, tensor-subclass all-gather extensions) is refused by
-``refusal``, at trace time, with one line naming the unit, the parameter or setting, and why:
-never a silent eager fallback inside a compiled step.
+So the compiled step issues the eager unit's collectives. What the eager path does through state
+(accumulation without sync, CPU offload, custom collectives, reduction hooks, all-gather
+extensions) is refused by ``refusal`` at trace time, one line naming the unit, the parameter or
+setting and why: never a silent eager fallback inside a compiled step.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """One all-to-all of tensors of any shapes and dtypes over a group: the owner step's gather and
 scatter.
 
-Each rank sends a list of tensors to every group rank and knows the shapes and dtypes it will
-receive from each (the owner plan makes both sides known: [Note: owners of whole matrices] in
+Both sides know every tensor's shape and dtype ([Note: owners of whole matrices] in
 ``_owners.py``). The tensors travel as bytes in one flat buffer per direction, each padded to
-``ALIGN`` bytes (``shardwise.mesh.byte_layout``, the one packer) so that every received tensor
-is a view of the buffer in its own dtype: one collective whatever the mix of dtypes, and no copy
-out on the receiving side.
+``ALIGN`` (``shardwise.mesh.byte_layout``, the one packer), so every received tensor is a view of
+the buffer in its own dtype: one collective whatever the dtypes, no copy out.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Which rank of a shard axis owns which whole tensor: a plan every rank computes alike.
 
 [Note: owners of whole matrices]
-An optimizer that needs whole matrices (Muon's Newton-Schulz, Shampoo's preconditioners) cannot
-update a row slice on its own. Instead of every rank redistributing every matrix (W times the
-work), each matrix gets one *owner* on its shard axis, ZeRO-1 style: the owner receives the
-matrix's rows from every rank, runs the optimizer on the whole matrix, and sends the new rows
-back; its optimizer state lives only there. The plan is a pure function of the matrices' sizes,
-in parameter order, and the axis size, so every rank computes the same plan with no collective:
-the largest matrices first, each to the rank with the least work so far (ties: the lower rank;
-equal sizes keep parameter order). Work is counted in elements, which for Muon's iterations on an
-``m x n`` matrix (``m n min(m, n)`` multiply-adds) balances the usual transformer shapes, whose
-matrices share their short side; a world of one owns everything.
+An optimizer needing whole matrices (Muon's Newton-Schulz, Shampoo) cannot update a row slice.
+Each matrix gets one *owner* on its shard axis, ZeRO-1 style: it receives the rows, runs the
+optimizer on the whole matrix, sends the new rows back, and alone keeps its state. The plan is a
+pure function of the sizes (in parameter order) and the axis size, so no collective: largest
+matrices first, each to the rank with the least work so far (ties: the lower rank). Work counts
+elements, which for Muon (``m n min(m, n)`` multiply-adds) balances transformer shapes sharing
+their short side; a world of one owns everything.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """How one sharded tensor's whole value splits over the ranks that must meet to rebuild it.
 
 [Note: the gather group of a whole tensor]
-A parameter sharded by ``fully_shard`` is a DTensor whose mesh axes are ``Replicate`` (HSDP's
-replica axis, a replicated TP axis) or shard a dim (the shard axis; a TP axis too). The ranks that
-together hold the whole value are those that differ only on the sharding axes: the *gather
-group*. One sharding axis is that axis's process group; several (FSDP x TP) are flattened into one
-axis (row-major over their coordinates) so one all-to-all reaches them all. Replica axes are left
-alone: each replica's group rebuilds and updates the same value, as each replica of HSDP already
-reduces the same gradient. The piece a rank holds is one box: each sharding axis cuts the range of
-its dim with ``torch.chunk`` semantics, the plain shards in axis order, then the strided ones
-(a strided dp shard splits *within* the piece a later TP axis cut, which is how ``fully_shard``
-shards a colwise TP weight: [Note: sharding a tensor-parallel parameter] in
-``composable/_fsdp/_tp_param.py``). A plain tensor, or a DTensor with no sharding axis, is its own
-group of one. The boxes are the checkpoint's (``boxes_for``: [Note: boxes of a placement] in
-``checkpoint/_geometry/_boxes.py``), the one placement -> box arithmetic; a rank's piece must be
-one box.
+The ranks that together hold a DTensor's whole value differ only on its sharding axes (not its
+``Replicate`` ones): the *gather group*. One sharding axis is that axis's process group; several
+(FSDP x TP) are flattened into one (row-major) so one all-to-all reaches them. Replica axes are
+left alone: each replica's group rebuilds and updates the same value, as HSDP replicas reduce the
+same gradient. A rank's piece is one box: the plain shards cut in axis order, then the strided
+ones ([Note: sharding a tensor-parallel parameter] in ``composable/_fsdp/_tp_param.py``), with
+the checkpoint's arithmetic (``boxes_for``: [Note: boxes of a placement] in
+``checkpoint/_geometry/_boxes.py``). A plain tensor, or one with no sharding axis, is a group of one.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The protocol by which an optimizer says it needs whole matrices, and the split of a model's
 parameters into the matrices it takes and the rest.
 
-An optimizer class *needs whole matrices* when its update of a parameter reads the whole
-parameter at once (an orthogonalization, a preconditioner, a norm over the matrix), so that it
-cannot run on a row shard. It declares so with a class attribute ``needs_whole_matrices = True``,
-or is registered with `register_whole_matrix_optimizer` (a class one cannot edit). Besides that it
-must be an ordinary ``torch.optim.Optimizer``: built from parameters and keyword settings, its
-update done in ``step()`` in place on ``p`` from ``p.grad``, its state in ``self.state[p]`` keyed
-by parameter, its settings in ``param_groups``. `WholeMatrixOptimizer` runs it on whole tensors on
-their owner. ``torch.optim.Muon`` is registered here.
+An optimizer class whose update reads a whole parameter at once (an orthogonalization, a
+preconditioner) declares ``needs_whole_matrices = True`` or is registered with
+`register_whole_matrix_optimizer`. Otherwise it is an ordinary ``torch.optim.Optimizer``
+(in-place ``step()`` from ``p.grad``, ``self.state[p]``, ``param_groups``); `WholeMatrixOptimizer`
+runs it on whole tensors on their owner. ``torch.optim.Muon`` is registered here.
 """
 
 from __future__ import annotations

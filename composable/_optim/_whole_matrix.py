@@ -5,31 +5,23 @@ one owner per matrix.
 ``step()`` on ranks holding shards of the same parameters:
 
 1. every parameter with a gradient is *active*; each gather group ([Note: the gather group of a
-   whole tensor] in ``_pieces.py``) takes its active tensors in parameter order, cut into a few
+   whole tensor] in ``_pieces.py``) cuts its active tensors, in parameter order, into a few
    buckets of about equal bytes;
-2. for every bucket one all-to-all sends each rank's piece of the parameter and of its gradient to
-   the tensor's owner ([Note: owners of whole matrices] in ``_owners.py``); all buckets are issued
-   at once and travel while the owner computes;
-3. as each bucket arrives its owner assembles the whole parameter and gradient into the *proxy*
-   (a plain tensor that stands for the parameter in the inner optimizer, its ``.data`` and
-   ``.grad`` set for this step only); then the inner optimizer's ``step()`` runs once, over
-   every proxy (so an optimizer that counts its steps counts one per step), and one
-   all-to-all per bucket sends each rank its piece of the updated parameter;
-4. every rank copies its pieces back into its shards.
+2. per bucket one all-to-all sends each rank's pieces of parameter and gradient to the tensor's
+   owner ([Note: owners of whole matrices] in ``_owners.py``), all buckets issued at once;
+3. the owner assembles each whole parameter and gradient into its *proxy* (a plain tensor
+   standing for the parameter in the inner optimizer); the inner ``step()`` runs once over every
+   proxy (a step counter counts one), and one all-to-all per bucket sends the updated pieces back;
+4. every rank copies its pieces into its shards.
 
-So one gather and one scatter per tensor per step, grouped into one collective per bucket and
-direction; the inner optimizer's state (Muon's momentum) is kept only by the owner, keyed by the
-proxy. Tensors whose group is one rank (a plain parameter, a replicated one, a world of one) are
-updated in place through a proxy that views the local tensor, without communication. The inner
-optimizer's settings follow ``param_groups`` (a learning-rate scheduler changes them here) at
-every step.
+The inner optimizer's state (Muon's momentum) lives only on the owner, keyed by the proxy.
+Tensors whose group is one rank are updated in place through a proxy viewing the local tensor.
+The inner settings follow ``param_groups`` (a scheduler changes them here) at every step.
 
-``state_dict()`` gives the state in the form a plain optimizer over the sharded parameters would:
-each state tensor of the parameter's shape is sent by the owner in pieces and returned as a
-DTensor with the parameter's placements, other values as they are on every rank. It and
-``load_state_dict`` are collective. A checkpoint therefore holds no trace of the owners and loads
-at any world size (the new owners gather their tensors from the loaded shards); its state is the
-one ``torch.optim.Muon`` on the same sharded model would save.
+``state_dict()`` (collective, as ``load_state_dict``) gives the state a plain optimizer over the
+sharded parameters would: state tensors of the parameter's shape as DTensors with its
+placements, other values as on every rank. A checkpoint holds no trace of the owners, loads at
+any world size, and equals what ``torch.optim.Muon`` on the same sharded model would save.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """The vocabulary-parallel embedding: ``nn.Embedding`` split by vocabulary rows.
 
-With ``V`` rows on ``p`` ranks, rank ``r`` holds ``E_r = E[o_r : o_r + n_r]`` (``Shard(0)``,
-``torch.chunk`` layout, so ``V`` need not divide ``p``; a rank may hold no row at all). For
-token ids ``t`` (replicated):
+Rank ``r`` holds ``E_r = E[o_r : o_r + n_r]`` (``Shard(0)``, ``torch.chunk`` layout; a rank may
+hold no row). For replicated token ids ``t``:
 
     Y_r[i] = E_r[t_i - o_r]   if o_r <= t_i < o_r + n_r,   else 0
     Y      = sum_r Y_r                                        (Partial)
 
-Each token's row lives on exactly one rank, so the sum is the plain lookup ``E[t]``. The
-style then all-reduces ``Y`` (``Replicate`` output) or reduce-scatters it over the sequence
-(``Shard(1)`` output, sequence parallel); the backward needs no collective: ``dE_r`` gets
-``dY`` at the local rows, as in a single-device embedding.
-
-``padding_idx`` is honoured (translated to the rank that holds it). ``max_norm``,
-``scale_grad_by_freq`` and ``sparse`` are refused: they renormalize or count per looked-up
-row, and the masked lookups would disturb them.
+Each row lives on one rank, so the sum is ``E[t]``; the style all-reduces ``Y`` or
+reduce-scatters it over the sequence, and the backward needs no collective. ``padding_idx`` is
+honoured; ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` are refused (they act per looked-up
+row, which the masked lookups would disturb).
 """
 
 from __future__ import annotations

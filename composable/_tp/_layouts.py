@@ -1,36 +1,25 @@
 """Activation layouts on the tensor-parallel axis: local tensors <-> DTensors, with exact sizes.
 
-A *layout* is one DTensor placement on a 1-D ``tp`` mesh of ``p`` ranks:
+A *layout* is one DTensor placement on a 1-D ``tp`` mesh of ``p`` ranks: ``Replicate()``;
+``Shard(d)`` with ``torch.chunk`` semantics (``c = ceil(n / p)``, rank ``r`` holds rows
+``[min(r c, n), min((r+1) c, n))``: 7 on 2 ranks is 4 + 3, 5 on 4 is 2 + 2 + 1 + 0); ``Partial()``
+(the tensor is the sum over ranks).
 
-* ``Replicate()``: every rank holds the whole tensor.
-* ``Shard(d)``: rank ``r`` holds rows ``[min(r c, n), min((r+1) c, n))`` of dimension ``d``,
-  ``c = ceil(n / p)`` (``torch.chunk`` semantics, the layout DTensor uses). ``n`` need not
-  divide by ``p``: 7 features on 2 ranks are 4 + 3, 5 on 4 ranks are 2 + 2 + 1 + 0.
-* ``Partial()``: every rank holds a summand; the tensor is the sum over ranks.
+A plain local tensor needs its *global* shape to become a DTensor; for ``Shard(d)`` one rank's
+piece does not tell it when sizes are uneven. Three sources, in order (`as_dtensor`):
 
-Turning a plain local tensor into a DTensor needs the *global* shape. For ``Replicate`` and
-``Partial`` it is the local shape. For ``Shard(d)`` the global length of ``d`` cannot be read
-off one rank's piece when sizes are uneven (4 on rank 0 of 2 means 7 or 8). Three sources, in
-this order (`as_dtensor`):
-
-1. the caller knows it without communicating (a Rowwise Linear's input width is
-   ``in_features``): the piece is checked against the ``torch.chunk`` layout, so an uneven
-   hidden size works (torch's ``RowwiseParallel`` fails on 7 features over 2 ranks);
-2. the user said the pieces may be uneven (``uneven_shards=True`` on the style): the ranks
-   exchange their lengths (`exchange_sizes`, one all-gather of one int64 each, plus a host
-   read: a device sync per call on GPUs) and check them against the ``torch.chunk`` layout;
+1. the caller knows it (a Rowwise Linear's input width is ``in_features``): the piece is checked
+   against the ``torch.chunk`` layout, so uneven hidden sizes work (unlike torch's);
+2. ``uneven_shards=True`` on the style: the ranks exchange lengths (`exchange_sizes`, one
+   all-gather and a host read per call) and check them;
 3. otherwise, as torch: equal pieces, global length ``p * local``, no communication.
 
-A DTensor input carries its shape (``use_local_output=False`` upstream) and needs none of these.
-See [Note: no size exchange by default].
+A DTensor input carries its shape and needs none of these.
 
 [Note: no size exchange by default]
-Exchanging lengths on every call made every style with a plain ``Shard`` input (a
-``ColwiseParallel(input_layouts=Shard(1))``, ``SequenceParallel``, ``PrepareModuleInput``)
-issue one extra collective and a ``.tolist()`` per forward: on a GPU a host sync per layer.
-torch assumes equal pieces; so do we unless told otherwise, so that a plan costs what it costs
-under torch. A wrong assumption is not detectable without communicating: uneven pieces read as
-``p * local`` give a wrong global shape, exactly as in torch.
+Exchanging lengths on every call cost every style with a plain ``Shard`` input one collective and
+a host sync per forward. torch assumes equal pieces; so do we unless told, so a plan costs what
+it costs under torch. A wrong assumption gives a wrong global shape, exactly as in torch.
 """
 
 from __future__ import annotations

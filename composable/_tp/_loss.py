@@ -1,8 +1,8 @@
 """Cross-entropy over class-sharded logits, without gathering the classes.
 
-Logits ``z`` of ``C`` classes are split over ``p`` ranks (``Shard`` on the class dimension,
-the output of a `ColwiseParallel` head with ``use_local_output=False``); rank ``r`` holds the
-classes ``[o_r, o_r + n_r)``. For each sample with target ``y``:
+Logits ``z`` of ``C`` classes are split over ``p`` ranks (``Shard`` on the class dimension, a
+`ColwiseParallel` head with ``use_local_output=False``); rank ``r`` holds classes ``[o_r, o_r +
+n_r)``. For each sample with target ``y``:
 
     m    = max_c z_c                      all-reduce MAX of the local maxima
     S    = sum_c exp(z_c - m)             all-reduce SUM of the local sums
@@ -10,15 +10,12 @@ classes ``[o_r, o_r + n_r)``. For each sample with target ``y``:
     loss = log S + m - z_y                (+ label smoothing eps: (1-eps) loss
                                            + eps (log S + m - mean_c z_c), mean_c via the same SUM)
 
-Forward: one all-reduce of ``N`` floats (MAX) and one of ``2N`` or ``3N`` floats (SUM) for
-``N`` samples, instead of gathering ``N x C`` logits. Backward: no collective, rank ``r``
-writes ``dz_c = g (softmax_c - (1-eps) [c = y] - eps / C)`` for its own classes.
-
-Two entry points: the function `vocab_parallel_cross_entropy`, and the context manager
-`loss_parallel` in which ``F.cross_entropy`` (and ``nn.CrossEntropyLoss``) called on such a
-DTensor is routed to it, and ``F.log_softmax`` / ``F.nll_loss`` to their sharded forms (other
-calls are untouched). The result is a ``Replicate`` DTensor. The backward may run inside or
-outside the context.
+Forward: all-reduces of ``N`` (MAX) and ``2N`` or ``3N`` (SUM) floats instead of gathering
+``N x C`` logits. Backward: no collective (``dz_c = g (softmax_c - (1-eps) [c = y] - eps / C)``
+on each rank's own classes). Entry points: `vocab_parallel_cross_entropy`, and `loss_parallel`,
+inside which ``F.cross_entropy`` / ``nn.CrossEntropyLoss`` on such a DTensor route here (and
+``F.log_softmax`` / ``F.nll_loss`` to their sharded forms). The result is a ``Replicate``
+DTensor; the backward may run outside the context.
 """
 
 from __future__ import annotations

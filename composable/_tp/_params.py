@@ -1,19 +1,14 @@
 """Turning a module's parameters into DTensors on the tensor-parallel mesh.
 
-Each parameter ``name`` of the module (``named_parameters()``, submodules included) becomes
-``nn.Parameter(DTensor)`` with one placement on the 1-D mesh, registered in place of the
-original, so ``state_dict()``, optimizers and ``fully_shard`` see DTensors whose
-``full_tensor()`` is the single-device parameter.
+Each parameter (submodules included) becomes ``nn.Parameter(DTensor)`` with one placement on the
+1-D mesh, registered in place of the original; ``full_tensor()`` is the single-device parameter.
+Values come from ``distribute_tensor(..., src_data_rank=s)``: ``s = 0`` (default, as torch)
+sends rank 0's copy so ranks agree; ``s = None`` slices each rank's own copy without
+communicating.
 
-The values come from ``distribute_tensor(..., src_data_rank=s)``: with ``s = 0`` (default,
-as in torch) rank 0's copy is scattered/broadcast so every rank agrees even if they were
-initialised differently; ``s = None`` slices each rank's own copy without communicating.
-
-Gradients keep the parameter's placement. A replicated parameter that meets sharded
-activations (a norm under `SequenceParallel`, a bias added after a reduce-scatter) receives
-a ``Partial`` gradient from DTensor's backward; a hook on the parameter sums it over the
-ranks (one all-reduce per such parameter per backward) before it is accumulated, so
-``p.grad.placements == p.placements`` always holds.
+Gradients keep the parameter's placement: a replicated parameter meeting sharded activations (a
+norm under `SequenceParallel`) gets a ``Partial`` gradient, which a hook all-reduces before it is
+accumulated, so ``p.grad.placements == p.placements`` always holds.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """`parallelize_module`: apply a tensor-parallel plan to a module tree.
 
-A plan is one style (applied to ``module`` itself) or a mapping ``pattern -> style`` where a
-pattern is a dotted module name relative to ``module`` (``"layers.0.attention.wq"``) in which
-``*`` (and other ``fnmatch`` wildcards) match within one name component:
-``"layers.*.feed_forward.w1"`` matches every block's ``w1`` but ``"layers.*"`` does not match
-``"layers.0.attention"``. ``""`` names ``module`` itself.
+A plan is one style (for ``module`` itself) or a mapping ``pattern -> style``, a pattern being a
+dotted module name relative to ``module`` whose ``fnmatch`` wildcards match within one name
+component (``"layers.*.feed_forward.w1"``; ``"layers.*"`` does not match ``"layers.0.attention"``;
+``""`` is ``module``).
 
-The whole plan is checked before anything changes. A pattern that matches no module is
-skipped with a `PlanWarning` (a ``UserWarning``, as torch warns) that lists the closest module
-names (``difflib``), so a typo is visible; ``strict=True`` makes it a `PlanError` instead. Two
-patterns matching the same module are an error (merge them, e.g. into
-`PrepareModuleInputOutput`); every style validates its module (a rule exists, the
-configuration is supported). Then the styles are applied in plan order.
-
-A style may also be an instance of one of torch's style classes, or of a subclass such as
-torchao's ``Float8ColwiseParallel``: it runs as the shardwise style of the same name
-([Note: torch's style objects in a plan] in ``_torch_styles.py``).
-
-The mesh and the plan may be omitted as in torch: no ``device_mesh`` takes the mesh of the
-innermost ``with mesh:`` block; no plan warns and returns the module unchanged.
+The whole plan is checked before anything changes: a pattern matching nothing is skipped with a
+`PlanWarning` listing the closest names (a `PlanError` with ``strict=True``); at most one entry
+may shard a module's parameters ([Note: overlapping plan entries]); every style validates its
+module. Then the styles are applied in plan order. torch's style objects (and subclasses
+such as torchao's ``Float8ColwiseParallel``) run as the shardwise style of the same name ([Note:
+torch's style objects in a plan] in ``_torch_styles.py``). As in torch, no ``device_mesh`` takes
+the innermost ``with mesh:`` block's mesh; no plan warns and returns the module unchanged.
 """
 
 from __future__ import annotations
@@ -77,12 +70,10 @@ def _near_misses(pattern: str, fqns: list[str]) -> list[str]:
 
 
 # [Note: overlapping plan entries]
-# torch's parallelize_module walks the plan in order and applies every entry to every module it
-# matches, so ``{"layers.*": PrepareModuleInput(...), "layers.0.attn": ColwiseParallel()}`` or two
-# entries naming one module both take effect, their hooks running in plan order. We do the same,
-# with one rule kept: at most one entry may shard a module's parameters (`ParallelStyle.
-# shards_parameters`). A second one would find them already DTensors; torch fails there too, but
-# only after the first entry changed the model, where we refuse the plan before touching anything.
+# As in torch, every entry applies to every module it matches, in plan order (``{"layers.*":
+# PrepareModuleInput(...), "layers.0.attn": ColwiseParallel()}`` both take effect), but at most one
+# may shard a module's parameters (`ParallelStyle.shards_parameters`): torch fails on the second
+# after changing the model; we refuse the plan before touching anything.
 
 
 def match_plan(module: nn.Module, plan: Mapping[str, object],

@@ -1,15 +1,12 @@
 """`PrepareModuleInput`, `PrepareModuleOutput`, `PrepareModuleInputOutput`: layouts only.
 
-These styles touch no parameter. They annotate a module's inputs (positional and keyword) or
-outputs with the layout they have and redistribute them to the layout wanted, e.g. gather a
-sequence-sharded activation before an attention block:
+These styles touch no parameter: they annotate a module's inputs (positional and keyword) or
+outputs with their layout and redistribute them to the one wanted, e.g.
 ``PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))``
-(one all-gather forward, one reduce-scatter of the gradient backward). ``None`` marks an
-argument to leave alone (rotary tables, masks, non-tensors). A plain tensor is taken to have
-the given layout (a sharded one is one of equal pieces, as in torch, unless the style says
-``uneven_shards=True``: see `as_dtensor`); a DTensor keeps its own. Argument names, defaults
-and the exceptions for bad arguments (`LayoutsMismatchError`, an ``AssertionError`` as in
-torch, and a ``ValueError``) follow torch's styles of the same names.
+gathers a sequence-sharded activation before attention. ``None`` leaves an argument alone. Plain
+tensors are taken to have the given layout (equal pieces unless ``uneven_shards=True``:
+`as_dtensor`); a DTensor keeps its own. Names, defaults and errors (`LayoutsMismatchError`, an
+``AssertionError`` as in torch, and a ``ValueError``) follow torch's styles of the same names.
 """
 
 from __future__ import annotations

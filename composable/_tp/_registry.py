@@ -1,33 +1,25 @@
 """The extension point: how a module class is split under a style, as data.
 
 A `ModuleRule` says, for one module class under one style, where every parameter goes on the
-tensor-parallel axis, which layout each input must have when the forward runs, and which
-layout the forward's output then has. Optionally it carries a *local forward*: a function
-``forward(module, *inputs)`` that computes this rank's share on plain local tensors, for
-modules whose own forward cannot run on DTensors (see below).
+tensor-parallel axis, which layout each input needs and which layout the output then has;
+optionally a *local forward* ``forward(module, *inputs)`` computing this rank's share on plain
+local tensors.
 
-A `TPRegistry` maps ``(style class, module class)`` to rules. It is immutable: `with_rule`
-returns a new registry, so a registry can be shared, and the default one
-(``DEFAULT_REGISTRY``, the rules for ``nn.Linear`` and ``nn.Embedding``) can never be
-changed behind a caller's back. Pass your registry to ``parallelize_module(...,
-registry=...)``. Lookup walks the module's class MRO, then the style's, so a rule for
-``nn.Linear`` covers its subclasses and a rule under ``ColwiseParallel`` covers styles
-derived from it.
+A `TPRegistry` maps ``(style class, module class)`` to rules. It is immutable (`with_rule`
+returns a new one), so ``DEFAULT_REGISTRY`` (``nn.Linear``, ``nn.Embedding``) never changes behind
+a caller's back; pass yours as ``parallelize_module(..., registry=...)``. Lookup walks the
+module's MRO, then the style's, so rules cover subclasses.
 
 Two ways a rule's module computes:
 
-* **DTensor forward** (``forward=None``): parameters are DTensors, inputs are converted to
-  DTensors with ``input_layouts``, and the module's own ``forward`` runs through DTensor's
-  operators, which pick the local math (``Y = X W^T`` on shards) and mark the output layout.
-  The output must then have ``output_layout`` (else a clear error).
-* **Local forward** (``forward=fn``): ``fn`` is bound as the instance's ``forward`` (hooks,
-  including ``fully_shard``'s, still run around it). It receives plain local tensors: each
-  input laid out per ``input_layouts`` (replicated inputs via `to_local_share`, so their
-  gradients are summed over the ranks), and reads parameters itself, e.g.
-  ``module.w.to_local()`` or ``to_local_share(module.router)`` for a replicated one whose
-  gradient this rank only partly computes. It returns this rank's local output with layout
-  ``output_layout`` (typically ``Partial()``: the style then all-reduces or reduce-scatters).
-  The contract: every rank computes its share, replicated inputs and parameters get gradient
+* **DTensor forward** (``forward=None``): inputs are converted with ``input_layouts`` and the
+  module's own ``forward`` runs through DTensor's operators; the output must then have
+  ``output_layout`` (else a clear error).
+* **Local forward** (``forward=fn``): ``fn`` is bound as the instance's ``forward`` (hooks still
+  run around it). It gets plain local tensors laid out per ``input_layouts`` (replicated ones
+  via `to_local_share`, so their gradients sum over ranks), reads parameters itself (e.g.
+  ``module.w.to_local()``), and returns this rank's output with layout ``output_layout``
+  (typically ``Partial()``). The contract: replicated inputs and parameters get gradient
   contributions that sum to the true gradient.
 """
 

@@ -1,18 +1,14 @@
 """`SequenceParallel`: run token-wise modules (norms, dropout) on sequence shards.
 
-A module ``f`` that acts on each token independently, ``f(X)[b, t] = f(X[b, t])`` (LayerNorm,
-RMSNorm, dropout, elementwise activations), commutes with a split of the sequence:
-``f([X_1; ...; X_p]) = [f(X_1); ...; f(X_p)]`` with ``X_r`` the ``r``-th block of tokens
-(``Shard(sequence_dim)``). Between a `RowwiseParallel` layer with ``output_layouts=Shard(1)``
-(a reduce-scatter instead of an all-reduce) and a `ColwiseParallel` one with
-``input_layouts=Shard(1)`` (an all-gather), each rank then stores and normalizes only
-``1/p`` of the activations, for the same communicated bytes as the all-reduce it replaces.
+A module acting on each token independently (LayerNorm, RMSNorm, dropout, elementwise
+activations) commutes with a split of the sequence (``Shard(sequence_dim)``). Between a
+`RowwiseParallel` with ``output_layouts=Shard(1)`` (a reduce-scatter) and a `ColwiseParallel`
+with ``input_layouts=Shard(1)`` (an all-gather), each rank stores and normalizes ``1/p`` of the
+activations for the bytes of the all-reduce it replaces.
 
-Parameters (norm gains and biases) become ``Replicate`` DTensors. Their gradient on rank
-``r`` sums over its own tokens only, ``dg = sum_r dg_r``; the parameter hook of
-`distribute_params` all-reduces it (one all-reduce per parameter per backward). The
-forward needs no collective. Dropout draws from DTensor's random-number tracker, so its masks
-are consistent across ranks but not bitwise those of a single-device run.
+Parameters become ``Replicate`` DTensors; their partial gradients are all-reduced by the hook
+of `distribute_params`. The forward needs no collective. Dropout uses DTensor's random-number
+tracker: masks consistent across ranks, not bitwise a single-device run's.
 """
 
 from __future__ import annotations

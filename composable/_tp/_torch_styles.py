@@ -1,34 +1,23 @@
 """Plans that name torch's style classes: each entry runs as the shardwise style of the same name.
 
 [Note: torch's style objects in a plan]
-Code written for torch's tensor parallelism builds its plans from torch's classes
-(``torch.distributed.tensor.parallel.ColwiseParallel``, ...) or from subclasses of them:
-torchao's float8 training (and torchtitan with it) passes ``Float8ColwiseParallel`` /
-``Float8RowwiseParallel``, which keep torch's parameter sharding and override the two forward
-hooks to cast the input to float8 before its all-gather and the output gradient to float8 in
-the backward. With only its imports changed, such code hands those objects to shardwise's
-`parallelize_module`.
+Code written for torch's tensor parallelism builds plans from torch's style classes or
+subclasses of them (torchao's float8 training passes ``Float8ColwiseParallel`` /
+``Float8RowwiseParallel``, which override the two forward hooks to cast to float8). With only its
+imports changed, such code hands those objects to shardwise's `parallelize_module`.
 
 `adopt` turns each into the shardwise style of the same name, built from the arguments the
-object keeps (``_compat.torch_style_fields``): parameters are distributed, and inputs and
-outputs laid out, by shardwise's rules; torch's implementation never runs. A subclass's own
-code runs as torch runs it:
+object keeps (``_compat.torch_style_fields``); torch's implementation never runs. A subclass's
+own code runs as torch runs it:
 
-* its forward hooks (torch's two ``_prepare_*_fn`` of ``ColwiseParallel`` / ``RowwiseParallel``)
-  as the module's forward pre-hook and forward hook (`TorchHooks`), called with the style's
-  layouts (the desired input layout being the one the shardwise rule needs, which is torch's
-  too), the module, its inputs or output, and the mesh;
-* its ``_apply`` (`TorchApply`; torchao's float8 styles check the module there), with the
-  shardwise style standing in for torch's base class: what its ``super()._apply`` reaches
-  (``_compat.run_apply_override``). It runs when the plan is applied, after every entry was
-  validated.
+* its forward hooks (``_prepare_*_fn``) as the module's forward pre-hook and hook
+  (`TorchHooks`), called with the style's layouts, the module, its inputs or output, and the mesh;
+* its ``_apply`` (`TorchApply`), with the shardwise style standing in for torch's base class
+  (``_compat.run_apply_override``), when the plan is applied, after every entry was validated.
 
-Any other override would need torch's own per-argument conversion or parameter partitioning,
-so it is refused in one line that names the shardwise style to use instead.
-
-The same hooks and ``_apply`` defined on a subclass of shardwise's ``ColwiseParallel`` /
-``RowwiseParallel`` run the same way (`ModuleParallel.apply`): that is what torchao's float8
-classes are when torch's names were rebound to shardwise's before torchao was imported.
+Any other override is refused in one line naming the shardwise style to use instead. The same
+hooks and ``_apply`` on a subclass of shardwise's styles run the same way
+(`ModuleParallel.apply`): torchao's classes when torch's names were rebound before its import.
 """
 
 from __future__ import annotations

@@ -8,22 +8,14 @@
     get_model_state_dict(model, options=cfg.state_dict_options)
 
 [Note: no key is ignored]
-`from_accelerate_config` sorts every key of the YAML (top level and ``fsdp_config``, with or
-without the ``fsdp_`` prefix) into one of: a setting of `ShardingPolicy` (strategy, units,
-``reshard_after_forward``, mixed precision, offload); a step of `AccelerateConfig.apply`
-(rank-0 sync, activation checkpointing, prefetch, the all-gather limit); a state-dict choice
-(`AccelerateConfig.state_dict_options`); a launcher setting (``num_processes`` ...: kept in
-``launch``; ``apply`` trains on the launcher's world size and warns once if ``num_processes``
-differs); or a refusal, a ``ValueError`` naming the key, its value and what to do. A key that
-is none of these (a typo, a newer Accelerate key) is refused too. Keys are read with
-Accelerate 1.15's meaning for the file's ``fsdp_version``: under 2, ``reshard_after_forward``
-is a bool, ``cpu_ram_efficient_loading`` means rank 0 loads and broadcasts, and the FSDP1 keys
-Accelerate drops or refuses there (``sharding_strategy``, ``sync_module_states``,
-``backward_prefetch``, ``forward_prefetch``, ``use_orig_params``) are accepted only with the
-value that is what happens anyway. docs/accelerate.md has the table. `read_accelerate_config`
-returns the sorted fields (the policy's as keyword arguments); the config object, its ``apply``
-and `from_accelerate_config` are ``_accelerate_config.py``, `ShardingPolicy.from_accelerate`
-is ``_policy.py``.
+Every key of the YAML (top level and ``fsdp_config``, with or without ``fsdp_``) is sorted into:
+a `ShardingPolicy` setting; a step of `AccelerateConfig.apply` (rank-0 sync, activation
+checkpointing, prefetch, the all-gather limit); a state-dict choice; a launcher setting (kept in
+``launch``; ``apply`` warns once if ``num_processes`` differs from the world); or a refusal, a
+``ValueError`` naming the key, its value and what to do (also for unknown keys). Keys have
+Accelerate 1.15's meaning for the file's ``fsdp_version`` (docs/accelerate.md has the table).
+`read_accelerate_config` returns the sorted fields; the config object is ``_accelerate_config.py``,
+`ShardingPolicy.from_accelerate` is ``_policy.py``.
 """
 
 from __future__ import annotations

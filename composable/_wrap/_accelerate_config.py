@@ -154,14 +154,10 @@ def broadcast_from_rank0(model: nn.Module, full_state_dict: dict[str, torch.Tens
                          src_rank: int = 0) -> None:
     """Fill a sharded model from a full state dict that only rank ``src_rank`` holds (others
     pass None and may have built the model on the meta device): Accelerate's
-    ``sync_module_states`` / ``cpu_ram_efficient_loading``. The source sends one tensor at a
-    time through the one rank-0 scatter (``shardwise.checkpoint.scatter_full``) and every rank
-    keeps its shard of it, so no rank holds more than its shards and one full tensor. Buffers
-    come from the source rank's model. Collective: call it on every rank.
-
-    On the source rank, take ``full_state_dict = model.state_dict()`` before calling
-    ``fully_shard``. A state dict it cannot use (None, a missing name, a wrong shape) is checked
-    before anything is sent and raises the same error on every rank (KeyError / ValueError),
-    not a hang.
+    ``sync_module_states`` / ``cpu_ram_efficient_loading``. One tensor at a time goes through
+    ``shardwise.checkpoint.scatter_full``, so no rank holds more than its shards and one full
+    tensor; buffers come from the source rank's model. Collective: call it on every rank. On the
+    source rank, take ``model.state_dict()`` before ``fully_shard``. A state dict it cannot use
+    raises the same error on every rank (KeyError / ValueError) before anything is sent.
     """
     broadcast_state(model, full_state_dict, src_rank, scatter_full)

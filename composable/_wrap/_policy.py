@@ -253,13 +253,11 @@ def replicate_fits(model: nn.Module, mp: MixedPrecisionPolicy, offload: OffloadP
     """Why the NO_SHARD strategy cannot use `replicate` for ``model``, or None when it can.
 
     [Note: NO_SHARD through replicate]
-    NO_SHARD keeps a whole copy on every rank, so it needs none of fully_shard's machinery;
-    what it needs is DDP's speed. `replicate` keeps the parameters plain (the optimizer then
-    steps plain tensors: on a (D, 1) mesh fully_shard's DTensor parameters made the optimizer
-    step about 1.8x slower than DDP's, benchmarks/step.py --phases) and buckets the all-reduces
-    as DDP does. It has no per-unit casts, offload or ignored parameters, and needs materialized
-    plain parameters; where any of those is asked for, NO_SHARD stays `fully_shard` on the
-    ``(D, 1)`` mesh (DTensor parameters, FSDP2's behaviour on that mesh), as before.
+    NO_SHARD keeps a whole copy on every rank; what it needs is DDP's speed. `replicate` keeps
+    the parameters plain (DTensor parameters on a (D, 1) mesh made the optimizer step about 1.8x
+    slower than DDP's, benchmarks/step.py --phases) and buckets the all-reduces as DDP does. It
+    has no casts, offload or ignored parameters and needs materialized plain parameters; else
+    NO_SHARD stays `fully_shard` on the ``(D, 1)`` mesh (FSDP2's behaviour there).
     """
     if (mp.param_dtype, mp.reduce_dtype, mp.output_dtype, mp.buffer_dtype) != (None, None, None, None):
         return "a mixed-precision cast"
@@ -282,13 +280,12 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None,
     """Shard ``model``: ``fully_shard`` every unit `select_units` picks (children first), then
     the root, on ``strategy_mesh(policy.strategy, mesh)``.
 
-    Units get the strategy's ``reshard_after_forward`` (or ``policy.reshard_after_forward``):
-    under FULL_SHARD / HYBRID_SHARD that is ``fully_shard``'s default (None: reshard), so that
-    what is left to the default stays so (a pipeline keeps default units gathered between
-    microbatches, [Note: fully_shard units in a pipeline step]); the root gets None (keeps its
-    parameters until backward), or False under a strategy that never reshards. ``ignored_params``, and ``mp_policy`` / ``offload_policy`` (default: the
-    policy's), go to every call. Returns ``model``. Call it on every rank; build the optimizer
-    afterwards.
+    Units get the strategy's ``reshard_after_forward`` (or the policy's): under FULL_SHARD /
+    HYBRID_SHARD ``fully_shard``'s default None, so a pipeline may keep default units gathered
+    ([Note: fully_shard units in a pipeline step]); the root gets None, or False under a
+    strategy that never reshards. ``ignored_params``, ``mp_policy`` / ``offload_policy``
+    (default: the policy's) go to every call. Returns ``model``. Call it on every rank; build
+    the optimizer afterwards.
     """
     if not isinstance(policy, ShardingPolicy):
         raise TypeError(f"apply_fully_shard: policy must be a ShardingPolicy, got {type(policy).__name__}")

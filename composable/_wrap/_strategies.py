@@ -1,21 +1,15 @@
 """The sharding strategies, as one table: name -> mesh rule, resharding, Accelerate's number.
 
 [Note: the strategy table]
-Every rule that depends on the strategy is read from its `StrategySpec` here: which
-data-parallel mesh it takes (``mesh``: ``"shard"`` one axis of all ``R * S`` ranks with no
-replicas, ``"hybrid"`` replicas x shards with ``R > 1``, ``"replicate"`` every rank a replica,
-shard axis of 1), whether units reshard after forward, and the number Accelerate's
-``fsdp_sharding_strategy`` writes for it. `strategy_mesh`, `apply_fully_shard`, the
-Accelerate reader and the planner all ask the table, so a new strategy is one `StrategySpec`
-in `STRATEGIES` (and its member in `ShardingStrategy`, the public enum of the names).
-
-Worked example: ZeRO-2 without replicas under a second name is two lines of this file::
+Every rule that depends on the strategy is read from its `StrategySpec` here: its data-parallel
+mesh (``"shard"``: one axis of all ranks; ``"hybrid"``: replicas x shards; ``"replicate"``: a
+shard axis of 1), whether units reshard after forward, and Accelerate's
+``fsdp_sharding_strategy`` number. `strategy_mesh`, `apply_fully_shard`, the Accelerate reader
+and the planner all ask the table, so a new strategy is one `StrategySpec` in `STRATEGIES` plus
+its member in `ShardingStrategy`::
 
     StrategySpec("SHARD_GRADS", None, False, "shard", "ZeRO-2"),   # in STRATEGIES
     SHARD_GRADS = "SHARD_GRADS"                                     # in ShardingStrategy
-
-and `apply_fully_shard(model, mesh, ShardingPolicy("SHARD_GRADS"))`, the planner and the
-Accelerate reader (by name) take it from there.
 """
 
 from __future__ import annotations

@@ -1,31 +1,20 @@
 """What one rank does in a pipeline step: an `Action` of an `ActionKind` on a stage (pure).
 
 [Note: action kinds]
-``F(s, i)``: forward of microbatch ``i`` on virtual stage ``s``. A backward is either one full
-``B(s, i)`` or split in two: ``I(s, i)``, the gradient with respect to the stage's input (what
-stage ``s - 1`` waits for), and ``W(s, i)``, the gradients of the stage's parameters (nothing
-waits for it; zero-bubble schedules put it where a rank would otherwise idle). Dependencies:
+``F(s, i)``: forward of microbatch ``i`` on virtual stage ``s``. A backward is one full ``B(s, i)``
+or split: ``I(s, i)``, the input gradient (what stage ``s - 1`` waits for), and ``W(s, i)``, the
+parameter gradients (nothing waits for it; zero-bubble schedules fill idle time with it).
+Dependencies: ``F(s, i)`` needs ``F(s - 1, i)``; ``B``/``I(s, i)`` need ``F(s, i)`` and the input
+gradient of stage ``s + 1``; ``W(s, i)`` needs ``I(s, i)``. ``F`` keeps one microbatch of
+activations alive; ``B`` or ``W`` frees it (``I`` frees nothing: ``W`` still needs the inputs).
 
-* ``F(s, i)`` needs ``F(s - 1, i)``;
-* ``B(s, i)`` and ``I(s, i)`` need ``F(s, i)`` and the input gradient of stage ``s + 1``
-  (``B(s + 1, i)`` or ``I(s + 1, i)``);
-* ``W(s, i)`` needs ``I(s, i)``.
-
-Activations: ``F`` keeps one microbatch of the stage's activations alive, ``B`` frees it. ``I``
-frees nothing in this model (its ``W`` still needs the saved inputs of the stage's layers) and
-``W`` frees it, so a split backward is planned as holding its activations until ``W``.
-
-Pairs: ``FB`` is a forward and a backward (``B`` or ``I``) of two other (stage, microbatch)s on
-the same rank, listed as one action (DualPipe's overlapped chunks): ``Action.pair(F(s, i),
-B(t, j))``. Its ``halves`` are the two actions, forward first; its own ``stage`` and
-``microbatch`` are its forward's (so it sorts, and is placed on a rank, like its forward). A pair
-changes no dependency: each half waits for what it would alone and is waited for as it would be
-alone ("done" when that half is done), so everything that walks action lists (`dependencies`,
-`simulate`, the in-flight walk, the runtime's messages) walks ``a.halves``, which for any other
-action is ``(a,)``. The halves must not wait on each other, not even through other ranks: an
-overlap function runs them together ([Note: forward/backward pairs] in ``_pipeline/_runtime/_pipeline_schedule.py``);
-`simulate` and `PipelineSchedule` refuse a pair that does. A pair is frozen and hashable like
-every action (its halves are a tuple of actions); a pair inside a pair is refused.
+Pairs: ``FB`` = ``Action.pair(F(s, i), B(t, j))``, a forward and a backward (``B`` or ``I``) of
+two other (stage, microbatch)s on one rank listed as one action (DualPipe's overlapped chunks).
+Its ``stage`` and ``microbatch`` are its forward's. A pair changes no dependency: each half waits
+and is waited for as alone, so everything walking action lists walks ``a.halves`` (``(a,)`` for
+any other action). The halves must not wait on each other, even through other ranks ([Note:
+forward/backward pairs] in ``_pipeline/_runtime/_pipeline_schedule.py``); `simulate` and
+`PipelineSchedule` refuse such a pair, and a pair inside a pair. Pairs are frozen and hashable.
 """
 
 from __future__ import annotations

@@ -1,29 +1,20 @@
 """How many microbatches of activations each rank holds at once, from a schedule's action lists (pure).
 
 [Note: activations in flight]
-Walk rank ``r``'s action list in order, counting per virtual stage the microbatches whose
-activations are alive: ``F`` adds one, ``B`` (or ``W`` of a split backward) frees it, ``I``
-frees nothing ([Note: action kinds] in ``_actions.py``). A rank's activation memory after an
-action is ``sum over its stages s of alive_s * weight_s`` microbatch-units, where ``weight_s``
-is stage ``s``'s share of the rank's layers (default ``1 / v`` each: the ``v`` virtual stages of
-a rank hold equal parts of its blocks); its peak over the list is what the rank must hold. One
-unit is one microbatch's activations of all the rank's blocks, so 1F1B's rank ``r`` peaks at
-``min(pp - r, m)`` and GPipe's at ``m``. Interleaved 1F1B at ``pp=4, v=2`` peaks at 2.5 on its
-last rank (5 virtual-stage forwards of half its blocks each). Counting is after each action:
-the activations an action builds are counted once it is done, and not the boundary buffers
-in transit between ranks. Every registered schedule gets this model from its action lists.
-A pair (``FB``, [Note: action kinds]) counts as its forward, then its backward: the higher
-peak of the two orders the runtime may run them in.
+Walk rank ``r``'s action list counting, per virtual stage, the microbatches whose activations are
+alive (``F`` adds one, ``B`` or ``W`` frees it, ``I`` nothing: [Note: action kinds] in
+``_actions.py``). After each action the rank holds ``sum_s alive_s * weight_s`` microbatch-units,
+``weight_s`` being stage ``s``'s share of the rank's layers (default ``1 / v``); the peak is what
+it must hold (1F1B's rank ``r``: ``min(pp - r, m)``; GPipe: ``m``; interleaved 1F1B at ``pp=4,
+v=2``: 2.5 on its last rank). Boundary buffers in transit are not counted. A pair (``FB``) counts
+as its forward, then its backward: the higher peak of the two orders the runtime may run.
 
-A split backward holds more than the graph between ``I`` and ``W``: the gradient that reached
-each frontier source, which ``W`` needs ([Note: split backward] in ``_pipeline/_split/_split_backward.py``; for
-a linear, the gradient of its output). ``kept_grads`` counts it: ``I`` adds ``kept_grads``
-units on its stage and ``W`` frees them with the activations; on stage 0 nothing (its ``I`` has
-no input gradient to compute and keeps nothing: its ``W`` is the whole backward). It is the stage's kept gradient
-bytes per microbatch over its activation bytes per microbatch, a property of the model, not of
-the schedule: measured 0.36-0.62 on the example Llama's stages (`PipelineSchedule.last_kept_grad_bytes`
-gives the numerator, `benchmarks/pipeline_zb.py --parts memory` both). Its default 0 counts the
-activations alone (the graph), as for schedules without ``I``.
+A split backward also holds, between ``I`` and ``W``, the gradient that reached each frontier
+source ([Note: split backward] in ``_pipeline/_split/_split_backward.py``). ``kept_grads`` counts
+it: ``I`` adds ``kept_grads`` units on its stage (none on stage 0) and ``W`` frees them. It is the
+stage's kept gradient bytes over its activation bytes per microbatch, a property of the model
+(0.36-0.62 measured on the example Llama: `PipelineSchedule.last_kept_grad_bytes`,
+``benchmarks/pipeline_zb.py --parts memory``); the default 0 counts activations alone.
 """
 
 from __future__ import annotations

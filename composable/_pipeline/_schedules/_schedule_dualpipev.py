@@ -1,24 +1,18 @@
 """``dualpipev``: DeepSeek's DualPipeV order (the V-shaped DualPipe of the DeepSeek-V3 report).
 
 Two stages per rank in a V ([Note: stage placement]: rank ``r`` holds ``r`` and ``2 p - 1 - r``),
-``m >= 2 p``. Rank ``r``'s list, in eight phases: ``2 (p - r - 1)`` forwards of its first stage;
-``r + 1`` rounds of two forwards (first stage, then second); ``p - r - 1`` rounds of "input gradient
-of the second stage, one pending weight gradient, a forward of the second stage"; the steady
-state of ``m - 2 p + r + 1`` rounds of two forward/backward pairs, each one ``FB`` action
-([Note: action kinds]) — (forward of the first stage, full backward of the second) and (forward
-of the second, full backward of the first); ``p - r - 1`` rounds of a backward of the second
-stage and a (second-stage forward, first-stage backward) ``FB`` pair; ``r + 1`` rounds of two
-backwards (second stage, then first; two actions, not a pair), whose later half splits into
-``I`` and deferred ``W`` (from the middle, on the first stage first on even ranks, on the second
-on odd ones); ``p - r - 1`` rounds of a pending ``W`` and a backward of the first stage; then
-the remaining ``W``s. An ``FB`` pair's halves never wait on each other, so an overlap function
-can run them together (DualPipe overlaps one half's all-to-all with the other's compute:
-`PipelineSchedule`'s ``overlap``); without one the runtime runs them one after the other, the
-one whose input is there first going first ([Note: forward/backward pairs] in
-``_pipeline/_runtime/_pipeline_schedule.py``).
-Activations: at most ``2 p`` microbatch-stages per rank (1F1B's peak) up to one; `simulate`
-proves the lists deadlock-free for every ``p``, ``m``, with the pairs' halves in either order or
-run together.
+``m >= 2 p``. Rank ``r``'s list, in eight phases: ``2 (p - r - 1)`` first-stage forwards; ``r + 1``
+rounds of two forwards (first, then second stage); ``p - r - 1`` rounds of (second-stage ``I``,
+a pending ``W``, a second-stage forward); ``m - 2 p + r + 1`` steady rounds of two ``FB`` pairs
+([Note: action kinds]): (first-stage forward, second-stage backward) and (second-stage forward,
+first-stage backward); ``p - r - 1`` rounds of a second-stage backward and a (second-stage
+forward, first-stage backward) pair; ``r + 1`` rounds of two backwards (second, then first stage;
+not a pair), the later half split into ``I`` and deferred ``W`` (from the middle, first stage
+first on even ranks, second on odd); ``p - r - 1`` rounds of a pending ``W`` and a first-stage
+backward; then the remaining ``W``s. A pair's halves never wait on each other, so an overlap
+function may run them together ([Note: forward/backward pairs] in
+``_pipeline/_runtime/_pipeline_schedule.py``). At most ``2 p`` microbatch-stages per rank up to
+one; `simulate` proves the lists deadlock-free for every ``p``, ``m``, halves in either order.
 """
 
 from __future__ import annotations

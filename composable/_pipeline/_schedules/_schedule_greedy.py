@@ -1,55 +1,38 @@
 """Zero-bubble action lists built by a list scheduler, over unit or measured times (pure).
 
 [Note: greedy zero-bubble lists]
-`greedy_lists` plays all ranks forward in time. A rank that is free takes, by default in this
-order (``prefer="IFW"``): a ready ``I`` (the critical path: a rank upstream waits for it; the
-oldest microbatch first, then the latest stage); a ready ``F`` while the microbatch-stages it
-holds alive (``F`` done, ``W`` not yet: a split backward keeps its activations until ``W``) are
-under its ``cap`` (the latest stage first, then the oldest microbatch); a pending ``W`` (the oldest
-first); else it waits until some action ends. What each rank ran, in order, is its action list.
-Such a list comes from an execution in which every action started after its dependencies ended,
-so the orders are acyclic with the dependencies and the lists are deadlock-free under any timing
-(``simulate`` checks it too). The ``cap`` bounds each rank's peak activations (in
-microbatch-stages): ZBV's is ``2 p`` (1F1B's ``p`` microbatches of the whole rank), interleaved
-ZB's that of interleaved 1F1B's list; with those, the weight gradients fill what 1F1B leaves idle.
+`greedy_lists` plays all ranks forward in time. A free rank takes, by default in this order
+(``prefer="IFW"``): a ready ``I`` (the critical path; oldest microbatch, then latest stage); a
+ready ``F`` while its live microbatch-stages (``F`` done, ``W`` not yet) are under its ``cap``
+(latest stage, then oldest microbatch); a pending ``W`` (oldest first); else it waits. What each
+rank ran is its action list; every action started after its dependencies ended, so the lists are
+deadlock-free under any timing (``simulate`` checks it too). The ``cap`` bounds peak activations:
+ZBV's is ``2 p``, interleaved ZB's that of interleaved 1F1B; weight gradients fill 1F1B's idle time.
 
-With ``costs`` (seconds per ``(kind, stage)``, as `simulate` takes them) the play uses those
-durations instead of one unit each, and a message between ranks arrives ``comm_time`` after the
-action that sends it; the lists then fit the measured times ([Note: schedules tuned to measured
-costs] in ``_schedule_tuned.py``). Without them every action takes one unit and messages none.
+With ``costs`` (seconds per ``(kind, stage)``, as `simulate` takes them) actions take those
+durations and messages arrive ``comm_time`` after their sender ([Note: schedules tuned to
+measured costs] in ``_schedule_tuned.py``); without, every action takes one unit, messages none.
 
 [Note: the play's events]
-The play is defined instant by instant: at each instant at which something ends, every free rank
-in rank order picks. Examining every rank at every instant made a play cost ``O(p x instants)``
-picks (29-53 s for ``interleaved_zb`` at p=32, m=32, v=4). What a free rank can pick depends only
-on its own state, which changes only when it acts, and on when the results it waits for arrive:
-the ``F`` of the stage before (for its ``F``) and the ``I`` of the stage after (for its ``I``). So a
-rank that finds nothing records the earliest arrival among the results it waits for that are
-already under way (``wake``); a rank that starts such a result lowers the ``wake`` of the one rank
-that waits for it; a rank is examined only at an instant at or after both ``free_at`` and
-``wake`` (a heap of those instants). Examinations that are skipped are exactly those that would
-find nothing, and the ranks examined at one instant still go in rank order, including one made
-ready in that pass by an action that takes no time (a later rank joins the pass, an earlier one
-the next pass at the same instant, as before): the lists are the same as the instant-by-instant
-play's, at ``O(actions log p)``. The play records each action as an integer key (`simulate`'s)
-in the order it ran them, each after what it waits for: `played_makespans` times the lists in
-that order without checking or ordering them again, and `played_lists` makes the ``Action`` s.
+The play is defined instant by instant: at each instant something ends, every free rank picks,
+in rank order. A rank's choices change only when it acts or when a result it waits for arrives
+(the ``F`` of the stage before, the ``I`` of the stage after), so a rank that finds nothing
+records the earliest arrival already under way (``wake``), a rank starting such a result lowers
+the waiter's ``wake``, and a rank is examined only at or after both ``free_at`` and ``wake`` (a
+heap). Only examinations that would find nothing are skipped, in the same rank order, so the
+lists equal the instant-by-instant play's at ``O(actions log p)`` instead of ``O(p x instants)``
+(29-53 s for ``interleaved_zb`` at p=32, m=32, v=4). Actions are recorded as `simulate`'s integer
+keys in the order run: `played_makespans` times them as they are, `played_lists` makes ``Action`` s.
 
 [Note: plays that fork]
-Plays that differ only in ``prefer`` or ``reserve`` make the same decisions up to the first pick
-at which one of them would take another action; up to there their states are the same. A play
-asked to watch other preferences (``forks``, without reserve) therefore checks, at each pick,
-whether one of them would take another kind: a kind it prefers to the one taken and that has an
-action ready (kinds this play prefers to the one taken had none). ``reserve`` changes a decision
-exactly when the play takes a forward that reserve would have refused (``room <= later[s]``; a
-forward it allows is also the one reserve takes, and a rank that finds nothing finds nothing with
-reserve either); so a play watching ``reserve_forks`` forks them there, as long as their own
-preference has not forked (then that play watches its reserve). At such a pick the state is
-copied (`_state`) and the other play goes on from it (``start``): its lists are those it would
-make from the beginning. ``wake`` instants copied from a play without reserve are no later than
-its own would be, so the play with reserve examines a rank no less often than it needs (an
-examination that finds nothing changes nothing). A play cut short by its limit cuts short the
-plays that had not forked yet: their lists begin with the same actions.
+Plays differing only in ``prefer`` or ``reserve`` agree up to the first pick where one would take
+another action. A play watching other preferences (``forks``) checks at each pick whether one
+would take a kind it prefers that has an action ready; ``reserve`` changes a decision exactly
+when the play takes a forward reserve would refuse (``room <= later[s]``), so ``reserve_forks``
+fork there while their preference has not forked. At such a pick the state is copied (`_state`)
+and the other play goes on from it (``start``), making the lists it would make from the start.
+``wake`` instants copied from a play without reserve are no later than its own, so nothing is
+missed. A play cut short by its limit cuts short the plays not yet forked.
 """
 
 from __future__ import annotations

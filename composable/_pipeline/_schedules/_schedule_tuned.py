@@ -1,27 +1,22 @@
 """Zero-bubble lists fitted to measured action times: `tune_schedule` (pure).
 
 [Note: schedules tuned to measured costs]
-The registered zero-bubble lists are built for ``F = I = W`` (one unit each). Real stages are
-not like that: the first stage's ``I`` has nothing to compute (no input gradient) and its ``W``
-is the whole backward; the last stage carries the head and the loss; ``I`` and ``W`` of a layer
-need not cost the same. `simulate` with measured costs (`PipelineSchedule.last_action_times`)
-then finds other orders shorter: on the example Llama at p=2, m=4, torch's
-``ScheduleInterleavedZeroBubble`` order simulated 10% shorter than our unit-time list.
+The registered zero-bubble lists assume ``F = I = W``; real stages differ (the first stage's
+``I`` is empty and its ``W`` the whole backward, the last carries head and loss), and `simulate`
+with measured costs (`PipelineSchedule.last_action_times`) finds shorter orders (torch's
+``ScheduleInterleavedZeroBubble`` order simulated 10% shorter than our unit-time list on the
+example Llama at p=2, m=4).
 
-`tune_schedule` builds candidate lists with the list scheduler of [Note: greedy zero-bubble
-lists] played with the measured ``costs`` (and ``comm_time`` per message between ranks), under
-each order of preference in `PREFERENCES` (with and without leaving a slot under the cap for a
-rank's later stages: measured times can otherwise fill the cap with first-stage forwards and
-stall, and a stalled play is no candidate), keeps the schedule's own activation cap, and returns
-the candidate whose `simulate` makespan under those costs is the shortest; the registered list
-is a candidate too, so the result is never longer than it in the model. A local search then swaps
-neighbouring actions of a rank while the makespan falls (`_swap_search`; a swap that deadlocks or
-breaks the cap is refused; at most `MAX_SWAP_TRIALS` simulations, a count rather than a time so
-that every rank ends on the same lists). Ties go to the earlier
-candidate (the registered list first), so every rank given the same costs picks the same lists;
-`retune` in ``_pipeline/_runtime/_tune.py`` gathers one set of costs for all ranks. The result keeps the
-schedule's placement and stages per rank, and (like every list) is checked complete and
-deadlock-free by `simulate`.
+`tune_schedule` plays the list scheduler of [Note: greedy zero-bubble lists] with the measured
+``costs`` (and ``comm_time``) under each preference in `PREFERENCES`, with and without a slot
+reserved under the cap for later stages (else measured times may fill the cap with first-stage
+forwards and stall), keeps the schedule's activation cap, and returns the candidate with the
+shortest `simulate` makespan, the registered list being a candidate too. A local search then
+swaps neighbouring actions while the makespan falls (`_swap_search`; swaps that deadlock or break
+the cap are refused; at most `MAX_SWAP_TRIALS` simulations, a count so every rank ends alike).
+Ties go to the earlier candidate, so ranks given the same costs (``retune`` in
+``_pipeline/_runtime/_tune.py`` gathers them) pick the same lists. Placement and stages per rank
+are kept, and `simulate` checks the result complete and deadlock-free.
 """
 
 from __future__ import annotations

@@ -3,14 +3,9 @@
 of its ``W`` s into the cool-down, where 1F1B idles.
 
 Rank ``r``: ``pp - r - 1`` warm-up forwards; then per microbatch ``k`` one forward (while any
-is left), ``I(k)``, and ``W(k - r)`` once ``r`` inputs gradients are ahead of the weights; the
-remaining ``W`` s last. Every rank then keeps at most ``pp`` microbatches of activations alive
-(1F1B's peak, on its first rank) and, with forward, input-gradient and weight-gradient times
-equal, the bubble is ``(p - 1) / (3 m + p - 1)`` (1F1B: ``3 (p - 1) / (3 m + 3 (p - 1))``),
-about a third; `tests/test_pipeline_zb.py` checks both with `simulate` and the memory walk.
-
-The runtime runs ``I`` and ``W`` as a split backward ([Note: split backward] in
-``_pipeline/_split/_split_backward.py``).
+is left), ``I(k)``, and ``W(k - r)`` once ``r`` input gradients are ahead; the remaining ``W`` s
+last. At most ``pp`` microbatches alive per rank (1F1B's peak) and, with equal F/I/W times, a
+bubble of ``(p - 1) / (3 m + p - 1)``, about a third of 1F1B's (`tests/test_pipeline_zb.py`).
 """
 
 from __future__ import annotations

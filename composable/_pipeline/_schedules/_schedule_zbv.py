@@ -1,50 +1,36 @@
 """``zbv`` and ``interleaved_zb``: zero-bubble lists over several stages per rank.
 
-``zbv`` (the ZB-V schedule): two stages per rank in a V ([Note: stage placement]: rank ``r``
-holds stages ``r`` and ``2 p - 1 - r``), every backward split into ``I`` and ``W``, at most
-``2 p`` microbatch-stages alive per rank (1F1B's ``p`` microbatches of the rank's layers).
-``interleaved_zb``: ``v`` stages per rank in the loop placement, split backwards, each rank's
-peak activations capped at interleaved 1F1B's (``min(2 (p - r - 1) + (v - 1) p + 1, v m)``
-microbatch-stages). Both lists come from the list scheduler of [Note: greedy zero-bubble
-lists] in ``_schedule_greedy.py``, played on a model of real stages ([Note: lists played on a
-model of real stages]); `simulate` gives their bubble (no closed form is claimed).
+``zbv`` (ZB-V): two stages per rank in a V ([Note: stage placement]: rank ``r`` holds stages ``r``
+and ``2 p - 1 - r``), backwards split into ``I`` and ``W``, at most ``2 p`` microbatch-stages alive
+per rank. ``interleaved_zb``: ``v`` stages per rank in the loop placement, split backwards, peak
+activations capped at interleaved 1F1B's (``min(2 (p - r - 1) + (v - 1) p + 1, v m)``). Both come
+from the list scheduler of [Note: greedy zero-bubble lists] in ``_schedule_greedy.py``, played on
+a model of real stages ([Note: lists played on a model of real stages]); `simulate` gives their
+bubble (no closed form is claimed).
 
 [Note: lists played on a model of real stages]
-Played with one unit per action, the list scheduler makes lists that are optimal for stages that
-do not exist: on every real pipeline the first stage's ``I`` has nothing to compute (no input
-gradient) and its ``W`` is its whole backward, and the last stage carries the head and the loss.
-Under the times measured on the example Llama (dim 512, p=2, m=4) our unit-time ``zbv`` list
-simulated 5% longer than torch's ``ScheduleZBVZeroBubble`` order. So the registered list is the
-best of these candidates: the unit-time play, and the plays under each order of preference
-(`PREFERENCES`), with and without a reserved slot, on each cost model of `STAGE_MODELS` (the first
-stage's ``I`` = 0 and ``W`` = ``I + W``; ``I : W`` = 1 : 1, 1.15 : 0.85 or 0.85 : 1.15; the last
-stage's actions 1 or 1.2 times the others). Best: the least sum of `simulate`'s makespans over
-the models, among the candidates no longer than the unit-time play at unit times (so every
-bound proved at unit times still holds); ties go to the unit-time play. On those measured times
-the result is 0.1% from torch's order for ``zbv`` and 0.4% for ``interleaved_zb`` (the unit-time
-lists: 5.1% and 2.7%); over the models, 0-8% shorter than the unit-time lists at p = 1-8.
-Deterministic, and each ``(p, m, v)`` is built once per process ([Note: building the registered
-lists]). `tune_schedule` refits a list to a run's own measured times.
+At one unit per action the scheduler optimises stages that do not exist: a real first stage's
+``I`` computes nothing and its ``W`` is its whole backward, and the last stage carries the head
+and loss (on the example Llama's measured times the unit-time ``zbv`` list simulated 5% longer
+than torch's ``ScheduleZBVZeroBubble`` order). So the registered list is the best candidate among
+the unit-time play and the plays under each preference (`PREFERENCES`), with and without a
+reserved slot, on each cost model of `STAGE_MODELS` (first stage ``I`` = 0, ``W`` = ``I + W``;
+``I : W`` = 1 : 1, 1.15 : 0.85 or 0.85 : 1.15; last stage 1 or 1.2 times the others). Best: the
+least sum of `simulate`'s makespans over the models, among candidates no longer than the
+unit-time play at unit times (so bounds proved at unit times hold); ties go to the unit-time
+play. On the measured times that is 0.1% (``zbv``) and 0.4% (``interleaved_zb``) from torch's
+order. Deterministic, built once per ``(p, m, v)`` per process ([Note: building the registered
+lists]); `tune_schedule` refits a list to a run's measured times.
 
 [Note: building the registered lists]
-Up to 19 plays (the unit-time one; 3 models x 3 preferences x with/without reserve), each linear
-in the number of actions ``3 p v m`` ([Note: the play's events] in ``_schedule_greedy.py``), and
-the makespans of the candidates. Most candidates lose on the first test: longer than the
-unit-time play at unit times. So every play on a model times its own list at unit times as it
-goes (its order is one `simulate` may run, and at unit times an action ends one unit after the
-later of its rank's clock and what it waits for) and stops once rank ``r``'s clock plus the
-actions it still has to run exceeds the unit-time play's makespan: no order of the rest can make
-that list short enough (each action takes a unit on its rank). The plays of one model under the
-other preferences and with reserve go on from where they first decide otherwise ([Note: plays
-that fork] in ``_schedule_greedy.py``), so their common beginning is played once; a play is kept
-as integer keys and only the chosen list becomes ``Action`` s; the unit-time play's makespans on
-the models are computed only when another candidate is left to compare with. The lists are exactly those of the plain algorithm
-(``tests/test_pipeline_schedule_build.py``). Measured against torch's own build of
-``ScheduleInterleavedZeroBubble`` (its constructor orders every rank's actions and adds the sends
-and receives) in one process on a shared 2-core machine (``benchmarks/pipeline_zb.py --parts
-build``, docs/benchmarks.md): ``interleaved_zb`` at p=32, m=32, v=4 0.25 s of CPU (torch 0.55 s;
-before the event-driven play 29-53 s), at p=64, m=128, v=2 2.4 s (torch 3.3 s) and v=4 8.6 s
-(torch 4.4 s: there most plays run to 50-99% before the bound stops them).
+Up to 19 plays, each linear in the ``3 p v m`` actions ([Note: the play's events] in
+``_schedule_greedy.py``). Most candidates are longer than the unit-time play at unit times, so
+each play times its own list at unit times as it goes and stops once a rank's clock plus its
+remaining actions exceeds the unit-time makespan. Plays of one model under other preferences
+and reserve go on from where they first decide otherwise ([Note: plays that fork]), so a common
+beginning is played once; plays are kept as integer keys and only the chosen list becomes
+``Action`` s. The lists equal the plain algorithm's (``tests/test_pipeline_schedule_build.py``);
+build times against torch's are in docs/benchmarks.md (``benchmarks/pipeline_zb.py --parts build``).
 """
 
 from __future__ import annotations

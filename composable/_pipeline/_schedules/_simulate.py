@@ -1,25 +1,19 @@
 """Pipeline schedules as per-rank action lists, and a simulator that checks and times them (pure).
 
 [Note: schedules]
-A pipeline of ``S = pp * v`` stages runs ``m`` microbatches; stage ``s`` lives on rank
-``s % pp`` (``v`` virtual stages per rank, "interleaved" when ``v > 1``). Actions and their
-dependencies are those of [Note: action kinds] in ``_actions.py``: ``F(s, i)`` needs
-``F(s-1, i)``; ``B(s, i)`` needs ``F(s, i)`` and ``B(s+1, i)``. Each rank runs its list in
-order; sends never block (they are asynchronous), a receive waits for the producing action.
-`simulate` replays that rule with unit times and so proves a schedule deadlock-free and gives
-its bubble: with forward time 1 and backward time 2, GPipe and 1F1B take ``3 (m + p - 1)`` per
-step, bubble ``(p - 1) / (m + p - 1)``; interleaving divides the bubble by about ``v``. Where
-a pair's (``FB``) halves run in the order their inputs arrive, as in the runtime, it replays in
-time order instead (of every rank's next half whose inputs are known, the one that starts
-first). With ``comm_time`` a message between ranks arrives that long after its action ends.
+A pipeline of ``S = pp * v`` stages runs ``m`` microbatches; stage ``s`` lives on rank ``s % pp``
+(``v`` virtual stages per rank, "interleaved" when ``v > 1``); actions and dependencies are those
+of [Note: action kinds] in ``_actions.py``. Each rank runs its list in order; sends never block,
+a receive waits for the producing action. `simulate` replays that rule with unit times, proving
+a schedule deadlock-free and giving its bubble (with ``F = 1``, ``B = 2``, GPipe and 1F1B take
+``3 (m + p - 1)``, bubble ``(p - 1) / (m + p - 1)``; interleaving divides it by about ``v``).
+Pairs (``FB``) whose halves run in input-arrival order are replayed in time order. With
+``comm_time`` a message arrives that long after its action ends.
 
-A schedule is a `ScheduleSpec` in the registry (``_registry.py``); the built-in ones are one
-file each (``_schedule_gpipe.py``, ``_schedule_1f1b.py``, ``_schedule_interleaved_1f1b.py``, the
-zero-bubble ``_schedule_zb_h1.py``, ``_schedule_zbv.py`` (``zbv`` and ``interleaved_zb``) and
-``_schedule_dualpipev.py``), imported by this room's ``__init__`` in the order of ``SCHEDULES``
-(so that they register on import); they sit above this file (``_schedule_zbv.py`` plays its
-lists with `simulate`). ``zbv`` and
-``dualpipev`` place stages in a V ([Note: stage placement] in ``_placement.py``).
+A schedule is a `ScheduleSpec` in the registry (``_registry.py``); the built-in ones are one file
+each (``_schedule_*.py``), imported by this room's ``__init__`` in the order of ``SCHEDULES`` so
+they register, above this file. ``zbv`` and ``dualpipev`` place stages in a V ([Note: stage
+placement] in ``_placement.py``).
 """
 
 from __future__ import annotations
