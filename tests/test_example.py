@@ -43,11 +43,15 @@ def _main_job_output(rank, world_size, argv):
     return losses, out.getvalue()
 
 
-def _reference_losses(steps=4, dim=32, layers=2, heads=4, vocab=64, seq_len=16, batch=8, lr=3e-3, seed=0):
+def _reference_losses(steps=4, dim=32, layers=2, heads=4, vocab=64, seq_len=16, batch=8, lr=3e-3, seed=0,
+                      prepare=None):
+    """The example's losses in one process; ``prepare(model, optim)`` runs before the first step."""
     cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
                       max_seq_len=max(seq_len, LlamaConfig.max_seq_len))
     model = Llama(cfg, generator=torch.Generator().manual_seed(seed))
     optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    if prepare is not None:
+        prepare(model, optim)
     losses = []
     for step in range(1, steps + 1):
         inputs, targets = inputs_and_targets(global_batch(step, batch, seq_len, vocab, seed))

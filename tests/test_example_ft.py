@@ -19,34 +19,16 @@ import pytest
 
 from examples.elastic import parse_result
 from tests.compat._torchft_groups import ROOT, free_port, lighthouse_binary, start_lighthouse, stop
-from tests.test_example import ARGS
+from tests.test_example import ARGS, _reference_losses
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None or lighthouse_binary() is None,
                                 reason="torchft (with its torchft_lighthouse) is not installed")
 
 
-def _one_process_losses(steps=4, dim=32, layers=2, heads=4, vocab=64, seq_len=16, batch=8, lr=3e-3, seed=0):
-    import torch
-    import torch.nn.functional as F
+def _one_process_losses():
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from examples.data import global_batch, inputs_and_targets
-    from examples.model import Llama, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=heads,
-                      max_seq_len=max(seq_len, LlamaConfig.max_seq_len))
-    model = Llama(cfg, generator=torch.Generator().manual_seed(seed))
-    optim = torch.optim.AdamW(model.parameters(), lr=lr)
-    get_optimizer_state_dict(model, optim)  # the served state: AdamW's state made by a zero step
-    losses = []
-    for step in range(1, steps + 1):
-        inputs, targets = inputs_and_targets(global_batch(step, batch, seq_len, vocab, seed))
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        losses.append(loss.item())
-    return losses
+    return _reference_losses(prepare=get_optimizer_state_dict)  # the served state: AdamW's state made by a zero step
 
 
 def test_two_replica_groups_and_a_lighthouse_train_as_one_process(tmp_path):
